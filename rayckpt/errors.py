@@ -1,0 +1,38 @@
+"""The errors rayckpt raises. One root, a subclass per way a caller reacts.
+
+Every exception here is picklable with its message intact (``__reduce__``), so it
+survives crossing a Ray actor or a ``torch.distributed`` object collective.
+"""
+
+from __future__ import annotations
+
+
+class RayckptError(Exception):
+    """Root of every error rayckpt raises on purpose."""
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (str(self),))
+
+
+class CheckpointNotFoundError(RayckptError):
+    """No committed checkpoint (no manifest) at the given location."""
+
+
+class CorruptCheckpointError(RayckptError):
+    """Stored bytes or the manifest do not match what was committed."""
+
+
+class IncompatibleStateError(RayckptError):
+    """The state dict asked for does not fit the checkpoint (keys, shapes, dtypes)."""
+
+
+class FormatVersionError(CorruptCheckpointError):
+    """The manifest was written by an unknown format version."""
+
+
+class SaveFailedError(RayckptError):
+    """A save failed on at least one rank; nothing was committed."""
+
+
+class InvalidStateError(RayckptError):
+    """The state dict given to ``save`` cannot be stored (type, key, placement)."""

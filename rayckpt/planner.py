@@ -1,0 +1,298 @@
+"""Save plans and reshard (load) plans. Pure: no torch.distributed, no Ray, no I/O.
+
+Save: every rank reports the boxes it holds; ``create_save_plans`` picks one
+writer for each distinct box (replicated data is written once), spreading bytes
+across ranks, and splits chunks larger than the Arrow limit.
+
+Load: ``create_load_plan`` intersects the boxes a rank needs with the saved
+chunks and returns the byte ranges to read, block-aligned for verification,
+coalesced and sorted by file offset.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .boxes import Box, contiguous_runs, intersect, split_box
+from .errors import IncompatibleStateError, InvalidStateError
+from .manifest import ChunkEntry, Manifest, TensorEntry, ValueEntry, itemsize
+
+#: Arrow arrays are addressed with 32-bit lengths in many readers: stay under 2 GiB.
+MAX_CHUNK_BYTES = 2**31 - 64
+
+
+# ---------------------------------------------------------------------------
+# Save
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShard:
+    """A rank's piece of a tensor: what it holds, not yet what it writes."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class WriteItem:
+    key: str
+    #: Global box to write; lies inside ``local``.
+    box: Box
+    #: The rank's whole local box, to slice ``box`` out of the local tensor.
+    local: Box
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    rank: int
+    items: tuple[WriteItem, ...]
+
+    def nbytes(self, dtypes: Mapping[str, str]) -> int:
+        return sum(i.box.volume * itemsize(dtypes[i.key]) for i in self.items)
+
+
+def create_save_plans(
+    shards_by_rank: Sequence[Sequence[LocalShard]], max_chunk_bytes: int = MAX_CHUNK_BYTES
+) -> list[SavePlan]:
+    """One plan per rank: each distinct (key, box) is written by exactly one holder.
+
+    Raises ``InvalidStateError`` when ranks disagree on a key's dtype or shape.
+    """
+    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    holders: dict[tuple[str, Box], list[int]] = {}
+    for rank, shards in enumerate(shards_by_rank):
+        for s in shards:
+            seen = meta.setdefault(s.key, (s.dtype, s.shape, rank))
+            if seen[:2] != (s.dtype, s.shape):
+                raise InvalidStateError(
+                    f"key {s.key!r}: rank {seen[2]} has dtype {seen[0]} shape {list(seen[1])} but "
+                    f"rank {rank} has dtype {s.dtype} shape {list(s.shape)}; every rank must agree"
+                )
+            if s.box.volume:
+                holders.setdefault((s.key, s.box), []).append(rank)
+    load = [0] * len(shards_by_rank)
+    assigned: list[list[WriteItem]] = [[] for _ in shards_by_rank]
+    # Largest first, each to its least-loaded holder: greedy balance, deterministic.
+    order = sorted(holders, key=lambda kb: (-kb[1].volume * itemsize(meta[kb[0]][0]), kb[0], kb[1].offsets))
+    for key, box in order:
+        isz = itemsize(meta[key][0])
+        ranks = holders[(key, box)]
+        writer = min(ranks, key=lambda r: (load[r], r))
+        load[writer] += box.volume * isz
+        for piece in split_box(box, isz, max_chunk_bytes):
+            assigned[writer].append(WriteItem(key, piece, box))
+    return [
+        SavePlan(rank, tuple(sorted(items, key=lambda i: (i.key, i.box.offsets))))
+        for rank, items in enumerate(assigned)
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Load
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRequest:
+    """A rank's target tensor: what it needs filled."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class ReadItem:
+    """Copy ``box`` (global) out of saved ``chunk`` into the target of ``key``."""
+
+    key: str
+    chunk: ChunkEntry
+    box: Box
+    #: Byte range of the needed elements, relative to the chunk's first byte.
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class FileRead:
+    """One ranged read: ``length`` bytes at ``offset`` of ``file`` serve ``items``."""
+
+    file: str
+    offset: int
+    length: int
+    items: tuple[ReadItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    reads: tuple[FileRead, ...]
+    #: Payload bytes the rank's targets need.
+    needed_bytes: int
+    #: Keys the target asked for that the checkpoint lacks (only with strict=False).
+    missing: tuple[str, ...] = ()
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(r.length for r in self.reads)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(sorted({r.file for r in self.reads}))
+
+
+def check_requests(
+    manifest: Manifest, requests: Iterable[TensorRequest], value_keys: Iterable[str], strict: bool
+) -> list[str]:
+    """Validate what a rank asks for; return the keys to skip (missing, non-strict).
+
+    Raises one ``IncompatibleStateError`` naming every bad key.
+    """
+    problems: list[str] = []
+    missing: list[str] = []
+    for r in requests:
+        e = manifest.entries.get(r.key)
+        if e is None:
+            missing.append(r.key)
+        elif isinstance(e, ValueEntry):
+            problems.append(f"key {r.key!r}: target is a tensor but the checkpoint holds a value")
+        elif e.shape != r.shape:
+            problems.append(f"key {r.key!r}: checkpoint shape {list(e.shape)} != target shape {list(r.shape)}")
+        elif e.dtype != r.dtype:
+            problems.append(
+                f"key {r.key!r}: checkpoint dtype {e.dtype} != target dtype {r.dtype} "
+                "(rayckpt never casts silently; convert the target or the checkpoint)"
+            )
+    for k in value_keys:
+        e = manifest.entries.get(k)
+        if e is None:
+            missing.append(k)
+        elif isinstance(e, TensorEntry):
+            problems.append(f"key {k!r}: target is a plain value but the checkpoint holds a tensor")
+    if missing and strict:
+        shown = ", ".join(repr(k) for k in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        problems.insert(
+            0,
+            f"{len(missing)} key(s) the target asks for are not in the checkpoint: {shown}{more} "
+            "(pass strict=False to skip them)",
+        )
+    if problems:
+        raise IncompatibleStateError("state does not match checkpoint:\n  " + "\n  ".join(problems))
+    return missing
+
+
+class ChunkIndex:
+    """Finds the saved chunks that overlap a box; bisects dim-0 tilings."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+        self._sorted: dict[str, tuple[list[int], list[ChunkEntry]] | None] = {}
+
+    def overlapping(self, key: str, box: Box) -> list[tuple[ChunkEntry, Box]]:
+        entry = self._manifest.tensor(key)
+        if key not in self._sorted:
+            self._sorted[key] = _dim0_index(entry)
+        index = self._sorted[key]
+        if index is None:
+            candidates: Sequence[ChunkEntry] = entry.chunks
+        else:
+            starts, chunks = index
+            lo = max(bisect.bisect_right(starts, box.offsets[0]) - 1, 0)
+            hi = bisect.bisect_left(starts, box.offsets[0] + box.sizes[0])
+            candidates = chunks[lo:hi]
+        out = []
+        for c in candidates:
+            common = intersect(c.box, box)
+            if common is not None:
+                out.append((c, common))
+        return out
+
+
+def _dim0_index(entry: TensorEntry) -> tuple[list[int], list[ChunkEntry]] | None:
+    chunks = [c for c in entry.chunks if c.box.volume]
+    if not chunks or chunks[0].box.ndim == 0:
+        return None
+    if any(c.box.offsets[1:] != (0,) * (c.box.ndim - 1) or c.box.sizes[1:] != entry.shape[1:] for c in chunks):
+        return None
+    chunks.sort(key=lambda c: c.box.offsets[0])
+    return [c.box.offsets[0] for c in chunks], chunks
+
+
+def create_load_plan(
+    manifest: Manifest,
+    requests: Sequence[TensorRequest],
+    value_keys: Iterable[str] = (),
+    strict: bool = True,
+    coalesce_gap: int = 0,
+    index: ChunkIndex | None = None,
+) -> ReadPlan:
+    """The reads one rank makes to fill ``requests`` from ``manifest``.
+
+    Each read covers whole checksum blocks (so it can be verified) and nothing
+    else: for dim-0 shards the bytes read exceed the bytes needed only by the
+    partial blocks at the two ends of each range. Reads closer than
+    ``coalesce_gap`` bytes in one file merge into one.
+    """
+    missing = check_requests(manifest, requests, value_keys, strict)
+    skip = set(missing)
+    index = index or ChunkIndex(manifest)
+    bs = manifest.block_size
+    spans: list[tuple[str, int, int, ReadItem]] = []
+    needed = 0
+    for r in requests:
+        if r.key in skip or r.box.volume == 0:
+            continue
+        isz = itemsize(r.dtype)
+        needed += r.box.volume * isz
+        for chunk, common in index.overlapping(r.key, r.box):
+            runs = contiguous_runs(chunk.box, common)
+            lo = runs.start * isz
+            hi = lo + runs.span * isz
+            start = chunk.byte_offset + (lo // bs) * bs
+            end = chunk.byte_offset + min(-(-hi // bs) * bs, chunk.byte_length)
+            spans.append((chunk.file, start, end, ReadItem(r.key, chunk, common, lo, hi)))
+    spans.sort(key=lambda s: (s[0], s[1], s[2]))
+    reads: list[FileRead] = []
+    cur: list = []
+    for file, start, end, item in spans:
+        if cur and cur[0] == file and start <= cur[2] + coalesce_gap:
+            cur[2] = max(cur[2], end)
+            cur[3].append(item)
+        else:
+            if cur:
+                reads.append(FileRead(cur[0], cur[1], cur[2] - cur[1], tuple(cur[3])))
+            cur = [file, start, end, [item]]
+    if cur:
+        reads.append(FileRead(cur[0], cur[1], cur[2] - cur[1], tuple(cur[3])))
+    return ReadPlan(tuple(reads), needed, tuple(missing))
+
+
+def create_load_plans(
+    manifest: Manifest,
+    requests_by_rank: Sequence[Sequence[TensorRequest]],
+    value_keys: Iterable[str] = (),
+    strict: bool = True,
+) -> list[ReadPlan]:
+    """Plans for every target rank at once (what the MetadataActor serves)."""
+    index = ChunkIndex(manifest)
+    values = tuple(value_keys)
+    return [create_load_plan(manifest, reqs, values, strict, index=index) for reqs in requests_by_rank]
+
+
+def dim0_boxes(shape: Sequence[int], world_size: int) -> list[Box]:
+    """The boxes FSDP2 (``torch.chunk`` on dim 0) gives each of ``world_size`` ranks."""
+    shape = tuple(shape)
+    if not shape:
+        return [Box((), ()) for _ in range(world_size)]
+    rows = shape[0]
+    per = -(-rows // world_size) if rows else 0
+    boxes = []
+    for r in range(world_size):
+        lo = min(r * per, rows)
+        hi = min(lo + per, rows)
+        boxes.append(Box((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + shape[1:]))
+    return boxes
