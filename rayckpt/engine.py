@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
+from . import planner
 from .boxes import row_major_strides
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, RayckptError, SaveFailedError
@@ -121,7 +122,7 @@ def save(
     flat: FlatState = collect.flat  # type: ignore[attr-defined]
     save_id = gathered[0][2]
     values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
-    plans = create_save_plans([g[0] for g in gathered])
+    plans = create_save_plans([g[0] for g in gathered], planner.MAX_CHUNK_BYTES)
     written_files: list[str] = []
 
     def write() -> tuple[list[WrittenChunk], list[FileEntry]]:

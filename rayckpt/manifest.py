@@ -125,13 +125,13 @@ def encode_value(value: Any, key: str) -> Any:
             return value
         return {"__float__": repr(value)}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v, key) for v in value]}
+        return {"__tuple__": [encode_value(v, f"{key}.{i}") for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode_value(v, key) for v in value]
+        return [encode_value(v, f"{key}.{i}") for i, v in enumerate(value)]
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: encode_value(v, key) for k, v in value.items()}
-        return {"__dict__": [[encode_value(k, key), encode_value(v, key)] for k, v in value.items()]}
+            return {k: encode_value(v, f"{key}.{k}") for k, v in value.items()}
+        return {"__dict__": [[encode_value(k, key), encode_value(v, f"{key}.{k}")] for k, v in value.items()]}
     raise InvalidStateError(
         f"value at key {key!r} has type {type(value).__name__}, which the pickle-free format "
         "cannot store; use a tensor, a JSON-able value (None, bool, int, float, str, list, "
