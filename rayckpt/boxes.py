@@ -41,8 +41,7 @@ class Box:
 
     def contains(self, other: Box) -> bool:
         return all(
-            o <= p and p + q <= o + s
-            for o, s, p, q in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+            o <= p and p + q <= o + s for o, s, p, q in zip(self.offsets, self.sizes, other.offsets, other.sizes)
         )
 
     def relative_to(self, outer: Box) -> Box:

@@ -70,9 +70,7 @@ def default_coordinator(process_group: Any = None) -> Coordinator:
     return LocalCoordinator()
 
 
-def gather_or_raise(
-    coord: Coordinator, phase: str, fn: Callable[[], T], error_type: type[RayckptError]
-) -> list[T]:
+def gather_or_raise(coord: Coordinator, phase: str, fn: Callable[[], T], error_type: type[RayckptError]) -> list[T]:
     """Run ``fn`` on this rank, share the outcome, and raise on every rank if any failed.
 
     The raised error names each failed rank and its message. A ``RayckptError``

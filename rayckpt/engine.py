@@ -21,7 +21,7 @@ import torch
 from . import planner
 from .boxes import row_major_strides
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, RayckptError, SaveFailedError
+from .errors import CorruptCheckpointError, InvalidStateError, RayckptError, SaveFailedError
 from .manifest import (
     MANIFEST_NAME,
     ChunkEntry,
@@ -138,7 +138,9 @@ def save(
             meta = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}
             written = [w for chunks, _ in results for w in chunks]
             files = [f for _, fs in results for f in fs]
-            manifest = create_manifest(meta, written, files, values, save_id, coord.world_size, block_size, metadata or {})
+            manifest = create_manifest(
+                meta, written, files, values, save_id, coord.world_size, block_size, metadata or {}
+            )
             commit_manifest(ckdir, manifest)
             return manifest.total_bytes
 

@@ -99,9 +99,7 @@ def write_shard_file(
                 writer.write_batch(pa.record_batch([array], schema=schema), custom_metadata=meta)
                 # The body (no validity buffer) ends the message, padded to 8 bytes.
                 offset = sink.tell() - (-(-len(raw) // 8) * 8)
-                written.append(
-                    WrittenChunk(c.key, c.box, rel, offset, len(raw), block_checksums(raw, block_size))
-                )
+                written.append(WrittenChunk(c.key, c.box, rel, offset, len(raw), block_checksums(raw, block_size)))
         size = sink.tell()
     ckdir.sync_file(rel)
     return written, size

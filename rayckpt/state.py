@@ -93,7 +93,9 @@ def _walk(container: dict | list, prefix: str, flat: FlatState) -> None:
         if is_stateful(v) and not isinstance(v, torch.Tensor):
             sd = v.state_dict()
             if not isinstance(sd, dict):
-                raise InvalidStateError(f"Stateful at key {key!r} returned {type(sd).__name__} from state_dict(), not a dict")
+                raise InvalidStateError(
+                    f"Stateful at key {key!r} returned {type(sd).__name__} from state_dict(), not a dict"
+                )
             flat.statefuls.append((v, sd))
             _walk(sd, key, flat)
         elif isinstance(v, torch.Tensor):

@@ -88,7 +88,7 @@ def hsdp_save_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     train_steps(model, optim, 2, rank)
-    app = AppState(model, optim)
+    app = AppState(model, optim, step=2)
     rayckpt.save({"app": app}, path)
     with torch.no_grad():
         out = model(fixed_input())
