@@ -178,6 +178,10 @@ def find_coverage_problem(shape: Sequence[int], boxes: Iterable[Box]) -> str | N
     for b in nonempty:
         if b.ndim != full.ndim or not full.contains(b):
             return f"chunk {_fmt(b)} lies outside the tensor of shape {tuple(shape)}"
+    if full.ndim == 0:
+        if len(nonempty) > 1:
+            return f"{len(nonempty)} chunks of a 0-dim tensor overlap"
+        return None if nonempty else "chunks cover 0 of 1 elements: a gap"
     nonempty.sort(key=lambda b: b.offsets)
     if _is_dim0_tiling(nonempty):
         # Sorted dim-0 slabs: overlap or gap shows as a mismatch of neighbours.
@@ -187,9 +191,9 @@ def find_coverage_problem(shape: Sequence[int], boxes: Iterable[Box]) -> str | N
     else:
         for i, a in enumerate(nonempty):
             for b in nonempty[i + 1 :]:
-                if b.offsets[0] >= a.ends[0] and a.ndim > 0:
+                if b.offsets[0] >= a.ends[0]:
                     break
-                if intersect(a, b) is not None or a.ndim == 0:
+                if intersect(a, b) is not None:
                     return f"chunks {_fmt(a)} and {_fmt(b)} overlap"
     covered = sum(b.volume for b in nonempty)
     if covered != full.volume:

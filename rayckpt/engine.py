@@ -110,16 +110,18 @@ def save(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
 
+    flat_holder: list[FlatState] = []
+
     def collect() -> tuple[list[LocalShard], dict[str, Any], str | None]:
         flat = flatten(state_dict)
+        flat_holder.append(flat)
         shards = [LocalShard(t.key, t.dtype, t.shape, t.box) for t in flat.tensors.values()]
         values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
         save_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}" if coord.rank == 0 else None
-        collect.flat = flat  # type: ignore[attr-defined]
         return shards, values, save_id
 
     gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError)
-    flat: FlatState = collect.flat  # type: ignore[attr-defined]
+    flat = flat_holder[0]
     save_id = gathered[0][2]
     values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
     plans = create_save_plans([g[0] for g in gathered], planner.MAX_CHUNK_BYTES)
@@ -256,8 +258,13 @@ def commit_manifest(ckdir: CheckpointDir, manifest: Manifest) -> None:
 
 def read_manifest(ckdir: CheckpointDir) -> Manifest:
     """Read and validate the committed manifest of ``ckdir``."""
-    data = ckdir.read_bytes(MANIFEST_NAME)
-    return decode_manifest(data, where=f"{ckdir.uri}/{MANIFEST_NAME}")
+    where = f"{ckdir.uri}/{MANIFEST_NAME}"
+    manifest = decode_manifest(ckdir.read_bytes(MANIFEST_NAME), where=where)
+    problems = find_manifest_problems(manifest)
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        raise CorruptCheckpointError(f"{where}: inconsistent manifest ({len(problems)} problem(s)):\n  {shown}")
+    return manifest
 
 
 # ---------------------------------------------------------------------------

@@ -203,7 +203,7 @@ def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a rayckpt manifest (no 'format': 'rayckpt')")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise FormatVersionError(
             f"{where}: format version {version!r} is not supported by this rayckpt "
             f"(reads version {FORMAT_VERSION}); upgrade rayckpt to read it"
@@ -233,10 +233,13 @@ def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
                     )
                 )
             entries[key] = TensorEntry(e["dtype"], tuple(e["shape"]), tuple(chunks))
+        block_size = doc["block_size"]
+        if type(block_size) is not int or block_size <= 0:
+            raise CorruptCheckpointError(f"{where}: block_size {block_size!r} is not a positive integer")
         return Manifest(
             save_id=str(doc["save_id"]),
             world_size=int(doc["world_size"]),
-            block_size=int(doc["block_size"]),
+            block_size=block_size,
             entries=entries,
             files=files,
             created=float(doc.get("created", 0.0)),
@@ -274,6 +277,8 @@ def find_manifest_problems(m: Manifest) -> list[str]:
         isz = DTYPES[e.dtype][0]
         for c in e.chunks:
             where = f"key {key!r} chunk {list(c.box.offsets)} in file {c.file!r}"
+            if c.byte_offset < 0:
+                problems.append(f"{where}: negative byte_offset {c.byte_offset}")
             if c.byte_length != c.box.volume * isz:
                 problems.append(f"{where}: byte_length {c.byte_length} != {c.box.volume} elements x {isz} bytes")
             if c.byte_offset + c.byte_length > sizes.get(c.file, 0):

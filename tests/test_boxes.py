@@ -332,12 +332,6 @@ def test_coverage_overlap_beats_equal_volume():
     assert problem is not None and "overlap" in problem
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="BUG: find_coverage_problem indexes b.offsets[0] before checking a.ndim > 0, "
-    "so two chunks of a 0-dim tensor raise IndexError instead of reporting an overlap",
-)
 def test_coverage_0dim_two_chunks_overlap():
     problem = find_coverage_problem((), [Box((), ()), Box((), ())])
     assert problem is not None and "overlap" in problem

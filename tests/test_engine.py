@@ -353,3 +353,18 @@ def test_stateful_gets_load_state_dict_called(tmp_path):
 def test_colliding_flattened_keys_are_refused(tmp_path):
     with pytest.raises(rayckpt.InvalidStateError, match="same key 'a.b'"):
         rayckpt.save({"a": {"b": torch.ones(1)}, "a.b": torch.ones(1)}, str(tmp_path / "c"))
+
+
+def test_hand_edited_overlapping_chunks_are_refused_at_load(tmp_path):
+    path = str(tmp_path / "c")
+    rayckpt.save({"w": torch.arange(8.0)}, path, block_size=8)
+
+    def overlap(m):
+        c = m["entries"]["w"]["chunks"][0]
+        half = dict(c, offsets=[2], sizes=[6], byte_length=24, crc32=c["crc32"][:3])
+        c.update(sizes=[4], byte_length=16, crc32=c["crc32"][:2])
+        m["entries"]["w"]["chunks"].append(half)
+
+    rewrite_manifest(path, overlap)
+    with pytest.raises(rayckpt.CorruptCheckpointError, match=r"inconsistent manifest.*key 'w'.*overlap"):
+        rayckpt.load({"w": torch.zeros(8)}, path)
