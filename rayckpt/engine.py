@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +128,6 @@ def save(
     written_files: list[str] = []
 
     def write() -> tuple[list[WrittenChunk], list[FileEntry]]:
-        ckdir.makedirs()
         return write_plan(ckdir, plans[coord.rank], flat, save_id, coord.rank, block_size, written_files)
 
     try:
@@ -177,25 +176,48 @@ def write_plan(
     block_size: int,
     written_files: list[str],
 ) -> tuple[list[WrittenChunk], list[FileEntry]]:
-    """Write one rank's share: one Arrow file per storage type. Appends each file to
-    ``written_files`` before writing it, so a failure can clean up."""
+    """Write one rank's share of a save in this process."""
+    return write_chunks(ckdir, create_chunk_data(plan, flat), save_id, rank, block_size, written_files)
+
+
+def create_chunk_data(plan: SavePlan, flat: FlatState) -> list[ChunkData]:
+    """The bytes of each item of ``plan``: zero-copy views of (CPU-staged) local tensors."""
     staged = stage_to_cpu(flat.tensors[item.key] for item in plan.items)
-    by_type: dict[str, list[ChunkData]] = {}
+    out = []
     for item in plan.items:
         leaf = flat.tensors[item.key]
         piece = staged[item.key][item.box.relative_to(leaf.box).to_slices()]
-        by_type.setdefault(storage_type(leaf.dtype), []).append(
-            ChunkData(item.key, leaf.dtype, item.box, as_bytes(piece.contiguous()))
-        )
-    chunks: list[WrittenChunk] = []
+        out.append(ChunkData(item.key, leaf.dtype, item.box, as_bytes(piece.contiguous())))
+    return out
+
+
+def write_chunks(
+    ckdir: CheckpointDir,
+    chunks: Sequence[ChunkData],
+    save_id: str,
+    rank: int,
+    block_size: int,
+    written_files: list[str],
+) -> tuple[list[WrittenChunk], list[FileEntry]]:
+    """Write one rank's chunks: one Arrow file per storage type.
+
+    Appends each file to ``written_files`` before writing it, so a failure can
+    clean up. Called by a rank (in-process saves) or by a ShardWriter actor.
+    """
+    by_type: dict[str, list[ChunkData]] = {}
+    for c in chunks:
+        by_type.setdefault(storage_type(c.dtype), []).append(c)
+    written: list[WrittenChunk] = []
     files: list[FileEntry] = []
+    if by_type:
+        ckdir.makedirs()
     for stype, data in sorted(by_type.items()):
         rel = f"{save_id}-r{rank:05d}-{stype}.arrow"
         written_files.append(rel)
-        written, size = write_shard_file(ckdir, rel, data, block_size, save_id)
-        chunks.extend(written)
+        records, size = write_shard_file(ckdir, rel, data, block_size, save_id)
+        written.extend(records)
         files.append(FileEntry(rel, size, rank))
-    return chunks, files
+    return written, files
 
 
 def stage_to_cpu(leaves: Any) -> dict[str, torch.Tensor]:
@@ -249,6 +271,7 @@ def commit_manifest(ckdir: CheckpointDir, manifest: Manifest) -> None:
     removed only after the new manifest is durable, so some complete checkpoint is
     always on storage.
     """
+    ckdir.makedirs()
     ckdir.write_atomic(MANIFEST_NAME, encode_manifest(manifest))
     keep = {f.path for f in manifest.files}
     for name in ckdir.list_files():
@@ -297,7 +320,9 @@ def load(
         flat_holder.append(flat)
         manifest = read_manifest(ckdir)
         plan = create_load_plan(manifest, tensor_requests(flat), flat.values.keys(), strict)
-        return read_into(ckdir, manifest, plan, flat)
+        sizes = {f.path: f.size for f in manifest.files}
+        values = manifest_values(manifest, flat.values)
+        return read_into(ckdir, plan, flat, manifest.block_size, sizes, values)
 
     info = gather_or_raise(coord, "load", read, RayckptError)[coord.rank]
     flat_holder[0].finish_load()
@@ -308,10 +333,19 @@ def tensor_requests(flat: FlatState) -> list[TensorRequest]:
     return [TensorRequest(t.key, t.dtype, t.shape, t.box) for t in flat.tensors.values()]
 
 
-def read_into(ckdir: CheckpointDir, manifest: Manifest, plan: ReadPlan, flat: FlatState) -> LoadInfo:
-    """Carry out ``plan``: verified ranged reads copied straight into the targets."""
-    sizes = {f.path: f.size for f in manifest.files}
-    reader = ShardReader(ckdir, manifest.block_size, sizes)
+def read_into(
+    ckdir: CheckpointDir,
+    plan: ReadPlan,
+    flat: FlatState,
+    block_size: int,
+    file_sizes: Mapping[str, int],
+    values: Mapping[str, Any],
+) -> LoadInfo:
+    """Carry out ``plan``: verified ranged reads copied straight into the targets.
+
+    ``values`` maps value keys to their stored (tagged JSON) form.
+    """
+    reader = ShardReader(ckdir, block_size, dict(file_sizes))
     try:
         with warnings.catch_warnings():
             # Read-only (memory-mapped) buffers are only ever copied from.
@@ -324,10 +358,19 @@ def read_into(ckdir: CheckpointDir, manifest: Manifest, plan: ReadPlan, flat: Fl
     finally:
         reader.close()
     for key, leaf in flat.values.items():
-        entry = manifest.entries.get(key)
-        if isinstance(entry, ValueEntry):
-            leaf.assign(decode_value(entry.value))
+        if key in values:
+            leaf.assign(decode_value(values[key]))
     return LoadInfo(ckdir.uri, plan.needed_bytes, reader.bytes_read, len(plan.reads), plan.missing)
+
+
+def manifest_values(manifest: Manifest, keys: Iterable[str]) -> dict[str, Any]:
+    """The stored values of ``keys`` that the manifest has as values."""
+    out = {}
+    for k in keys:
+        entry = manifest.entries.get(k)
+        if isinstance(entry, ValueEntry):
+            out[k] = entry.value
+    return out
 
 
 def _copy_item(buf: Any, buf_offset: int, item: ReadItem, leaf: TensorLeaf) -> None:

@@ -187,7 +187,8 @@ def test_flipped_byte_outside_the_needed_range_does_not_fail_a_partial_read(tmp_
     flat = rayckpt.state.flatten({"w": torch.zeros(8, 4)})
     flat.tensors["w"].box = req.box
     flat.tensors["w"].shape = (16, 4)
-    rayckpt.engine.read_into(CheckpointDir.resolve(path), m, plan, flat)
+    sizes = {f.path: f.size for f in m.files}
+    rayckpt.engine.read_into(CheckpointDir.resolve(path), plan, flat, m.block_size, sizes, {})
     assert torch.equal(flat.tensors["w"].local, w[:8])
 
 
