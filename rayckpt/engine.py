@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,21 +110,8 @@ def save(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
 
-    flat_holder: list[FlatState] = []
-
-    def collect() -> tuple[list[LocalShard], dict[str, Any], str | None]:
-        flat = flatten(state_dict)
-        flat_holder.append(flat)
-        shards = [LocalShard(t.key, t.dtype, t.shape, t.box) for t in flat.tensors.values()]
-        values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
-        save_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}" if coord.rank == 0 else None
-        return shards, values, save_id
-
-    gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError)
-    flat = flat_holder[0]
-    save_id = gathered[0][2]
-    values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
-    plans = create_save_plans([g[0] for g in gathered], planner.MAX_CHUNK_BYTES)
+    collected = collect_state(coord, state_dict)
+    flat, save_id, values, plans = collected.flat, collected.save_id, collected.values, collected.plans
     written_files: list[str] = []
 
     def write() -> tuple[list[WrittenChunk], list[FileEntry]]:
@@ -136,11 +123,10 @@ def save(
         def commit() -> int:
             if coord.rank != 0:
                 return 0
-            meta = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}
             written = [w for chunks, _ in results for w in chunks]
             files = [f for _, fs in results for f in fs]
             manifest = create_manifest(
-                meta, written, files, values, save_id, coord.world_size, block_size, metadata or {}
+                collected.tensor_meta, written, files, values, save_id, coord.world_size, block_size, metadata or {}
             )
             commit_manifest(ckdir, manifest)
             return manifest.total_bytes
@@ -154,6 +140,38 @@ def save(
         raise
     num_files = sum(len(files) for _, files in results)
     return SaveInfo(ckdir.uri, save_id, total, num_files, coord.world_size)
+
+
+@dataclass(slots=True)
+class Collected:
+    """The outcome of a save's first phase, the same on every rank except ``flat``."""
+
+    flat: FlatState
+    save_id: str
+    values: dict[str, Any]
+    tensor_meta: dict[str, tuple[str, tuple[int, ...]]]
+    plans: list[SavePlan]
+    #: Whatever each rank passed as ``extra`` to ``collect_state``, by rank.
+    extras: list[Any]
+
+
+def collect_state(coord: Coordinator, state_dict: dict[str, Any], extra: Any = None) -> Collected:
+    """Save phase 1 (collective): flatten, share every rank's boxes, plan the writes."""
+    flat_holder: list[FlatState] = []
+
+    def collect() -> tuple[list[LocalShard], dict[str, Any], str | None, Any]:
+        flat = flatten(state_dict)
+        flat_holder.append(flat)
+        shards = [LocalShard(t.key, t.dtype, t.shape, t.box) for t in flat.tensors.values()]
+        values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
+        save_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}" if coord.rank == 0 else None
+        return shards, values, save_id, extra
+
+    gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError)
+    values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
+    plans = create_save_plans([g[0] for g in gathered], planner.MAX_CHUNK_BYTES)
+    meta = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}
+    return Collected(flat_holder[0], gathered[0][2], values, meta, plans, [g[3] for g in gathered])
 
 
 def _merge_values(per_rank: Sequence[dict[str, Any]], tensor_keys: set[str]) -> dict[str, Any]:
@@ -302,6 +320,7 @@ def load(
     process_group: Any = None,
     coordinator: Coordinator | None = None,
     filesystem: pafs.FileSystem | None = None,
+    plan_source: PlanSource | None = None,
 ) -> LoadInfo:
     """Fill ``state_dict`` in place from the checkpoint at ``checkpoint_id``.
 
@@ -313,20 +332,32 @@ def load(
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
+    source = plan_source or plan_from_manifest
     flat_holder: list[FlatState] = []
 
     def read() -> LoadInfo:
         flat = flatten(state_dict)
         flat_holder.append(flat)
-        manifest = read_manifest(ckdir)
-        plan = create_load_plan(manifest, tensor_requests(flat), flat.values.keys(), strict)
-        sizes = {f.path: f.size for f in manifest.files}
-        values = manifest_values(manifest, flat.values)
-        return read_into(ckdir, plan, flat, manifest.block_size, sizes, values)
+        plan, block_size, sizes, values = source(ckdir, flat, strict)
+        return read_into(ckdir, plan, flat, block_size, sizes, values)
 
     info = gather_or_raise(coord, "load", read, RayckptError)[coord.rank]
     flat_holder[0].finish_load()
     return info
+
+
+#: Gives a loading rank its read plan, the block size, file sizes and stored values.
+PlanSource = Callable[[CheckpointDir, FlatState, bool], tuple[ReadPlan, int, dict[str, int], dict[str, Any]]]
+
+
+def plan_from_manifest(
+    ckdir: CheckpointDir, flat: FlatState, strict: bool
+) -> tuple[ReadPlan, int, dict[str, int], dict[str, Any]]:
+    """In-process planning: read the manifest and plan this rank's reads."""
+    manifest = read_manifest(ckdir)
+    plan = create_load_plan(manifest, tensor_requests(flat), flat.values.keys(), strict)
+    sizes = {f.path: f.size for f in manifest.files}
+    return plan, manifest.block_size, sizes, manifest_values(manifest, flat.values)
 
 
 def tensor_requests(flat: FlatState) -> list[TensorRequest]:

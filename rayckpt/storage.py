@@ -40,7 +40,8 @@ class CheckpointDir:
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
                 raise RayckptError(f"cannot open checkpoint location {text!r}: {exc}") from None
             return CheckpointDir(fs, path, text)
-        return CheckpointDir(pafs.LocalFileSystem(), os.path.abspath(text), text)
+        path = os.path.abspath(text)
+        return CheckpointDir(pafs.LocalFileSystem(), path, path)
 
     @property
     def is_local(self) -> bool:

@@ -1,0 +1,445 @@
+"""Ray actors: the MetadataActor (catalog, commit, read plans) and ShardWriters.
+
+Both are thin shells around the engine's pure planning and its file I/O.
+
+- ``MetadataActor``: one per Ray namespace, named ``rayckpt-metadata``, detached.
+  Collects every rank's written chunks for a save and commits the manifest once
+  all are durable; fails and cleans up a save that any rank reports failed (or
+  that times out); serves cached read plans; keeps a catalog of checkpoints per
+  run that it rebuilds from the manifests in storage, which stay the truth.
+- ``ShardWriter``: one per node, named ``rayckpt-writer-<node>``, pinned there.
+  Writes a rank's staged chunks from the node's shared-memory object store into
+  Arrow shard files and reports them to the MetadataActor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from . import metrics
+from .engine import commit_manifest, create_manifest, manifest_values, read_manifest, write_chunks
+from .errors import RayckptError
+from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .planner import ChunkIndex, ReadPlan, TensorRequest, create_load_plan
+from .shard_file import ChunkData, WrittenChunk
+from .storage import CheckpointDir
+
+NAMESPACE = "rayckpt"
+METADATA_ACTOR_NAME = "rayckpt-metadata"
+DEFAULT_COMMIT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    """One checkpoint the MetadataActor knows of."""
+
+    run: str
+    step: int | None
+    uri: str
+    status: str  # "pending", "committed", "failed", "incomplete" (files but no manifest)
+    world_size: int
+    bytes: int
+    created: float
+    save_id: str
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBundle:
+    """What a loading rank needs besides the shard files: its plan and the manifest facts."""
+
+    plan: ReadPlan
+    block_size: int
+    file_sizes: dict[str, int]
+    values: dict[str, Any]
+    save_id: str
+    plan_seconds: float
+
+
+@dataclass
+class _Save:
+    save_id: str
+    uri: str = ""
+    filesystem: Any = None
+    run: str = ""
+    step: int | None = None
+    world_size: int = 0
+    tensor_meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    block_size: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    deadline: float = 0.0
+    registered: bool = False
+    written: dict[int, tuple[list[WrittenChunk], list[FileEntry]]] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    status: str = "pending"
+    error: str | None = None
+    total_bytes: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def entry(self) -> CatalogEntry:
+        return CatalogEntry(
+            self.run,
+            self.step,
+            self.uri,
+            self.status,
+            self.world_size,
+            self.total_bytes,
+            self.started,
+            self.save_id,
+            self.error,
+        )
+
+
+class MetadataActor:
+    """Catalog, commit protocol and reshard planning service (an async Ray actor)."""
+
+    def __init__(self, commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
+        self._commit_timeout_s = commit_timeout_s
+        self._saves: dict[str, _Save] = {}
+        self._catalog: dict[str, dict[str, CatalogEntry]] = {}
+        self._roots: dict[str, tuple[str, Any]] = {}
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        self._indexes: dict[str, ChunkIndex] = {}
+        self._plans: OrderedDict[tuple, ReadPlan] = OrderedDict()
+        self._watchdog: asyncio.Task | None = None
+        self._events: dict[str, list[dict[str, Any]]] = {}
+
+    async def ping(self) -> str:
+        return "ok"
+
+    # -- catalog ---------------------------------------------------------------
+
+    async def register_run(self, run: str, root: str, filesystem: Any = None) -> list[CatalogEntry]:
+        """Make ``root`` (where ``run``'s checkpoint directories live) known; scan it."""
+        self._roots[run] = (root, filesystem)
+        return await asyncio.to_thread(self._scan, run)
+
+    def _scan(self, run: str) -> list[CatalogEntry]:
+        root, fs = self._roots[run]
+        base = CheckpointDir.resolve(root, fs)
+        found: dict[str, CatalogEntry] = {}
+        for name in base.list_dirs():
+            ckdir = base.child(name)
+            files = ckdir.list_files()
+            if MANIFEST_NAME in files:
+                try:
+                    m = read_manifest(ckdir)
+                except RayckptError as exc:
+                    found[ckdir.uri] = CatalogEntry(run, None, ckdir.uri, "failed", 0, 0, 0.0, "", str(exc))
+                    continue
+                step = m.user_metadata.get("step")
+                found[ckdir.uri] = CatalogEntry(
+                    run, step, ckdir.uri, "committed", m.world_size, m.total_bytes, m.created, m.save_id
+                )
+            elif any(f.endswith(".arrow") for f in files):
+                found[ckdir.uri] = CatalogEntry(run, None, ckdir.uri, "incomplete", 0, 0, 0.0, "")
+        # In-flight saves are not on storage yet: keep them.
+        for s in self._saves.values():
+            if s.run == run and s.status == "pending":
+                found[s.uri] = s.entry()
+        self._catalog[run] = found
+        return sorted(found.values(), key=_entry_order)
+
+    async def checkpoints(self, run: str) -> list[CatalogEntry]:
+        """The run's checkpoints, oldest first, re-read from storage."""
+        if run not in self._roots:
+            return sorted(self._catalog.get(run, {}).values(), key=_entry_order)
+        return await asyncio.to_thread(self._scan, run)
+
+    async def latest(self, run: str) -> CatalogEntry | None:
+        committed = [e for e in await self.checkpoints(run) if e.status == "committed"]
+        return committed[-1] if committed else None
+
+    # -- commit protocol -------------------------------------------------------
+
+    def _save(self, save_id: str) -> _Save:
+        s = self._saves.get(save_id)
+        if s is None:
+            s = self._saves[save_id] = _Save(save_id)
+        return s
+
+    async def begin_save(
+        self,
+        save_id: str,
+        uri: str,
+        filesystem: Any,
+        run: str,
+        step: int | None,
+        world_size: int,
+        tensor_meta: dict[str, tuple[str, tuple[int, ...]]],
+        values: dict[str, Any],
+        block_size: int,
+        metadata: dict[str, Any],
+    ) -> None:
+        """Called by rank 0 once per save, before its writers may report."""
+        s = self._save(save_id)
+        s.uri, s.filesystem, s.run, s.step, s.world_size = uri, filesystem, run, step, world_size
+        s.tensor_meta, s.values, s.block_size, s.metadata = tensor_meta, values, block_size, metadata
+        s.deadline = time.time() + self._commit_timeout_s
+        s.registered = True
+        self._catalog.setdefault(run, {})[uri] = s.entry()
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._expire_loop())
+        await self._maybe_finish(s)
+
+    async def report_written(
+        self, save_id: str, rank: int, written: list[WrittenChunk], files: list[FileEntry], seconds: float
+    ) -> None:
+        """Called by a ShardWriter (or a rank) when its shard files are durable."""
+        s = self._save(save_id)
+        if s.status == "failed":
+            await asyncio.to_thread(_delete_files, s, [f.path for f in files])
+            return
+        s.written[rank] = (written, files)
+        nbytes = sum(f.size for f in files)
+        metrics.observe("rayckpt_persist_seconds", seconds, run=s.run)
+        metrics.inc("rayckpt_bytes_written", nbytes, run=s.run)
+        if seconds > 0:
+            metrics.observe("rayckpt_write_throughput_bytes_per_second", nbytes / seconds, run=s.run)
+        await self._maybe_finish(s)
+
+    async def report_failed(self, save_id: str, rank: int, error: str) -> None:
+        """Called by a rank or its writer when its part of the save failed."""
+        s = self._save(save_id)
+        s.failures[rank] = error
+        await self._fail(s, f"rank {rank}: {error}")
+
+    async def fail_pending(self, run: str, reason: str) -> list[str]:
+        """Fail every in-flight save of ``run`` (e.g. the worker group died)."""
+        failed = []
+        for s in list(self._saves.values()):
+            if s.run == run and s.status == "pending":
+                await self._fail(s, reason)
+                failed.append(s.save_id)
+        return failed
+
+    async def wait_commit(self, save_id: str, timeout: float | None = None) -> CatalogEntry:
+        """Block until the save committed or failed; return its catalog entry."""
+        s = self._save(save_id)
+        try:
+            await asyncio.wait_for(s.done.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return s.entry()
+
+    async def _maybe_finish(self, s: _Save) -> None:
+        if s.status != "pending" or not s.registered or len(s.written) < s.world_size:
+            return
+        try:
+            manifest = await asyncio.to_thread(self._commit, s)
+        except Exception as exc:  # noqa: BLE001 - a failed commit must fail the save, not the actor
+            await self._fail(s, f"commit: {type(exc).__name__}: {exc}")
+            return
+        s.status = "committed"
+        s.total_bytes = manifest.total_bytes
+        self._catalog.setdefault(s.run, {})[s.uri] = s.entry()
+        self._forget_manifest(s.uri)
+        metrics.inc("rayckpt_checkpoints_committed", run=s.run)
+        metrics.observe("rayckpt_commit_seconds", time.time() - s.started, run=s.run)
+        s.done.set()
+
+    def _commit(self, s: _Save) -> Manifest:
+        written = [w for chunks, _ in s.written.values() for w in chunks]
+        files = [f for r in sorted(s.written) for f in s.written[r][1]]
+        manifest = create_manifest(
+            s.tensor_meta, written, files, s.values, s.save_id, s.world_size, s.block_size, s.metadata
+        )
+        commit_manifest(CheckpointDir.resolve(s.uri, s.filesystem), manifest)
+        return manifest
+
+    async def _fail(self, s: _Save, reason: str) -> None:
+        if s.status != "pending":
+            return
+        s.status = "failed"
+        s.error = reason
+        paths = [f.path for _, files in s.written.values() for f in files]
+        await asyncio.to_thread(_delete_files, s, paths)
+        if s.uri:
+            self._catalog.setdefault(s.run, {})[s.uri] = s.entry()
+        metrics.inc("rayckpt_checkpoints_failed", run=s.run)
+        s.done.set()
+
+    async def _expire_loop(self) -> None:
+        while any(s.status == "pending" for s in self._saves.values()):
+            now = time.time()
+            for s in list(self._saves.values()):
+                if s.status == "pending" and s.registered and now > s.deadline:
+                    missing = sorted(set(range(s.world_size)) - set(s.written))
+                    await self._fail(s, f"rank(s) {missing} did not report within {self._commit_timeout_s:.0f}s")
+            await asyncio.sleep(0.5)
+
+    # -- reshard planning ------------------------------------------------------
+
+    def _manifest(self, uri: str, filesystem: Any) -> Manifest:
+        m = self._manifests.get(uri)
+        if m is None:
+            m = read_manifest(CheckpointDir.resolve(uri, filesystem))
+            self._manifests[uri] = m
+            self._indexes[uri] = ChunkIndex(m)
+            while len(self._manifests) > 8:
+                old, _ = self._manifests.popitem(last=False)
+                self._indexes.pop(old, None)
+        else:
+            self._manifests.move_to_end(uri)
+        return m
+
+    def _forget_manifest(self, uri: str) -> None:
+        self._manifests.pop(uri, None)
+        self._indexes.pop(uri, None)
+        for key in [k for k in self._plans if k[0] == uri]:
+            del self._plans[key]
+
+    async def read_plan(
+        self,
+        uri: str,
+        filesystem: Any,
+        requests: tuple[TensorRequest, ...],
+        value_keys: tuple[str, ...],
+        strict: bool = True,
+        run: str = "",
+    ) -> ReadBundle:
+        """A loading rank's read plan for checkpoint ``uri``; cached per (checkpoint, request)."""
+        return await asyncio.to_thread(self._read_plan, uri, filesystem, requests, value_keys, strict, run)
+
+    def _read_plan(
+        self, uri: str, filesystem: Any, requests: tuple, value_keys: tuple, strict: bool, run: str
+    ) -> ReadBundle:
+        start = time.perf_counter()
+        m = self._manifest(uri, filesystem)
+        key = (uri, m.save_id, requests, value_keys, strict)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = create_load_plan(m, requests, value_keys, strict, index=self._indexes[uri])
+            self._plans[key] = plan
+            while len(self._plans) > 1024:
+                self._plans.popitem(last=False)
+        seconds = time.perf_counter() - start
+        metrics.observe("rayckpt_plan_seconds", seconds, run=run)
+        sizes = {f.path: f.size for f in m.files}
+        return ReadBundle(plan, m.block_size, sizes, manifest_values(m, value_keys), m.save_id, seconds)
+
+    async def user_metadata(self, uri: str, filesystem: Any = None) -> dict[str, Any]:
+        """The ``user_metadata`` of a committed checkpoint (step, run, metrics)."""
+        m = await asyncio.to_thread(self._manifest, uri, filesystem)
+        return dict(m.user_metadata)
+
+    async def cached_plans(self) -> int:
+        return len(self._plans)
+
+    # -- events (from the controller callback) -----------------------------------
+
+    async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:
+        events = self._events.setdefault(run, [])
+        events.append({"time": time.time(), "kind": kind, **data})
+        del events[:-100]
+
+    async def events(self, run: str) -> list[dict[str, Any]]:
+        return list(self._events.get(run, []))
+
+
+def _entry_order(e: CatalogEntry) -> tuple:
+    return (e.step if e.step is not None else -1, e.created, e.uri)
+
+
+def _delete_files(s: _Save, paths: list[str]) -> None:
+    """Remove a failed save's files: the ones reported and any with its save_id prefix."""
+    if not s.uri:
+        return
+    ckdir = CheckpointDir.resolve(s.uri, s.filesystem)
+    for p in paths:
+        ckdir.delete(p)
+    for name in ckdir.list_files():
+        if name.startswith(s.save_id):
+            ckdir.delete(name)
+    if MANIFEST_NAME not in ckdir.list_files():
+        ckdir.delete_dir_if_empty()
+
+
+class ShardWriter:
+    """Writes staged shards from this node's object store to storage (a threaded Ray actor)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def write(
+        self,
+        save_id: str,
+        uri: str,
+        filesystem: Any,
+        rank: int,
+        items: list[tuple[str, str, Any]],
+        block_size: int,
+        arrays: list[Any],
+    ) -> dict[str, Any]:
+        """Write ``arrays`` (zero-copy views of the staged shards) and report to the MetadataActor.
+
+        ``items`` are (key, dtype, box) for each array. Returns what was written.
+        """
+        meta = get_metadata_actor()
+        ckdir = CheckpointDir.resolve(uri, filesystem)
+        written_files: list[str] = []
+        start = time.perf_counter()
+        try:
+            chunks = [ChunkData(k, d, b, a) for (k, d, b), a in zip(items, arrays)]
+            written, files = write_chunks(ckdir, chunks, save_id, rank, block_size, written_files)
+        except Exception as exc:
+            for rel in written_files:
+                ckdir.delete(rel)
+            msg = f"ShardWriter on node {self.node_id[:12]}: {type(exc).__name__}: {exc}"
+            ray.get(meta.report_failed.remote(save_id, rank, msg))
+            raise
+        seconds = time.perf_counter() - start
+        ray.get(meta.report_written.remote(save_id, rank, written, files, seconds))
+        return {"node": self.node_id, "files": [f.path for f in files], "bytes": sum(f.size for f in files)}
+
+
+def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> Any:
+    """The namespace's MetadataActor, created on first use (detached, 0 CPUs)."""
+    return (
+        ray.remote(MetadataActor)
+        .options(
+            name=METADATA_ACTOR_NAME,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=1000,
+            max_restarts=-1,
+        )
+        .remote(commit_timeout_s)
+    )
+
+
+def writer_name(node_id: str) -> str:
+    return f"rayckpt-writer-{node_id[:12]}"
+
+
+def get_shard_writer(node_id: str | None = None) -> Any:
+    """The ShardWriter of ``node_id`` (default: this process's node), pinned to that node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(ShardWriter)
+        .options(
+            name=writer_name(node_id),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=16,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(node_id)
+    )

@@ -1,0 +1,203 @@
+"""Save and load through the Ray actors.
+
+``save_async`` (every rank): plan like ``save``, copy this rank's share into the
+node's shared-memory object store once (the only time training is blocked),
+and hand it to the node's ShardWriter; the MetadataActor commits when every
+rank's files are durable. ``load`` (every rank): the MetadataActor plans the
+byte ranges this rank reads (cached), the rank reads and verifies them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+
+from . import metrics
+from .actors import DEFAULT_COMMIT_TIMEOUT_S, CatalogEntry, get_metadata_actor, get_shard_writer
+from .coordinator import Coordinator, default_coordinator, gather_or_raise
+from .engine import LoadInfo, collect_state, create_chunk_data, tensor_requests
+from .engine import load as _engine_load
+from .errors import InvalidStateError, SaveFailedError
+from .shard_file import DEFAULT_BLOCK_SIZE
+from .storage import CheckpointDir
+
+#: Set to 1 when a local path is on storage every node shares (NFS, a single machine).
+LOCAL_IS_SHARED_ENV = "RAYCKPT_LOCAL_IS_SHARED"
+
+_inflight: SaveHandle | None = None
+
+
+class SaveHandle:
+    """An async save in flight on this rank. ``wait()`` until committed."""
+
+    def __init__(
+        self,
+        save_id: str,
+        uri: str,
+        step: int | None,
+        rank: int,
+        write_ref: Any,
+        staged_ref: Any,
+        stall_seconds: float,
+        timeout: float,
+    ) -> None:
+        self.save_id = save_id
+        self.uri = uri
+        self.step = step
+        self.rank = rank
+        #: Seconds this rank was blocked by ``save_async`` (plan + copy into the object store).
+        self.stall_seconds = stall_seconds
+        self._write_ref = write_ref
+        self._staged_ref = staged_ref
+        self._timeout = timeout
+        self._entry: CatalogEntry | None = None
+
+    def done(self) -> bool:
+        """Whether this rank's share is written (the commit may still be pending)."""
+        ready, _ = ray.wait([self._write_ref], timeout=0)
+        return bool(ready)
+
+    def wait(self, timeout: float | None = None) -> CatalogEntry:
+        """Block until the checkpoint is committed; raise ``SaveFailedError`` if it failed."""
+        if self._entry is None:
+            meta = get_metadata_actor()
+            limit = timeout if timeout is not None else self._timeout
+            try:
+                ray.get(self._write_ref, timeout=limit)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"save {self.save_id} to {self.uri}: not written within {limit}s") from None
+            except Exception as exc:  # noqa: BLE001 - the writer died or raised: the save failed
+                ray.get(meta.report_failed.remote(self.save_id, self.rank, f"{type(exc).__name__}: {exc}"))
+            entry = ray.get(meta.wait_commit.remote(self.save_id, limit))
+            if entry.status == "pending":
+                raise TimeoutError(f"save {self.save_id} to {self.uri}: not committed within {limit}s")
+            self._entry = entry
+            self._staged_ref = None  # release the staged copy in the object store
+        if self._entry.status != "committed":
+            raise SaveFailedError(
+                f"save of step {self.step} to {self.uri} (save {self.save_id}) failed; nothing was committed: "
+                f"{self._entry.error}"
+            )
+        return self._entry
+
+
+def save_async(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | Any,
+    *,
+    run: str = "default",
+    step: int | None = None,
+    filesystem: pafs.FileSystem | None = None,
+    process_group: Any = None,
+    coordinator: Coordinator | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    metadata: dict[str, Any] | None = None,
+    commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
+    local_is_shared: bool | None = None,
+) -> SaveHandle:
+    """Start a save through the Ray actors; return once this rank's share is staged.
+
+    Called by every rank (collective when a process group is initialized), inside
+    a Ray worker or driver. At most one save is in flight per process: a second
+    call first waits for the previous one (and raises if it failed). A local path
+    with workers on several nodes is refused unless it is shared storage
+    (``local_is_shared=True`` or ``RAYCKPT_LOCAL_IS_SHARED=1``).
+    """
+    global _inflight
+    if _inflight is not None:
+        previous, _inflight = _inflight, None
+        previous.wait()
+    start = time.perf_counter()
+    coord = coordinator or default_coordinator(process_group)
+    ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
+    location = ckdir.root if filesystem is not None else ckdir.uri
+    node_id = ray.get_runtime_context().get_node_id()
+    collected = collect_state(coord, state_dict, extra=node_id)
+    if local_is_shared is None:
+        local_is_shared = os.environ.get(LOCAL_IS_SHARED_ENV, "") == "1"
+    nodes = sorted(set(collected.extras))
+    if ckdir.is_local and len(nodes) > 1 and not local_is_shared:
+        raise InvalidStateError(
+            f"checkpoint location {ckdir.uri} is node-local storage but the ranks run on {len(nodes)} nodes; "
+            "every node must reach the same files: use shared storage (s3://..., gs://..., or an NFS path with "
+            f"{LOCAL_IS_SHARED_ENV}=1)"
+        )
+    meta = get_metadata_actor()
+    rank = coord.rank
+    metadata = {"step": step, "run": run, **(metadata or {})}
+
+    def register() -> None:
+        if rank == 0:
+            ray.get(
+                meta.begin_save.remote(
+                    collected.save_id,
+                    location,
+                    filesystem,
+                    run,
+                    step,
+                    coord.world_size,
+                    collected.tensor_meta,
+                    collected.values,
+                    block_size,
+                    metadata,
+                )
+            )
+
+    gather_or_raise(coord, "save (registering with the MetadataActor)", register, SaveFailedError)
+    plan = collected.plans[rank]
+    try:
+        chunks = create_chunk_data(plan, collected.flat)
+        staged_ref = ray.put([c.data for c in chunks])  # the one copy: into shared memory
+        items = [(c.key, c.dtype, c.box) for c in chunks]
+        writer = get_shard_writer(node_id)
+        write_ref = writer.write.remote(collected.save_id, location, filesystem, rank, items, block_size, staged_ref)
+    except Exception as exc:
+        ray.get(meta.report_failed.remote(collected.save_id, rank, f"staging: {type(exc).__name__}: {exc}"))
+        raise SaveFailedError(f"save of step {step} to {ckdir.uri}: staging failed on rank {rank}: {exc}") from exc
+    stall = time.perf_counter() - start
+    metrics.observe("rayckpt_save_stall_seconds", stall, run=run, rank=rank)
+    handle = SaveHandle(collected.save_id, ckdir.uri, step, rank, write_ref, staged_ref, stall, commit_timeout_s)
+    _inflight = handle
+    return handle
+
+
+def wait_inflight() -> CatalogEntry | None:
+    """Wait for this process's in-flight save, if any (raises if it failed)."""
+    global _inflight
+    previous, _inflight = _inflight, None
+    return previous.wait() if previous is not None else None
+
+
+def load(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | Any,
+    *,
+    strict: bool = True,
+    run: str = "",
+    filesystem: pafs.FileSystem | None = None,
+    process_group: Any = None,
+    coordinator: Coordinator | None = None,
+) -> LoadInfo:
+    """``rayckpt.load`` with the read plan served (and cached) by the MetadataActor."""
+    start = time.perf_counter()
+    coord = coordinator or default_coordinator(process_group)
+    meta = get_metadata_actor()
+    ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
+    location = ckdir.root if filesystem is not None else ckdir.uri
+
+    def plan_source(ckdir, flat, strict):  # noqa: ANN001 - engine.PlanSource
+        bundle = ray.get(
+            meta.read_plan.remote(location, filesystem, tuple(tensor_requests(flat)), tuple(flat.values), strict, run)
+        )
+        return bundle.plan, bundle.block_size, bundle.file_sizes, bundle.values
+
+    info = _engine_load(
+        state_dict, checkpoint_id, strict=strict, coordinator=coord, filesystem=filesystem, plan_source=plan_source
+    )
+    metrics.observe("rayckpt_load_seconds", time.perf_counter() - start, run=run, rank=coord.rank)
+    metrics.inc("rayckpt_bytes_read", info.bytes_read, run=run)
+    return info

@@ -1,0 +1,45 @@
+"""Train-loop functions the Ray tests hand to TorchTrainer (importable by workers)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray.train
+import torch
+
+from rayckpt.app_state import AppState
+from rayckpt.demo import build_fsdp, full_state, train_steps
+from rayckpt.train import Checkpointer
+
+
+def toy_train_loop(config: dict[str, Any]) -> None:
+    """Restore (if any), train to ``config['steps']`` saving at ``config['save_at']``, dump state."""
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    model, optim = build_fsdp(world, seed=config.get("seed", 0))
+    app = AppState(model, optim, step=0)
+    state = {"app": app}
+    ckpt = Checkpointer()
+    restored = ckpt.restore(state)
+    step = app.extras["step"] if restored is not None else 0
+    out = config["out"]
+    if restored is not None:
+        dump = full_state(app)
+        if rank == 0:
+            torch.save({"step": restored, "state": dump, "load": ckpt.last_load}, os.path.join(out, f"restored-{world}.pt"))
+    if config.get("fail_rank") == rank:
+        raise RuntimeError("injected failure before saving")
+    while step < config["steps"]:
+        train_steps(model, optim, 1, rank + 100 * step)
+        step += 1
+        app.extras["step"] = step
+        if step in config["save_at"]:
+            handle = ckpt.save(step, state, {"loss": float(step)})
+            if rank == 0:
+                with open(os.path.join(out, f"stall-{world}-{step}.txt"), "w") as f:
+                    f.write(str(handle.stall_seconds))
+    ckpt.wait()
+    dump = full_state(app)
+    if rank == 0:
+        torch.save({"step": step, "state": dump}, os.path.join(out, f"final-{world}.pt"))

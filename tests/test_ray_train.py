@@ -1,0 +1,81 @@
+"""TorchTrainer on a real local Ray: async saves through the actors, N -> M resume."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+import rayckpt
+from rayckpt.actors import get_metadata_actor
+from rayckpt.train import RayckptCallback
+
+from . import ray_workers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=8, include_dashboard=False, namespace="rayckpt-tests")
+    yield
+    ray.shutdown()
+
+
+def fit(storage, out, workers, steps, save_at, name="toy", **extra):
+    trainer = TorchTrainer(
+        ray_workers.toy_train_loop,
+        train_loop_config={"steps": steps, "save_at": save_at, "out": str(out), **extra},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(storage),
+            callbacks=[RayckptCallback()],
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    return trainer.fit()
+
+
+def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path):
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    result = fit(storage, out, 4, 3, {2, 3})
+    assert result.checkpoint is not None
+    assert os.path.basename(result.checkpoint.path) == "rayckpt-step-00000003"
+    assert os.path.exists(os.path.join(result.checkpoint.path, "manifest.json"))
+    final4 = torch.load(out / "final-4.pt", weights_only=False)
+
+    result = fit(storage, out, 3, 4, {4})
+    restored3 = torch.load(out / "restored-3.pt", weights_only=False)
+    assert restored3["step"] == 3
+    for key, value in final4["state"].items():
+        assert torch.equal(restored3["state"][key], value), key
+    assert restored3["load"].bytes_read > 0
+    assert os.path.basename(result.checkpoint.path) == "rayckpt-step-00000004"
+    final3 = torch.load(out / "final-3.pt", weights_only=False)
+    assert final3["step"] == 4
+    assert not torch.equal(final3["state"]["app.model.head.weight"], final4["state"]["app.model.head.weight"])
+
+    fit(storage, out, 2, 4, set())
+    restored2 = torch.load(out / "restored-2.pt", weights_only=False)
+    assert restored2["step"] == 4
+    for key, value in final3["state"].items():
+        assert torch.equal(restored2["state"][key], value), key
+
+    # retention (num_to_keep=2) removed the oldest checkpoint directory; the catalog agrees
+    run_dir = storage / "toy"
+    kept = sorted(p for p in os.listdir(run_dir) if p.startswith("rayckpt-step-"))
+    assert kept == ["rayckpt-step-00000003", "rayckpt-step-00000004"]
+    entries = ray.get(get_metadata_actor().checkpoints.remote("toy"))
+    assert [e.step for e in entries if e.status == "committed"] == [3, 4]
+    events = ray.get(get_metadata_actor().events.remote("toy"))
+    assert [e["step"] for e in events if e["kind"] == "reported"][:3] == [2, 3, 4]
+    # a committed checkpoint is a plain rayckpt checkpoint too
+    m = rayckpt.read_manifest(rayckpt.storage.CheckpointDir.resolve(str(run_dir / "rayckpt-step-00000004")))
+    assert m.world_size == 3 and m.user_metadata["step"] == 4
