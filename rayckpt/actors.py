@@ -76,9 +76,12 @@ class _Save:
     metadata: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     deadline: float = 0.0
+    timeout: float = 0.0
     registered: bool = False
     written: dict[int, tuple[list[WrittenChunk], list[FileEntry]]] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
+    #: Node of the ShardWriter that wrote each rank's share.
+    writer_nodes: dict[int, str] = field(default_factory=dict)
     status: str = "pending"
     error: str | None = None
     total_bytes: int = 0
@@ -178,12 +181,15 @@ class MetadataActor:
         values: dict[str, Any],
         block_size: int,
         metadata: dict[str, Any],
+        commit_timeout_s: float | None = None,
     ) -> None:
-        """Called by rank 0 once per save, before its writers may report."""
+        """Called by rank 0 once per save. A save not committed within
+        ``commit_timeout_s`` (default: the actor's) fails."""
         s = self._save(save_id)
         s.uri, s.filesystem, s.run, s.step, s.world_size = uri, filesystem, run, step, world_size
         s.tensor_meta, s.values, s.block_size, s.metadata = tensor_meta, values, block_size, metadata
-        s.deadline = time.time() + self._commit_timeout_s
+        s.timeout = commit_timeout_s or self._commit_timeout_s
+        s.deadline = time.time() + s.timeout
         s.registered = True
         self._catalog.setdefault(run, {})[uri] = s.entry()
         if self._watchdog is None or self._watchdog.done():
@@ -191,10 +197,17 @@ class MetadataActor:
         await self._maybe_finish(s)
 
     async def report_written(
-        self, save_id: str, rank: int, written: list[WrittenChunk], files: list[FileEntry], seconds: float
+        self,
+        save_id: str,
+        rank: int,
+        written: list[WrittenChunk],
+        files: list[FileEntry],
+        seconds: float,
+        node: str = "",
     ) -> None:
-        """Called by a ShardWriter (or a rank) when its shard files are durable."""
+        """Called by a ShardWriter when a rank's shard files are durable."""
         s = self._save(save_id)
+        s.writer_nodes[rank] = node
         if s.status == "failed":
             await asyncio.to_thread(_delete_files, s, [f.path for f in files])
             return
@@ -243,6 +256,9 @@ class MetadataActor:
         self._catalog.setdefault(s.run, {})[s.uri] = s.entry()
         self._forget_manifest(s.uri)
         metrics.inc("rayckpt_checkpoints_committed", run=s.run)
+        await self.record_event(
+            s.run, "committed", {"save_id": s.save_id, "step": s.step, "uri": s.uri, "writer_nodes": s.writer_nodes}
+        )
         metrics.observe("rayckpt_commit_seconds", time.time() - s.started, run=s.run)
         s.done.set()
 
@@ -265,6 +281,7 @@ class MetadataActor:
         if s.uri:
             self._catalog.setdefault(s.run, {})[s.uri] = s.entry()
         metrics.inc("rayckpt_checkpoints_failed", run=s.run)
+        await self.record_event(s.run, "failed", {"save_id": s.save_id, "step": s.step, "uri": s.uri, "error": reason})
         s.done.set()
 
     async def _expire_loop(self) -> None:
@@ -273,7 +290,7 @@ class MetadataActor:
             for s in list(self._saves.values()):
                 if s.status == "pending" and s.registered and now > s.deadline:
                     missing = sorted(set(range(s.world_size)) - set(s.written))
-                    await self._fail(s, f"rank(s) {missing} did not report within {self._commit_timeout_s:.0f}s")
+                    await self._fail(s, f"rank(s) {missing} did not report within {s.timeout:g}s")
             await asyncio.sleep(0.5)
 
     # -- reshard planning ------------------------------------------------------
@@ -400,7 +417,7 @@ class ShardWriter:
             ray.get(meta.report_failed.remote(save_id, rank, msg))
             raise
         seconds = time.perf_counter() - start
-        ray.get(meta.report_written.remote(save_id, rank, written, files, seconds))
+        ray.get(meta.report_written.remote(save_id, rank, written, files, seconds, self.node_id))
         return {"node": self.node_id, "files": [f.path for f in files], "bytes": sum(f.size for f in files)}
 
 

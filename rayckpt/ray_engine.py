@@ -77,12 +77,20 @@ class SaveHandle:
                 raise TimeoutError(f"save {self.save_id} to {self.uri}: not committed within {limit}s")
             self._entry = entry
             self._staged_ref = None  # release the staged copy in the object store
+            _clear_inflight(self)
         if self._entry.status != "committed":
             raise SaveFailedError(
                 f"save of step {self.step} to {self.uri} (save {self.save_id}) failed; nothing was committed: "
                 f"{self._entry.error}"
             )
         return self._entry
+
+
+def _clear_inflight(handle: SaveHandle) -> None:
+    """A handle whose outcome its caller has seen no longer holds up the next save."""
+    global _inflight
+    if _inflight is handle:
+        _inflight = None
 
 
 def save_async(
@@ -144,6 +152,7 @@ def save_async(
                     collected.values,
                     block_size,
                     metadata,
+                    commit_timeout_s,
                 )
             )
 

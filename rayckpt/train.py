@@ -63,8 +63,7 @@ class Checkpointer:
         self.local_is_shared = local_is_shared
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
         self.last_load: LoadInfo | None = None
-        self._meta = get_metadata_actor()
-        ray.get(self._meta.register_run.remote(self.run, self.root, self.filesystem))
+        ray.get(get_metadata_actor().register_run.remote(self.run, self.root, self.filesystem))
 
     def path(self, step: int) -> str:
         return posixpath.join(self.root, checkpoint_dir_name(step))
@@ -105,8 +104,14 @@ class Checkpointer:
         return handle
 
     def latest(self) -> CatalogEntry | None:
-        """The run's latest committed checkpoint, from the MetadataActor's catalog."""
-        return ray.get(self._meta.latest.remote(self.run))
+        """The run's latest committed checkpoint, from the MetadataActor's catalog.
+
+        The catalog is re-read from storage, so this holds after the actor was
+        killed and recreated.
+        """
+        entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.root, self.filesystem))
+        committed = [e for e in entries if e.status == "committed"]
+        return committed[-1] if committed else None
 
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the latest committed checkpoint into ``state`` (collective; any worker count).
@@ -124,7 +129,7 @@ class Checkpointer:
                 return None
             path, filesystem = entry.uri, self.filesystem
         self.last_load = ray_load(state, path, run=self.run, filesystem=filesystem)
-        metadata = ray.get(self._meta.user_metadata.remote(path, filesystem))
+        metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
         step = metadata.get("step")
         logger.info("rayckpt: rank %d restored step %s from %s", self.rank, step, path)
         return step

@@ -5,12 +5,26 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import ray
 import ray.train
 import torch
 
+from rayckpt import ray_engine
+from rayckpt.actors import get_metadata_actor
 from rayckpt.app_state import AppState
 from rayckpt.demo import build_fsdp, full_state, train_steps
 from rayckpt.train import Checkpointer
+
+
+def inject_failure(mode: str) -> None:
+    """Make this rank's next save fail after it registered, while the others write."""
+
+    def fail(plan, flat):
+        if mode == "kill":
+            os._exit(1)
+        raise OSError(28, "No space left on device (injected)")
+
+    ray_engine.create_chunk_data = fail
 
 
 def toy_train_loop(config: dict[str, Any]) -> None:
@@ -27,18 +41,22 @@ def toy_train_loop(config: dict[str, Any]) -> None:
     if restored is not None:
         dump = full_state(app)
         if rank == 0:
-            torch.save({"step": restored, "state": dump, "load": ckpt.last_load}, os.path.join(out, f"restored-{world}.pt"))
-    if config.get("fail_rank") == rank:
-        raise RuntimeError("injected failure before saving")
+            torch.save(
+                {"step": restored, "state": dump, "load": ckpt.last_load}, os.path.join(out, f"restored-{world}.pt")
+            )
+    with open(os.path.join(out, f"node-{world}-{rank}.txt"), "w") as f:
+        f.write(ray.get_runtime_context().get_node_id())
     while step < config["steps"]:
         train_steps(model, optim, 1, rank + 100 * step)
         step += 1
         app.extras["step"] = step
         if step in config["save_at"]:
+            if step == config.get("fail_step") and rank == 1:
+                inject_failure(config["fail_mode"])
             handle = ckpt.save(step, state, {"loss": float(step)})
-            if rank == 0:
-                with open(os.path.join(out, f"stall-{world}-{step}.txt"), "w") as f:
-                    f.write(str(handle.stall_seconds))
+            if rank == 0 and step == config.get("kill_actor_at"):
+                handle.wait()
+                ray.kill(get_metadata_actor(), no_restart=True)
     ckpt.wait()
     dump = full_state(app)
     if rank == 0:

@@ -11,19 +11,13 @@ from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 import rayckpt
+import rayckpt.demo
 from rayckpt.actors import get_metadata_actor
 from rayckpt.train import RayckptCallback
 
 from . import ray_workers
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=8, include_dashboard=False, namespace="rayckpt-tests")
-    yield
-    ray.shutdown()
 
 
 def fit(storage, out, workers, steps, save_at, name="toy", **extra):
@@ -51,7 +45,9 @@ def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path):
     assert os.path.exists(os.path.join(result.checkpoint.path, "manifest.json"))
     final4 = torch.load(out / "final-4.pt", weights_only=False)
 
-    result = fit(storage, out, 3, 4, {4})
+    # the MetadataActor dies between runs: its catalog comes back from storage
+    ray.kill(get_metadata_actor(), no_restart=True)
+    result = fit(storage, out, 3, 4, {4}, kill_actor_at=4)
     restored3 = torch.load(out / "restored-3.pt", weights_only=False)
     assert restored3["step"] == 3
     for key, value in final4["state"].items():
@@ -74,8 +70,34 @@ def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path):
     assert kept == ["rayckpt-step-00000003", "rayckpt-step-00000004"]
     entries = ray.get(get_metadata_actor().checkpoints.remote("toy"))
     assert [e.step for e in entries if e.status == "committed"] == [3, 4]
+    # events live in the actor's memory: the one killed after step 4's commit took 2-4's along
     events = ray.get(get_metadata_actor().events.remote("toy"))
-    assert [e["step"] for e in events if e["kind"] == "reported"][:3] == [2, 3, 4]
+    assert [e["step"] for e in events if e["kind"] == "reported"] == [4]
     # a committed checkpoint is a plain rayckpt checkpoint too
     m = rayckpt.read_manifest(rayckpt.storage.CheckpointDir.resolve(str(run_dir / "rayckpt-step-00000004")))
     assert m.world_size == 3 and m.user_metadata["step"] == 4
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_worker_failing_mid_save_commits_nothing(ray_session, tmp_path, mode):
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    name = f"fail-{mode}"
+    with pytest.raises(Exception) as err:
+        fit(storage, out, 3, 3, {2, 3}, name=name, fail_step=3, fail_mode=mode)
+    if mode == "raise":
+        assert "No space left on device (injected)" in str(err.value)
+    run_dir = storage / name
+    failed_dir = run_dir / "rayckpt-step-00000003"
+    # nothing of the failed save is left: no manifest, no shard files
+    assert not failed_dir.exists() or not [f for f in os.listdir(failed_dir) if f != ".lock"]
+    # the previous checkpoint is intact and loads
+    model = rayckpt.demo.ToyModel()
+    rayckpt.load({"app": {"model": model.state_dict()}}, str(run_dir / "rayckpt-step-00000002"))
+    events = ray.get(get_metadata_actor().events.remote(name))
+    failed = [e for e in events if e["kind"] == "failed"]
+    assert failed and failed[-1]["step"] == 3
+    if mode == "raise":
+        assert "No space left on device (injected)" in failed[-1]["error"]
+    else:
+        assert "worker group failed" in failed[-1]["error"]

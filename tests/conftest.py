@@ -1,0 +1,18 @@
+"""Shared fixtures: one local Ray session for all in-process Ray tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, namespace="rayckpt-tests")
+    yield
+    ray.shutdown()

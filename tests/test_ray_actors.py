@@ -1,0 +1,102 @@
+"""The actors on a real local Ray, driven from one process: commit protocol, catalog, plans."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+
+import rayckpt
+from rayckpt import ray_engine
+from rayckpt.actors import get_metadata_actor, get_shard_writer
+
+pytestmark = pytest.mark.slow
+
+
+def state(seed: int, rows: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(rows, 256, generator=g), "b": torch.randn(7, generator=g), "step": seed}
+
+
+def target(rows: int = 1000) -> dict:
+    return {"w": torch.zeros(rows, 256), "b": torch.zeros(7), "step": -1}
+
+
+def committed_order(run: str) -> list[str]:
+    return [e["save_id"] for e in ray.get(get_metadata_actor().events.remote(run)) if e["kind"] == "committed"]
+
+
+def test_async_save_commits_and_loads_with_an_actor_plan(ray_session, tmp_path):
+    path = str(tmp_path / "a")
+    handle = ray_engine.save_async(state(1), path, run="basic", step=1)
+    assert handle.stall_seconds > 0
+    entry = handle.wait()
+    assert entry.status == "committed" and entry.step == 1 and entry.uri == path
+    assert os.path.exists(os.path.join(path, "manifest.json"))
+    out = target()
+    info = ray_engine.load(out, path, run="basic")
+    assert torch.equal(out["w"], state(1)["w"]) and out["step"] == 1
+    assert info.bytes_read == info.bytes_needed
+    before = ray.get(get_metadata_actor().cached_plans.remote())
+    ray_engine.load(target(), path, run="basic")
+    assert ray.get(get_metadata_actor().cached_plans.remote()) == before  # served from the cache
+
+
+def test_writer_is_the_one_on_this_node(ray_session, tmp_path):
+    node = ray.get_runtime_context().get_node_id()
+    writer = get_shard_writer()
+    assert ray.get(writer.node.remote()) == node
+    handle = ray_engine.save_async(state(2), str(tmp_path / "n"), run="nodes", step=2)
+    handle.wait()
+    committed = [e for e in ray.get(get_metadata_actor().events.remote("nodes")) if e["kind"] == "committed"]
+    assert committed[-1]["writer_nodes"] == {0: node}
+
+
+def test_second_save_waits_for_the_first_and_both_commit_in_order(ray_session, tmp_path):
+    h1 = ray_engine.save_async(state(3, rows=20000), str(tmp_path / "s1"), run="bp", step=1)
+    h2 = ray_engine.save_async(state(4, rows=20000), str(tmp_path / "s2"), run="bp", step=2)
+    # backpressure: save_async(2) returned only after save 1 committed
+    assert committed_order("bp") == [h1.save_id]
+    h2.wait()
+    assert committed_order("bp") == [h1.save_id, h2.save_id]
+
+
+def test_failed_save_is_never_silent(ray_session, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    handle = ray_engine.save_async(state(5), str(blocker / "ckpt"), run="bad", step=1)
+    with pytest.raises(rayckpt.SaveFailedError, match=r"(?s)step 1.*ShardWriter on node"):
+        handle.wait()
+    # not waiting does not hide it either: the next save raises it
+    ray_engine.save_async(state(5), str(blocker / "ckpt2"), run="bad", step=2)
+    with pytest.raises(rayckpt.SaveFailedError, match="step 2"):
+        ray_engine.save_async(state(6), str(tmp_path / "fine"), run="bad", step=3)
+    ray_engine.wait_inflight()
+
+
+def test_rank_that_never_reports_fails_the_save_after_its_timeout(ray_session, tmp_path):
+    meta = get_metadata_actor()
+    path = str(tmp_path / "t")
+    os.makedirs(path)
+    ray.get(meta.begin_save.remote("sid-timeout", path, None, "timeouts", 9, 2, {}, {}, 64, {}, 1.0))
+    entry = ray.get(meta.wait_commit.remote("sid-timeout", 30))
+    assert entry.status == "failed"
+    assert "rank(s) [0, 1] did not report within 1s" in entry.error
+    assert not os.path.exists(os.path.join(path, "manifest.json"))
+
+
+def test_killed_metadata_actor_rebuilds_its_catalog_from_storage(ray_session, tmp_path):
+    root = tmp_path / "run"
+    for step in (1, 2):
+        ray_engine.save_async(state(step), str(root / f"rayckpt-step-{step:08d}"), run="phoenix", step=step).wait()
+    (root / "rayckpt-step-00000003").mkdir()
+    (root / "rayckpt-step-00000003" / "partial-r00000-float.arrow").write_bytes(b"x")
+    ray.kill(get_metadata_actor(), no_restart=True)
+    entries = ray.get(get_metadata_actor().register_run.remote("phoenix", str(root)))
+    assert [(e.step, e.status) for e in entries] == [(None, "incomplete"), (1, "committed"), (2, "committed")]
+    assert ray.get(get_metadata_actor().latest.remote("phoenix")).step == 2
+    out = target()
+    ray_engine.load(out, str(root / "rayckpt-step-00000002"), run="phoenix")
+    assert torch.equal(out["w"], state(2)["w"])
