@@ -34,7 +34,7 @@ def toy_train_loop(config: dict[str, Any]) -> None:
     model, optim = build_fsdp(world, seed=config.get("seed", 0))
     app = AppState(model, optim, step=0)
     state = {"app": app}
-    ckpt = Checkpointer()
+    ckpt = Checkpointer(local_is_shared=config.get("local_is_shared"))
     restored = ckpt.restore(state)
     step = app.extras["step"] if restored is not None else 0
     out = config["out"]
