@@ -26,6 +26,9 @@ __all__ = ["GPT", "GPTConfig", "shard_model", "synthetic_batch"]
 
 #: Largest stride of a synthetic sequence; the model learns it from the first two tokens.
 MAX_STRIDE = 16
+#: Synthetic tokens stay below this id (or the vocab size), so a large-vocab model learns
+#: quickly at first (which ids occur), then slowly (how sequences continue).
+DATA_ALPHABET = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +150,9 @@ def synthetic_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s ``(inputs, targets)`` of the global batch of ``step``, each ``(global_batch // W, seq_len)``.
 
-    Sample ``i`` is an arithmetic sequence ``start + stride * j (mod vocab)`` with a
-    start and stride drawn from a generator seeded by ``(seed, step)``, so the global
-    batch depends on nothing else. Rank ``r`` takes samples ``r::world_size``. The
+    Sample ``i`` is an arithmetic sequence ``start + stride * j (mod A)``, with ``A =
+    min(vocab, DATA_ALPHABET)`` and a start and stride drawn from a generator seeded
+    by ``(seed, step)``, so the global batch depends on nothing else. Rank ``r`` takes samples ``r::world_size``. The
     batch must split evenly: FSDP averages gradients across ranks, which equals the
     gradient of the global mean loss only when every rank holds as many samples.
     """
@@ -163,9 +166,10 @@ def synthetic_batch(
         )
     # The CPU generator keeps 32 bits of its seed: fold the run seed in with a large odd constant.
     gen = torch.Generator().manual_seed((step + seed * 0x9E3779B1) % 2**32)
-    starts = torch.randint(0, vocab, (global_batch,), generator=gen)
+    alphabet = min(vocab, DATA_ALPHABET)
+    starts = torch.randint(0, alphabet, (global_batch,), generator=gen)
     strides = torch.randint(1, MAX_STRIDE + 1, (global_batch,), generator=gen)
     starts, strides = starts[rank::world_size], strides[rank::world_size]
     positions = torch.arange(seq_len + 1)
-    tokens = (starts[:, None] + strides[:, None] * positions[None, :]) % vocab
+    tokens = (starts[:, None] + strides[:, None] * positions[None, :]) % alphabet
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -56,6 +56,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--resume", action="store_true", help="continue the run's latest committed checkpoint, with any worker count"
     )
     p.add_argument("--gpus", action="store_true", help="one GPU per worker with nccl (default: CPU with gloo)")
+    p.add_argument(
+        "--cpus-per-worker",
+        type=float,
+        default=None,
+        help="CPUs each worker reserves (default: 1 for CPU training, less when the cluster has fewer CPUs than "
+        "workers; none with --gpus)",
+    )
     p.add_argument("--d-model", type=int, default=defaults.d_model)
     p.add_argument("--n-layers", type=int, default=defaults.n_layers)
     p.add_argument("--n-heads", type=int, default=defaults.n_heads)
@@ -65,7 +72,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--global-batch", type=int, default=12, help="samples per step over all workers; a multiple of --num-workers"
     )
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (linear warmup, cosine decay)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup, cosine decay)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for flag in ("num_workers", "steps", "checkpoint_every", "global_batch"):
@@ -100,6 +107,19 @@ def train_config(args: argparse.Namespace) -> dict[str, Any]:
         "resume": args.resume,
         "gpus": args.gpus,
     }
+
+
+def worker_resources(args: argparse.Namespace, cluster_cpus: float) -> dict[str, float] | None:
+    """``ScalingConfig.resources_per_worker``: ``None`` keeps Ray's default (1 CPU, or 1 GPU with ``--gpus``).
+
+    CPU training with more workers than the cluster has CPUs (4 workers on a
+    2-core laptop) shares the CPUs instead of waiting forever for more.
+    """
+    if args.cpus_per_worker is not None:
+        return {"CPU": args.cpus_per_worker}
+    if not args.gpus and 0 < cluster_cpus < args.num_workers:
+        return {"CPU": cluster_cpus / args.num_workers}
+    return None
 
 
 def warmup_cosine(total_steps: int) -> Callable[[int], float]:
@@ -228,7 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config=train_config(args),
-            scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.gpus),
+            scaling_config=ScalingConfig(
+                num_workers=args.num_workers,
+                use_gpu=args.gpus,
+                resources_per_worker=worker_resources(args, ray.cluster_resources().get("CPU", 0)),
+            ),
             torch_config=TorchConfig(backend="nccl" if args.gpus else "gloo"),
             run_config=RunConfig(
                 name=args.run_name,

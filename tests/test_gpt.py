@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayckpt.gpt import GPT, GPTConfig, synthetic_batch
-from rayckpt.train_job import parse_args, train_config, warmup_cosine
+from rayckpt.train_job import parse_args, train_config, warmup_cosine, worker_resources
 
 
 def test_preset_sizes():
@@ -115,3 +115,10 @@ def test_parse_args_defaults_and_checks(tmp_path):
     assert model["d_ff"] == 256
     with pytest.raises(SystemExit):
         parse_args(["--num-workers", "5"])
+
+
+def test_cpu_workers_share_a_small_cluster():
+    assert worker_resources(parse_args(["--num-workers", "4"]), cluster_cpus=2) == {"CPU": 0.5}
+    assert worker_resources(parse_args(["--num-workers", "4"]), cluster_cpus=16) is None
+    assert worker_resources(parse_args(["--num-workers", "4", "--gpus"]), cluster_cpus=2) is None
+    assert worker_resources(parse_args(["--cpus-per-worker", "2"]), cluster_cpus=2) == {"CPU": 2.0}

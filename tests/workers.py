@@ -136,3 +136,34 @@ def files_in(path: str) -> list[str]:
 def barrier_worker(rank: int, world_size: int) -> int:
     dist.barrier()
     return rank
+
+
+class LocalCheckpointer:
+    """The job's checkpointer interface on plain rayckpt.save/load (no Ray): step_<n> dirs."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def restore(self, state: dict[str, Any]) -> int | None:
+        steps = sorted(
+            int(d.split("_")[1])
+            for d in (os.listdir(self.root) if os.path.isdir(self.root) else [])
+            if os.path.exists(os.path.join(self.root, d, "manifest.json"))
+        )
+        if not steps:
+            return None
+        rayckpt.load(state, os.path.join(self.root, f"step_{steps[-1]}"))
+        return state["app"].extras["step"]
+
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        rayckpt.save(state, os.path.join(self.root, f"step_{step}"))
+
+    def wait(self) -> None:
+        pass
+
+
+def train_job_worker(rank: int, world_size: int, config: dict[str, Any], root: str) -> list[dict[str, float]]:
+    from rayckpt.train_job import train
+
+    torch.set_num_threads(1)
+    return train(config, rank, world_size, LocalCheckpointer(root))
