@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -135,20 +134,15 @@ class CheckpointDir:
 
     def list_files(self) -> list[str]:
         """Names of the files directly in the directory."""
-        try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.File)
+        return self._list(pafs.FileType.File)
 
     def list_dirs(self) -> list[str]:
+        """Names of the directories directly in the directory."""
+        return self._list(pafs.FileType.Directory)
+
+    def _list(self, kind: pafs.FileType) -> list[str]:
         try:
             infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory)
-
-
-def iter_chunks(buf: memoryview, size: int) -> Iterator[memoryview]:
-    for i in range(0, len(buf), size):
-        yield buf[i : i + size]
+        return sorted(posixpath.basename(i.path) for i in infos if i.type == kind)
