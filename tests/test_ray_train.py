@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pyarrow.fs as pafs
 import pytest
 import ray
 import torch
@@ -20,7 +21,7 @@ from . import ray_workers
 pytestmark = pytest.mark.slow
 
 
-def fit(storage, out, workers, steps, save_at, name="toy", **extra):
+def fit(storage, out, workers, steps, save_at, name="toy", filesystem=None, **extra):
     trainer = TorchTrainer(
         ray_workers.toy_train_loop,
         train_loop_config={"steps": steps, "save_at": save_at, "out": str(out), **extra},
@@ -29,6 +30,7 @@ def fit(storage, out, workers, steps, save_at, name="toy", **extra):
         run_config=RunConfig(
             name=name,
             storage_path=str(storage),
+            storage_filesystem=filesystem,
             callbacks=[RayckptCallback()],
             checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
@@ -101,3 +103,21 @@ def test_worker_failing_mid_save_commits_nothing(ray_session, tmp_path, mode):
         assert "No space left on device (injected)" in failed[-1]["error"]
     else:
         assert "worker group failed" in failed[-1]["error"]
+
+
+def test_pyarrow_filesystem_storage(ray_session, tmp_path):
+    """RunConfig(storage_filesystem=...): a non-local pyarrow filesystem (no mmap, ranged reads)."""
+    base = tmp_path / "bucket"
+    base.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    fs = pafs.SubTreeFileSystem(str(base), pafs.LocalFileSystem())
+    result = fit("ckpts", out, 2, 2, {2}, name="fsrun", filesystem=fs)
+    assert result.checkpoint.path == "ckpts/fsrun/rayckpt-step-00000002"
+    assert (base / "ckpts" / "fsrun" / "rayckpt-step-00000002" / "manifest.json").exists()
+    saved = torch.load(out / "final-2.pt", weights_only=False)
+    fit("ckpts", out, 3, 2, set(), name="fsrun", filesystem=fs)
+    restored = torch.load(out / "restored-3.pt", weights_only=False)
+    assert restored["step"] == 2
+    for key, value in saved["state"].items():
+        assert torch.equal(restored["state"][key], value), key
