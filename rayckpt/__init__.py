@@ -1,5 +1,6 @@
 """rayckpt: sharded PyTorch checkpoints for training on Ray, in an open Arrow format."""
 
+from .conversions import convert
 from .engine import LoadInfo, SaveInfo, load, read_manifest, save
 from .errors import (
     CheckpointNotFoundError,
@@ -10,6 +11,7 @@ from .errors import (
     RayckptError,
     SaveFailedError,
 )
+from .tools import consolidate, inspect, plan, verify
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -21,8 +23,13 @@ __all__ = [
     "RayckptError",
     "SaveFailedError",
     "SaveInfo",
+    "consolidate",
+    "convert",
+    "inspect",
     "load",
+    "plan",
     "read_manifest",
     "save",
+    "verify",
 ]
 __version__ = "0.1.0"

@@ -23,8 +23,8 @@ from typing import Any
 import ray
 
 from . import metrics
+from .catalog import CatalogEntry, entry_order, scan_run
 from .engine import commit_manifest, create_manifest, manifest_values, read_manifest, write_chunks
-from .errors import RayckptError
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
 from .planner import ChunkIndex, ReadPlan, TensorRequest, create_load_plan
 from .shard_file import ChunkData, WrittenChunk
@@ -33,21 +33,6 @@ from .storage import CheckpointDir
 NAMESPACE = "rayckpt"
 METADATA_ACTOR_NAME = "rayckpt-metadata"
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogEntry:
-    """One checkpoint the MetadataActor knows of."""
-
-    run: str
-    step: int | None
-    uri: str
-    status: str  # "pending", "committed", "failed", "incomplete" (files but no manifest)
-    world_size: int
-    bytes: int
-    created: float
-    save_id: str
-    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +74,15 @@ class _Save:
 
     def entry(self) -> CatalogEntry:
         return CatalogEntry(
-            self.run,
-            self.step,
-            self.uri,
-            self.status,
-            self.world_size,
-            self.total_bytes,
-            self.started,
-            self.save_id,
-            self.error,
+            run=self.run,
+            step=self.step,
+            path=self.uri,
+            status=self.status,
+            created=self.started,
+            world_size=self.world_size,
+            bytes=self.total_bytes,
+            save_id=self.save_id,
+            error=self.error,
         )
 
 
@@ -127,34 +112,18 @@ class MetadataActor:
 
     def _scan(self, run: str) -> list[CatalogEntry]:
         root, fs = self._roots[run]
-        base = CheckpointDir.resolve(root, fs)
-        found: dict[str, CatalogEntry] = {}
-        for name in base.list_dirs():
-            ckdir = base.child(name)
-            files = ckdir.list_files()
-            if MANIFEST_NAME in files:
-                try:
-                    m = read_manifest(ckdir)
-                except RayckptError as exc:
-                    found[ckdir.uri] = CatalogEntry(run, None, ckdir.uri, "failed", 0, 0, 0.0, "", str(exc))
-                    continue
-                step = m.user_metadata.get("step")
-                found[ckdir.uri] = CatalogEntry(
-                    run, step, ckdir.uri, "committed", m.world_size, m.total_bytes, m.created, m.save_id
-                )
-            elif any(f.endswith(".arrow") for f in files):
-                found[ckdir.uri] = CatalogEntry(run, None, ckdir.uri, "incomplete", 0, 0, 0.0, "")
-        # In-flight saves are not on storage yet: keep them.
+        found = {e.path: e for e in scan_run(CheckpointDir.resolve(root, fs), run)}
+        # In-flight and rolled-back saves are not (or no longer) on storage: keep them.
         for s in self._saves.values():
-            if s.run == run and s.status == "pending":
+            if s.run == run and s.status in ("pending", "failed") and s.uri not in found:
                 found[s.uri] = s.entry()
         self._catalog[run] = found
-        return sorted(found.values(), key=_entry_order)
+        return sorted(found.values(), key=entry_order)
 
     async def checkpoints(self, run: str) -> list[CatalogEntry]:
         """The run's checkpoints, oldest first, re-read from storage."""
         if run not in self._roots:
-            return sorted(self._catalog.get(run, {}).values(), key=_entry_order)
+            return sorted(self._catalog.get(run, {}).values(), key=entry_order)
         return await asyncio.to_thread(self._scan, run)
 
     async def latest(self, run: str) -> CatalogEntry | None:
@@ -360,10 +329,6 @@ class MetadataActor:
 
     async def events(self, run: str) -> list[dict[str, Any]]:
         return list(self._events.get(run, []))
-
-
-def _entry_order(e: CatalogEntry) -> tuple:
-    return (e.step if e.step is not None else -1, e.created, e.uri)
 
 
 def _delete_files(s: _Save, paths: list[str]) -> None:

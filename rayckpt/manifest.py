@@ -223,13 +223,14 @@ def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
                 path = _safe_path(c["file"], where)
                 if path not in known:
                     raise CorruptCheckpointError(f"{where}: key {key!r} names file {path!r} missing from 'files'")
+                what = f"{where}: key {key!r} chunk"
                 chunks.append(
                     ChunkEntry(
-                        Box(tuple(c["offsets"]), tuple(c["sizes"])),
+                        Box(_ints(c["offsets"], f"{what} offsets"), _ints(c["sizes"], f"{what} sizes")),
                         path,
                         int(c["byte_offset"]),
                         int(c["byte_length"]),
-                        tuple(c["crc32"]),
+                        _ints(c["crc32"], f"{what} crc32"),
                     )
                 )
             entries[key] = TensorEntry(e["dtype"], tuple(e["shape"]), tuple(chunks))
@@ -250,6 +251,12 @@ def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
         if isinstance(exc, CorruptCheckpointError):
             raise
         raise CorruptCheckpointError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(values, list) or any(type(v) is not int for v in values):
+        raise CorruptCheckpointError(f"{what} must be a list of integers, got {values!r}"[:300])
+    return tuple(values)
 
 
 def _safe_path(path: Any, where: str) -> str:

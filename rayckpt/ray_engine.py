@@ -17,7 +17,8 @@ import pyarrow.fs as pafs
 import ray
 
 from . import metrics
-from .actors import DEFAULT_COMMIT_TIMEOUT_S, CatalogEntry, get_metadata_actor, get_shard_writer
+from .actors import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor, get_shard_writer
+from .catalog import CatalogEntry
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .engine import LoadInfo, collect_state, create_chunk_data, tensor_requests
 from .engine import load as _engine_load

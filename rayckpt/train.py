@@ -25,19 +25,14 @@ from typing import Any
 import ray
 import ray.train
 
-from .actors import DEFAULT_COMMIT_TIMEOUT_S, CatalogEntry, get_metadata_actor
+from .actors import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from .catalog import CatalogEntry, checkpoint_dir_name
 from .engine import LoadInfo
 from .ray_engine import SaveHandle, save_async, wait_inflight
 from .ray_engine import load as ray_load
 from .shard_file import DEFAULT_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_PREFIX = "rayckpt-step-"
-
-
-def checkpoint_dir_name(step: int) -> str:
-    return f"{CHECKPOINT_PREFIX}{step:08d}"
 
 
 class Checkpointer:
@@ -127,7 +122,7 @@ class Checkpointer:
             entry = self.latest()
             if entry is None:
                 return None
-            path, filesystem = entry.uri, self.filesystem
+            path, filesystem = entry.path, self.filesystem
         self.last_load = ray_load(state, path, run=self.run, filesystem=filesystem)
         metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
         step = metadata.get("step")

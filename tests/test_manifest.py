@@ -454,3 +454,12 @@ def test_boolean_version_is_not_version_one():
     doc["version"] = True
     with pytest.raises(FormatVersionError, match="format version True"):
         decode_manifest(raw(doc))
+
+
+@pytest.mark.parametrize("field", ["offsets", "sizes", "crc32"])
+def test_non_integer_chunk_lists_are_corrupt(field):
+    doc = doc_of(sample_manifest())
+    chunk = doc["entries"]["model.w"]["chunks"][0]
+    chunk[field] = ["abc"] + chunk[field][1:]
+    with pytest.raises(CorruptCheckpointError, match=rf"'model.w' chunk {field} must be a list of integers"):
+        decode_manifest(raw(doc))

@@ -33,7 +33,7 @@ def test_async_save_commits_and_loads_with_an_actor_plan(ray_session, tmp_path):
     handle = ray_engine.save_async(state(1), path, run="basic", step=1)
     assert handle.stall_seconds > 0
     entry = handle.wait()
-    assert entry.status == "committed" and entry.step == 1 and entry.uri == path
+    assert entry.status == "committed" and entry.step == 1 and entry.path == path
     assert os.path.exists(os.path.join(path, "manifest.json"))
     out = target()
     info = ray_engine.load(out, path, run="basic")
@@ -95,7 +95,7 @@ def test_killed_metadata_actor_rebuilds_its_catalog_from_storage(ray_session, tm
     (root / "rayckpt-step-00000003" / "partial-r00000-float.arrow").write_bytes(b"x")
     ray.kill(get_metadata_actor(), no_restart=True)
     entries = ray.get(get_metadata_actor().register_run.remote("phoenix", str(root)))
-    assert [(e.step, e.status) for e in entries] == [(None, "incomplete"), (1, "committed"), (2, "committed")]
+    assert [(e.step, e.status) for e in entries] == [(1, "committed"), (2, "committed"), (3, "incomplete")]
     assert ray.get(get_metadata_actor().latest.remote("phoenix")).step == 2
     out = target()
     ray_engine.load(out, str(root / "rayckpt-step-00000002"), run="phoenix")
