@@ -11,7 +11,8 @@ from .errors import (
     RayckptError,
     SaveFailedError,
 )
-from .tools import consolidate, inspect, plan, verify
+from .tools import consolidate, inspect, plan
+from .verification import verify
 
 __all__ = [
     "CheckpointNotFoundError",

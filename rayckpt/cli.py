@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from . import __version__, tools
+from . import __version__, tools, verification
 from .errors import CheckpointNotFoundError, RayckptError
 
 EXIT_OK = 0
@@ -214,7 +214,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     bar = ProgressBar("verifying")
     try:
-        report = tools.verify(args.checkpoint, on_progress=bar)
+        report = verification.verify(args.checkpoint, on_progress=bar)
     finally:
         bar.close()
     if args.json:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rayckpt
-from rayckpt import tools
+from rayckpt import tools, verification
 from rayckpt.demo import load_worker, save_worker
 from rayckpt.multiproc import run_ranks
 
@@ -188,7 +188,7 @@ def test_verify_catches_a_flipped_byte_naming_file_key_and_bytes(single):
 
 def test_verify_reads_in_windows_and_reports_every_bad_block(single, monkeypatch):
     path, _ = single
-    monkeypatch.setattr(tools, "VERIFY_WINDOW_BYTES", 64)
+    monkeypatch.setattr(verification, "VERIFY_WINDOW_BYTES", 64)
     chunk = manifest_of(path)["entries"]["model.w"]["chunks"][0]
     for offset in (5, 300, 700):
         flip_byte(path, chunk["file"], chunk["byte_offset"] + offset)
