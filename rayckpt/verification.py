@@ -153,7 +153,7 @@ def _check_chunk(reader: ShardReader, key: str, c: ChunkEntry, file_size: int) -
         for b_lo in range(lo, hi, bs):
             b_hi = min(b_lo + bs, hi)
             try:
-                reader.verify(buf, c.byte_offset + lo, key, c, b_lo, b_hi)
+                reader.verify([(c.byte_offset + lo, memoryview(buf))], key, c, b_lo, b_hi)
             except CorruptCheckpointError as exc:
                 problems.append(Problem("checksum", str(exc), c.file, key, c.byte_offset + b_lo, c.byte_offset + b_hi))
         # Unmap what was read, so resident memory stays one window, not the whole checkpoint.

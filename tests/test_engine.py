@@ -369,3 +369,13 @@ def test_hand_edited_overlapping_chunks_are_refused_at_load(tmp_path):
     rewrite_manifest(path, overlap)
     with pytest.raises(rayckpt.CorruptCheckpointError, match=r"(?s)inconsistent manifest.*key 'w'.*overlap"):
         rayckpt.load({"w": torch.zeros(8)}, path)
+
+
+def test_non_contiguous_target_is_filled_through_the_buffered_path(tmp_path):
+    path = str(tmp_path / "c")
+    w = torch.arange(20.0).reshape(4, 5)
+    rayckpt.save({"w": w}, path, block_size=8)
+    base = torch.zeros(5, 4)
+    target = {"w": base.t()}  # a (4, 5) view with strides (1, 4): not contiguous
+    rayckpt.load(target, path)
+    assert torch.equal(base.t(), w)
