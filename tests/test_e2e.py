@@ -99,7 +99,7 @@ def submit(cluster, *args: str) -> dict:
         "jobs/train.py",
         *args,
     ]
-    deadline = time.time() + 90
+    deadline = time.time() + 300  # generous: a loaded 2-core machine starts the agent slowly
     while True:
         proc = subprocess.run(cmd, cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=400)
         # The head's job agent comes up a little after the dashboard does.
