@@ -787,6 +787,12 @@ def load_avg_thread(samples: list[tuple[float, float, float | None]], stop: thre
     return t
 
 
+def save_partial(out: str, label: str, result: dict[str, Any]) -> None:
+    """What a size has measured so far, in case the run is cut short (removed at the end of a run)."""
+    with open(os.path.join(out, f"bench_suite.partial-{label}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def run_size(args: argparse.Namespace, size_mb: float, out: str, ray_address: str) -> dict[str, Any]:
     label = f"{size_mb:g}MB"
     size_dir = os.path.join(out, f"suite_{label}")
@@ -845,6 +851,7 @@ def run_size(args: argparse.Namespace, size_mb: float, out: str, ray_address: st
     for p in (save_paths["rayckpt_ray"], save_paths["dcp_async"]):
         shutil.rmtree(p, ignore_errors=True)  # measured; not loaded
     print(f"[suite] {label}: saves done in {time.perf_counter() - t0:.0f}s", flush=True)
+    save_partial(out, label, result)
 
     reshards = parse_reshards(args.reshards)
     pending = list(reshards)
@@ -877,11 +884,13 @@ def run_size(args: argparse.Namespace, size_mb: float, out: str, ray_address: st
         result["load"][name]["fadvise_used"] = bool(loaded[0].get("fadvise_used"))
         result["load"][name]["setup_s_per_rank"] = [round(r["setup_s"], 2) for r in loaded]
         print(f"[suite] {label}: load {name} done in {time.perf_counter() - t1:.0f}s", flush=True)
+        save_partial(out, label, result)
     # Report in the order asked.
     result["load"] = {f"{n}->{m}": result["load"][f"{n}->{m}"] for n, m in reshards}
     main = f"{n0}->3" if f"{n0}->3" in result["load"] else next(iter(result["load"]), "")
     result["targets"] = targets(result, main)
     result["runtime_s"] = time.perf_counter() - t0
+    os.unlink(os.path.join(out, f"bench_suite.partial-{label}.json"))
     if not args.keep:
         shutil.rmtree(size_dir, ignore_errors=True)
     return result
@@ -1026,7 +1035,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['config']['memory_sample_interval_s'] * 1000:g} ms during "
         "the operation; the figure is the peak minus the value just before, max over repeats and ranks. "
         "'anon+shm' leaves out file-backed pages (memory-mapped checkpoint files, which are page cache). For "
-        "the Ray save, rank 0 also samples the ShardWriter actor's process. The memory target allows a rank "
+        "the Ray save, rank 0 also samples the ShardWriter actor's process. Memory a process freed earlier but "
+        "still holds (allocator caches) is reused without raising its RSS, so the figures are lower bounds of "
+        "what an operation allocates. The memory target allows a rank "
         f"its own shard bytes plus a bounded buffer of {MEM_BUFFER_BYTES // MIB} MiB.",
         "- Persist throughput: state bytes over rayckpt's save time against the same bytes over the raw "
         "write + fsync time of the same number of processes.",
