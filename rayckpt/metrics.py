@@ -67,7 +67,9 @@ def observe(name: str, value: float, **tags: Any) -> None:
 
 
 def inc(name: str, value: float = 1.0, **tags: Any) -> None:
-    """Add ``value`` to counter ``name``."""
+    """Add ``value`` to counter ``name`` (Ray counters refuse 0: a rank with nothing to write is normal)."""
+    if value <= 0:
+        return
     metric = _get(name)
     if metric is not None:
         metric.inc(value, tags=_tags(name, tags))

@@ -100,3 +100,13 @@ def test_killed_metadata_actor_rebuilds_its_catalog_from_storage(ray_session, tm
     out = target()
     ray_engine.load(out, str(root / "rayckpt-step-00000002"), run="phoenix")
     assert torch.equal(out["w"], state(2)["w"])
+
+
+def test_rank_with_nothing_to_write_still_commits(ray_session, tmp_path):
+    """Only plain values: this rank's plan is empty, its writer reports 0 bytes."""
+    path = str(tmp_path / "values")
+    entry = ray_engine.save_async({"step": 7, "note": "only values"}, path, run="empty", step=7).wait()
+    assert entry.status == "committed"
+    out = {"step": 0, "note": ""}
+    info = ray_engine.load(out, path, run="empty")
+    assert out == {"step": 7, "note": "only values"} and info.bytes_read == 0
