@@ -111,14 +111,30 @@ def build_state(world_size: int, rank: int, seed: int, shapes: list[tuple[int, i
     return model, optim, app
 
 
-def state_bytes(app: AppState) -> int:
-    """Global bytes of every tensor in the app's state (DTensors counted once, globally)."""
+def memcpy_anchor() -> dict[str, float]:
+    """Single-thread memory copy speed (64 MiB, 4 times): the anchor for copy-bound phases."""
+    a = torch.empty(64 * 2**20 // 4)
+    a.normal_()
+    b = torch.empty_like(a)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        b.copy_(a)
+    return {
+        "memcpy_GBps_1thread": 4 * a.numel() * 4 / 1e9 / (time.perf_counter() - t0),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def state_bytes(app: AppState, local: bool = False) -> int:
+    """Bytes of every tensor in the app's state: DTensors counted globally, or with
+    ``local=True`` only this rank's own shards."""
     total = 0
 
     def walk(node: Any) -> None:
         nonlocal total
         if isinstance(node, torch.Tensor):
-            total += node.numel() * node.element_size()  # DTensor.numel() is the global count
+            t = node.to_local() if local and hasattr(node, "to_local") else node
+            total += t.numel() * t.element_size()  # DTensor.numel() is the global count
         elif isinstance(node, dict):
             for v in node.values():
                 walk(v)
@@ -356,15 +372,7 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     if rank == 0:
         out["state_bytes"] = total
         out["checksums"] = sums
-        a = torch.empty(64 * 2**20 // 4)
-        a.normal_()
-        b = torch.empty_like(a)
-        t0 = time.perf_counter()
-        for _ in range(4):
-            b.copy_(a)
-        out["memcpy_GBps_1thread"] = 4 * a.numel() * 4 / 1e9 / (time.perf_counter() - t0)
-        out["torch_threads"] = torch.get_num_threads()
-        del a, b
+        out.update(memcpy_anchor())
     raw_dir = os.path.join(cfg["out"], "raw")
     raw_bytes = -(-total // world_size // RAW_BLOCK) * RAW_BLOCK
     blob = memoryview(bytearray(os.urandom(RAW_BLOCK)))

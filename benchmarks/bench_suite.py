@@ -72,6 +72,7 @@ from benchmarks.bench_engine import (
     files_under,
     io_delta,
     layer_shapes,
+    memcpy_anchor,
     proc_io,
     read_raw,
     resident_fraction,
@@ -200,22 +201,7 @@ class MemSampler:
 
 def local_bytes(app: Any) -> int:
     """Bytes of this rank's own shards (DTensors: the local part) in the app's state."""
-    total = 0
-
-    def walk(node: Any) -> None:
-        nonlocal total
-        if isinstance(node, torch.Tensor):
-            t = node.to_local() if hasattr(node, "to_local") else node
-            total += t.numel() * t.element_size()
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(app.state_dict())
-    return total
+    return state_bytes(app, local=True)
 
 
 def zero_state(model: Any, optim: Any, app: Any) -> None:
@@ -327,15 +313,7 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     out["setup_s"] = time.perf_counter() - t_setup
 
     if rank == 0:
-        a = torch.empty(64 * 2**20 // 4)
-        a.normal_()
-        b = torch.empty_like(a)
-        t0 = time.perf_counter()
-        for _ in range(4):
-            b.copy_(a)
-        out["memcpy_GBps_1thread"] = 4 * a.numel() * 4 / 1e9 / (time.perf_counter() - t0)
-        out["torch_threads"] = torch.get_num_threads()
-        del a, b
+        out.update(memcpy_anchor())
 
     raw_dir = paths["raw"]
     raw_bytes = -(-total // world_size // RAW_BLOCK) * RAW_BLOCK
