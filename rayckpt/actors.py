@@ -25,7 +25,7 @@ import ray
 from . import metrics
 from .catalog import CatalogEntry, entry_order, scan_run
 from .engine import commit_manifest, create_manifest, manifest_values, read_manifest, write_chunks
-from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .manifest import MANIFEST_NAME, Blocks, FileEntry, Manifest
 from .planner import ChunkIndex, ReadPlan, TensorRequest, create_load_plan
 from .shard_file import ChunkData, WrittenChunk
 from .storage import CheckpointDir
@@ -40,7 +40,7 @@ class ReadBundle:
     """What a loading rank needs besides the shard files: its plan and the manifest facts."""
 
     plan: ReadPlan
-    block_size: int
+    blocks: Blocks
     file_sizes: dict[str, int]
     values: dict[str, Any]
     save_id: str
@@ -310,7 +310,7 @@ class MetadataActor:
         seconds = time.perf_counter() - start
         metrics.observe("rayckpt_plan_seconds", seconds, run=run)
         sizes = {f.path: f.size for f in m.files}
-        return ReadBundle(plan, m.block_size, sizes, manifest_values(m, value_keys), m.save_id, seconds)
+        return ReadBundle(plan, m.blocks, sizes, manifest_values(m, value_keys), m.save_id, seconds)
 
     async def user_metadata(self, uri: str, filesystem: Any = None) -> dict[str, Any]:
         """The ``user_metadata`` of a committed checkpoint (step, run, metrics)."""

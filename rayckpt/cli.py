@@ -186,7 +186,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             [
                 ["checkpoint", info.path],
                 ["saved", f"{_when(info.created)} by {_count(info.world_size, 'rank')}, save {info.save_id}"],
-                ["format", f"rayckpt v{info.version}, crc32 per {human_bytes(info.block_size)} block"],
+                ["format", f"rayckpt v{info.version}, {info.checksum} per {human_bytes(info.block_size)} block"],
                 [
                     "size",
                     f"{_count(len(info.tensors), 'tensor')} ({human_bytes(payload)}), "

@@ -11,6 +11,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .errors import CorruptCheckpointError, InvalidStateError, RayckptError, SaveFailedError
 from .manifest import (
     MANIFEST_NAME,
+    Blocks,
     ChunkEntry,
     FileEntry,
     Manifest,
@@ -339,26 +341,26 @@ def load(
     def read() -> LoadInfo:
         flat = flatten(state_dict)
         flat_holder.append(flat)
-        plan, block_size, sizes, values = source(ckdir, flat, strict)
-        return read_into(ckdir, plan, flat, block_size, sizes, values)
+        plan, blocks, sizes, values = source(ckdir, flat, strict)
+        return read_into(ckdir, plan, flat, blocks, sizes, values)
 
     info = gather_or_raise(coord, "load", read, RayckptError)[coord.rank]
     flat_holder[0].finish_load()
     return info
 
 
-#: Gives a loading rank its read plan, the block size, file sizes and stored values.
-PlanSource = Callable[[CheckpointDir, FlatState, bool], tuple[ReadPlan, int, dict[str, int], dict[str, Any]]]
+#: Gives a loading rank its read plan, the checksum blocks, file sizes and stored values.
+PlanSource = Callable[[CheckpointDir, FlatState, bool], tuple[ReadPlan, Blocks, dict[str, int], dict[str, Any]]]
 
 
 def plan_from_manifest(
     ckdir: CheckpointDir, flat: FlatState, strict: bool
-) -> tuple[ReadPlan, int, dict[str, int], dict[str, Any]]:
+) -> tuple[ReadPlan, Blocks, dict[str, int], dict[str, Any]]:
     """In-process planning: read the manifest and plan this rank's reads."""
     manifest = read_manifest(ckdir)
     plan = create_load_plan(manifest, tensor_requests(flat), flat.values.keys(), strict)
     sizes = {f.path: f.size for f in manifest.files}
-    return plan, manifest.block_size, sizes, manifest_values(manifest, flat.values)
+    return plan, manifest.blocks, sizes, manifest_values(manifest, flat.values)
 
 
 def tensor_requests(flat: FlatState) -> list[TensorRequest]:
@@ -369,7 +371,7 @@ def read_into(
     ckdir: CheckpointDir,
     plan: ReadPlan,
     flat: FlatState,
-    block_size: int,
+    blocks: Blocks,
     file_sizes: Mapping[str, int],
     values: Mapping[str, Any],
 ) -> LoadInfo:
@@ -377,14 +379,21 @@ def read_into(
 
     ``values`` maps value keys to their stored (tagged JSON) form.
     """
-    reader = ShardReader(ckdir, block_size, dict(file_sizes))
+    reader = ShardReader(ckdir, blocks, dict(file_sizes))
+    direct: list[DirectRead] = []
+    rest: list[FileRead] = []
+    for fr in plan.reads:
+        d = _direct_read(fr, flat) if reader.can_read_direct else None
+        if d is None:
+            rest.append(fr)
+        else:
+            direct.append(d)
     try:
+        _read_direct_pipelined(reader, direct)
         with warnings.catch_warnings():
             # Read-only (memory-mapped) buffers are only ever copied from.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for fr in plan.reads:
-                if reader.can_read_direct and _read_direct(reader, fr, flat):
-                    continue
+            for fr in rest:
                 buf = reader.read(fr.file, fr.offset, fr.length)
                 for item in fr.items:
                     reader.verify([(fr.offset, memoryview(buf))], item.key, item.chunk, item.lo, item.hi)
@@ -407,27 +416,89 @@ def manifest_values(manifest: Manifest, keys: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def _read_direct(reader: ShardReader, fr: FileRead, flat: FlatState) -> bool:
-    """Read a single-item range straight into its (contiguous, CPU) target; False if not possible.
+@dataclass(frozen=True, slots=True)
+class DirectRead:
+    """A single-item range read with one ``preadv`` straight into its target.
 
-    The partial checksum blocks at the range's two ends go to small scratch
-    buffers, read in the same ``preadv``; then every block is verified.
+    The partial checksum blocks at the range's two ends go to the small
+    ``head`` and ``tail`` scratch buffers, read in the same ``preadv``.
     """
+
+    read: FileRead
+    head: memoryview
+    body: memoryview
+    tail: memoryview
+
+    def segments(self) -> list[tuple[int, memoryview]]:
+        start = self.read.offset + len(self.head)
+        return [(self.read.offset, self.head), (start, self.body), (start + len(self.body), self.tail)]
+
+
+def _direct_read(fr: FileRead, flat: FlatState) -> DirectRead | None:
+    """A ``DirectRead`` for ``fr`` if its one item's target is contiguous CPU memory, else None."""
     if len(fr.items) != 1:
-        return False
+        return None
     item = fr.items[0]
     leaf = flat.tensors[item.key]
     dst = leaf.local[item.box.relative_to(leaf.box).to_slices()]
     if item.hi - item.lo != dst.numel() * dst.element_size() or not dst.is_contiguous() or dst.device.type != "cpu":
-        return False
+        return None
     start = item.chunk.byte_offset + item.lo
     end = item.chunk.byte_offset + item.hi
     head = memoryview(bytearray(start - fr.offset))
     tail = memoryview(bytearray(fr.offset + fr.length - end))
     body = memoryview(dst.detach().reshape(-1).view(torch.uint8).numpy())
-    reader.read_direct(fr.file, fr.offset, [head, body, tail])
-    reader.verify([(fr.offset, head), (start, body), (end, tail)], item.key, item.chunk, item.lo, item.hi)
-    return True
+    return DirectRead(fr, head, body, tail)
+
+
+#: Direct reads are split into pieces of at most this many bytes, spread over
+#: ``READ_THREADS`` threads, so the disk has several requests in flight per rank.
+READ_PIECE_BYTES = 8 * 2**20
+READ_THREADS = 2
+
+
+def _read_direct_pipelined(reader: ShardReader, reads: Sequence[DirectRead]) -> None:
+    """Run ``reads`` on a few I/O threads while this thread verifies the finished ones, in order.
+
+    ``preadv`` releases the GIL, so the disk, the kernel copies and the
+    checksums overlap. The reads land in the targets themselves: running ahead
+    costs no memory. On the first error the queued reads are cancelled.
+    """
+    if not reads:
+        return
+    with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="rayckpt-read") as pool:
+        pending = [
+            [pool.submit(reader.read_direct, d.read.file, off, views) for off, views in _pieces(d)] for d in reads
+        ]
+        try:
+            for d, futures in zip(reads, pending):
+                for fut in futures:
+                    fut.result()
+                item = d.read.items[0]
+                reader.verify(d.segments(), item.key, item.chunk, item.lo, item.hi)
+        except BaseException:
+            for futures in pending:
+                for fut in futures:
+                    fut.cancel()
+            raise
+
+
+def _pieces(d: DirectRead) -> list[tuple[int, list[memoryview]]]:
+    """Split a direct read into (file offset, views) pieces of at most ``READ_PIECE_BYTES``."""
+    max_bytes = READ_PIECE_BYTES
+    out: list[tuple[int, list[memoryview]]] = []
+    offset, cur, size = d.read.offset, [], 0
+    for view in (d.head, d.body, d.tail):
+        while len(view):
+            take = min(len(view), max_bytes - size)
+            cur.append(view[:take])
+            view, size = view[take:], size + take
+            if size == max_bytes:
+                out.append((offset, cur))
+                offset, cur, size = offset + size, [], 0
+    if cur:
+        out.append((offset, cur))
+    return out
 
 
 def _copy_item(buf: Any, buf_offset: int, item: ReadItem, leaf: TensorLeaf) -> None:

@@ -203,7 +203,7 @@ def load(
         bundle = ray.get(
             meta.read_plan.remote(location, filesystem, tuple(tensor_requests(flat)), tuple(flat.values), strict, run)
         )
-        return bundle.plan, bundle.block_size, bundle.file_sizes, bundle.values
+        return bundle.plan, bundle.blocks, bundle.file_sizes, bundle.values
 
     info = _engine_load(
         state_dict, checkpoint_id, strict=strict, coordinator=coord, filesystem=filesystem, plan_source=plan_source

@@ -104,7 +104,7 @@ class CheckpointReader:
         flat = FlatState(tensors={key: TensorLeaf(key, target, entry.shape, box, entry.dtype)})
         request = TensorRequest(key, entry.dtype, entry.shape, box)
         plan = create_load_plan(self.manifest, [request], index=self._index)
-        read_into(self.ckdir, plan, flat, self.manifest.block_size, self._sizes, {})
+        read_into(self.ckdir, plan, flat, self.manifest.blocks, self._sizes, {})
         return target
 
     def items(self, prefix: str = "", on_progress: Progress | None = None) -> Iterator[tuple[str, Any]]:
@@ -185,6 +185,8 @@ class CheckpointInfo:
     created: float
     world_size: int
     block_size: int
+    #: Block checksum algorithm (``xxh3_64``; ``crc32`` in version-1 checkpoints).
+    checksum: str
     total_bytes: int
     user_metadata: dict[str, Any]
     files: tuple[FileEntry, ...]
@@ -212,6 +214,7 @@ def inspect(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointInfo:
         m.created,
         m.world_size,
         m.block_size,
+        m.checksum,
         m.total_bytes,
         dict(m.user_metadata),
         m.files,

@@ -105,7 +105,7 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
         else:
             problems.extend(_check_arrow(ckdir, f.path, by_file[f.path], m))
     total = sum(c.byte_length for path in actual for _, c in by_file[path])
-    reader = ShardReader(ckdir, m.block_size, actual)
+    reader = ShardReader(ckdir, m.blocks, actual)
     done = chunks = 0
     try:
         for path in actual:

@@ -25,6 +25,7 @@ INSPECT_FIELDS = [
     "created",
     "world_size",
     "block_size",
+    "checksum",
     "total_bytes",
     "user_metadata",
     "files",

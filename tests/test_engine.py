@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 import torch
+import xxhash
 
 import rayckpt
 from rayckpt import planner
@@ -92,7 +94,7 @@ def test_shard_files_are_plain_arrow_ipc(saved):
     assert seen["model.ids"][0] == pa.int64()
     m = manifest_of(path)
     assert m["entries"]["model.b"]["dtype"] == "bfloat16"
-    assert m["format"] == "rayckpt" and m["version"] == 1
+    assert m["format"] == "rayckpt" and m["version"] == 2 and m["checksum"] == "xxh3_64"
 
 
 def test_manifest_is_json_without_pickle(saved):
@@ -188,7 +190,7 @@ def test_flipped_byte_outside_the_needed_range_does_not_fail_a_partial_read(tmp_
     flat.tensors["w"].box = req.box
     flat.tensors["w"].shape = (16, 4)
     sizes = {f.path: f.size for f in m.files}
-    rayckpt.engine.read_into(CheckpointDir.resolve(path), plan, flat, m.block_size, sizes, {})
+    rayckpt.engine.read_into(CheckpointDir.resolve(path), plan, flat, m.blocks, sizes, {})
     assert torch.equal(flat.tensors["w"].local, w[:8])
 
 
@@ -215,6 +217,48 @@ def rewrite_manifest(path, edit) -> None:
     edit(m)
     with open(os.path.join(path, "manifest.json"), "w") as f:
         json.dump(m, f)
+
+
+def to_version_1(path) -> None:
+    """Rewrite a checkpoint's manifest as format version 1 wrote it: CRC-32 blocks, no algorithm field."""
+
+    def edit(m):
+        m["version"] = 1
+        del m["checksum"]
+        for entry in m["entries"].values():
+            for c in entry.get("chunks", []):
+                with open(os.path.join(path, c["file"]), "rb") as f:
+                    f.seek(c["byte_offset"])
+                    data = f.read(c["byte_length"])
+                del c["checksums"]
+                c["crc32"] = [zlib.crc32(data[i : i + m["block_size"]]) for i in range(0, len(data), m["block_size"])]
+
+    rewrite_manifest(path, edit)
+
+
+def test_version_1_crc32_checkpoint_still_loads_and_verifies(saved):
+    path, state, _ = saved
+    to_version_1(path)
+    target = zeros_like_state(state)
+    rayckpt.load(target, path)
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v)
+    assert rayckpt.verify(path).ok
+    chunk = manifest_of(path)["entries"]["model.w"]["chunks"][0]
+    flip_byte(path, chunk["file"], chunk["byte_offset"] + 5)
+    with pytest.raises(rayckpt.CorruptCheckpointError, match=r"'model.w'.*stored crc32 0x"):
+        rayckpt.load(zeros_like_state(state), path)
+
+
+def test_checksums_are_xxh3_64_of_each_block(saved):
+    path, _, _ = saved
+    m = manifest_of(path)
+    c = m["entries"]["model.w"]["chunks"][0]
+    with open(os.path.join(path, c["file"]), "rb") as f:
+        f.seek(c["byte_offset"])
+        data = f.read(c["byte_length"])
+    bs = m["block_size"]
+    assert c["checksums"] == [xxhash.xxh3_64_intdigest(data[i : i + bs]) for i in range(0, len(data), bs)]
 
 
 def test_manifest_path_escaping_the_directory_is_refused(saved, tmp_path):
@@ -362,8 +406,8 @@ def test_hand_edited_overlapping_chunks_are_refused_at_load(tmp_path):
 
     def overlap(m):
         c = m["entries"]["w"]["chunks"][0]
-        half = dict(c, offsets=[2], sizes=[6], byte_length=24, crc32=c["crc32"][:3])
-        c.update(sizes=[4], byte_length=16, crc32=c["crc32"][:2])
+        half = dict(c, offsets=[2], sizes=[6], byte_length=24, checksums=c["checksums"][:3])
+        c.update(sizes=[4], byte_length=16, checksums=c["checksums"][:2])
         m["entries"]["w"]["chunks"].append(half)
 
     rewrite_manifest(path, overlap)
@@ -379,3 +423,40 @@ def test_non_contiguous_target_is_filled_through_the_buffered_path(tmp_path):
     target = {"w": base.t()}  # a (4, 5) view with strides (1, 4): not contiguous
     rayckpt.load(target, path)
     assert torch.equal(base.t(), w)
+
+
+# ---------------------------------------------------------------------------
+# Direct reads: split into pieces over I/O threads, verified in order
+
+
+def test_direct_read_pieces_cover_head_body_tail_in_file_order(monkeypatch):
+    monkeypatch.setattr(rayckpt.engine, "READ_PIECE_BYTES", 7)
+    data = bytearray(range(40))
+    head, body, tail = memoryview(data)[:3], memoryview(data)[3:33], memoryview(data)[33:]
+    read = planner.FileRead("f", 1000, 40, ())
+    pieces = rayckpt.engine._pieces(rayckpt.engine.DirectRead(read, head, body, tail))
+    assert [off for off, _ in pieces] == [1000, 1007, 1014, 1021, 1028, 1035]
+    assert all(sum(len(v) for v in views) == 7 for _, views in pieces[:-1])
+    assert b"".join(bytes(v) for _, views in pieces for v in views) == bytes(data)
+    assert [len(v) for v in pieces[0][1]] == [3, 4]  # the head and the start of the body
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_load_with_tiny_pieces_on_several_threads_is_exact(saved, monkeypatch, threads):
+    path, state, _ = saved
+    monkeypatch.setattr(rayckpt.engine, "READ_PIECE_BYTES", 5)  # splits blocks and elements
+    monkeypatch.setattr(rayckpt.engine, "READ_THREADS", threads)
+    target = zeros_like_state(state)
+    info = rayckpt.load(target, path)
+    assert info.bytes_read >= info.bytes_needed > 0
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v)
+
+
+def test_corrupt_block_fails_the_load_even_when_later_pieces_are_queued(saved, monkeypatch):
+    path, state, _ = saved
+    monkeypatch.setattr(rayckpt.engine, "READ_PIECE_BYTES", 8)
+    chunk = manifest_of(path)["entries"]["model.w"]["chunks"][0]
+    flip_byte(path, chunk["file"], chunk["byte_offset"] + 1)
+    with pytest.raises(rayckpt.CorruptCheckpointError, match=r"'model.w'.*stored xxh3_64 0x"):
+        rayckpt.load(zeros_like_state(state), path)

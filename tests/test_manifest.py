@@ -86,9 +86,9 @@ def test_manifest_round_trip_exact():
     doc = json.loads(data)
     assert doc["format"] == "rayckpt"
     assert doc["version"] == FORMAT_VERSION
-    assert doc["checksum"] == "crc32"
+    assert doc["checksum"] == "xxh3_64"
     assert doc["entries"]["model.w"]["kind"] == "tensor"
-    assert doc["entries"]["model.w"]["chunks"][0]["crc32"] == list(m.entries["model.w"].chunks[0].checksums)
+    assert doc["entries"]["model.w"]["chunks"][0]["checksums"] == list(m.entries["model.w"].chunks[0].checksums)
     assert doc["entries"]["optim.lr"] == {"kind": "value", "value": 0.001}
 
 
@@ -214,7 +214,32 @@ def test_decode_wrong_format(doc):
     assert not isinstance(info.value, FormatVersionError)
 
 
-@pytest.mark.parametrize("version", [2, 0, 999, "1", None])
+def test_version_1_manifest_reads_as_crc32_and_encodes_back_unchanged():
+    doc = doc_of(sample_manifest())
+    doc["version"] = 1
+    del doc["checksum"]  # version 1 may lack it: its checksums are always CRC-32
+    for entry in doc["entries"].values():
+        for c in entry.get("chunks", []):
+            c["crc32"] = c.pop("checksums")
+    m = decode_manifest(raw(doc))
+    assert (m.version, m.checksum, m.blocks.checksum) == (1, "crc32", "crc32")
+    assert m.tensor("model.w").chunks[0].checksums == sample_manifest().tensor("model.w").chunks[0].checksums
+    again = doc_of(m)
+    assert again["version"] == 1 and again["checksum"] == "crc32"
+    assert "crc32" in again["entries"]["model.w"]["chunks"][0]
+    assert "checksums" not in again["entries"]["model.w"]["chunks"][0]
+
+
+@pytest.mark.parametrize(("version", "checksum"), [(2, "md5"), (2, None), (1, "xxh3_64")])
+def test_unknown_or_mismatched_checksum_is_refused(version, checksum):
+    doc = doc_of(sample_manifest())
+    doc["version"], doc["checksum"] = version, checksum
+    with pytest.raises(CorruptCheckpointError, match=rf"m.json: checksum {checksum!r} is not supported by format "
+                       rf"version {version} \(known: xxh3_64, crc32\)"):
+        decode_manifest(raw(doc), where="m.json")
+
+
+@pytest.mark.parametrize("version", [3, 0, 999, "1", None])
 def test_decode_unknown_version(version):
     doc = doc_of(sample_manifest())
     if version is None:
@@ -315,7 +340,7 @@ def _set(path, value):
         (_drop(["entries", "model.w", "shape"]), "KeyError"),
         (_drop(["entries", "optim.lr", "value"]), "KeyError"),
         (_drop(["entries", "model.w", "chunks", 1, "byte_offset"]), "KeyError"),
-        (_drop(["entries", "model.w", "chunks", 0, "crc32"]), "KeyError"),
+        (_drop(["entries", "model.w", "chunks", 0, "checksums"]), "KeyError"),
         (_set(["files"], 7), "TypeError"),
         (_set(["world_size"], "many"), "ValueError"),
         (_set(["entries", "model.w", "chunks", 0, "offsets"], [0]), "ValueError"),
@@ -456,7 +481,7 @@ def test_boolean_version_is_not_version_one():
         decode_manifest(raw(doc))
 
 
-@pytest.mark.parametrize("field", ["offsets", "sizes", "crc32"])
+@pytest.mark.parametrize("field", ["offsets", "sizes", "checksums"])
 def test_non_integer_chunk_lists_are_corrupt(field):
     doc = doc_of(sample_manifest())
     chunk = doc["entries"]["model.w"]["chunks"][0]
