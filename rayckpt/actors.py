@@ -15,6 +15,7 @@ Both are thin shells around the engine's pure planning and its file I/O.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -23,10 +24,12 @@ from typing import Any
 import ray
 
 from . import metrics
+from .bulk_plan import BulkPlan, create_dim0_plans
 from .catalog import CatalogEntry, entry_order, scan_run
+from .chunk_table import ChunkTable
 from .engine import commit_manifest, create_manifest, manifest_values, read_manifest, write_chunks
 from .manifest import MANIFEST_NAME, Blocks, FileEntry, Manifest
-from .planner import ChunkIndex, ReadPlan, TensorRequest, create_load_plan
+from .planner import ChunkIndex, ReadPlan, TensorRequest, create_load_plan, is_dim0_layout
 from .shard_file import ChunkData, WrittenChunk
 from .storage import CheckpointDir
 
@@ -97,6 +100,10 @@ class MetadataActor:
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
         self._indexes: dict[str, ChunkIndex] = {}
         self._plans: OrderedDict[tuple, ReadPlan] = OrderedDict()
+        #: Plans of every rank of an FSDP2 (dim-0) load, per (checkpoint, specs, world size).
+        self._bulk: OrderedDict[tuple, BulkPlan] = OrderedDict()
+        self._tables: dict[str, ChunkTable] = {}
+        self._bulk_lock = threading.Lock()
         self._watchdog: asyncio.Task | None = None
         self._events: dict[str, list[dict[str, Any]]] = {}
 
@@ -273,6 +280,7 @@ class MetadataActor:
             while len(self._manifests) > 8:
                 old, _ = self._manifests.popitem(last=False)
                 self._indexes.pop(old, None)
+                self._tables.pop(old, None)
         else:
             self._manifests.move_to_end(uri)
         return m
@@ -280,8 +288,10 @@ class MetadataActor:
     def _forget_manifest(self, uri: str) -> None:
         self._manifests.pop(uri, None)
         self._indexes.pop(uri, None)
-        for key in [k for k in self._plans if k[0] == uri]:
-            del self._plans[key]
+        self._tables.pop(uri, None)
+        for cache in (self._plans, self._bulk):
+            for key in [k for k in cache if k[0] == uri]:
+                del cache[key]
 
     async def read_plan(
         self,
@@ -291,17 +301,36 @@ class MetadataActor:
         value_keys: tuple[str, ...],
         strict: bool = True,
         run: str = "",
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> ReadBundle:
-        """A loading rank's read plan for checkpoint ``uri``; cached per (checkpoint, request)."""
-        return await asyncio.to_thread(self._read_plan, uri, filesystem, requests, value_keys, strict, run)
+        """A loading rank's read plan for checkpoint ``uri``; cached per (checkpoint, request).
+
+        With ``rank`` and ``world_size``, when the requests are FSDP2's dim-0
+        shards, the first rank to ask plans every rank at once (vectorized,
+        ``bulk_plan``) and the others get their part of that.
+        """
+        return await asyncio.to_thread(
+            self._read_plan, uri, filesystem, requests, value_keys, strict, run, rank, world_size
+        )
 
     def _read_plan(
-        self, uri: str, filesystem: Any, requests: tuple, value_keys: tuple, strict: bool, run: str
+        self,
+        uri: str,
+        filesystem: Any,
+        requests: tuple,
+        value_keys: tuple,
+        strict: bool,
+        run: str,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> ReadBundle:
         start = time.perf_counter()
         m = self._manifest(uri, filesystem)
         key = (uri, m.save_id, requests, value_keys, strict)
         plan = self._plans.get(key)
+        if plan is None and rank is not None and world_size and is_dim0_layout(requests, rank, world_size):
+            plan = self._bulk_plan(uri, m, requests, value_keys, strict, world_size).for_rank(rank)
         if plan is None:
             plan = create_load_plan(m, requests, value_keys, strict, index=self._indexes[uri])
             self._plans[key] = plan
@@ -312,13 +341,30 @@ class MetadataActor:
         sizes = {f.path: f.size for f in m.files}
         return ReadBundle(plan, m.blocks, sizes, manifest_values(m, value_keys), m.save_id, seconds)
 
+    def _bulk_plan(
+        self, uri: str, m: Manifest, requests: tuple, value_keys: tuple, strict: bool, world_size: int
+    ) -> BulkPlan:
+        specs = tuple((r.key, r.dtype, r.shape) for r in requests)
+        key = (uri, m.save_id, specs, value_keys, strict, world_size)
+        with self._bulk_lock:  # ranks ask at once: plan once, the others wait for it
+            bulk = self._bulk.get(key)
+            if bulk is None:
+                table = self._tables.get(uri)
+                if table is None:
+                    table = self._tables[uri] = ChunkTable.from_manifest(m)
+                bulk = self._bulk[key] = create_dim0_plans(m, specs, world_size, value_keys, strict, table=table)
+                while len(self._bulk) > 8:
+                    self._bulk.popitem(last=False)
+            return bulk
+
     async def user_metadata(self, uri: str, filesystem: Any = None) -> dict[str, Any]:
         """The ``user_metadata`` of a committed checkpoint (step, run, metrics)."""
         m = await asyncio.to_thread(self._manifest, uri, filesystem)
         return dict(m.user_metadata)
 
     async def cached_plans(self) -> int:
-        return len(self._plans)
+        """Plans held: per-request plans plus all-ranks (bulk) plans."""
+        return len(self._plans) + len(self._bulk)
 
     # -- events (from the controller callback) -----------------------------------
 

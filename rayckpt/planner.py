@@ -285,14 +285,21 @@ def create_load_plans(
 
 def dim0_boxes(shape: Sequence[int], world_size: int) -> list[Box]:
     """The boxes FSDP2 (``torch.chunk`` on dim 0) gives each of ``world_size`` ranks."""
+    return [dim0_box(shape, world_size, r) for r in range(world_size)]
+
+
+def dim0_box(shape: Sequence[int], world_size: int, rank: int) -> Box:
+    """Rank ``rank``'s box of ``dim0_boxes(shape, world_size)``."""
     shape = tuple(shape)
     if not shape:
-        return [Box((), ()) for _ in range(world_size)]
+        return Box((), ())
     rows = shape[0]
     per = -(-rows // world_size) if rows else 0
-    boxes = []
-    for r in range(world_size):
-        lo = min(r * per, rows)
-        hi = min(lo + per, rows)
-        boxes.append(Box((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + shape[1:]))
-    return boxes
+    lo = min(rank * per, rows)
+    hi = min(lo + per, rows)
+    return Box((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + shape[1:])
+
+
+def is_dim0_layout(requests: Iterable[TensorRequest], rank: int, world_size: int) -> bool:
+    """Whether every request is rank ``rank``'s FSDP2 dim-0 shard among ``world_size`` ranks."""
+    return 0 <= rank < world_size and all(r.box == dim0_box(r.shape, world_size, rank) for r in requests)

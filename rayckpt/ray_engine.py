@@ -201,7 +201,16 @@ def load(
 
     def plan_source(ckdir, flat, strict):  # noqa: ANN001 - engine.PlanSource
         bundle = ray.get(
-            meta.read_plan.remote(location, filesystem, tuple(tensor_requests(flat)), tuple(flat.values), strict, run)
+            meta.read_plan.remote(
+                location,
+                filesystem,
+                tuple(tensor_requests(flat)),
+                tuple(flat.values),
+                strict,
+                run,
+                rank=coord.rank,
+                world_size=coord.world_size,
+            )
         )
         return bundle.plan, bundle.blocks, bundle.file_sizes, bundle.values
 

@@ -9,8 +9,10 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt import ray_engine
+from rayckpt import planner, ray_engine
 from rayckpt.actors import get_metadata_actor, get_shard_writer
+from rayckpt.boxes import Box
+from rayckpt.storage import CheckpointDir
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +44,32 @@ def test_async_save_commits_and_loads_with_an_actor_plan(ray_session, tmp_path):
     before = ray.get(get_metadata_actor().cached_plans.remote())
     ray_engine.load(target(), path, run="basic")
     assert ray.get(get_metadata_actor().cached_plans.remote()) == before  # served from the cache
+
+
+def test_dim0_loads_are_planned_once_for_every_rank_and_match_the_per_rank_planner(ray_session, tmp_path):
+    path = str(tmp_path / "bulk")
+    ray_engine.save_async(state(3), path, run="bulk", step=1).wait()
+    meta = get_metadata_actor()
+    m = rayckpt.read_manifest(CheckpointDir.resolve(path))
+    shapes = {"w": (1000, 256), "b": (7,)}
+
+    def requests(rank: int, world: int, boxes=planner.dim0_box) -> tuple:
+        return tuple(planner.TensorRequest(k, "float32", s, boxes(s, world, rank)) for k, s in shapes.items())
+
+    before = ray.get(meta.cached_plans.remote())
+    for rank in range(3):
+        bundle = ray.get(meta.read_plan.remote(path, None, requests(rank, 3), ("step",), True, "bulk", rank, 3))
+        assert bundle.plan == planner.create_load_plan(m, requests(rank, 3), ("step",))
+        assert bundle.values == {"step": 3}
+    assert ray.get(meta.cached_plans.remote()) == before + 1  # one all-ranks plan served all three
+
+    # Not FSDP2's layout (rank 0 asks for rows 1..10): planned for that rank alone.
+    odd = tuple(
+        planner.TensorRequest(k, "float32", s, Box((1,) + (0,) * (len(s) - 1), (9,) + s[1:])) for k, s in shapes.items()
+    )
+    bundle = ray.get(meta.read_plan.remote(path, None, odd, (), True, "bulk", 0, 3))
+    assert bundle.plan == planner.create_load_plan(m, odd)
+    assert ray.get(meta.cached_plans.remote()) == before + 2
 
 
 def test_writer_is_the_one_on_this_node(ray_session, tmp_path):
