@@ -37,6 +37,13 @@ the RSS just before the operation; also anonymous + shared memory, without
 file-backed pages; for the Ray save also the ShardWriter actor's process), the
 rank's own shard bytes for comparison, and on-disk bytes.
 
+Then planning at scale, no I/O (``benchmarks.bench_plan`` in its own process,
+``--plan-scale`` SAVEDxTENSORSxTARGET, default 1024x2000x1000): the bulk planner
+for all target ranks, one rank's plan, the per-rank planner (extrapolated), save
+planning, and the manifest's encode/decode, with time and memory.
+``benchmarks/NOTES.md`` (what was tried for each target, and what it gained) is
+appended to the markdown.
+
     .venv/bin/python -m benchmarks.bench_suite --sizes-mb 256,1024 --repeats 3 --out bench_out
 
 Writes ``{out}/bench_suite.json``, ``{out}/bench_suite.png`` (the target ratios)
@@ -53,6 +60,7 @@ import platform
 import shutil
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -84,7 +92,9 @@ from rayckpt.multiproc import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAVE_SYSTEMS = ("rayckpt", "rayckpt_ray", "dcp", "dcp_async", "torch_save", "raw")
-LOAD_SYSTEMS = ("rayckpt", "dcp", "torch_load")
+LOAD_SYSTEMS = ("rayckpt", "dcp", "torch_load", "rayckpt_warm", "dcp_warm")
+#: Loads with the checkpoint already in the page cache (a restart on the same node).
+WARM_SYSTEMS = {"rayckpt_warm": "rayckpt", "dcp_warm": "dcp"}
 LABELS = {
     "rayckpt": "rayckpt save (sync, in process)",
     "rayckpt_ray": "rayckpt Ray save_async",
@@ -93,9 +103,19 @@ LABELS = {
     "torch_save": "torch.save (rank 0, full state)",
     "raw": "raw disk (write + fsync)",
 }
-LOAD_LABELS = {"rayckpt": "rayckpt load", "dcp": "torch DCP load", "torch_load": "torch.load + set_state_dict (1 proc)"}
+LOAD_LABELS = {
+    "rayckpt": "rayckpt load",
+    "dcp": "torch DCP load",
+    "torch_load": "torch.load + set_state_dict (1 proc)",
+    "rayckpt_warm": "rayckpt load, page cache warm",
+    "dcp_warm": "torch DCP load, page cache warm",
+}
 #: "Bounded buffer" allowed on top of a rank's own shard in the memory target.
 MEM_BUFFER_BYTES = 64 * 2**20
+#: Planning target: all target ranks' plans in under this many seconds.
+PLAN_TARGET_S = 1.0
+#: What was tried for the targets and what each change gained (appended to BENCHMARKS.md).
+NOTES = REPO_ROOT / "benchmarks" / "NOTES.md"
 MIB = 2**20
 SAMPLE_INTERVAL_S = 0.005
 
@@ -214,6 +234,15 @@ def zero_state(model: Any, optim: Any, app: Any) -> None:
             st["exp_avg_sq"].to_local().zero_()
             st["step"].zero_()
     app.extras["step"] = 0
+
+
+def warm_up(paths: list[str]) -> None:
+    """Read ``paths`` once so their pages are in the page cache (for the warm loads)."""
+    buf = bytearray(RAW_BLOCK)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
 
 
 def rotated(items: list[str] | tuple[str, ...], rep: int) -> list[str]:
@@ -448,6 +477,7 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
         return {"read_s": read_s}
 
     ops = {"rayckpt": op_rayckpt, "dcp": op_dcp, "torch_load": op_torch_load}
+    ops.update({warm: ops[cold] for warm, cold in WARM_SYSTEMS.items()})
     for rep in range(cfg["repeats"]):
         for system in rotated(systems, rep):
             if rep == 0 and cfg["verify"]:
@@ -456,7 +486,10 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
             if rank == 0:
                 out["fadvise_used"] = evict(all_files)
                 p = sources[system]
-                resident = resident_fraction(files_under(p) if os.path.isdir(p) else [p])
+                files = files_under(p) if os.path.isdir(p) else [p]
+                if system in WARM_SYSTEMS:
+                    warm_up(files)
+                resident = resident_fraction(files)
             rec = measure(ops[system], me, cfg["mem_interval"])
             rec["repeat"] = rep
             rec["resident_before"] = resident
@@ -585,7 +618,7 @@ def load_report(loaded: list[dict[str, Any]], total: int) -> dict[str, Any]:
             "own_s_per_rank": [[round(x["own"], 4) for x in row] for row in rows],
         }
         rchar = [x["io"].get("rchar", 0) for x in rows[0]]
-        if system == "rayckpt":
+        if system in ("rayckpt", "rayckpt_warm"):
             read = [x["bytes_read"] for x in rows[0]]
             entry["bytes_read_per_rank"] = read
             entry["read_amplification"] = sum(read) / max(sum(needed or [1]), 1)
@@ -650,6 +683,16 @@ def targets(size: dict[str, Any], main_reshard: str) -> list[dict[str, Any]]:
                 1.5,
                 True,
                 "median dcp.load / median rayckpt.load (page cache evicted)",
+            )
+        )
+    if ld and "rayckpt_warm" in ld and "dcp_warm" in ld:
+        rows.append(
+            ratio_row(
+                f"reshard load {main_reshard}, page cache warm: DCP time / rayckpt time",
+                ld["dcp_warm"]["wall_s"]["median"] / ld["rayckpt_warm"]["wall_s"]["median"],
+                1.5,
+                True,
+                "median dcp.load / median rayckpt.load, checkpoint files read into the page cache first",
             )
         )
     rows.append(
@@ -843,6 +886,7 @@ def run_size(args: argparse.Namespace, size_mb: float, out: str, ray_address: st
                 f"reshard {name}: no {n}-rank checkpoint; N must be --save-ranks ({n0}) or the M of a reshard from {n0}"
             )
         sources: dict[str, str] = dict(ck[n])
+        sources.update({warm: sources[cold] for warm, cold in WARM_SYSTEMS.items()})
         if m == 1 and n == n0:
             sources["torch_load"] = save_paths["torch_save"]
         lcfg: dict[str, Any] = {
@@ -944,7 +988,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{s['raw_read']['wall_s'].get('GBps_median', 0):.2f} GB/s. torch.save's full-state gather to rank 0 "
             f"(once, not in the times above): {g['wall_s']:.2f} s, rank 0 +{mib(g['rank0_extra_rss'])} MiB RSS.",
             "",
-            "### Load (page cache evicted before each load)",
+            "### Load (page cache evicted before each load; 'page cache warm' rows: files read into it first)",
             "",
             "| reshard | system | load s | GB/s | bytes read / needed (read amp.) | peak extra RSS per rank, MiB "
             "(max) | of which anon+shm MiB | own shard MiB (max) |",
@@ -967,9 +1011,12 @@ def markdown(report: dict[str, Any]) -> str:
                     f"{e['wall_s'].get('GBps_median', 0):.2f} | {amp_s} | {mib(memo.get('max_extra_rss'))} | "
                     f"{mib(memo.get('max_extra_anon_shmem'))} | {mib(max(ld['own_bytes_per_rank']))} |"
                 )
-            if "rayckpt" in ld and "dcp" in ld:
-                ratio = ld["dcp"]["wall_s"]["median"] / ld["rayckpt"]["wall_s"]["median"]
-                lines.append(f"| {name} | DCP / rayckpt time (>1: rayckpt faster) | {ratio:.2f} | | | | | |")
+            for suffix, label in (("", ""), ("_warm", ", page cache warm")):
+                if "rayckpt" + suffix in ld and "dcp" + suffix in ld:
+                    ratio = ld["dcp" + suffix]["wall_s"]["median"] / ld["rayckpt" + suffix]["wall_s"]["median"]
+                    lines.append(
+                        f"| {name} | DCP / rayckpt time{label} (>1: rayckpt faster) | {ratio:.2f} | | | | | |"
+                    )
         lines += [
             "",
             "### Targets",
@@ -1005,7 +1052,8 @@ def markdown(report: dict[str, Any]) -> str:
         "- Loads: before every load the checkpoint files are fsynced and dropped from the page cache "
         "(``posix_fadvise(DONTNEED)``). The first load of each system into a zeroed model is checked bit-exact "
         "against checksums of the saved state. 2-rank checkpoints (for 2->4) are written by the 4->2 ranks "
-        "after their loads.",
+        "after their loads. The 'page cache warm' rows load the same checkpoints after rank 0 has read their "
+        "files once (a restart on the node that saved): they time the loader's own work, not the disk.",
         "- Read amplification: rayckpt = sum of ``LoadInfo.bytes_read`` / sum of ``bytes_needed``; DCP = bytes "
         "its ranks read through ``read()`` (``rchar`` in /proc/self/io) / the same bytes needed; torch.load "
         "reads the whole file on one process.",
@@ -1020,7 +1068,36 @@ def markdown(report: dict[str, Any]) -> str:
         "- Persist throughput: state bytes over rayckpt's save time against the same bytes over the raw "
         "write + fsync time of the same number of processes.",
     ]
+    plan = report.get("plan")
+    if plan:
+        bulk = plan["results"]["bulk_plan"]["seconds"]["median"]
+        met = "met" if bulk < PLAN_TARGET_S else "**not met**"
+        table = plan["markdown"].split("\n", 1)[1].lstrip("\n")  # without its own title
+        lines += ["", "## Planning at scale (no I/O)", "", table.rstrip(), ""]
+        lines += [
+            "| target | measured | target | met |",
+            "| --- | --- | --- | --- |",
+            f"| planning {plan['config']['saved_ranks']} saved -> {plan['config']['target_ranks']} target ranks "
+            f"x {plan['config']['tensors']} tensors, s (create_dim0_plans, all ranks) | {bulk:.3f} | "
+            f"< {PLAN_TARGET_S:g} | {met} |",
+        ]
+    if os.path.exists(NOTES):
+        with open(NOTES) as f:
+            lines += ["", f.read().rstrip()]
     return "\n".join(lines) + "\n"
+
+
+def run_plan_bench(spec: str, out: str, repeats: int) -> dict[str, Any]:
+    """Run ``benchmarks.bench_plan`` at ``spec`` (SAVEDxTENSORSxTARGET) in its own process; its report."""
+    saved, tensors, target = (int(x) for x in spec.lower().split("x"))
+    cmd = [sys.executable, "-m", "benchmarks.bench_plan", "--saved-ranks", str(saved), "--tensors", str(tensors)]
+    cmd += ["--target-ranks", str(target), "--repeats", str(repeats), "--out", out]
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+    with open(os.path.join(out, "bench_plan.json")) as f:
+        report = json.load(f)
+    with open(os.path.join(out, "bench_plan.md")) as f:
+        report["markdown"] = f.read()
+    return report
 
 
 # ---------------------------------------------------------------------------
@@ -1128,6 +1205,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of the first loads")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints under --out")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per group of ranks")
+    parser.add_argument(
+        "--plan-scale",
+        default="1024x2000x1000",
+        help="planning benchmark, SAVEDxTENSORSxTARGET ranks/tensors ('none' to skip)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -1178,6 +1260,8 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         sampler.join()
         ray.shutdown()
+    if args.plan_scale.lower() != "none":
+        report["plan"] = run_plan_bench(args.plan_scale, out, args.repeats)
     loads = [x[1] for x in load_samples]
     others = [x[2] for x in load_samples if x[2] is not None] or [0.0]
     report["load_average_1min"] = {

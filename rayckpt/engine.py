@@ -454,7 +454,7 @@ def _direct_read(fr: FileRead, flat: FlatState) -> DirectRead | None:
 #: Direct reads are split into pieces of at most this many bytes, spread over
 #: ``READ_THREADS`` threads, so the disk has several requests in flight per rank.
 READ_PIECE_BYTES = 8 * 2**20
-READ_THREADS = 2
+READ_THREADS = 1
 
 
 def _read_direct_pipelined(reader: ShardReader, reads: Sequence[DirectRead]) -> None:

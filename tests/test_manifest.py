@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import pickle
 
 import pytest
 
+import rayckpt.manifest as manifest_module
 from rayckpt.boxes import Box
 from rayckpt.errors import CorruptCheckpointError, FormatVersionError, InvalidStateError, RayckptError
 from rayckpt.manifest import (
@@ -488,3 +490,27 @@ def test_non_integer_chunk_lists_are_corrupt(field):
     chunk[field] = ["abc"] + chunk[field][1:]
     with pytest.raises(CorruptCheckpointError, match=rf"'model.w' chunk {field} must be a list of integers"):
         decode_manifest(raw(doc))
+
+
+def test_decode_pauses_the_garbage_collector_and_restores_its_state():
+    data = encode_manifest(sample_manifest())
+    seen = []
+    real = manifest_module._decode
+
+    def spy(d, where):
+        seen.append(gc.isenabled())
+        return real(d, where)
+
+    manifest_module._decode = spy
+    try:
+        assert gc.isenabled() and decode_manifest(data) == sample_manifest()
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(CorruptCheckpointError):
+            decode_manifest(b"{")
+        assert gc.isenabled()  # restored on errors too
+        gc.disable()
+        decode_manifest(data)
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        gc.enable()
+        manifest_module._decode = real
