@@ -674,27 +674,21 @@ def targets(size: dict[str, Any], main_reshard: str) -> list[dict[str, Any]]:
             "median rayckpt.save / median dcp.save",
         ),
     ]
-    ld = size["load"].get(main_reshard)
-    if ld and "rayckpt" in ld and "dcp" in ld:
-        rows.append(
-            ratio_row(
-                f"reshard load {main_reshard}: DCP time / rayckpt time",
-                ld["dcp"]["wall_s"]["median"] / ld["rayckpt"]["wall_s"]["median"],
-                1.5,
-                True,
-                "median dcp.load / median rayckpt.load (page cache evicted)",
+    ld = size["load"].get(main_reshard) or {}
+    for suffix, label, how in (
+        ("", "", " (page cache evicted)"),
+        ("_warm", ", page cache warm", ", checkpoint files read into the page cache first"),
+    ):
+        if "rayckpt" + suffix in ld and "dcp" + suffix in ld:
+            rows.append(
+                ratio_row(
+                    f"reshard load {main_reshard}{label}: DCP time / rayckpt time",
+                    ld["dcp" + suffix]["wall_s"]["median"] / ld["rayckpt" + suffix]["wall_s"]["median"],
+                    1.5,
+                    True,
+                    f"median dcp.load / median rayckpt.load{how}",
+                )
             )
-        )
-    if ld and "rayckpt_warm" in ld and "dcp_warm" in ld:
-        rows.append(
-            ratio_row(
-                f"reshard load {main_reshard}, page cache warm: DCP time / rayckpt time",
-                ld["dcp_warm"]["wall_s"]["median"] / ld["rayckpt_warm"]["wall_s"]["median"],
-                1.5,
-                True,
-                "median dcp.load / median rayckpt.load, checkpoint files read into the page cache first",
-            )
-        )
     rows.append(
         ratio_row(
             "persist throughput: rayckpt.save (sync) / raw write+fsync",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .boxes import Box, contiguous_runs
+from .boxes import Box
 from .chunk_table import DIM0, OTHER, SCALAR, SCALAR_BOX, ChunkTable
 from .manifest import Manifest, itemsize
 from .planner import (
@@ -32,6 +32,7 @@ from .planner import (
     check_requests,
     create_load_plans,
     dim0_boxes,
+    read_span,
 )
 
 __all__ = ["DIM0", "OTHER", "SCALAR", "BulkPlan", "ChunkTable", "TensorSpec", "create_dim0_plans"]
@@ -360,13 +361,8 @@ def _plan_other(
             if not box.volume:
                 continue
             for chunk, common in index.overlapping(key, box):
-                runs = contiguous_runs(chunk.box, common)
-                lo = runs.start * isz
-                hi = lo + runs.span * isz
-                start = chunk.byte_offset + (lo // bs) * bs
-                end = chunk.byte_offset + min(-(-hi // bs) * bs, chunk.byte_length)
                 row = int(row_of[first + position[id(chunk)]])
-                out.append((row, rank, (start, end, ReadItem(key, chunk, common, lo, hi))))
+                out.append((row, rank, read_span(key, chunk, common, isz, bs)))
     return out
 
 

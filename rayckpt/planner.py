@@ -249,12 +249,8 @@ def create_load_plan(
         isz = itemsize(r.dtype)
         needed += r.box.volume * isz
         for chunk, common in index.overlapping(r.key, r.box):
-            runs = contiguous_runs(chunk.box, common)
-            lo = runs.start * isz
-            hi = lo + runs.span * isz
-            start = chunk.byte_offset + (lo // bs) * bs
-            end = chunk.byte_offset + min(-(-hi // bs) * bs, chunk.byte_length)
-            spans.append((chunk.file, start, end, ReadItem(r.key, chunk, common, lo, hi)))
+            start, end, item = read_span(r.key, chunk, common, isz, bs)
+            spans.append((chunk.file, start, end, item))
     spans.sort(key=lambda s: (s[0], s[1], s[2]))
     reads: list[FileRead] = []
     cur: list = []
@@ -269,6 +265,16 @@ def create_load_plan(
     if cur:
         reads.append(FileRead(cur[0], cur[1], cur[2] - cur[1], tuple(cur[3])))
     return ReadPlan(tuple(reads), needed, tuple(missing))
+
+
+def read_span(key: str, chunk: ChunkEntry, common: Box, isz: int, block_size: int) -> tuple[int, int, ReadItem]:
+    """The file bytes [start, end) to read for the ``common`` part of ``chunk``: whole checksum blocks."""
+    runs = contiguous_runs(chunk.box, common)
+    lo = runs.start * isz
+    hi = lo + runs.span * isz
+    start = chunk.byte_offset + (lo // block_size) * block_size
+    end = chunk.byte_offset + min(-(-hi // block_size) * block_size, chunk.byte_length)
+    return start, end, ReadItem(key, chunk, common, lo, hi)
 
 
 def create_load_plans(

@@ -69,21 +69,25 @@ class WrittenChunk:
     checksums: tuple[int, ...]
 
 
+#: One-shot checksum of a buffer, by ``Manifest.checksum`` name.
+_CHECKSUM_OF = {"xxh3_64": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}
+
+
 def block_checksums(data: memoryview, block_size: int, checksum: str = DEFAULT_CHECKSUM) -> tuple[int, ...]:
     """The ``checksum`` of each ``block_size`` block of ``data``, the last one partial."""
-    one = xxhash.xxh3_64_intdigest if checksum == "xxh3_64" else zlib.crc32
+    one = _CHECKSUM_OF[checksum]
     return tuple(one(data[i : i + block_size]) for i in range(0, len(data), block_size))
 
 
 def checksum_of(parts: Sequence[memoryview], checksum: str) -> int:
     """The ``checksum`` of the concatenation of ``parts`` (one block, maybe split over buffers)."""
+    if len(parts) == 1:
+        return _CHECKSUM_OF[checksum](parts[0])
     if checksum == "crc32":
         value = 0
         for p in parts:
             value = zlib.crc32(p, value)
         return value
-    if len(parts) == 1:
-        return xxhash.xxh3_64_intdigest(parts[0])
     h = xxhash.xxh3_64()
     for p in parts:
         h.update(p)
