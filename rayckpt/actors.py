@@ -18,6 +18,8 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,7 @@ from .engine import commit_manifest, create_manifest, manifest_values, read_mani
 from .manifest import MANIFEST_NAME, Blocks, FileEntry, Manifest
 from .planner import ChunkIndex, ReadPlan, TensorRequest, create_load_plan, is_dim0_layout
 from .shard_file import ChunkData, WrittenChunk
+from .staging import StagedRegion, open_region, sweep_stale
 from .storage import CheckpointDir
 
 NAMESPACE = "rayckpt"
@@ -396,6 +399,7 @@ class ShardWriter:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        sweep_stale()
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -408,19 +412,23 @@ class ShardWriter:
         rank: int,
         items: list[tuple[str, str, Any]],
         block_size: int,
-        arrays: list[Any],
+        staged: list[Any] | StagedRegion,
     ) -> dict[str, Any]:
-        """Write ``arrays`` (zero-copy views of the staged shards) and report to the MetadataActor.
+        """Write the staged chunks and report to the MetadataActor.
 
-        ``items`` are (key, dtype, box) for each array. Returns what was written.
+        ``staged``: the arrays themselves (zero-copy views into the object store)
+        or a ``StagedRegion`` of a rank's staging buffer on this node. ``items``
+        are (key, dtype, box) for each chunk. Returns what was written.
         """
         meta = get_metadata_actor()
         ckdir = CheckpointDir.resolve(uri, filesystem)
         written_files: list[str] = []
         start = time.perf_counter()
         try:
-            chunks = [ChunkData(k, d, b, a) for (k, d, b), a in zip(items, arrays)]
-            written, files = write_chunks(ckdir, chunks, save_id, rank, block_size, written_files)
+            with self._views(staged) as arrays:
+                chunks = [ChunkData(k, d, b, a) for (k, d, b), a in zip(items, arrays)]
+                written, files = write_chunks(ckdir, chunks, save_id, rank, block_size, written_files)
+                del chunks
         except Exception as exc:
             for rel in written_files:
                 ckdir.delete(rel)
@@ -429,7 +437,25 @@ class ShardWriter:
             raise
         seconds = time.perf_counter() - start
         ray.get(meta.report_written.remote(save_id, rank, written, files, seconds, self.node_id))
-        return {"node": self.node_id, "files": [f.path for f in files], "bytes": sum(f.size for f in files)}
+        return {
+            "node": self.node_id,
+            "files": [f.path for f in files],
+            "bytes": sum(f.size for f in files),
+            "seconds": seconds,
+        }
+
+    @contextmanager
+    def _views(self, staged: list[Any] | StagedRegion) -> Iterator[list[Any]]:
+        if not isinstance(staged, StagedRegion):
+            yield staged
+            return
+        if staged.node_id != self.node_id:
+            raise ValueError(
+                f"staging file {staged.path} is on node {staged.node_id[:12]}, not on this writer's node"
+            )
+        sweep_stale()
+        with open_region(staged) as views:
+            yield views
 
 
 def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> Any:

@@ -201,15 +201,29 @@ def write_plan(
     return write_chunks(ckdir, create_chunk_data(plan, flat), save_id, rank, block_size, written_files)
 
 
-def create_chunk_data(plan: SavePlan, flat: FlatState) -> list[ChunkData]:
-    """The bytes of each item of ``plan``: zero-copy views of (CPU-staged) local tensors."""
-    staged = stage_to_cpu(flat.tensors[item.key] for item in plan.items)
+def chunk_pieces(
+    plan: SavePlan, flat: FlatState, local: dict[str, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """The piece of its local tensor each item of ``plan`` saves: views, on any device.
+
+    ``local``: the tensors to cut the pieces from (default: each leaf's own).
+    """
     out = []
     for item in plan.items:
         leaf = flat.tensors[item.key]
-        piece = staged[item.key][item.box.relative_to(leaf.box).to_slices()]
-        out.append(ChunkData(item.key, leaf.dtype, item.box, as_bytes(piece.contiguous())))
+        tensor = local[item.key] if local is not None else leaf.local.detach()
+        out.append(tensor[item.box.relative_to(leaf.box).to_slices()])
     return out
+
+
+def create_chunk_data(plan: SavePlan, flat: FlatState) -> list[ChunkData]:
+    """The bytes of each item of ``plan``: zero-copy views of (CPU-staged) local tensors."""
+    staged = stage_to_cpu(flat.tensors[item.key] for item in plan.items)
+    pieces = chunk_pieces(plan, flat, staged)
+    return [
+        ChunkData(item.key, flat.tensors[item.key].dtype, item.box, as_bytes(piece.contiguous()))
+        for item, piece in zip(plan.items, pieces)
+    ]
 
 
 def write_chunks(

@@ -1,14 +1,16 @@
 """Save and load through the Ray actors.
 
-``save_async`` (every rank): plan like ``save``, copy this rank's share into the
-node's shared-memory object store once (the only time training is blocked),
-and hand it to the node's ShardWriter; the MetadataActor commits when every
-rank's files are durable. ``load`` (every rank): the MetadataActor plans the
+``save_async`` (every rank): plan like ``save``, copy this rank's share once into
+the node's shared memory (the only time training is blocked): into the rank's
+reusable staging buffer (``staging``), or into Ray's object store when that buffer
+cannot be had; hand it to the node's ShardWriter; the MetadataActor commits when
+every rank's files are durable. ``load`` (every rank): the MetadataActor plans the
 byte ranges this rank reads (cached), the rank reads and verifies them.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from typing import Any
@@ -18,18 +20,23 @@ import ray
 
 from . import metrics
 from .actors import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor, get_shard_writer
-from .catalog import CatalogEntry
+from .catalog import CatalogEntry, describe
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
-from .engine import LoadInfo, collect_state, create_chunk_data, tensor_requests
+from .engine import Collected, LoadInfo, chunk_pieces, collect_state, create_chunk_data, tensor_requests
 from .engine import load as _engine_load
 from .errors import InvalidStateError, SaveFailedError
 from .shard_file import DEFAULT_BLOCK_SIZE
+from .staging import StagedRegion, StagingBuffer, StagingUnavailable
 from .storage import CheckpointDir
 
 #: Set to 1 when a local path is on storage every node shares (NFS, a single machine).
 LOCAL_IS_SHARED_ENV = "RAYCKPT_LOCAL_IS_SHARED"
+#: Where ``save_async`` stages: "auto" (the reusable buffer, else the object store), "shm", "object_store".
+STAGING_ENV = "RAYCKPT_STAGING"
+STAGING_MODES = ("auto", "shm", "object_store")
 
 _inflight: SaveHandle | None = None
+_buffer: StagingBuffer | None = None
 
 
 class SaveHandle:
@@ -38,7 +45,8 @@ class SaveHandle:
     def __init__(
         self,
         save_id: str,
-        uri: str,
+        ckdir: CheckpointDir,
+        run: str,
         step: int | None,
         rank: int,
         write_ref: Any,
@@ -47,11 +55,15 @@ class SaveHandle:
         timeout: float,
     ) -> None:
         self.save_id = save_id
-        self.uri = uri
+        self.uri = ckdir.uri
+        self.run = run
         self.step = step
+        self._ckdir = ckdir
         self.rank = rank
-        #: Seconds this rank was blocked by ``save_async`` (plan + copy into the object store).
+        #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).
         self.stall_seconds = stall_seconds
+        #: Where the share was staged: "shm" (the reusable buffer) or "object_store".
+        self.staging = "shm" if isinstance(staged_ref, StagedRegion) else "object_store"
         self._write_ref = write_ref
         self._staged_ref = staged_ref
         self._timeout = timeout
@@ -73,7 +85,10 @@ class SaveHandle:
                 raise TimeoutError(f"save {self.save_id} to {self.uri}: not written within {limit}s") from None
             except Exception as exc:  # noqa: BLE001 - the writer died or raised: the save failed
                 ray.get(meta.report_failed.remote(self.save_id, self.rank, f"{type(exc).__name__}: {exc}"))
-            entry = ray.get(meta.wait_commit.remote(self.save_id, limit))
+            try:
+                entry = ray.get(meta.wait_commit.remote(self.save_id, limit))
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
+                entry = self._entry_from_storage()
             if entry.status == "pending":
                 raise TimeoutError(f"save {self.save_id} to {self.uri}: not committed within {limit}s")
             self._entry = entry
@@ -85,6 +100,23 @@ class SaveHandle:
                 f"{self._entry.error}"
             )
         return self._entry
+
+    def _entry_from_storage(self) -> CatalogEntry:
+        """The MetadataActor died while this rank waited: storage says whether the save committed."""
+        found = describe(self._ckdir, self.run)
+        if found is not None and found.status == "committed" and found.save_id == self.save_id:
+            return found
+        return CatalogEntry(
+            self.run,
+            self.step,
+            self.uri,
+            "failed",
+            time.time(),
+            0,
+            0,
+            self.save_id,
+            "the MetadataActor died before this save was committed",
+        )
 
 
 def _clear_inflight(handle: SaveHandle) -> None:
@@ -107,6 +139,7 @@ def save_async(
     metadata: dict[str, Any] | None = None,
     commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
     local_is_shared: bool | None = None,
+    staging: str | None = None,
 ) -> SaveHandle:
     """Start a save through the Ray actors; return once this rank's share is staged.
 
@@ -115,8 +148,17 @@ def save_async(
     call first waits for the previous one (and raises if it failed). A local path
     with workers on several nodes is refused unless it is shared storage
     (``local_is_shared=True`` or ``RAYCKPT_LOCAL_IS_SHARED=1``).
+
+    ``staging`` (default ``RAYCKPT_STAGING`` or "auto"): "shm" copies the share
+    into this process's staging buffer in ``/dev/shm``, kept and reused from save
+    to save (memory already mapped: the fastest copy); "object_store" ``ray.put``s
+    it; "auto" is "shm", falling back to the object store when ``/dev/shm`` cannot
+    hold the share.
     """
     global _inflight
+    staging = staging or os.environ.get(STAGING_ENV) or "auto"
+    if staging not in STAGING_MODES:
+        raise ValueError(f"staging={staging!r}: expected one of {', '.join(STAGING_MODES)}")
     if _inflight is not None:
         previous, _inflight = _inflight, None
         previous.wait()
@@ -158,21 +200,58 @@ def save_async(
             )
 
     gather_or_raise(coord, "save (registering with the MetadataActor)", register, SaveFailedError)
-    plan = collected.plans[rank]
+    items = [(i.key, collected.flat.tensors[i.key].dtype, i.box) for i in collected.plans[rank].items]
     try:
-        chunks = create_chunk_data(plan, collected.flat)
-        staged_ref = ray.put([c.data for c in chunks])  # the one copy: into shared memory
-        items = [(c.key, c.dtype, c.box) for c in chunks]
+        staged_ref = stage_share(collected, rank, node_id, staging)  # the one copy: into shared memory
         writer = get_shard_writer(node_id)
         write_ref = writer.write.remote(collected.save_id, location, filesystem, rank, items, block_size, staged_ref)
+        if isinstance(staged_ref, StagedRegion):
+            _buffer.busy = write_ref  # the writer reads the buffer until this resolves
     except Exception as exc:
         ray.get(meta.report_failed.remote(collected.save_id, rank, f"staging: {type(exc).__name__}: {exc}"))
         raise SaveFailedError(f"save of step {step} to {ckdir.uri}: staging failed on rank {rank}: {exc}") from exc
     stall = time.perf_counter() - start
     metrics.observe("rayckpt_save_stall_seconds", stall, run=run, rank=rank)
-    handle = SaveHandle(collected.save_id, ckdir.uri, step, rank, write_ref, staged_ref, stall, commit_timeout_s)
+    handle = SaveHandle(collected.save_id, ckdir, run, step, rank, write_ref, staged_ref, stall, commit_timeout_s)
     _inflight = handle
     return handle
+
+
+def stage_share(collected: Collected, rank: int, node_id: str, staging: str) -> Any:
+    """Copy this rank's share into shared memory: a ``StagedRegion`` of the staging
+    buffer, or (``staging="object_store"``, or "auto" without room in ``/dev/shm``)
+    an object-store ref to the chunks' arrays."""
+    global _buffer
+    plan = collected.plans[rank]
+    if staging != "object_store":
+        if _buffer is None:
+            _buffer = StagingBuffer()
+            atexit.register(_close_buffer)
+        in_use = _buffer.busy is not None and not ray.wait([_buffer.busy], timeout=0)[0]
+        try:
+            return _buffer.stage(chunk_pieces(plan, collected.flat), node_id, in_use=in_use)
+        except StagingUnavailable:
+            if staging == "shm":
+                raise
+    return ray.put([c.data for c in create_chunk_data(plan, collected.flat)])
+
+
+def release_staging() -> None:
+    """Free this process's staging buffer (the next ``save_async`` makes a new one).
+
+    Waits for an in-flight save first, so no writer is still reading it.
+    """
+    try:
+        wait_inflight()
+    finally:
+        _close_buffer()
+
+
+def _close_buffer() -> None:
+    global _buffer
+    if _buffer is not None:
+        _buffer.close()
+        _buffer = None
 
 
 def wait_inflight() -> CatalogEntry | None:

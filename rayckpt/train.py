@@ -45,6 +45,7 @@ class Checkpointer:
         report: bool = True,
         commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
         local_is_shared: bool | None = None,
+        staging: str | None = None,
     ) -> None:
         ctx = ray.train.get_context()
         storage = ctx.get_storage()
@@ -56,6 +57,7 @@ class Checkpointer:
         self.report = report
         self.commit_timeout_s = commit_timeout_s
         self.local_is_shared = local_is_shared
+        self.staging = staging
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
         self.last_load: LoadInfo | None = None
         ray.get(get_metadata_actor().register_run.remote(self.run, self.root, self.filesystem))
@@ -80,6 +82,7 @@ class Checkpointer:
             metadata={"metrics": metrics},
             commit_timeout_s=self.commit_timeout_s,
             local_is_shared=self.local_is_shared,
+            staging=self.staging,
         )
         if self.report:
             from ray.train import Checkpoint, CheckpointUploadMode

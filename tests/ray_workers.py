@@ -19,12 +19,12 @@ from rayckpt.train import Checkpointer
 def inject_failure(mode: str) -> None:
     """Make this rank's next save fail after it registered, while the others write."""
 
-    def fail(plan, flat):
+    def fail(*args):
         if mode == "kill":
             os._exit(1)
         raise OSError(28, "No space left on device (injected)")
 
-    ray_engine.create_chunk_data = fail
+    ray_engine.stage_share = fail
 
 
 def toy_train_loop(config: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt import planner, ray_engine
+from rayckpt import planner, ray_engine, staging
 from rayckpt.actors import get_metadata_actor, get_shard_writer
 from rayckpt.boxes import Box
 from rayckpt.storage import CheckpointDir
@@ -138,3 +139,91 @@ def test_rank_with_nothing_to_write_still_commits(ray_session, tmp_path):
     out = {"step": 0, "note": ""}
     info = ray_engine.load(out, path, run="empty")
     assert out == {"step": 7, "note": "only values"} and info.bytes_read == 0
+
+
+def my_staging_files() -> list[str]:
+    return [n for n in os.listdir(staging.SHM_DIR) if n.startswith(f"{staging.PREFIX}{os.getpid()}-")]
+
+
+def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path):
+    dead = multiprocessing.get_context("spawn").Process(target=int)
+    dead.start()
+    dead.join()
+    stale = os.path.join(staging.SHM_DIR, f"{staging.PREFIX}{dead.pid}-0123456789ab")
+    open(stale, "wb").close()  # left behind by a rank that died
+    handles = [ray_engine.save_async(state(s), str(tmp_path / f"s{s}"), run="shm", step=s) for s in (1, 2)]
+    assert [h.staging for h in handles] == ["shm", "shm"]
+    handles[-1].wait()
+    assert ray.get(handles[-1]._write_ref)["seconds"] > 0
+    assert not os.path.exists(stale)  # the node's writer removed it
+    assert my_staging_files() == [os.path.basename(ray_engine._buffer.path)]  # one file, reused
+    for s in (1, 2):
+        out = target()
+        ray_engine.load(out, str(tmp_path / f"s{s}"), run="shm")
+        assert torch.equal(out["w"], state(s)["w"]) and torch.equal(out["b"], state(s)["b"])
+    ray_engine.release_staging()
+    assert my_staging_files() == [] and ray_engine._buffer is None
+
+
+def test_a_buffer_a_writer_may_still_read_is_not_reused(ray_session, tmp_path):
+    ray_engine.save_async(state(1), str(tmp_path / "a"), run="busy", step=1).wait()
+    first = ray_engine._buffer.path
+
+    @ray.remote(num_cpus=0)
+    def never_done() -> None:
+        import time
+
+        time.sleep(600)
+
+    ray_engine._buffer.busy = busy = never_done.remote()  # as if its writer were still reading
+    ray_engine.save_async(state(2), str(tmp_path / "b"), run="busy", step=2).wait()
+    ray.cancel(busy, force=True)
+    assert ray_engine._buffer.path != first and not os.path.exists(first)
+    out = target()
+    ray_engine.load(out, str(tmp_path / "b"), run="busy")
+    assert torch.equal(out["w"], state(2)["w"])
+
+
+def test_object_store_staging_and_the_fallback_when_shm_has_no_room(ray_session, tmp_path, monkeypatch):
+    h = ray_engine.save_async(state(3), str(tmp_path / "os"), run="stg", step=1, staging="object_store")
+    assert h.staging == "object_store" and h.wait().status == "committed"
+    ray_engine.release_staging()
+    monkeypatch.setattr(ray_engine, "_buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))
+    h = ray_engine.save_async(state(4), str(tmp_path / "auto"), run="stg", step=2)
+    assert h.staging == "object_store" and h.wait().status == "committed"
+    for name, s in (("os", 3), ("auto", 4)):
+        out = target()
+        ray_engine.load(out, str(tmp_path / name), run="stg")
+        assert torch.equal(out["w"], state(s)["w"])
+    with pytest.raises(rayckpt.SaveFailedError, match=r"staging failed on rank 0: cannot create a staging file in"):
+        ray_engine.save_async(state(5), str(tmp_path / "shm"), run="stg", step=3, staging="shm")
+    assert not os.path.exists(tmp_path / "shm" / "manifest.json")
+    monkeypatch.setenv(ray_engine.STAGING_ENV, "disk")
+    with pytest.raises(ValueError, match=r"staging='disk': expected one of auto, shm, object_store"):
+        ray_engine.save_async(state(6), str(tmp_path / "bad"), run="stg", step=4)
+
+
+def test_writer_refuses_a_region_staged_on_another_node(ray_session, tmp_path):
+    region = staging.StagedRegion("/dev/shm/x", "f" * 56, ((0, 4),))
+    writer = get_shard_writer()
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"staging file /dev/shm/x is on node ffffffffffff"):
+        ray.get(writer.write.remote("sid-node", str(tmp_path / "n"), None, 0, [], 64, region))
+
+
+def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tmp_path, monkeypatch):
+    path = str(tmp_path / "orphan")
+    handle = ray_engine.save_async(state(8), path, run="orphan", step=8)
+    dying = get_metadata_actor()
+    assert ray.get(dying.wait_commit.remote(handle.save_id, 60)).status == "committed"
+    ray.kill(dying, no_restart=True)
+    # the race the Ray Train test hit: this rank looked the actor up just before it was killed
+    monkeypatch.setattr(ray_engine, "get_metadata_actor", lambda: dying)
+    entry = handle.wait()
+    assert entry.status == "committed" and entry.save_id == handle.save_id and entry.step == 8
+    # a save storage does not hold (another save's manifest is there) failed
+    other = ray_engine.SaveHandle(
+        "sid-never", CheckpointDir.resolve(path), "orphan", 9, 0, ray.put(None), None, 0.0, 30.0
+    )
+    with pytest.raises(rayckpt.SaveFailedError, match=r"sid-never.*the MetadataActor died before this save was"):
+        other.wait()
+
