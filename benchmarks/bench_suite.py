@@ -10,7 +10,8 @@ order rotates from repeat to repeat):
 - ``rayckpt Ray async``: ``rayckpt.ray_engine.save_async`` from ranks connected to
   a local Ray cluster the driver starts (``ray.init(num_cpus=8)``; each rank calls
   ``ray.init(address=...)``); stall = ``SaveHandle.stall_seconds``, commit = from
-  the barrier before ``save_async`` until ``handle.wait()`` returns;
+  the barrier before ``save_async`` until ``handle.wait()`` returns (staging as
+  configured: ``RAYCKPT_STAGING``, default the reusable /dev/shm buffer);
 - ``torch DCP``: ``dcp.save`` with ``FileSystemWriter`` defaults;
 - ``torch DCP async``: ``dcp.async_save`` (thread executor, ``FileSystemWriter``
   as its stager, a separate gloo group); stall = until it returns, commit = until
@@ -1031,7 +1032,9 @@ def markdown(report: dict[str, Any]) -> str:
         "spawned with ``rayckpt.multiproc.run_ranks``; a figure is the max over ranks, then median (min-max) "
         "over repeats.",
         "- Stall = time the calling rank is blocked: the whole call for synchronous saves; "
-        "``SaveHandle.stall_seconds`` for rayckpt's Ray ``save_async`` (plan + one copy into the object store); "
+        "``SaveHandle.stall_seconds`` for rayckpt's Ray ``save_async`` (plan + one copy into shared memory: the "
+        "rank's staging buffer in /dev/shm, made on the first save and reused after, so the first repeat also "
+        "pays for creating it and its peak memory is in that repeat's row); "
         "until ``dcp.async_save`` returns for DCP (its staging copy). Durable commit = from the barrier before "
         "the call until the checkpoint is committed: ``handle.wait()`` / ``future.result()`` return.",
         "- The Ray path: the driver runs ``ray.init(num_cpus=8)``; every rank connects with "

@@ -25,7 +25,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .state import as_bytes
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rayckpt-stage-"
@@ -103,8 +106,14 @@ class StagingBuffer:
         for piece, (offset, n) in zip(pieces, spans):
             if n == 0:
                 continue
-            dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
-            dst.view(piece.dtype).view(piece.shape).copy_(piece.detach())
+            src = piece.detach()
+            if src.device.type == "cpu" and src.is_contiguous():
+                # one single-threaded memcpy: torch's copy_ fans out to its intra-op threads,
+                # which ranks sharing the node's cores made 2-4x slower (benchmarks/NOTES.md)
+                np.copyto(np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src))
+            else:  # strided or on a device: torch copies it, device to host directly
+                dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
+                dst.view(src.dtype).view(src.shape).copy_(src)
         return StagedRegion(self.path, node_id, spans)
 
     def close(self) -> None:
