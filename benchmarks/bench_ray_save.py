@@ -30,7 +30,12 @@ from rayckpt.multiproc import run_ranks
 
 SYSTEMS = ("shm", "object_store", "dcp", "rayckpt")
 #: ray_engine functions whose time is part of the stall: (function, label).
-STALL_PARTS = (("collect_state", "plan"), ("gather_or_raise", "register"), ("stage_share", "copy"))
+STALL_PARTS = (
+    ("collect_state", "plan"),
+    ("get_metadata_actor", "actor lookups"),
+    ("stage_share", "copy"),
+    ("get_shard_writer", "actor lookups"),
+)
 
 
 def timed(fn: Any, label: str, parts: dict[str, float]) -> Any:

@@ -198,9 +198,24 @@ class MetadataActor:
             metrics.observe("rayckpt_write_throughput_bytes_per_second", nbytes / seconds, run=s.run)
         await self._maybe_finish(s)
 
-    async def report_failed(self, save_id: str, rank: int, error: str) -> None:
-        """Called by a rank or its writer when its part of the save failed."""
+    async def report_failed(
+        self,
+        save_id: str,
+        rank: int,
+        error: str,
+        run: str = "",
+        step: int | None = None,
+        uri: str = "",
+        filesystem: Any = None,
+    ) -> None:
+        """Called by a rank or its writer when its part of the save failed.
+
+        ``run``, ``step``, ``uri``, ``filesystem``: where the save goes, for a failure
+        that arrives before rank 0's registration (its event and its cleanup).
+        """
         s = self._save(save_id)
+        if not s.registered:
+            s.run, s.step, s.uri, s.filesystem = run, step, uri, filesystem
         s.failures[rank] = error
         await self._fail(s, f"rank {rank}: {error}")
 

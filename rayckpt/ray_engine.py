@@ -21,7 +21,7 @@ import ray
 from . import metrics
 from .actors import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor, get_shard_writer
 from .catalog import CatalogEntry, describe
-from .coordinator import Coordinator, default_coordinator, gather_or_raise
+from .coordinator import Coordinator, default_coordinator
 from .engine import Collected, LoadInfo, chunk_pieces, collect_state, create_chunk_data, tensor_requests
 from .engine import load as _engine_load
 from .errors import InvalidStateError, SaveFailedError
@@ -53,12 +53,15 @@ class SaveHandle:
         staged_ref: Any,
         stall_seconds: float,
         timeout: float,
+        registered: Any = None,
+        filesystem: Any = None,
     ) -> None:
         self.save_id = save_id
         self.uri = ckdir.uri
         self.run = run
         self.step = step
         self._ckdir = ckdir
+        self._filesystem = filesystem
         self.rank = rank
         #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).
         self.stall_seconds = stall_seconds
@@ -68,6 +71,8 @@ class SaveHandle:
         self._staged_ref = staged_ref
         self._timeout = timeout
         self._entry: CatalogEntry | None = None
+        #: Rank 0: the registration with the MetadataActor (``begin_save``), not yet waited for.
+        self._registered = registered
 
     def done(self) -> bool:
         """Whether this rank's share is written (the commit may still be pending)."""
@@ -84,7 +89,8 @@ class SaveHandle:
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"save {self.save_id} to {self.uri}: not written within {limit}s") from None
             except Exception as exc:  # noqa: BLE001 - the writer died or raised: the save failed
-                ray.get(meta.report_failed.remote(self.save_id, self.rank, f"{type(exc).__name__}: {exc}"))
+                self._report_failed(meta, f"{type(exc).__name__}: {exc}")
+            self._check_registered(meta, limit)
             try:
                 entry = ray.get(meta.wait_commit.remote(self.save_id, limit))
             except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
@@ -100,6 +106,21 @@ class SaveHandle:
                 f"{self._entry.error}"
             )
         return self._entry
+
+    def _check_registered(self, meta: Any, limit: float) -> None:
+        """Rank 0: a registration that failed fails the save (the others learn it from the actor)."""
+        if self._registered is None:
+            return
+        try:
+            ray.get(self._registered, timeout=limit)
+        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
+            pass  # the actor is gone: wait_commit below asks storage
+        except Exception as exc:  # noqa: BLE001 - begin_save raised: the save cannot commit
+            failed = f"registering with the MetadataActor: {type(exc).__name__}: {exc}"
+            self._report_failed(meta, failed)
+
+    def _report_failed(self, meta: Any, error: str) -> None:
+        report_failed(self.save_id, self.rank, error, self.run, self.step, self._ckdir, self._filesystem, meta)
 
     def _entry_from_storage(self) -> CatalogEntry:
         """The MetadataActor died while this rank waited: storage says whether the save committed."""
@@ -117,6 +138,23 @@ class SaveHandle:
             self.save_id,
             "the MetadataActor died before this save was committed",
         )
+
+
+def report_failed(
+    save_id: str,
+    rank: int,
+    error: str,
+    run: str,
+    step: int | None,
+    ckdir: CheckpointDir,
+    filesystem: Any,
+    meta: Any = None,
+) -> None:
+    """Tell the MetadataActor that ``rank``'s part of a save failed, with where the save
+    goes: the report may arrive before rank 0's registration."""
+    location = ckdir.root if filesystem is not None else ckdir.uri
+    meta = meta or get_metadata_actor()
+    ray.get(meta.report_failed.remote(save_id, rank, error, run, step, location, filesystem))
 
 
 def _clear_inflight(handle: SaveHandle) -> None:
@@ -177,29 +215,31 @@ def save_async(
             "every node must reach the same files: use shared storage (s3://..., gs://..., or an NFS path with "
             f"{LOCAL_IS_SHARED_ENV}=1)"
         )
-    meta = get_metadata_actor()
     rank = coord.rank
     metadata = {"step": step, "run": run, **(metadata or {})}
-
-    def register() -> None:
-        if rank == 0:
-            ray.get(
-                meta.begin_save.remote(
-                    collected.save_id,
-                    location,
-                    filesystem,
-                    run,
-                    step,
-                    coord.world_size,
-                    collected.tensor_meta,
-                    collected.values,
-                    block_size,
-                    metadata,
-                    commit_timeout_s,
-                )
+    registered = None
+    if rank == 0:
+        # Submitted, not waited for and no collective: the actor commits a save only
+        # once it is registered; ``wait()`` on rank 0 checks that it was, and a
+        # registration that cannot even be sent fails the save for every rank.
+        try:
+            registered = get_metadata_actor().begin_save.remote(
+                collected.save_id,
+                location,
+                filesystem,
+                run,
+                step,
+                coord.world_size,
+                collected.tensor_meta,
+                collected.values,
+                block_size,
+                metadata,
+                commit_timeout_s,
             )
-
-    gather_or_raise(coord, "save (registering with the MetadataActor)", register, SaveFailedError)
+        except Exception as exc:
+            failed = f"registering with the MetadataActor: {type(exc).__name__}: {exc}"
+            report_failed(collected.save_id, rank, failed, run, step, ckdir, filesystem)
+            raise SaveFailedError(f"save of step {step} to {ckdir.uri}: {failed}") from exc
     items = [(i.key, collected.flat.tensors[i.key].dtype, i.box) for i in collected.plans[rank].items]
     try:
         staged_ref = stage_share(collected, rank, node_id, staging)  # the one copy: into shared memory
@@ -208,11 +248,24 @@ def save_async(
         if isinstance(staged_ref, StagedRegion):
             _buffer.busy = write_ref  # the writer reads the buffer until this resolves
     except Exception as exc:
-        ray.get(meta.report_failed.remote(collected.save_id, rank, f"staging: {type(exc).__name__}: {exc}"))
+        failed = f"staging: {type(exc).__name__}: {exc}"
+        report_failed(collected.save_id, rank, failed, run, step, ckdir, filesystem)
         raise SaveFailedError(f"save of step {step} to {ckdir.uri}: staging failed on rank {rank}: {exc}") from exc
     stall = time.perf_counter() - start
     metrics.observe("rayckpt_save_stall_seconds", stall, run=run, rank=rank)
-    handle = SaveHandle(collected.save_id, ckdir, run, step, rank, write_ref, staged_ref, stall, commit_timeout_s)
+    handle = SaveHandle(
+        collected.save_id,
+        ckdir,
+        run,
+        step,
+        rank,
+        write_ref,
+        staged_ref,
+        stall,
+        commit_timeout_s,
+        registered=registered,
+        filesystem=filesystem,
+    )
     _inflight = handle
     return handle
 

@@ -227,3 +227,50 @@ def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tm
     with pytest.raises(rayckpt.SaveFailedError, match=r"sid-never.*the MetadataActor died before this save was"):
         other.wait()
 
+
+def test_a_registration_that_failed_fails_the_save(ray_session, tmp_path):
+    @ray.remote(num_cpus=0)
+    def begin_save_raising() -> None:
+        raise RuntimeError("cannot decode the filesystem")
+
+    handle = ray_engine.SaveHandle(
+        "sid-unregistered",
+        CheckpointDir.resolve(str(tmp_path / "u")),
+        "unregistered",
+        1,
+        0,
+        ray.put(None),
+        None,
+        0.0,
+        30.0,
+        begin_save_raising.remote(),
+    )
+    with pytest.raises(
+        rayckpt.SaveFailedError, match=r"(?s)registering with the MetadataActor: .*cannot decode the filesystem"
+    ):
+        handle.wait()
+
+
+def test_a_registration_that_cannot_be_sent_fails_the_save_for_every_rank(ray_session, tmp_path):
+    import threading
+
+    path = str(tmp_path / "unsent")
+    with pytest.raises(rayckpt.SaveFailedError, match=r"registering with the MetadataActor: TypeError: .*lock"):
+        ray_engine.save_async(state(1), path, run="unsent", step=1, metadata={"lock": threading.Lock()})
+    failed = [e for e in ray.get(get_metadata_actor().events.remote("unsent")) if e["kind"] == "failed"]
+    assert len(failed) == 1 and "rank 0: registering" in failed[0]["error"]
+    assert not os.path.exists(os.path.join(path, "manifest.json"))
+
+
+def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_save(ray_session, tmp_path):
+    meta = get_metadata_actor()
+    path = tmp_path / "early"
+    path.mkdir()
+    (path / "sid-early-r00001-float.arrow").write_bytes(b"partial")  # written before rank 1 failed
+    ray.get(meta.report_failed.remote("sid-early", 1, "staging: OSError", "early", 5, str(path), None))
+    ray.get(meta.begin_save.remote("sid-early", str(path), None, "early", 5, 2, {}, {}, 64, {}, 30.0))
+    entry = ray.get(meta.wait_commit.remote("sid-early", 5))
+    assert entry.status == "failed" and entry.step == 5 and "rank 1: staging: OSError" in entry.error
+    (event,) = [e for e in ray.get(meta.events.remote("early")) if e["kind"] == "failed"]
+    assert event["step"] == 5 and event["uri"] == str(path)
+    assert not path.exists()  # its partial file removed, then the empty directory
