@@ -320,6 +320,7 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     tiny = {"warm": {f"r{rank}": torch.full((1024,), float(rank))}}
     rayckpt.save(tiny, os.path.join(warm_dir, "rayckpt"))
     ray_engine.save_async(tiny, os.path.join(warm_dir, "ray"), run=run + "-warmup").wait()
+    ray_engine.prepare_staging({"app": app})  # what Checkpointer.restore does before training
     dcp.save(tiny, storage_writer=dcp.FileSystemWriter(os.path.join(warm_dir, "dcp")))
     fut = dcp.async_save(
         tiny, storage_writer=dcp.FileSystemWriter(os.path.join(warm_dir, "dcp_async")), process_group=async_pg
@@ -1033,8 +1034,8 @@ def markdown(report: dict[str, Any]) -> str:
         "over repeats.",
         "- Stall = time the calling rank is blocked: the whole call for synchronous saves; "
         "``SaveHandle.stall_seconds`` for rayckpt's Ray ``save_async`` (plan + one copy into shared memory: the "
-        "rank's staging buffer in /dev/shm, made on the first save and reused after, so the first repeat also "
-        "pays for creating it and its peak memory is in that repeat's row); "
+        "rank's staging buffer in /dev/shm, made before the repeats with ``prepare_staging`` as "
+        "``Checkpointer.restore`` does, and reused by every save; it holds the rank's share between saves); "
         "until ``dcp.async_save`` returns for DCP (its staging copy). Durable commit = from the barrier before "
         "the call until the checkpoint is committed: ``handle.wait()`` / ``future.result()`` return.",
         "- The Ray path: the driver runs ``ray.init(num_cpus=8)``; every rank connects with "

@@ -94,6 +94,11 @@ class StagingBuffer:
             os.close(fd)
         self.path, self.capacity = path, capacity
 
+    def reserve(self, nbytes: int) -> None:
+        """Make the buffer hold at least ``nbytes`` now, so the next save's copy finds it mapped."""
+        if self._map is None or nbytes > self.capacity:
+            self._open(nbytes)
+
     def stage(self, pieces: Sequence[torch.Tensor], node_id: str, in_use: bool = False) -> StagedRegion:
         """Copy ``pieces`` (any device, any strides) into the buffer, one copy each.
 
@@ -132,13 +137,9 @@ class StagingBuffer:
             self.path, self.capacity = None, 0
 
 
-def shm_free_bytes(directory: str = SHM_DIR) -> int:
-    """Free bytes in ``directory`` (0 when it does not exist)."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
+def staged_size(pieces: Sequence[torch.Tensor]) -> int:
+    """Bytes ``pieces`` take in a staging buffer (with their alignment)."""
+    return layout([p.numel() * p.element_size() for p in pieces])[1]
 
 
 @contextmanager

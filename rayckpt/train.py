@@ -28,7 +28,7 @@ import ray.train
 from .actors import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from .catalog import CatalogEntry, checkpoint_dir_name
 from .engine import LoadInfo
-from .ray_engine import SaveHandle, save_async, wait_inflight
+from .ray_engine import SaveHandle, prepare_staging, save_async, wait_inflight
 from .ray_engine import load as ray_load
 from .shard_file import DEFAULT_BLOCK_SIZE
 
@@ -58,6 +58,8 @@ class Checkpointer:
         self.commit_timeout_s = commit_timeout_s
         self.local_is_shared = local_is_shared
         self.staging = staging
+        #: Size of this worker's staging buffer made by ``restore`` (0: none).
+        self.staging_bytes = 0
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
         self.last_load: LoadInfo | None = None
         ray.get(get_metadata_actor().register_run.remote(self.run, self.root, self.filesystem))
@@ -116,8 +118,15 @@ class Checkpointer:
 
         Uses Ray Train's latest reported checkpoint if it has one, else the
         catalog's latest committed one. Returns its step, or ``None`` when the run
-        has no checkpoint (``state`` untouched).
+        has no checkpoint (``state`` untouched). Either way it then makes this
+        worker's staging buffer (``prepare_staging``), so the first save's copy
+        finds it ready.
         """
+        step = self._load_latest(state)
+        self.staging_bytes = prepare_staging(state, self.staging)
+        return step
+
+    def _load_latest(self, state: dict[str, Any]) -> int | None:
         ray_ckpt = ray.train.get_checkpoint()
         if ray_ckpt is not None:
             path, filesystem = ray_ckpt.path, ray_ckpt.filesystem

@@ -42,7 +42,8 @@ def toy_train_loop(config: dict[str, Any]) -> None:
         dump = full_state(app)
         if rank == 0:
             torch.save(
-                {"step": restored, "state": dump, "load": ckpt.last_load}, os.path.join(out, f"restored-{world}.pt")
+                {"step": restored, "state": dump, "load": ckpt.last_load, "staging_bytes": ckpt.staging_bytes},
+                os.path.join(out, f"restored-{world}.pt"),
             )
     with open(os.path.join(out, f"node-{world}-{rank}.txt"), "w") as f:
         f.write(ray.get_runtime_context().get_node_id())

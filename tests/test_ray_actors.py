@@ -274,3 +274,20 @@ def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_s
     (event,) = [e for e in ray.get(meta.events.remote("early")) if e["kind"] == "failed"]
     assert event["step"] == 5 and event["uri"] == str(path)
     assert not path.exists()  # its partial file removed, then the empty directory
+
+
+def test_prepare_staging_makes_the_buffer_the_first_save_uses(ray_session, tmp_path, monkeypatch):
+    ray_engine.release_staging()
+    st = state(9)
+    need = staging.staged_size([st["w"], st["b"]])
+    size = ray_engine.prepare_staging(st)
+    assert size >= need and my_staging_files() == [os.path.basename(ray_engine._buffer.path)]
+    prepared = ray_engine._buffer.path
+    ray_engine.save_async(st, str(tmp_path / "p"), run="prep", step=1).wait()
+    assert ray_engine._buffer.path == prepared
+    ray_engine.release_staging()
+    assert ray_engine.prepare_staging(st, staging="object_store") == 0 and my_staging_files() == []
+    monkeypatch.setattr(ray_engine, "_buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))
+    assert ray_engine.prepare_staging(st) == 0
+    with pytest.raises(staging.StagingUnavailable, match="cannot create a staging file in"):
+        ray_engine.prepare_staging(st, staging="shm")

@@ -55,6 +55,7 @@ def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path):
     for key, value in final4["state"].items():
         assert torch.equal(restored3["state"][key], value), key
     assert restored3["load"].bytes_read > 0
+    assert restored3["staging_bytes"] >= restored3["load"].bytes_needed  # restore made the staging buffer
     assert os.path.basename(result.checkpoint.path) == "rayckpt-step-00000004"
     final3 = torch.load(out / "final-3.pt", weights_only=False)
     assert final3["step"] == 4

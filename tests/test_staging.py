@@ -17,6 +17,7 @@ from rayckpt.staging import (
     StagingUnavailable,
     layout,
     open_region,
+    staged_size,
     sweep_stale,
 )
 
@@ -130,3 +131,14 @@ def test_sweep_removes_only_files_of_processes_that_are_gone(tmp_path):
     assert sweep_stale(str(tmp_path)) == [dead.name]
     assert sorted(os.listdir(tmp_path)) == sorted([mine.name, other.name])
     assert sweep_stale(str(tmp_path / "missing")) == []
+
+
+def test_a_reserved_buffer_is_the_one_the_next_share_lands_in(buffer, tmp_path):
+    pieces = [torch.ones(300_000), torch.arange(10)]
+    assert staged_size(pieces) == layout([1_200_000, 80])[1] == 1_200_128
+    buffer.reserve(3 << 20)
+    reserved = buffer.path
+    assert buffer.capacity == 3 << 20
+    assert buffer.stage(pieces, "n").path == reserved
+    buffer.reserve(1 << 20)  # smaller: kept as it is
+    assert buffer.path == reserved and buffer.capacity == 3 << 20
