@@ -92,7 +92,7 @@ class StagingBuffer:
             ) from None
         finally:
             os.close(fd)
-        self.path, self.capacity = path, capacity
+        self.path, self.capacity, self.busy = path, capacity, None
 
     def reserve(self, nbytes: int) -> None:
         """Make the buffer hold at least ``nbytes`` now, so the next save's copy finds it mapped."""
