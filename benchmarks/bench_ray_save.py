@@ -27,6 +27,7 @@ from typing import Any
 import ray
 
 from benchmarks.bench_engine import build_state, layer_shapes
+from benchmarks.bench_suite import connect_ray
 from rayckpt.multiproc import run_ranks
 
 SYSTEMS = ("shm", "object_store", "dcp", "rayckpt")
@@ -61,7 +62,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, An
     from rayckpt import ray_engine
 
     _, _, app = build_state(world_size, rank, seed=0, shapes=cfg["shapes"])
-    ray.init(address=cfg["address"], log_to_driver=False, namespace="rayckpt-bench")
+    connect_ray(cfg["address"])
     parts: dict[str, float] = {}
     for name, label in STALL_PARTS:
         setattr(ray_engine, name, timed(getattr(ray_engine, name), label, parts))

@@ -153,9 +153,13 @@ def report_failed(
 ) -> None:
     """Tell the MetadataActor that ``rank``'s part of a save failed, with where the save
     goes: the report may arrive before rank 0's registration."""
-    location = ckdir.root if filesystem is not None else ckdir.uri
     meta = meta or get_metadata_actor()
-    ray.get(meta.report_failed.remote(save_id, rank, error, run, step, location, filesystem))
+    ray.get(meta.report_failed.remote(save_id, rank, error, run, step, _location(ckdir, filesystem), filesystem))
+
+
+def _location(ckdir: CheckpointDir, filesystem: Any) -> str:
+    """How the actors reach ``ckdir``: its root on ``filesystem`` when one was given, else the user's URI."""
+    return ckdir.root if filesystem is not None else ckdir.uri
 
 
 def _clear_inflight(handle: SaveHandle) -> None:
@@ -202,7 +206,7 @@ def save_async(
     start = time.perf_counter()
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
-    location = ckdir.root if filesystem is not None else ckdir.uri
+    location = _location(ckdir, filesystem)
     node_id = ray.get_runtime_context().get_node_id()
     collected = collect_state(coord, state_dict, extra=node_id)
     if local_is_shared is None:
@@ -363,7 +367,7 @@ def load(
     coord = coordinator or default_coordinator(process_group)
     meta = get_metadata_actor()
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
-    location = ckdir.root if filesystem is not None else ckdir.uri
+    location = _location(ckdir, filesystem)
 
     def plan_source(ckdir, flat, strict):  # noqa: ANN001 - engine.PlanSource
         bundle = ray.get(

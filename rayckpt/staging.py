@@ -34,6 +34,9 @@ SHM_DIR = "/dev/shm"
 PREFIX = "rayckpt-stage-"
 _ALIGN = 64
 _GRANULE = 1 << 20
+#: Shared mappings with their page tables filled in one call: faulting page by page
+#: inside ``write()`` made the writer's writes 1.3-1.7x slower (benchmarks/NOTES.md).
+_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class StagingUnavailable(RuntimeError):
@@ -84,7 +87,7 @@ class StagingBuffer:
             raise StagingUnavailable(f"cannot create a staging file in {self.directory}: {exc}") from None
         try:
             os.posix_fallocate(fd, 0, capacity)  # reserve the pages now: ENOSPC here, not SIGBUS later
-            self._map = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._map = mmap.mmap(fd, capacity, flags=_POPULATED)
         except OSError as exc:
             os.unlink(path)
             raise StagingUnavailable(
@@ -156,10 +159,7 @@ def open_region(region: StagedRegion) -> Iterator[list[memoryview]]:
         end = max((o + n for o, n in region.spans), default=0)
         if end > size:
             raise ValueError(f"staging file {region.path} has {size} bytes, the region needs {end}")
-        # Page tables filled in one call: faulting page by page inside write() made
-        # the writer's writes 1.3-1.7x slower (benchmarks/NOTES.md).
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ) if size else None
+        mapped = mmap.mmap(fd, size, flags=_POPULATED, prot=mmap.PROT_READ) if size else None
     finally:
         os.close(fd)
     if mapped is None:
