@@ -44,8 +44,8 @@ import torch
 import torch.nn as nn
 
 import rayckpt
-from rayckpt.app_state import AppState
-from rayckpt.multiproc import run_ranks
+from rayckpt.engine.app_state import AppState
+from rayckpt.testing.multiproc import run_ranks
 
 SYSTEMS = ("rayckpt", "dcp")
 LABELS = {"rayckpt": "rayckpt", "dcp": "torch DCP"}

@@ -11,7 +11,7 @@ Timed, median and min-max over ``--repeats``:
 - ``ChunkTable.from_manifest`` (the columnar copy the bulk planner needs, built
   once per manifest; also once on the decoded manifest, whose objects are not shared);
 - ``create_dim0_plans``: the plans of all ``--target-ranks`` ranks, FSDP2 dim-0 targets;
-- ``BulkPlan.for_rank``: one rank's ``ReadPlan`` objects (rank 0);
+- ``BulkPlan.for_rank``: one rank's ``LoadPlan`` objects (rank 0);
 - ``planner.create_load_plan`` for a few ranks with a shared ``ChunkIndex``,
   extrapolated to all target ranks (labelled);
 - ``planner.create_save_plans`` on the shards of a sample of saved ranks,
@@ -43,9 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from rayckpt.bulk_plan import ChunkTable, create_dim0_plans
-from rayckpt.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry, decode_manifest, encode_manifest
-from rayckpt.planner import ChunkIndex, LocalShard, TensorRequest, create_load_plan, create_save_plans, dim0_boxes
+from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry, decode_manifest, encode_manifest
+from rayckpt.planning.bulk import create_dim0_plans
+from rayckpt.planning.chunk_table import ChunkTable
+from rayckpt.planning.load_plan import ChunkIndex, TensorRequest, create_load_plan, dim0_boxes
+from rayckpt.planning.save_plan import LocalShard, create_save_plans
 
 MIB = 2**20
 DTYPE = "float32"

@@ -28,10 +28,10 @@ import ray
 
 from benchmarks.bench_engine import build_state, layer_shapes
 from benchmarks.bench_suite import connect_ray
-from rayckpt.multiproc import run_ranks
+from rayckpt.testing.multiproc import run_ranks
 
 SYSTEMS = ("shm", "object_store", "dcp", "rayckpt")
-#: ray_engine functions whose time is part of the stall: (function, label).
+#: async_save functions whose time is part of the stall: (function, label).
 STALL_PARTS = (
     ("collect_state", "plan"),
     ("get_metadata_actor", "actor lookups"),
@@ -59,17 +59,17 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, An
     import torch.distributed.checkpoint as dcp
 
     import rayckpt
-    from rayckpt import ray_engine
+    from rayckpt.ray import async_save
 
     _, _, app = build_state(world_size, rank, seed=0, shapes=cfg["shapes"])
     connect_ray(cfg["address"])
     parts: dict[str, float] = {}
     for name, label in STALL_PARTS:
-        setattr(ray_engine, name, timed(getattr(ray_engine, name), label, parts))
-    ray_engine.save_async({"warm": torch.ones(1024)}, os.path.join(cfg["dir"], "warmup"), run="warmup").wait()
+        setattr(async_save, name, timed(getattr(async_save, name), label, parts))
+    async_save.save_async({"warm": torch.ones(1024)}, os.path.join(cfg["dir"], "warmup"), run="warmup").wait()
     state, records = {"app": app}, []
     if cfg["prepare"]:
-        ray_engine.prepare_staging(state)  # what Checkpointer.restore does
+        async_save.prepare_staging(state)  # what Checkpointer.restore does
     for rep in range(cfg["repeats"]):
         for system in cfg["systems"]:
             path = os.path.join(cfg["dir"], system)
@@ -81,7 +81,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, An
             rec: dict[str, Any] = {"repeat": rep, "system": system}
             if system in ("shm", "object_store"):
                 parts.clear()
-                handle = ray_engine.save_async(state, path, run="bench-ray-save", step=rep, staging=system)
+                handle = async_save.save_async(state, path, run="bench-ray-save", step=rep, staging=system)
                 rec["stall"] = time.perf_counter() - t0
                 rec.update(parts)
                 rec["writer"] = ray.get(handle._write_ref)["seconds"]

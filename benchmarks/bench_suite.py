@@ -7,7 +7,7 @@ save, ``--save-ranks`` (4) gloo ranks, systems alternated within each repeat (th
 order rotates from repeat to repeat):
 
 - ``rayckpt``: ``rayckpt.save`` in process (returns once committed);
-- ``rayckpt Ray async``: ``rayckpt.ray_engine.save_async`` from ranks connected to
+- ``rayckpt Ray async``: ``rayckpt.ray.async_save.save_async`` from ranks connected to
   a local Ray cluster the driver starts (``ray.init(num_cpus=8)``; each rank calls
   ``ray.init(address=...)``); stall = ``SaveHandle.stall_seconds``, commit = from
   the barrier before ``save_async`` until ``handle.wait()`` returns (staging as
@@ -89,7 +89,7 @@ from benchmarks.bench_engine import (
     verify_loaded,
     write_raw,
 )
-from rayckpt.multiproc import run_ranks
+from rayckpt.testing.multiproc import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAVE_SYSTEMS = ("rayckpt", "rayckpt_ray", "dcp", "dcp_async", "torch_save", "raw")
@@ -283,8 +283,9 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from rayckpt import ray_engine
-    from rayckpt.actors import get_metadata_actor, get_shard_writer
+    from rayckpt.ray import async_save
+    from rayckpt.ray.metadata_actor import get_metadata_actor
+    from rayckpt.ray.shard_writer import get_shard_writer
 
     t_setup = time.perf_counter()
     model, optim, app = build_state(world_size, rank, seed=0, shapes=cfg["shapes"])
@@ -319,8 +320,8 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     warm_dir = os.path.join(cfg["size_dir"], "warmup")
     tiny = {"warm": {f"r{rank}": torch.full((1024,), float(rank))}}
     rayckpt.save(tiny, os.path.join(warm_dir, "rayckpt"))
-    ray_engine.save_async(tiny, os.path.join(warm_dir, "ray"), run=run + "-warmup").wait()
-    ray_engine.prepare_staging({"app": app})  # what Checkpointer.restore does before training
+    async_save.save_async(tiny, os.path.join(warm_dir, "ray"), run=run + "-warmup").wait()
+    async_save.prepare_staging({"app": app})  # what Checkpointer.restore does before training
     dcp.save(tiny, storage_writer=dcp.FileSystemWriter(os.path.join(warm_dir, "dcp")))
     fut = dcp.async_save(
         tiny, storage_writer=dcp.FileSystemWriter(os.path.join(warm_dir, "dcp_async")), process_group=async_pg
@@ -358,7 +359,7 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
         return {"stall": t, "commit": t, "bytes_written": info.bytes_written}
 
     def op_ray(t0: float, rep: int) -> dict[str, Any]:
-        handle = ray_engine.save_async(state, paths["rayckpt_ray"], run=run, step=rep)
+        handle = async_save.save_async(state, paths["rayckpt_ray"], run=run, step=rep)
         returned = time.perf_counter() - t0
         entry = handle.wait()
         commit = time.perf_counter() - t0

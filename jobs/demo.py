@@ -1,6 +1,6 @@
 """Save a sharded FSDP2 model with 4 processes, load it with 3, print whether outputs match."""
 
-from rayckpt.demo import main
+from rayckpt.examples.demo import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,36 +1,50 @@
-"""rayckpt: sharded PyTorch checkpoints for training on Ray, in an open Arrow format."""
+"""rayckpt: sharded PyTorch checkpoints for training on Ray, in an open Arrow format.
 
-from .conversions import convert
-from .engine import LoadInfo, SaveInfo, load, read_manifest, save
-from .errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    FormatVersionError,
-    IncompatibleStateError,
-    InvalidStateError,
-    RayckptError,
-    SaveFailedError,
-)
-from .tools import consolidate, inspect, plan
-from .verification import verify
+The public API is importable from here; each name is imported on first use, so
+``import rayckpt`` (and ``import rayckpt.format``, ``rayckpt.cli``, ...) stays
+cheap and pulls in no layer it does not use. The layers, bottom up (each imports
+only those below it): ``format``, ``planning``, ``storage``, ``engine``, ``ray``,
+``train``; ``tools`` and ``cli`` sit on ``engine`` and never import Ray.
+"""
 
-__all__ = [
-    "CheckpointNotFoundError",
-    "CorruptCheckpointError",
-    "FormatVersionError",
-    "IncompatibleStateError",
-    "InvalidStateError",
-    "LoadInfo",
-    "RayckptError",
-    "SaveFailedError",
-    "SaveInfo",
-    "consolidate",
-    "convert",
-    "inspect",
-    "load",
-    "plan",
-    "read_manifest",
-    "save",
-    "verify",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "save": "rayckpt.engine.save",
+    "SaveInfo": "rayckpt.engine.save",
+    "load": "rayckpt.engine.load",
+    "LoadInfo": "rayckpt.engine.load",
+    "read_manifest": "rayckpt.storage.commit",
+    "convert": "rayckpt.tools.convert",
+    "consolidate": "rayckpt.tools.reader",
+    "inspect": "rayckpt.tools.inspection",
+    "plan": "rayckpt.tools.plan_report",
+    "verify": "rayckpt.tools.verification",
+    "CheckpointNotFoundError": "rayckpt.errors",
+    "CorruptCheckpointError": "rayckpt.errors",
+    "FormatVersionError": "rayckpt.errors",
+    "IncompatibleStateError": "rayckpt.errors",
+    "InvalidStateError": "rayckpt.errors",
+    "RayckptError": "rayckpt.errors",
+    "SaveFailedError": "rayckpt.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rayckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -21,8 +21,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from . import __version__, tools, verification
+from . import __version__, tools
 from .errors import CheckpointNotFoundError, RayckptError
+from .tools import verification
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -256,7 +257,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .conversions import convert
+    from .tools.convert.core import convert
 
     fmt = args.to or args.from_
     bar = ProgressBar(f"converting ({'to' if args.to else 'from'} {fmt})")

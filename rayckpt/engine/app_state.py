@@ -1,0 +1,57 @@
+"""``AppState``: a Stateful wrapper for a model, its optimizer and other training state.
+
+The same pattern as DCP's tutorial ``AppState``: ``get_state_dict`` /
+``set_state_dict`` from ``torch.distributed.checkpoint.state_dict`` handle FSDP
+FQNs and give sharded (DTensor) state dicts, and initialize empty optimizer
+state on a fresh optimizer so it can be loaded in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .state import is_stateful
+
+
+class AppState:
+    """Checkpointable training state: ``model``, optional ``optimizer`` and named ``extras``.
+
+    Each extra is a Stateful object (an LR scheduler, a data loader with
+    ``state_dict``), a tensor, or a plain JSON-able value. Plain values are
+    restored into ``self.extras`` after load.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **extras: Any):
+        self.model = model
+        self.optimizer = optimizer
+        self.extras = extras
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        else:
+            sd = {"model": get_state_dict(self.model, [])[0]}
+        for name, extra in self.extras.items():
+            sd[f"extra.{name}"] = extra.state_dict() if is_stateful(extra) else extra
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.optimizer is not None:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optim"],
+            )
+        else:
+            set_state_dict(self.model, [], model_state_dict=state_dict["model"], optim_state_dict={})
+        for name, extra in self.extras.items():
+            value = state_dict[f"extra.{name}"]
+            if is_stateful(extra):
+                extra.load_state_dict(value)
+            else:
+                self.extras[name] = value

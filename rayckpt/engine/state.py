@@ -1,0 +1,156 @@
+"""``save`` and ``load``: plan, write, commit, read.
+
+Roles: every rank calls ``save`` / ``load`` (collective when a process group is
+initialized). Rank 0 commits. Each phase ends in one all-gather that carries
+failures, so an error on any rank is raised on every rank and nobody hangs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError, InvalidStateError
+from ..format.boxes import Box
+
+try:
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"unknown torch dtype {name!r} in manifest")
+    return dtype
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(slots=True)
+class TensorLeaf:
+    key: str
+    #: The rank's local data (a DTensor's local shard, or the plain tensor).
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    box: Box
+    dtype: str
+
+
+@dataclass(slots=True)
+class ValueLeaf:
+    key: str
+    value: Any
+    #: Puts a loaded value back where this one came from.
+    assign: Callable[[Any], None]
+
+
+@dataclass(slots=True)
+class FlatState:
+    tensors: dict[str, TensorLeaf] = field(default_factory=dict)
+    values: dict[str, ValueLeaf] = field(default_factory=dict)
+    #: Stateful objects with the dict their ``state_dict()`` gave, to hand back on load.
+    statefuls: list[tuple[Any, Any]] = field(default_factory=list)
+
+    def finish_load(self) -> None:
+        for obj, sd in self.statefuls:
+            obj.load_state_dict(sd)
+
+
+def flatten(state_dict: dict[str, Any]) -> FlatState:
+    """Walk ``state_dict``; call ``state_dict()`` on every Stateful object found."""
+    if not isinstance(state_dict, dict):
+        raise InvalidStateError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    flat = FlatState()
+    _walk(state_dict, "", flat)
+    return flat
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor) or is_stateful(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _join(prefix: str, k: Any) -> str:
+    return f"{prefix}.{k}" if prefix else str(k)
+
+
+def _walk(container: dict | list, prefix: str, flat: FlatState) -> None:
+    items = container.items() if isinstance(container, dict) else enumerate(container)
+    for k, v in list(items):
+        key = _join(prefix, k)
+        if is_stateful(v) and not isinstance(v, torch.Tensor):
+            sd = v.state_dict()
+            if not isinstance(sd, dict):
+                raise InvalidStateError(
+                    f"Stateful at key {key!r} returned {type(sd).__name__} from state_dict(), not a dict"
+                )
+            flat.statefuls.append((v, sd))
+            _walk(sd, key, flat)
+        elif isinstance(v, torch.Tensor):
+            _add_tensor(key, v, flat)
+        elif isinstance(v, (dict, list)) and _has_tensor(v):
+            _walk(v, key, flat)
+        elif isinstance(v, tuple) and _has_tensor(v):
+            raise InvalidStateError(f"key {key!r}: tuples holding tensors cannot be loaded in place; use a list")
+        else:
+            _check_unique(key, flat)
+            flat.values[key] = ValueLeaf(key, v, _setter(container, k))
+
+
+def _setter(container: dict | list, k: Any) -> Callable[[Any], None]:
+    def assign(value: Any) -> None:
+        container[k] = value
+
+    return assign
+
+
+def _check_unique(key: str, flat: FlatState) -> None:
+    if key in flat.tensors or key in flat.values:
+        raise InvalidStateError(f"two entries flatten to the same key {key!r}; rename one")
+
+
+def _add_tensor(key: str, t: torch.Tensor, flat: FlatState) -> None:
+    _check_unique(key, flat)
+    if DTensor is not None and isinstance(t, DTensor):
+        if any(isinstance(p, Partial) for p in t.placements):
+            raise InvalidStateError(
+                f"key {key!r}: DTensor with Partial placement {t.placements} has no stored value yet; "
+                "reduce it (redistribute to Replicate or Shard) before saving"
+            )
+        shape = tuple(t.shape)
+        local_shape, offsets = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        if tuple(local.shape) != tuple(local_shape):
+            raise InvalidStateError(
+                f"key {key!r}: local shard shape {list(local.shape)} does not match the "
+                f"placement's {list(local_shape)} (padded or strided sharding is not supported)"
+            )
+        box = Box(tuple(offsets), tuple(local_shape))
+    else:
+        shape = tuple(t.shape)
+        local = t
+        box = Box.full(shape)
+    flat.tensors[key] = TensorLeaf(key, local, shape, box, dtype_name(t.dtype))
+
+
+def as_bytes(t: torch.Tensor) -> Any:
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor's bytes."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()

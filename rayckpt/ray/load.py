@@ -1,0 +1,65 @@
+"""Save and load through the Ray actors.
+
+``save_async`` (every rank): plan like ``save``, copy this rank's share once into
+the node's shared memory (the only time training is blocked): into the rank's
+reusable staging buffer (``staging``), or into Ray's object store when that buffer
+cannot be had; hand it to the node's ShardWriter; the MetadataActor commits when
+every rank's files are durable. ``load`` (every rank): the MetadataActor plans the
+byte ranges this rank reads (cached), the rank reads and verifies them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+
+from ..engine.coordinator import Coordinator, default_coordinator
+from ..engine.load import LoadInfo, tensor_requests
+from ..engine.load import load as _engine_load
+from ..storage.checkpoint_dir import CheckpointDir
+from . import metrics
+from .async_save import _location
+from .metadata_actor import get_metadata_actor
+
+
+def load(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | Any,
+    *,
+    strict: bool = True,
+    run: str = "",
+    filesystem: pafs.FileSystem | None = None,
+    process_group: Any = None,
+    coordinator: Coordinator | None = None,
+) -> LoadInfo:
+    """``rayckpt.load`` with the read plan served (and cached) by the MetadataActor."""
+    start = time.perf_counter()
+    coord = coordinator or default_coordinator(process_group)
+    meta = get_metadata_actor()
+    ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
+    location = _location(ckdir, filesystem)
+
+    def plan_source(ckdir, flat, strict):  # noqa: ANN001 - engine.PlanSource
+        bundle = ray.get(
+            meta.read_plan.remote(
+                location,
+                filesystem,
+                tuple(tensor_requests(flat)),
+                tuple(flat.values),
+                strict,
+                run,
+                rank=coord.rank,
+                world_size=coord.world_size,
+            )
+        )
+        return bundle.plan, bundle.blocks, bundle.file_sizes, bundle.values
+
+    info = _engine_load(
+        state_dict, checkpoint_id, strict=strict, coordinator=coord, filesystem=filesystem, plan_source=plan_source
+    )
+    metrics.observe("rayckpt_load_seconds", time.perf_counter() - start, run=run, rank=coord.rank)
+    metrics.inc("rayckpt_bytes_read", info.bytes_read, run=run)
+    return info

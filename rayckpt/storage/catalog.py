@@ -1,0 +1,84 @@
+"""Finding checkpoints in storage: the catalog entries ``rayckpt ls`` and the MetadataActor share.
+
+Ray-free. A run directory holds checkpoint directories (``rayckpt-step-<step>``
+when written by the Ray Train ``Checkpointer``); a directory is a committed
+checkpoint when it has a valid manifest, "incomplete" when it has shard files
+but no manifest (a save that crashed), "corrupt" when its manifest is unreadable.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import RayckptError
+from ..format.manifest import MANIFEST_NAME
+from .checkpoint_dir import CheckpointDir
+from .commit import read_manifest
+
+CHECKPOINT_PREFIX = "rayckpt-step-"
+_STEP_DIR = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)$")
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    """One checkpoint: found in storage or tracked by the MetadataActor."""
+
+    run: str
+    step: int | None
+    path: str
+    #: "committed", "pending" (a save in flight), "failed" (rolled back),
+    #: "incomplete" (shard files, no manifest) or "corrupt" (unreadable manifest).
+    status: str
+    created: float
+    world_size: int
+    bytes: int
+    save_id: str
+    error: str | None = None
+
+
+def looks_like_checkpoint(ckdir: CheckpointDir) -> bool:
+    files = ckdir.list_files()
+    return MANIFEST_NAME in files or any(f.endswith(".arrow") for f in files)
+
+
+def describe(ckdir: CheckpointDir, run: str) -> CatalogEntry | None:
+    """The catalog entry of one directory, or ``None`` when it holds no checkpoint."""
+    files = ckdir.list_files()
+    match = _STEP_DIR.search(ckdir.root)
+    step = int(match.group(1)) if match else None
+    if MANIFEST_NAME in files:
+        try:
+            m = read_manifest(ckdir)
+        except RayckptError as exc:
+            return CatalogEntry(run, step, ckdir.uri, "corrupt", 0.0, 0, 0, "", str(exc).splitlines()[0])
+        meta_step = m.user_metadata.get("step")
+        return CatalogEntry(
+            str(m.user_metadata.get("run") or run),
+            meta_step if isinstance(meta_step, int) else step,
+            ckdir.uri,
+            "committed",
+            m.created,
+            m.world_size,
+            m.total_bytes,
+            m.save_id,
+        )
+    arrow = [f for f in files if f.endswith(".arrow")]
+    if arrow:
+        size = sum(ckdir.size(f) or 0 for f in arrow)
+        return CatalogEntry(run, step, ckdir.uri, "incomplete", 0.0, 0, size, "")
+    return None
+
+
+def scan_run(run_dir: CheckpointDir, run: str) -> list[CatalogEntry]:
+    """Every checkpoint directly under ``run_dir``, oldest step first."""
+    found = [e for name in run_dir.list_dirs() if (e := describe(run_dir.child(name), run)) is not None]
+    return sorted(found, key=entry_order)
+
+
+def entry_order(e: CatalogEntry) -> tuple:
+    return (e.step is not None, e.step or 0, e.created, e.path)

@@ -1,0 +1,148 @@
+"""Where checkpoint bytes live: a directory on any ``pyarrow.fs`` filesystem.
+
+Local directories get what durability needs (fsync of files and directory, atomic
+rename, memory-mapped reads); other filesystems (S3, GCS, ...) get ranged reads
+and whole-object writes, which are atomic there.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from ..errors import CheckpointNotFoundError, RayckptError
+
+
+class CheckpointDir:
+    """One checkpoint directory. Paths given to methods are relative to it."""
+
+    def __init__(self, fs: pafs.FileSystem, root: str, uri: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/") or "/"
+        #: What the user passed (for messages and for handing the location on).
+        self.uri = uri
+
+    @staticmethod
+    def resolve(checkpoint_id: str | os.PathLike[str], filesystem: pafs.FileSystem | None = None) -> CheckpointDir:
+        """Turn a local path or a URI (file://, s3://, gs://, mock://) into a directory."""
+        text = os.fspath(checkpoint_id)
+        if filesystem is not None:
+            return CheckpointDir(filesystem, text, text)
+        if "://" in text:
+            try:
+                fs, path = pafs.FileSystem.from_uri(text)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
+                raise RayckptError(f"cannot open checkpoint location {text!r}: {exc}") from None
+            return CheckpointDir(fs, path, text)
+        path = os.path.abspath(text)
+        return CheckpointDir(pafs.LocalFileSystem(), path, path)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def path(self, rel: str) -> str:
+        return posixpath.join(self.root, rel)
+
+    def child(self, rel: str) -> CheckpointDir:
+        return CheckpointDir(self.fs, self.path(rel), posixpath.join(self.uri, rel))
+
+    # -- write side -------------------------------------------------------
+
+    def makedirs(self) -> None:
+        self.fs.create_dir(self.root, recursive=True)
+
+    def open_output(self, rel: str) -> Any:
+        return self.fs.open_output_stream(self.path(rel))
+
+    def sync_file(self, rel: str) -> None:
+        """Make a written file durable (local disks; object stores are on close)."""
+        if self.is_local:
+            fd = os.open(self.path(rel), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def sync_dir(self) -> None:
+        if self.is_local:
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Write ``rel`` so that readers see the old file or the whole new one, never part."""
+        if self.is_local:
+            tmp = self.path(f".{rel}.tmp-{uuid.uuid4().hex[:8]}")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path(rel))
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            self.sync_dir()
+        else:
+            with self.fs.open_output_stream(self.path(rel)) as out:
+                out.write(data)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.delete_file(self.path(rel))
+        except FileNotFoundError:
+            pass
+
+    def delete_dir_if_empty(self) -> None:
+        try:
+            if not self.list_files():
+                self.fs.delete_dir(self.root)
+        except (FileNotFoundError, OSError):
+            pass
+
+    # -- read side --------------------------------------------------------
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self.path(rel)).type == pafs.FileType.File
+
+    def size(self, rel: str) -> int | None:
+        info = self.fs.get_file_info(self.path(rel))
+        return info.size if info.type == pafs.FileType.File else None
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return f.read()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no {rel} in {self.uri}: not a committed checkpoint") from None
+
+    def open_input(self, rel: str) -> Any:
+        """A random-access file; memory-mapped for local files (zero-copy reads)."""
+        path = self.path(rel)
+        if self.is_local:
+            return pa.memory_map(path, "r")
+        return self.fs.open_input_file(path)
+
+    def list_files(self) -> list[str]:
+        """Names of the files directly in the directory."""
+        return self._list(pafs.FileType.File)
+
+    def list_dirs(self) -> list[str]:
+        """Names of the directories directly in the directory."""
+        return self._list(pafs.FileType.Directory)
+
+    def _list(self, kind: pafs.FileType) -> list[str]:
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(posixpath.basename(i.path) for i in infos if i.type == kind)

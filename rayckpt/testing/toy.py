@@ -1,0 +1,79 @@
+"""Save a sharded FSDP2 model with N processes, load it with M, check outputs match.
+
+The seeds' check ("outputs MATCH after load"), on CPU with gloo. Also the worker
+functions the multi-process tests and benchmarks reuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..engine.app_state import AppState
+
+
+class ToyModel(nn.Module):
+    """Blocks of uneven widths so dim-0 shards are uneven for most world sizes."""
+
+    def __init__(self, dim: int = 10, hidden: int = 13, out: int = 7, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim)) for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def build_fsdp(world_size: int, seed: int, dtype: torch.dtype = torch.float32, **model_kw: Any):
+    """A ToyModel sharded with ``fully_shard`` on each block and the root, with AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = ToyModel(**model_kw).to(dtype)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, optim
+
+
+def train_steps(model: nn.Module, optim: torch.optim.Optimizer, steps: int, rank: int, dim: int = 10) -> None:
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(4, dim, generator=g).to(next(model.parameters()).dtype)
+        optim.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        optim.step()
+
+
+def fixed_input(dim: int = 10, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.arange(2 * dim, dtype=torch.float32).reshape(2, dim).div(10).to(dtype)
+
+
+def full_state(app: AppState) -> dict[str, torch.Tensor]:
+    """Every tensor of the app's state by flattened key, unsharded (a collective), on CPU."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            key = f"{prefix}.{k}"
+            if isinstance(v, DTensor):
+                out[key] = v.full_tensor().detach().cpu().clone()
+            elif isinstance(v, torch.Tensor):
+                out[key] = v.detach().cpu().clone()
+            else:
+                walk(v, key)
+
+    walk(app.state_dict(), "app")
+    return out

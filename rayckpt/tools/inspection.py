@@ -1,0 +1,138 @@
+"""Look into checkpoints without a cluster: list, inspect, verify, plan, consolidate.
+
+One process, no process group, no Ray. Every function reads the manifest with
+the engine's validation and every tensor byte through the engine's verified
+reader; tensors are assembled one at a time, so memory stays about the size of
+the largest tensor (``consolidate`` excepted: it returns the whole state).
+Results are frozen dataclasses; the ``rayckpt`` command prints them as text or
+JSON (``docs/CLI.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..engine.state import dtype_name
+from ..format.manifest import FileEntry, TensorEntry, decode_value
+from ..storage.checkpoint_dir import CheckpointDir
+from .reader import open_checkpoint, read_tensor, tensor_nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    #: How many stored chunks (shards, split pieces) make up the tensor.
+    num_chunks: int
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ValueInfo:
+    key: str
+    #: The stored JSON form (tuples and non-string keys tagged; see FORMAT.md).
+    value: Any
+
+    @property
+    def decoded(self) -> Any:
+        return decode_value(self.value)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """What ``inspect`` finds in a manifest (no shard file is read)."""
+
+    path: str
+    save_id: str
+    version: int
+    created: float
+    world_size: int
+    block_size: int
+    #: Block checksum algorithm (``xxh3_64``; ``crc32`` in version-1 checkpoints).
+    checksum: str
+    total_bytes: int
+    user_metadata: dict[str, Any]
+    files: tuple[FileEntry, ...]
+    tensors: tuple[TensorInfo, ...]
+    values: tuple[ValueInfo, ...]
+
+
+def inspect(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointInfo:
+    """Keys, dtypes, global shapes, chunks, files and sizes of a checkpoint, from its manifest."""
+    ckdir, m = open_checkpoint(ckpt)
+    tensors = []
+    values = []
+    for key, e in m.entries.items():
+        if isinstance(e, TensorEntry):
+            files = tuple(sorted({c.file for c in e.chunks}))
+            tensors.append(
+                TensorInfo(key, e.dtype, e.shape, math.prod(e.shape), tensor_nbytes(e), len(e.chunks), files)
+            )
+        else:
+            values.append(ValueInfo(key, e.value))
+    return CheckpointInfo(
+        ckdir.uri,
+        m.save_id,
+        m.version,
+        m.created,
+        m.world_size,
+        m.block_size,
+        m.checksum,
+        m.total_bytes,
+        dict(m.user_metadata),
+        m.files,
+        tuple(tensors),
+        tuple(values),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSummary:
+    """A look at one full tensor: the ``summon_full_params`` view of a single key."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    #: Statistics in float64; ``None`` for an empty tensor. Complex tensors: over the
+    #: real and imaginary parts; bool: over 0/1.
+    min: float | None
+    max: float | None
+    mean: float | None
+    #: The L2 norm of all elements.
+    norm: float | None
+    #: The first elements in row-major order.
+    first: tuple[Any, ...]
+
+
+#: Statistics walk the tensor in slices of this many elements (bounded float64 copies).
+_STATS_SLICE = 1 << 20
+
+
+def tensor_summary(ckpt: str | os.PathLike[str] | CheckpointDir, key: str, *, first: int = 8) -> TensorSummary:
+    """Assemble ``key`` from its shards and summarize it (shape, dtype, min/max/mean/norm, first values)."""
+    t = read_tensor(ckpt, key)
+    flat = t.reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    stats: list[float | None] = [None, None, None, None]
+    if flat.numel():
+        lo, hi, total, squares = math.inf, -math.inf, 0.0, 0.0
+        for i in range(0, flat.numel(), _STATS_SLICE):
+            x = flat[i : i + _STATS_SLICE].to(torch.float64)
+            lo = min(lo, x.min().item())
+            hi = max(hi, x.max().item())
+            total += x.sum().item()
+            squares += x.square().sum().item()
+        stats = [lo, hi, total / flat.numel(), math.sqrt(squares)]
+    head = t.reshape(-1)[:first].tolist()
+    head = [str(v) if isinstance(v, complex) else v for v in head]
+    return TensorSummary(key, dtype_name(t.dtype), tuple(t.shape), t.numel(), *stats, tuple(head))

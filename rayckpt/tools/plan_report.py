@@ -1,0 +1,77 @@
+"""Look into checkpoints without a cluster: list, inspect, verify, plan, consolidate.
+
+One process, no process group, no Ray. Every function reads the manifest with
+the engine's validation and every tensor byte through the engine's verified
+reader; tensors are assembled one at a time, so memory stays about the size of
+the largest tensor (``consolidate`` excepted: it returns the whole state).
+Results are frozen dataclasses; the ``rayckpt`` command prints them as text or
+JSON (``docs/CLI.md``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..format.manifest import TensorEntry
+from ..planning.load_plan import TensorRequest, create_load_plans, dim0_boxes
+from ..storage.checkpoint_dir import CheckpointDir
+from .reader import open_checkpoint
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    rank: int
+    bytes_needed: int
+    #: Bytes read including the partial checksum blocks at range ends.
+    bytes_read: int
+    #: Ranged reads after coalescing.
+    reads: int
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardPlan:
+    """What loading a checkpoint into ``world_size`` FSDP ranks reads, per rank."""
+
+    path: str
+    saved_world_size: int
+    world_size: int
+    bytes_needed: int
+    bytes_read: int
+    #: bytes_read / bytes_needed over all ranks (1.0 = nothing extra).
+    read_amplification: float
+    #: Mean over max of bytes read per rank (1.0 = perfectly balanced).
+    balance: float
+    ranks: tuple[RankPlan, ...]
+
+
+def plan(ckpt: str | os.PathLike[str] | CheckpointDir, world_size: int) -> ReshardPlan:
+    """The reshard plan for ``world_size`` ranks, computed with no worker running.
+
+    Assumes every tensor is sharded on dim 0 as FSDP2 does (``torch.chunk``), and
+    0-dim tensors are replicated on every rank: the same plans ``load`` makes.
+    """
+    if world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {world_size}")
+    ckdir, m = open_checkpoint(ckpt)
+    tensors = [(k, e) for k, e in m.entries.items() if isinstance(e, TensorEntry)]
+    boxes = {k: dim0_boxes(e.shape, world_size) for k, e in tensors}
+    requests = [[TensorRequest(k, e.dtype, e.shape, boxes[k][r]) for k, e in tensors] for r in range(world_size)]
+    ranks = tuple(
+        RankPlan(r, p.needed_bytes, p.read_bytes, len(p.reads), p.files)
+        for r, p in enumerate(create_load_plans(m, requests))
+    )
+    needed = sum(r.bytes_needed for r in ranks)
+    read = sum(r.bytes_read for r in ranks)
+    busiest = max(r.bytes_read for r in ranks)
+    return ReshardPlan(
+        ckdir.uri,
+        m.world_size,
+        world_size,
+        needed,
+        read,
+        read / needed if needed else 1.0,
+        read / world_size / busiest if busiest else 1.0,
+        ranks,
+    )

@@ -1,0 +1,135 @@
+"""Look into checkpoints without a cluster: list, inspect, verify, plan, consolidate.
+
+One process, no process group, no Ray. Every function reads the manifest with
+the engine's validation and every tensor byte through the engine's verified
+reader; tensors are assembled one at a time, so memory stays about the size of
+the largest tensor (``consolidate`` excepted: it returns the whole state).
+Results are frozen dataclasses; the ``rayckpt`` command prints them as text or
+JSON (``docs/CLI.md``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import posixpath
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow.fs as pafs
+import torch
+
+from ..engine.reader import read_into
+from ..engine.state import FlatState, TensorLeaf, torch_dtype
+from ..errors import CheckpointNotFoundError
+from ..format.boxes import Box
+from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry, decode_value, itemsize
+from ..planning.load_plan import ChunkIndex, TensorRequest, create_load_plan
+from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.commit import read_manifest
+
+#: Called with (bytes done, bytes in all) as long operations advance.
+Progress = Callable[[int, int], None]
+
+
+def resolve_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointDir:
+    """The checkpoint directory at ``ckpt``, or ``CheckpointNotFoundError`` saying what is there instead.
+
+    ``ckpt`` is a local path, a ``pyarrow.fs`` URI, or the ``manifest.json`` inside one.
+    """
+    ckdir = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir.resolve(ckpt)
+    kind = ckdir.fs.get_file_info(ckdir.root).type
+    if kind == pafs.FileType.File and posixpath.basename(ckdir.root) == MANIFEST_NAME:
+        parent = posixpath.dirname(ckdir.root)
+        ckdir = CheckpointDir(ckdir.fs, parent, posixpath.dirname(ckdir.uri.rstrip("/")))
+        kind = pafs.FileType.Directory
+    if kind == pafs.FileType.NotFound:
+        raise CheckpointNotFoundError(f"{ckdir.uri}: no such file or directory")
+    if kind != pafs.FileType.Directory:
+        raise CheckpointNotFoundError(f"{ckdir.uri} is a file, not a rayckpt checkpoint directory")
+    if not ckdir.exists(MANIFEST_NAME):
+        files = ckdir.list_files()
+        why = (
+            "shard files but no manifest.json: a save that never committed"
+            if any(f.endswith(".arrow") for f in files)
+            else "no manifest.json"
+        )
+        raise CheckpointNotFoundError(f"{ckdir.uri} is not a rayckpt checkpoint ({why})")
+    return ckdir
+
+
+def open_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> tuple[CheckpointDir, Manifest]:
+    """The directory and validated manifest of a committed checkpoint."""
+    ckdir = resolve_checkpoint(ckpt)
+    return ckdir, read_manifest(ckdir)
+
+
+def _no_such_key(manifest: Manifest, key: str, kind: str = "key") -> ValueError:
+    close = difflib.get_close_matches(key, list(manifest.entries), n=3)
+    hint = f"; did you mean {', '.join(repr(k) for k in close)}?" if close else "; `rayckpt inspect` lists the keys"
+    return ValueError(f"no {kind} {key!r} in the checkpoint{hint}")
+
+
+class CheckpointReader:
+    """Assembles whole tensors of one checkpoint, one at a time, from verified ranged reads."""
+
+    def __init__(self, ckpt: str | os.PathLike[str] | CheckpointDir) -> None:
+        self.ckdir, self.manifest = open_checkpoint(ckpt)
+        self._index = ChunkIndex(self.manifest)
+        self._sizes = {f.path: f.size for f in self.manifest.files}
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """The full tensor ``key``, every byte verified against its checksum."""
+        entry = self.manifest.entries.get(key)
+        if not isinstance(entry, TensorEntry):
+            if isinstance(entry, ValueEntry):
+                raise ValueError(f"key {key!r} holds a plain value ({decode_value(entry.value)!r}), not a tensor")
+            raise _no_such_key(self.manifest, key, "tensor")
+        target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+        box = Box.full(entry.shape)
+        flat = FlatState(tensors={key: TensorLeaf(key, target, entry.shape, box, entry.dtype)})
+        request = TensorRequest(key, entry.dtype, entry.shape, box)
+        plan = create_load_plan(self.manifest, [request], index=self._index)
+        read_into(self.ckdir, plan, flat, self.manifest.blocks, self._sizes, {})
+        return target
+
+    def items(self, prefix: str = "", on_progress: Progress | None = None) -> Iterator[tuple[str, Any]]:
+        """(key, tensor or decoded value) for every entry whose key starts with ``prefix``, in manifest order."""
+        keys = [k for k in self.manifest.entries if k.startswith(prefix)]
+        total = sum(tensor_nbytes(e) for k in keys if isinstance(e := self.manifest.entries[k], TensorEntry))
+        done = 0
+        for key in keys:
+            entry = self.manifest.entries[key]
+            if isinstance(entry, TensorEntry):
+                # No local holds the tensor: once the caller drops it, it is freed.
+                yield key, self.read_tensor(key)
+                done += tensor_nbytes(entry)
+                if on_progress:
+                    on_progress(done, total)
+            else:
+                yield key, decode_value(entry.value)
+
+
+def tensor_nbytes(entry: TensorEntry) -> int:
+    """Bytes of the whole tensor."""
+    return math.prod(entry.shape) * itemsize(entry.dtype)
+
+
+def read_tensor(ckpt: str | os.PathLike[str] | CheckpointDir, key: str) -> torch.Tensor:
+    """Assemble the full tensor ``key`` from its shards without loading anything else."""
+    return CheckpointReader(ckpt).read_tensor(key)
+
+
+def consolidate(
+    ckpt: str | os.PathLike[str] | CheckpointDir, *, prefix: str = "", on_progress: Progress | None = None
+) -> dict[str, Any]:
+    """The full (unsharded) state dict in this process: DCP's full-state-dict / rank-0 equivalent.
+
+    Keys are the checkpoint's flattened keys (``app.model.layers.0.weight``),
+    values are whole tensors and plain Python values. With ``prefix``, only keys
+    under it, with the prefix removed (``prefix="app.model."`` gives a model's
+    ``state_dict``). Holds the whole selection in memory, by design.
+    """
+    reader = CheckpointReader(ckpt)
+    return {key[len(prefix) :]: value for key, value in reader.items(prefix, on_progress)}

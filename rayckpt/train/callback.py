@@ -1,0 +1,53 @@
+"""Ray Train integration: a checkpointer for ``TorchTrainer`` loops and a callback.
+
+Inside ``train_loop_per_worker`` (every worker)::
+
+    ckpt = Checkpointer()
+    step = ckpt.restore(state) or 0         # any worker count: N -> M
+    ...
+    ckpt.save(step, state, {"loss": loss})  # async; reported to Ray Train once committed
+    ...
+    ckpt.wait()
+
+Checkpoints are written straight under the run's directory in
+``RunConfig.storage_path`` as ``rayckpt-step-<step>`` and reported with
+``checkpoint_upload_mode=ASYNC`` and an upload function that only waits for
+the commit, so Ray never copies the files, ``CheckpointConfig`` retention and
+``ray.train.get_checkpoint()`` work as usual, and training is not blocked.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import ray.train
+
+from ..ray.metadata_actor import get_metadata_actor
+
+logger = logging.getLogger(__name__)
+
+
+class RayckptCallback(ray.train.UserCallback):
+    """Controller-side callback: logs committed checkpoints and rolls back saves of a failed run.
+
+    Add it to ``RunConfig(callbacks=[RayckptCallback()])``. After a worker
+    exception it tells the MetadataActor to fail the run's in-flight saves, which
+    removes their partial files at once instead of after the commit timeout.
+    """
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if checkpoint is not None:
+            run = run_context.get_run_config().name
+            step = metrics[0].get("step") if metrics else None
+            logger.info("rayckpt: run %s committed step %s at %s", run, step, checkpoint.path)
+            get_metadata_actor().record_event.remote(run, "reported", {"step": step, "path": checkpoint.path})
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        run = run_context.get_run_config().name
+        reason = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(worker_exceptions.items()))
+        failed = ray.get(get_metadata_actor().fail_pending.remote(run, f"worker group failed: {reason}"))
+        get_metadata_actor().record_event.remote(run, "exception", {"failed_saves": failed, "reason": reason})
+        if failed:
+            logger.warning("rayckpt: rolled back in-flight saves %s of run %s after %s", failed, run, reason)

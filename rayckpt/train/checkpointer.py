@@ -1,0 +1,146 @@
+"""Ray Train integration: a checkpointer for ``TorchTrainer`` loops and a callback.
+
+Inside ``train_loop_per_worker`` (every worker)::
+
+    ckpt = Checkpointer()
+    step = ckpt.restore(state) or 0         # any worker count: N -> M
+    ...
+    ckpt.save(step, state, {"loss": loss})  # async; reported to Ray Train once committed
+    ...
+    ckpt.wait()
+
+Checkpoints are written straight under the run's directory in
+``RunConfig.storage_path`` as ``rayckpt-step-<step>`` and reported with
+``checkpoint_upload_mode=ASYNC`` and an upload function that only waits for
+the commit, so Ray never copies the files, ``CheckpointConfig`` retention and
+``ray.train.get_checkpoint()`` work as usual, and training is not blocked.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from typing import Any
+
+import ray
+import ray.train
+
+from ..engine.load import LoadInfo
+from ..format.shard_file import DEFAULT_BLOCK_SIZE
+from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
+from ..ray.load import load as ray_load
+from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from ..storage.catalog import CatalogEntry, checkpoint_dir_name
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Async sharded checkpoints of a TorchTrainer run. Create one per worker, in the train loop."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        report: bool = True,
+        commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
+        local_is_shared: bool | None = None,
+        staging: str | None = None,
+    ) -> None:
+        ctx = ray.train.get_context()
+        storage = ctx.get_storage()
+        self.run: str = ctx.get_experiment_name()
+        self.root: str = storage.experiment_fs_path
+        self.filesystem = storage.storage_filesystem
+        self.rank: int = ctx.get_world_rank()
+        self.block_size = block_size
+        self.report = report
+        self.commit_timeout_s = commit_timeout_s
+        self.local_is_shared = local_is_shared
+        self.staging = staging
+        #: Size of this worker's staging buffer made by ``restore`` (0: none).
+        self.staging_bytes = 0
+        #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
+        self.last_load: LoadInfo | None = None
+        ray.get(get_metadata_actor().register_run.remote(self.run, self.root, self.filesystem))
+
+    def path(self, step: int) -> str:
+        return posixpath.join(self.root, checkpoint_dir_name(step))
+
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None) -> SaveHandle:
+        """Start saving ``state`` as step ``step`` (collective); return after staging.
+
+        Once committed, the checkpoint is reported to Ray Train with ``metrics``
+        (plus ``step``). Waits first for this worker's previous save.
+        """
+        metrics = dict(metrics or {}, step=step)
+        handle = save_async(
+            state,
+            self.path(step),
+            run=self.run,
+            step=step,
+            filesystem=self.filesystem,
+            block_size=self.block_size,
+            metadata={"metrics": metrics},
+            commit_timeout_s=self.commit_timeout_s,
+            local_is_shared=self.local_is_shared,
+            staging=self.staging,
+        )
+        if self.report:
+            from ray.train import Checkpoint, CheckpointUploadMode
+
+            def wait_for_commit(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
+                handle.wait()
+                return checkpoint
+
+            ray.train.report(
+                metrics,
+                checkpoint=Checkpoint(path=self.path(step), filesystem=self.filesystem),
+                checkpoint_dir_name=checkpoint_dir_name(step),
+                checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                checkpoint_upload_fn=wait_for_commit,
+                delete_local_checkpoint_after_upload=False,
+            )
+        return handle
+
+    def latest(self) -> CatalogEntry | None:
+        """The run's latest committed checkpoint, from the MetadataActor's catalog.
+
+        The catalog is re-read from storage, so this holds after the actor was
+        killed and recreated.
+        """
+        entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.root, self.filesystem))
+        committed = [e for e in entries if e.status == "committed"]
+        return committed[-1] if committed else None
+
+    def restore(self, state: dict[str, Any]) -> int | None:
+        """Load the latest committed checkpoint into ``state`` (collective; any worker count).
+
+        Uses Ray Train's latest reported checkpoint if it has one, else the
+        catalog's latest committed one. Returns its step, or ``None`` when the run
+        has no checkpoint (``state`` untouched). Either way it then makes this
+        worker's staging buffer (``prepare_staging``), so the first save's copy
+        finds it ready.
+        """
+        step = self._load_latest(state)
+        self.staging_bytes = prepare_staging(state, self.staging)
+        return step
+
+    def _load_latest(self, state: dict[str, Any]) -> int | None:
+        ray_ckpt = ray.train.get_checkpoint()
+        if ray_ckpt is not None:
+            path, filesystem = ray_ckpt.path, ray_ckpt.filesystem
+        else:
+            entry = self.latest()
+            if entry is None:
+                return None
+            path, filesystem = entry.path, self.filesystem
+        self.last_load = ray_load(state, path, run=self.run, filesystem=filesystem)
+        metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
+        step = metadata.get("step")
+        logger.info("rayckpt: rank %d restored step %s from %s", self.rank, step, path)
+        return step
+
+    def wait(self) -> CatalogEntry | None:
+        """Block until this worker's in-flight save is committed (raises if it failed)."""
+        return wait_inflight()

@@ -1,0 +1,64 @@
+"""Train-loop functions the Ray tests hand to TorchTrainer (importable by workers)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from rayckpt.engine.app_state import AppState
+from rayckpt.ray import async_save
+from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.testing.toy import build_fsdp, full_state, train_steps
+from rayckpt.train.checkpointer import Checkpointer
+
+
+def inject_failure(mode: str) -> None:
+    """Make this rank's next save fail after it registered, while the others write."""
+
+    def fail(*args):
+        if mode == "kill":
+            os._exit(1)
+        raise OSError(28, "No space left on device (injected)")
+
+    async_save.stage_share = fail
+
+
+def toy_train_loop(config: dict[str, Any]) -> None:
+    """Restore (if any), train to ``config['steps']`` saving at ``config['save_at']``, dump state."""
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    model, optim = build_fsdp(world, seed=config.get("seed", 0))
+    app = AppState(model, optim, step=0)
+    state = {"app": app}
+    ckpt = Checkpointer(local_is_shared=config.get("local_is_shared"))
+    restored = ckpt.restore(state)
+    step = app.extras["step"] if restored is not None else 0
+    out = config["out"]
+    if restored is not None:
+        dump = full_state(app)
+        if rank == 0:
+            torch.save(
+                {"step": restored, "state": dump, "load": ckpt.last_load, "staging_bytes": ckpt.staging_bytes},
+                os.path.join(out, f"restored-{world}.pt"),
+            )
+    with open(os.path.join(out, f"node-{world}-{rank}.txt"), "w") as f:
+        f.write(ray.get_runtime_context().get_node_id())
+    while step < config["steps"]:
+        train_steps(model, optim, 1, rank + 100 * step)
+        step += 1
+        app.extras["step"] = step
+        if step in config["save_at"]:
+            if step == config.get("fail_step") and rank == 1:
+                inject_failure(config["fail_mode"])
+            handle = ckpt.save(step, state, {"loss": float(step)})
+            if rank == 0 and step == config.get("kill_actor_at"):
+                handle.wait()
+                ray.kill(get_metadata_actor(), no_restart=True)
+    ckpt.wait()
+    dump = full_state(app)
+    if rank == 0:
+        torch.save({"step": step, "state": dump}, os.path.join(out, f"final-{world}.pt"))

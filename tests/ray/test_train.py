@@ -1,0 +1,124 @@
+"""TorchTrainer on a real local Ray: async saves through the actors, N -> M resume."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.fs as pafs
+import pytest
+import ray
+import torch
+from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+import rayckpt
+from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.storage.checkpoint_dir import CheckpointDir
+from rayckpt.testing.toy import ToyModel
+from rayckpt.train.callback import RayckptCallback
+from tests.helpers import ray_workers
+
+pytestmark = pytest.mark.slow
+
+
+def fit(storage, out, workers, steps, save_at, name="toy", filesystem=None, **extra):
+    trainer = TorchTrainer(
+        ray_workers.toy_train_loop,
+        train_loop_config={"steps": steps, "save_at": save_at, "out": str(out), **extra},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(storage),
+            storage_filesystem=filesystem,
+            callbacks=[RayckptCallback()],
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    return trainer.fit()
+
+
+def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path):
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    result = fit(storage, out, 4, 3, {2, 3})
+    assert result.checkpoint is not None
+    assert os.path.basename(result.checkpoint.path) == "rayckpt-step-00000003"
+    assert os.path.exists(os.path.join(result.checkpoint.path, "manifest.json"))
+    final4 = torch.load(out / "final-4.pt", weights_only=False)
+
+    # the MetadataActor dies between runs: its catalog comes back from storage
+    ray.kill(get_metadata_actor(), no_restart=True)
+    result = fit(storage, out, 3, 4, {4}, kill_actor_at=4)
+    restored3 = torch.load(out / "restored-3.pt", weights_only=False)
+    assert restored3["step"] == 3
+    for key, value in final4["state"].items():
+        assert torch.equal(restored3["state"][key], value), key
+    assert restored3["load"].bytes_read > 0
+    assert restored3["staging_bytes"] >= restored3["load"].bytes_needed  # restore made the staging buffer
+    assert os.path.basename(result.checkpoint.path) == "rayckpt-step-00000004"
+    final3 = torch.load(out / "final-3.pt", weights_only=False)
+    assert final3["step"] == 4
+    assert not torch.equal(final3["state"]["app.model.head.weight"], final4["state"]["app.model.head.weight"])
+
+    fit(storage, out, 2, 4, set())
+    restored2 = torch.load(out / "restored-2.pt", weights_only=False)
+    assert restored2["step"] == 4
+    for key, value in final3["state"].items():
+        assert torch.equal(restored2["state"][key], value), key
+
+    # retention (num_to_keep=2) removed the oldest checkpoint directory; the catalog agrees
+    run_dir = storage / "toy"
+    kept = sorted(p for p in os.listdir(run_dir) if p.startswith("rayckpt-step-"))
+    assert kept == ["rayckpt-step-00000003", "rayckpt-step-00000004"]
+    entries = ray.get(get_metadata_actor().checkpoints.remote("toy"))
+    assert [e.step for e in entries if e.status == "committed"] == [3, 4]
+    # events live in the actor's memory: the one killed after step 4's commit took 2-4's along
+    events = ray.get(get_metadata_actor().events.remote("toy"))
+    assert [e["step"] for e in events if e["kind"] == "reported"] == [4]
+    # a committed checkpoint is a plain rayckpt checkpoint too
+    m = rayckpt.read_manifest(CheckpointDir.resolve(str(run_dir / "rayckpt-step-00000004")))
+    assert m.world_size == 3 and m.user_metadata["step"] == 4
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_worker_failing_mid_save_commits_nothing(ray_session, tmp_path, mode):
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    name = f"fail-{mode}"
+    with pytest.raises(Exception) as err:
+        fit(storage, out, 3, 3, {2, 3}, name=name, fail_step=3, fail_mode=mode)
+    if mode == "raise":
+        assert "No space left on device (injected)" in str(err.value)
+    run_dir = storage / name
+    failed_dir = run_dir / "rayckpt-step-00000003"
+    # nothing of the failed save is left: no manifest, no shard files
+    assert not failed_dir.exists() or not [f for f in os.listdir(failed_dir) if f != ".lock"]
+    # the previous checkpoint is intact and loads
+    model = ToyModel()
+    rayckpt.load({"app": {"model": model.state_dict()}}, str(run_dir / "rayckpt-step-00000002"))
+    events = ray.get(get_metadata_actor().events.remote(name))
+    failed = [e for e in events if e["kind"] == "failed"]
+    assert failed and failed[-1]["step"] == 3
+    if mode == "raise":
+        assert "No space left on device (injected)" in failed[-1]["error"]
+    else:
+        assert "worker group failed" in failed[-1]["error"]
+
+
+def test_pyarrow_filesystem_storage(ray_session, tmp_path):
+    """RunConfig(storage_filesystem=...): a non-local pyarrow filesystem (no mmap, ranged reads)."""
+    base = tmp_path / "bucket"
+    base.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    fs = pafs.SubTreeFileSystem(str(base), pafs.LocalFileSystem())
+    result = fit("ckpts", out, 2, 2, {2}, name="fsrun", filesystem=fs)
+    assert result.checkpoint.path == "ckpts/fsrun/rayckpt-step-00000002"
+    assert (base / "ckpts" / "fsrun" / "rayckpt-step-00000002" / "manifest.json").exists()
+    saved = torch.load(out / "final-2.pt", weights_only=False)
+    fit("ckpts", out, 3, 2, set(), name="fsrun", filesystem=fs)
+    restored = torch.load(out / "restored-3.pt", weights_only=False)
+    assert restored["step"] == 2
+    for key, value in saved["state"].items():
+        assert torch.equal(restored["state"][key], value), key

@@ -1,0 +1,145 @@
+"""The reusable shared-memory staging buffer, without Ray."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+
+import pytest
+import torch
+
+from rayckpt.ray.staging import (
+    PREFIX,
+    StagedRegion,
+    StagingBuffer,
+    StagingUnavailable,
+    layout,
+    open_region,
+    staged_size,
+    sweep_stale,
+)
+
+
+@pytest.fixture
+def buffer(tmp_path):
+    b = StagingBuffer(str(tmp_path))
+    yield b
+    b.close()
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def staged_files(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith(PREFIX))
+
+
+def test_layout_aligns_every_chunk_to_64_bytes():
+    spans, total = layout([10, 64, 0, 65])
+    assert spans == ((0, 10), (64, 64), (128, 0), (128, 65))
+    assert total == 256
+
+
+def test_pieces_of_any_dtype_and_strides_are_staged_byte_for_byte(buffer, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, 10, generator=g)
+    pieces = [
+        wide[:, 2:5],  # not contiguous
+        torch.randn(33, generator=g).to(torch.bfloat16),
+        torch.arange(5, dtype=torch.int64),
+        torch.tensor([True, False, True]),
+        torch.tensor(3.5),  # a scalar
+        torch.zeros(0),
+    ]
+    region = buffer.stage(pieces, "node-a")
+    assert region.node_id == "node-a" and region.nbytes == sum(len(as_bytes(p)) for p in pieces)
+    with open_region(region) as views:
+        assert [bytes(v) for v in views] == [as_bytes(p) for p in pieces]
+    assert staged_files(tmp_path) == [os.path.basename(region.path)]
+
+
+def test_the_file_is_reused_until_a_share_outgrows_it(buffer, tmp_path):
+    first = buffer.stage([torch.ones(1000)], "n")
+    again = buffer.stage([torch.full((10,), 2.0)], "n")
+    assert again.path == first.path
+    with open_region(again) as views:
+        assert bytes(views[0]) == as_bytes(torch.full((10,), 2.0))
+    bigger = buffer.stage([torch.ones(1 << 19)], "n")  # 2 MiB > the 1 MiB granule
+    assert bigger.path != first.path
+    assert staged_files(tmp_path) == [os.path.basename(bigger.path)]
+
+
+def test_a_buffer_still_read_is_never_overwritten(buffer, tmp_path):
+    old = buffer.stage([torch.full((100,), 1.0)], "n")
+    with open_region(old) as views:  # a writer still reading
+        buffer.busy = "the old file's write"
+        new = buffer.stage([torch.full((100,), 9.0)], "n", in_use=True)
+        assert new.path != old.path and buffer.busy is None  # a new file: nothing reads it yet
+        assert bytes(views[0]) == as_bytes(torch.full((100,), 1.0))
+    assert staged_files(tmp_path) == [os.path.basename(new.path)]
+
+
+def test_close_removes_the_file(tmp_path):
+    b = StagingBuffer(str(tmp_path))
+    b.stage([torch.ones(4)], "n")
+    b.close()
+    assert staged_files(tmp_path) == [] and b.path is None
+    b.close()  # twice is fine
+
+
+def test_a_missing_directory_is_reported(tmp_path):
+    b = StagingBuffer(str(tmp_path / "nope"))
+    with pytest.raises(StagingUnavailable, match=r"cannot create a staging file in .*nope"):
+        b.stage([torch.ones(4)], "n")
+
+
+def test_no_room_is_an_error_at_staging_time_and_leaves_no_file(buffer, tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # files over 1 MiB: EFBIG
+    try:
+        with pytest.raises(StagingUnavailable, match=r"cannot reserve 4194304 bytes of shared memory in"):
+            buffer.stage([torch.ones(1 << 20)], "n")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert staged_files(tmp_path) == []
+
+
+def test_a_region_whose_file_is_gone_or_short_is_refused(buffer, tmp_path):
+    region = buffer.stage([torch.ones(4)], "n")
+    with pytest.raises(ValueError, match=r"has 1048576 bytes, the region needs 2097152"):
+        with open_region(StagedRegion(region.path, "n", ((0, 2 << 20),))):
+            pass
+    buffer.close()
+    with pytest.raises(FileNotFoundError, match=r"staging file .* is gone"):
+        with open_region(region):
+            pass
+
+
+def test_sweep_removes_only_files_of_processes_that_are_gone(tmp_path):
+    p = multiprocessing.get_context("spawn").Process(target=int)
+    p.start()
+    p.join()
+    dead = tmp_path / f"{PREFIX}{p.pid}-abc"
+    mine = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    other = tmp_path / "something-else-1"
+    for f in (dead, mine, other):
+        f.write_bytes(b"x")
+    assert sweep_stale(str(tmp_path)) == [dead.name]
+    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, other.name])
+    assert sweep_stale(str(tmp_path / "missing")) == []
+
+
+def test_a_reserved_buffer_is_the_one_the_next_share_lands_in(buffer, tmp_path):
+    pieces = [torch.ones(300_000), torch.arange(10)]
+    assert staged_size(pieces) == layout([1_200_000, 80])[1] == 1_200_128
+    buffer.reserve(3 << 20)
+    reserved = buffer.path
+    assert buffer.capacity == 3 << 20
+    assert buffer.stage(pieces, "n").path == reserved
+    buffer.reserve(1 << 20)  # smaller: kept as it is
+    assert buffer.path == reserved and buffer.capacity == 3 << 20
