@@ -1031,7 +1031,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "- One command runs every system on the same machine; each repeat runs every system once, in an order "
         "that rotates from repeat to repeat. Times are barrier to barrier (``dist.barrier()``) on gloo ranks "
-        "spawned with ``rayckpt.multiproc.run_ranks``; a figure is the max over ranks, then median (min-max) "
+        "spawned with ``rayckpt.testing.multiproc.run_ranks``; a figure is the max over ranks, then median (min-max) "
         "over repeats.",
         "- Stall = time the calling rank is blocked: the whole call for synchronous saves; "
         "``SaveHandle.stall_seconds`` for rayckpt's Ray ``save_async`` (plan + one copy into shared memory: the "

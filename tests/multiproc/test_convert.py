@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 import rayckpt
 from rayckpt import tools
 from rayckpt.engine.app_state import AppState
+from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.multiproc import run_ranks
 from rayckpt.testing.toy import ToyModel, build_fsdp, full_state, train_steps
 from rayckpt.tools.convert.core import convert, regroup_values
@@ -300,7 +301,7 @@ def test_safetensors_export_needs_tensors_with_a_safetensors_dtype(ckpt, tmp_pat
 
 def test_a_key_that_is_both_tensor_and_value_is_refused(tmp_path):
     source = convert_module._Source("torch", {"a": ("float32", (2,))}, {"a": 1}, lambda keys: {})
-    out = rayckpt.storage.CheckpointDir.resolve(str(tmp_path / "o"))
+    out = CheckpointDir.resolve(str(tmp_path / "o"))
     with pytest.raises(rayckpt.InvalidStateError, match="key 'a' is both a tensor and a value in src.pt"):
         convert_module._import(source, out, "src.pt", "", 64, 1024, None)
 

@@ -10,6 +10,7 @@ import torch
 
 import rayckpt
 from rayckpt.examples.demo import save_worker
+from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.multiproc import run_ranks
 from rayckpt.testing.toy import ToyModel, fixed_input
 from tests.helpers import workers
@@ -74,7 +75,7 @@ def test_dim0_reshard_reads_exactly_the_needed_bytes(loaded):
 
 def test_replicated_step_scalars_are_written_once(saved):
     path = saved[4][0]
-    manifest = rayckpt.read_manifest(rayckpt.storage.CheckpointDir.resolve(path))
+    manifest = rayckpt.read_manifest(CheckpointDir.resolve(path))
     steps = [k for k in manifest.entries if k.endswith(".step") and ".optim.state." in k]
     assert steps
     for key in steps:
@@ -108,7 +109,7 @@ def test_raw_dtensor_state_dict_round_trip(tmp_path):
 def test_bf16_params_round_trip(tmp_path):
     path = str(tmp_path / "bf16")
     saved = run_ranks(save_worker, 2, path, 2, "bfloat16")
-    manifest = rayckpt.read_manifest(rayckpt.storage.CheckpointDir.resolve(path))
+    manifest = rayckpt.read_manifest(CheckpointDir.resolve(path))
     assert manifest.tensor("app.model.head.weight").dtype == "bfloat16"
     loaded = run_ranks(workers.load_worker, 3, path, "bfloat16")
     for key, value in saved[0]["state"].items():
@@ -133,7 +134,7 @@ def test_stateful_app_state_round_trips(tmp_path):
 def test_hsdp_save_writes_the_replicated_dim_once(tmp_path):
     path = str(tmp_path / "hsdp")
     saved = run_ranks(workers.hsdp_save_worker, 4, path)
-    manifest = rayckpt.read_manifest(rayckpt.storage.CheckpointDir.resolve(path))
+    manifest = rayckpt.read_manifest(CheckpointDir.resolve(path))
     weight = manifest.tensor("app.model.blocks.0.0.weight")
     assert len(weight.chunks) == 2  # shard dim of 2, not 4 copies
     state_bytes = sum(v.numel() * v.element_size() for v in saved[0]["state"].values())

@@ -1,4 +1,4 @@
-"""The main job's training loop (rayckpt.train_job.train) on plain gloo processes, no Ray."""
+"""The main job's training loop (rayckpt.examples.gpt_job.train) on plain gloo processes, no Ray."""
 
 from __future__ import annotations
 

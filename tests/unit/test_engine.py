@@ -14,6 +14,8 @@ import xxhash
 
 import rayckpt
 from rayckpt.engine import reader, writer
+from rayckpt.engine.state import flatten
+from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan, save_plan
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 
@@ -184,10 +186,10 @@ def test_flipped_byte_outside_the_needed_range_does_not_fail_a_partial_read(tmp_
     chunk = manifest_of(path)["entries"]["w"]["chunks"][0]
     flip_byte(path, chunk["file"], chunk["byte_offset"] + 200)  # row 12
     m = rayckpt.read_manifest(CheckpointDir.resolve(path))
-    req = load_plan.TensorRequest("w", "float32", (16, 4), rayckpt.boxes.Box((0, 0), (8, 4)))
+    req = load_plan.TensorRequest("w", "float32", (16, 4), Box((0, 0), (8, 4)))
     plan = load_plan.create_load_plan(m, [req])
     assert plan.read_bytes == plan.needed_bytes == 128
-    flat = rayckpt.state.flatten({"w": torch.zeros(8, 4)})
+    flat = flatten({"w": torch.zeros(8, 4)})
     flat.tensors["w"].box = req.box
     flat.tensors["w"].shape = (16, 4)
     sizes = {f.path: f.size for f in m.files}

@@ -8,8 +8,8 @@ import math
 import pickle
 
 import pytest
-import rayckpt.manifest as manifest_module
 
+import rayckpt.format.manifest as manifest_module
 from rayckpt.errors import CorruptCheckpointError, FormatVersionError, InvalidStateError, RayckptError
 from rayckpt.format.boxes import Box
 from rayckpt.format.manifest import (

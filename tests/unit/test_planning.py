@@ -53,7 +53,8 @@ sys.modules["rayckpt"] = pkg
 PURE = {"rayckpt.planning.load_plan", "rayckpt.planning.save_plan", "rayckpt.format.boxes", "rayckpt.format.manifest"}
 for name in sorted(PURE):
     __import__(name)
-assert rayckpt.planning.load_plan.__file__.startswith(pkg_dir), rayckpt.planning.load_plan.__file__
+loaded = sys.modules["rayckpt.planning.load_plan"].__file__
+assert loaded.startswith(pkg_dir), loaded
 new = set(sys.modules) - before
 assert PURE | {"rayckpt.errors"} <= new, new
 assert "rayckpt.engine" not in sys.modules
