@@ -1,14 +1,18 @@
-"""``save`` and ``load``: plan, write, commit, read.
+"""``save``: collect -> plan -> write -> commit, the steps every save path shares.
 
-Roles: every rank calls ``save`` / ``load`` (collective when a process group is
-initialized). Rank 0 commits. Each phase ends in one all-gather that carries
+Roles: every rank calls ``save`` (collective when a process group is
+initialized); rank 0 commits. ``collect_state`` is the first step of every save,
+``rayckpt.save`` and the Ray async save alike: each rank flattens its state, one
+all-gather shares every rank's boxes and values, and every rank computes the
+same save plans and ``SaveSpec``. Then each rank writes its share
+(``write_share`` here; on Ray the node's ShardWriter does, from shared memory)
+and the committer (rank 0 here; the MetadataActor on Ray) calls
+``storage.commit.commit_save``. Each step ends in one all-gather that carries
 failures, so an error on any rank is raised on every rank and nobody hangs.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,18 +20,12 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ..errors import InvalidStateError, RayckptError, SaveFailedError
-from ..format.manifest import (
-    FileEntry,
-    encode_value,
-)
-from ..format.shard_file import (
-    DEFAULT_BLOCK_SIZE,
-    WrittenChunk,
-)
+from ..format.manifest import encode_value
+from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..planning import save_plan
 from ..planning.save_plan import LocalShard, SavePlan, create_save_plans
 from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import commit_manifest, create_manifest
+from ..storage.commit import SaveSpec, WrittenShard, commit_save, new_save_id, remove_failed_save
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .state import FlatState, flatten
 from .writer import create_chunk_data, write_chunks
@@ -65,71 +63,73 @@ def save(
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-
-    collected = collect_state(coord, state_dict)
-    flat, save_id, values, plans = collected.flat, collected.save_id, collected.values, collected.plans
+    ctx = collect_state(coord, state_dict, block_size=block_size, metadata=metadata)
     written_files: list[str] = []
-
-    def write() -> tuple[list[WrittenChunk], list[FileEntry]]:
-        return write_plan(ckdir, plans[coord.rank], flat, save_id, coord.rank, block_size, written_files)
-
     try:
-        results = gather_or_raise(coord, "save (writing shards)", write, SaveFailedError)
+        shards = gather_or_raise(
+            coord, "save (writing shards)", lambda: write_share(ckdir, ctx, written_files), SaveFailedError
+        )
 
         def commit() -> int:
-            if coord.rank != 0:
-                return 0
-            written = [w for chunks, _ in results for w in chunks]
-            files = [f for _, fs in results for f in fs]
-            manifest = create_manifest(
-                collected.tensor_meta, written, files, values, save_id, coord.world_size, block_size, metadata or {}
-            )
-            commit_manifest(ckdir, manifest)
-            return manifest.total_bytes
+            return commit_save(ckdir, ctx.spec, shards).total_bytes if coord.rank == 0 else 0
 
         total = gather_or_raise(coord, "save (commit)", commit, SaveFailedError)[0]
     except RayckptError:
-        for rel in written_files:
-            ckdir.delete(rel)
-        if coord.rank == 0:
-            ckdir.delete_dir_if_empty()
+        remove_failed_save(ckdir, ctx.spec.save_id, written_files)
         raise
-    num_files = sum(len(files) for _, files in results)
-    return SaveInfo(ckdir.uri, save_id, total, num_files, coord.world_size)
+    num_files = sum(len(s.files) for s in shards)
+    return SaveInfo(ckdir.uri, ctx.spec.save_id, total, num_files, coord.world_size)
 
 
-@dataclass(slots=True)
-class Collected:
-    """The outcome of a save's first phase, the same on every rank except ``flat``."""
+@dataclass(frozen=True, slots=True)
+class SaveContext:
+    """A save after its first step, on one rank: what every rank agreed on, and this rank's state."""
 
+    #: The save as the committer sees it; the same on every rank.
+    spec: SaveSpec
+    rank: int
+    #: Every rank's save plan, by rank.
+    plans: tuple[SavePlan, ...]
+    #: The node each rank runs on, by rank ("" when not on Ray).
+    nodes: tuple[str, ...]
+    #: This rank's flattened state (its local tensors).
     flat: FlatState
-    save_id: str
-    values: dict[str, Any]
-    tensor_meta: dict[str, tuple[str, tuple[int, ...]]]
-    plans: list[SavePlan]
-    #: Whatever each rank passed as ``extra`` to ``collect_state``, by rank.
-    extras: list[Any]
+
+    @property
+    def plan(self) -> SavePlan:
+        """This rank's share of the save."""
+        return self.plans[self.rank]
 
 
-def collect_state(coord: Coordinator, state_dict: dict[str, Any], extra: Any = None) -> Collected:
-    """Save phase 1 (collective): flatten, share every rank's boxes, plan the writes."""
+def collect_state(
+    coord: Coordinator,
+    state_dict: dict[str, Any],
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    metadata: dict[str, Any] | None = None,
+    node: str = "",
+) -> SaveContext:
+    """Save steps collect and plan (collective): flatten, share every rank's boxes, plan the writes.
+
+    ``node``: where this rank runs (the Ray node id), shared with every rank.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
     flat_holder: list[FlatState] = []
 
-    def collect() -> tuple[list[LocalShard], dict[str, Any], str | None, Any]:
+    def collect() -> tuple[list[LocalShard], dict[str, Any], str | None, str]:
         flat = flatten(state_dict)
         flat_holder.append(flat)
         shards = [LocalShard(t.key, t.dtype, t.shape, t.box) for t in flat.tensors.values()]
         values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
-        save_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}" if coord.rank == 0 else None
-        return shards, values, save_id, extra
+        return shards, values, new_save_id() if coord.rank == 0 else None, node
 
     gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError)
     values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
     plans = create_save_plans([g[0] for g in gathered], save_plan.MAX_CHUNK_BYTES)
-    meta = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}
-    return Collected(flat_holder[0], gathered[0][2], values, meta, plans, [g[3] for g in gathered])
+    tensors = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}
+    spec = SaveSpec(gathered[0][2], coord.world_size, block_size, tensors, values, dict(metadata or {}))
+    return SaveContext(spec, coord.rank, tuple(plans), tuple(g[3] for g in gathered), flat_holder[0])
 
 
 def _merge_values(per_rank: Sequence[dict[str, Any]], tensor_keys: set[str]) -> dict[str, Any]:
@@ -143,14 +143,7 @@ def _merge_values(per_rank: Sequence[dict[str, Any]], tensor_keys: set[str]) -> 
     return merged
 
 
-def write_plan(
-    ckdir: CheckpointDir,
-    plan: SavePlan,
-    flat: FlatState,
-    save_id: str,
-    rank: int,
-    block_size: int,
-    written_files: list[str],
-) -> tuple[list[WrittenChunk], list[FileEntry]]:
-    """Write one rank's share of a save in this process."""
-    return write_chunks(ckdir, create_chunk_data(plan, flat), save_id, rank, block_size, written_files)
+def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]) -> WrittenShard:
+    """Save step write, in this process: this rank's chunks into its shard files."""
+    chunks = create_chunk_data(ctx.plan, ctx.flat)
+    return write_chunks(ckdir, chunks, ctx.spec.save_id, ctx.rank, ctx.spec.block_size, written_files)

@@ -1,29 +1,30 @@
-"""``save`` and ``load``: plan, write, commit, read.
+"""Tensors -> chunks -> shard files: the write step every save path shares.
 
-Roles: every rank calls ``save`` / ``load`` (collective when a process group is
-initialized). Rank 0 commits. Each phase ends in one all-gather that carries
-failures, so an error on any rank is raised on every rank and nobody hangs.
+A rank's ``SavePlan`` names the boxes it writes; ``chunk_specs`` says what each
+chunk is, ``chunk_pieces`` cuts the pieces out of the rank's local tensors (on
+any device), ``create_chunk_data`` gives their bytes on the CPU, and
+``write_chunks`` writes them, one Arrow IPC file per storage type. Called by a
+rank (``rayckpt.save``), by the node's ShardWriter actor (async saves on Ray,
+with the bytes read from shared memory) and by imports (``rayckpt convert``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..format.manifest import (
-    FileEntry,
-)
-from ..format.shard_file import (
-    ChunkData,
-    WrittenChunk,
-    storage_type,
-    write_shard_file,
-)
+from ..format.manifest import FileEntry
+from ..format.shard_file import ChunkData, ChunkSpec, WrittenChunk, storage_type, write_shard_file
 from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir
-from .state import FlatState, as_bytes
+from ..storage.commit import WrittenShard, shard_file_name
+from .state import FlatState, TensorLeaf, as_bytes
+
+
+def chunk_specs(plan: SavePlan, flat: FlatState) -> tuple[ChunkSpec, ...]:
+    """What each item of ``plan`` stores: key, dtype and global box (no bytes)."""
+    return tuple(ChunkSpec(item.key, flat.tensors[item.key].dtype, item.box) for item in plan.items)
 
 
 def chunk_pieces(
@@ -45,10 +46,7 @@ def create_chunk_data(plan: SavePlan, flat: FlatState) -> list[ChunkData]:
     """The bytes of each item of ``plan``: zero-copy views of (CPU-staged) local tensors."""
     staged = stage_to_cpu(flat.tensors[item.key] for item in plan.items)
     pieces = chunk_pieces(plan, flat, staged)
-    return [
-        ChunkData(item.key, flat.tensors[item.key].dtype, item.box, as_bytes(piece.contiguous()))
-        for item, piece in zip(plan.items, pieces)
-    ]
+    return [spec.with_data(as_bytes(piece.contiguous())) for spec, piece in zip(chunk_specs(plan, flat), pieces)]
 
 
 def write_chunks(
@@ -58,11 +56,11 @@ def write_chunks(
     rank: int,
     block_size: int,
     written_files: list[str],
-) -> tuple[list[WrittenChunk], list[FileEntry]]:
-    """Write one rank's chunks: one Arrow file per storage type.
+) -> WrittenShard:
+    """Write one rank's chunks: one Arrow file per storage type, each durable on return.
 
     Appends each file to ``written_files`` before writing it, so a failure can
-    clean up. Called by a rank (in-process saves) or by a ShardWriter actor.
+    clean up.
     """
     by_type: dict[str, list[ChunkData]] = {}
     for c in chunks:
@@ -72,15 +70,15 @@ def write_chunks(
     if by_type:
         ckdir.makedirs()
     for stype, data in sorted(by_type.items()):
-        rel = f"{save_id}-r{rank:05d}-{stype}.arrow"
+        rel = shard_file_name(save_id, rank, stype)
         written_files.append(rel)
         records, size = write_shard_file(ckdir, rel, data, block_size, save_id)
         written.extend(records)
         files.append(FileEntry(rel, size, rank))
-    return written, files
+    return WrittenShard(rank, tuple(written), tuple(files))
 
 
-def stage_to_cpu(leaves: Any) -> dict[str, torch.Tensor]:
+def stage_to_cpu(leaves: Iterable[TensorLeaf]) -> dict[str, torch.Tensor]:
     """Local tensors on the CPU: device tensors are copied (non-blocking, then one sync)."""
     staged: dict[str, torch.Tensor] = {}
     on_device = False

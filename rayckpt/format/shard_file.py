@@ -50,6 +50,18 @@ def storage_type(dtype: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """A chunk to write, without its bytes: which tensor, its dtype and its global box."""
+
+    key: str
+    dtype: str
+    box: Box
+
+    def with_data(self, data: Any) -> ChunkData:
+        return ChunkData(self.key, self.dtype, self.box, data)
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkData:
     """A chunk to write: its raw bytes (any buffer-protocol object) and where it goes."""
 

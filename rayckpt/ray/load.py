@@ -21,7 +21,7 @@ from ..engine.load import LoadInfo, tensor_requests
 from ..engine.load import load as _engine_load
 from ..storage.checkpoint_dir import CheckpointDir
 from . import metrics
-from .async_save import _location
+from .async_save import actor_location
 from .metadata_actor import get_metadata_actor
 
 
@@ -40,7 +40,7 @@ def load(
     coord = coordinator or default_coordinator(process_group)
     meta = get_metadata_actor()
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
-    location = _location(ckdir, filesystem)
+    location = actor_location(ckdir, filesystem)
 
     def plan_source(ckdir, flat, strict):  # noqa: ANN001 - engine.PlanSource
         bundle = ray.get(

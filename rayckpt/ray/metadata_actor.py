@@ -23,14 +23,13 @@ from typing import Any
 
 import ray
 
-from ..format.manifest import MANIFEST_NAME, Blocks, FileEntry, Manifest, manifest_values
-from ..format.shard_file import WrittenChunk
+from ..format.manifest import Blocks, Manifest, manifest_values
 from ..planning.bulk import BulkPlan, create_dim0_plans
 from ..planning.chunk_table import ChunkTable
 from ..planning.load_plan import ChunkIndex, LoadPlan, TensorRequest, create_load_plan, is_dim0_layout
 from ..storage.catalog import CatalogEntry, entry_order, scan_run
 from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import commit_manifest, create_manifest, read_manifest
+from ..storage.commit import SaveSpec, WrittenShard, commit_save, read_manifest, remove_failed_save
 from . import metrics
 
 NAMESPACE = "rayckpt"
@@ -61,16 +60,13 @@ class _Save:
     filesystem: Any = None
     run: str = ""
     step: int | None = None
-    world_size: int = 0
-    tensor_meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
-    values: dict[str, Any] = field(default_factory=dict)
-    block_size: int = 0
-    metadata: dict[str, Any] = field(default_factory=dict)
+    #: What every rank agreed on (rank 0's registration brings it).
+    spec: SaveSpec | None = None
     started: float = field(default_factory=time.time)
     deadline: float = 0.0
     timeout: float = 0.0
     registered: bool = False
-    written: dict[int, tuple[list[WrittenChunk], list[FileEntry]]] = field(default_factory=dict)
+    written: dict[int, WrittenShard] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
     #: Node of the ShardWriter that wrote each rank's share.
     writer_nodes: dict[int, str] = field(default_factory=dict)
@@ -86,7 +82,7 @@ class _Save:
             path=self.uri,
             status=self.status,
             created=self.started,
-            world_size=self.world_size,
+            world_size=self.spec.world_size if self.spec else 0,
             bytes=self.total_bytes,
             save_id=self.save_id,
             error=self.error,
@@ -151,23 +147,17 @@ class MetadataActor:
 
     async def begin_save(
         self,
-        save_id: str,
+        spec: SaveSpec,
         uri: str,
         filesystem: Any,
         run: str,
         step: int | None,
-        world_size: int,
-        tensor_meta: dict[str, tuple[str, tuple[int, ...]]],
-        values: dict[str, Any],
-        block_size: int,
-        metadata: dict[str, Any],
         commit_timeout_s: float | None = None,
     ) -> None:
         """Called by rank 0 once per save. A save not committed within
         ``commit_timeout_s`` (default: the actor's) fails."""
-        s = self._save(save_id)
-        s.uri, s.filesystem, s.run, s.step, s.world_size = uri, filesystem, run, step, world_size
-        s.tensor_meta, s.values, s.block_size, s.metadata = tensor_meta, values, block_size, metadata
+        s = self._save(spec.save_id)
+        s.spec, s.uri, s.filesystem, s.run, s.step = spec, uri, filesystem, run, step
         s.timeout = commit_timeout_s or self._commit_timeout_s
         s.deadline = time.time() + s.timeout
         s.registered = True
@@ -176,23 +166,15 @@ class MetadataActor:
             self._watchdog = asyncio.get_running_loop().create_task(self._expire_loop())
         await self._maybe_finish(s)
 
-    async def report_written(
-        self,
-        save_id: str,
-        rank: int,
-        written: list[WrittenChunk],
-        files: list[FileEntry],
-        seconds: float,
-        node: str = "",
-    ) -> None:
+    async def report_written(self, save_id: str, shard: WrittenShard, seconds: float, node: str = "") -> None:
         """Called by a ShardWriter when a rank's shard files are durable."""
         s = self._save(save_id)
-        s.writer_nodes[rank] = node
+        s.writer_nodes[shard.rank] = node
         if s.status == "failed":
-            await asyncio.to_thread(_delete_files, s, [f.path for f in files])
+            await asyncio.to_thread(_delete_files, s, [f.path for f in shard.files])
             return
-        s.written[rank] = (written, files)
-        nbytes = sum(f.size for f in files)
+        s.written[shard.rank] = shard
+        nbytes = shard.nbytes
         metrics.observe("rayckpt_persist_seconds", seconds, run=s.run)
         metrics.inc("rayckpt_bytes_written", nbytes, run=s.run)
         if seconds > 0:
@@ -239,7 +221,7 @@ class MetadataActor:
         return s.entry()
 
     async def _maybe_finish(self, s: _Save) -> None:
-        if s.status != "pending" or not s.registered or len(s.written) < s.world_size:
+        if s.status != "pending" or not s.registered or len(s.written) < s.spec.world_size:
             return
         try:
             manifest = await asyncio.to_thread(self._commit, s)
@@ -258,20 +240,14 @@ class MetadataActor:
         s.done.set()
 
     def _commit(self, s: _Save) -> Manifest:
-        written = [w for chunks, _ in s.written.values() for w in chunks]
-        files = [f for r in sorted(s.written) for f in s.written[r][1]]
-        manifest = create_manifest(
-            s.tensor_meta, written, files, s.values, s.save_id, s.world_size, s.block_size, s.metadata
-        )
-        commit_manifest(CheckpointDir.resolve(s.uri, s.filesystem), manifest)
-        return manifest
+        return commit_save(CheckpointDir.resolve(s.uri, s.filesystem), s.spec, s.written.values())
 
     async def _fail(self, s: _Save, reason: str) -> None:
         if s.status != "pending":
             return
         s.status = "failed"
         s.error = reason
-        paths = [f.path for _, files in s.written.values() for f in files]
+        paths = [f.path for shard in s.written.values() for f in shard.files]
         await asyncio.to_thread(_delete_files, s, paths)
         if s.uri:
             self._catalog.setdefault(s.run, {})[s.uri] = s.entry()
@@ -284,7 +260,7 @@ class MetadataActor:
             now = time.time()
             for s in list(self._saves.values()):
                 if s.status == "pending" and s.registered and now > s.deadline:
-                    missing = sorted(set(range(s.world_size)) - set(s.written))
+                    missing = sorted(set(range(s.spec.world_size)) - set(s.written))
                     await self._fail(s, f"rank(s) {missing} did not report within {s.timeout:g}s")
             await asyncio.sleep(0.5)
 
@@ -398,16 +374,8 @@ class MetadataActor:
 
 def _delete_files(s: _Save, paths: list[str]) -> None:
     """Remove a failed save's files: the ones reported and any with its save_id prefix."""
-    if not s.uri:
-        return
-    ckdir = CheckpointDir.resolve(s.uri, s.filesystem)
-    for p in paths:
-        ckdir.delete(p)
-    for name in ckdir.list_files():
-        if name.startswith(s.save_id):
-            ckdir.delete(name)
-    if MANIFEST_NAME not in ckdir.list_files():
-        ckdir.delete_dir_if_empty()
+    if s.uri:
+        remove_failed_save(CheckpointDir.resolve(s.uri, s.filesystem), s.save_id, paths)
 
 
 def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> Any:

@@ -1,15 +1,10 @@
-"""Ray actors: the MetadataActor (catalog, commit, read plans) and ShardWriters.
+"""The ShardWriter: one actor per node that writes staged shares to storage.
 
-Both are thin shells around the engine's pure planning and its file I/O.
-
-- ``MetadataActor``: one per Ray namespace, named ``rayckpt-metadata``, detached.
-  Collects every rank's written chunks for a save and commits the manifest once
-  all are durable; fails and cleans up a save that any rank reports failed (or
-  that times out); serves cached read plans; keeps a catalog of checkpoints per
-  run that it rebuilds from the manifests in storage, which stay the truth.
-- ``ShardWriter``: one per node, named ``rayckpt-writer-<node>``, pinned there.
-  Writes a rank's staged chunks from the node's shared-memory object store into
-  Arrow shard files and reports them to the MetadataActor.
+Named ``rayckpt-writer-<node>``, detached, pinned to its node. It runs the
+engine's write step (``engine.writer.write_chunks``) on a rank's share read
+straight from the node's shared memory (the rank's staging buffer or Ray's
+object store), removes its files if writing fails, and reports the outcome to
+the MetadataActor.
 """
 
 from __future__ import annotations
@@ -17,15 +12,30 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from ..engine.writer import write_chunks
-from ..format.shard_file import ChunkData
+from ..format.shard_file import ChunkSpec
 from ..storage.checkpoint_dir import CheckpointDir
 from .metadata_actor import NAMESPACE, get_metadata_actor
 from .staging import StagedRegion, open_region, sweep_stale
+
+
+@dataclass(frozen=True, slots=True)
+class ShardWrite:
+    """One rank's share of a save, as its ShardWriter needs it (the bytes travel beside it)."""
+
+    save_id: str
+    #: Where the checkpoint goes, as the actors reach it (with ``filesystem``).
+    location: str
+    filesystem: Any
+    rank: int
+    block_size: int
+    #: Each staged chunk, in the order of the staged arrays.
+    chunks: tuple[ChunkSpec, ...]
 
 
 class ShardWriter:
@@ -38,45 +48,31 @@ class ShardWriter:
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def write(
-        self,
-        save_id: str,
-        uri: str,
-        filesystem: Any,
-        rank: int,
-        items: list[tuple[str, str, Any]],
-        block_size: int,
-        staged: list[Any] | StagedRegion,
-    ) -> dict[str, Any]:
-        """Write the staged chunks and report to the MetadataActor.
+    def write(self, request: ShardWrite, staged: list[Any] | StagedRegion) -> dict[str, Any]:
+        """Write a rank's staged chunks and report to the MetadataActor (called by the rank).
 
         ``staged``: the arrays themselves (zero-copy views into the object store)
-        or a ``StagedRegion`` of a rank's staging buffer on this node. ``items``
-        are (key, dtype, box) for each chunk. Returns what was written.
+        or a ``StagedRegion`` of the rank's staging buffer on this node, one array
+        per ``request.chunks``. Returns what was written.
         """
         meta = get_metadata_actor()
-        ckdir = CheckpointDir.resolve(uri, filesystem)
+        ckdir = CheckpointDir.resolve(request.location, request.filesystem)
         written_files: list[str] = []
         start = time.perf_counter()
         try:
             with self._views(staged) as arrays:
-                chunks = [ChunkData(k, d, b, a) for (k, d, b), a in zip(items, arrays)]
-                written, files = write_chunks(ckdir, chunks, save_id, rank, block_size, written_files)
+                chunks = [spec.with_data(a) for spec, a in zip(request.chunks, arrays)]
+                shard = write_chunks(ckdir, chunks, request.save_id, request.rank, request.block_size, written_files)
                 del chunks
         except Exception as exc:
             for rel in written_files:
                 ckdir.delete(rel)
             msg = f"ShardWriter on node {self.node_id[:12]}: {type(exc).__name__}: {exc}"
-            ray.get(meta.report_failed.remote(save_id, rank, msg))
+            ray.get(meta.report_failed.remote(request.save_id, request.rank, msg))
             raise
         seconds = time.perf_counter() - start
-        ray.get(meta.report_written.remote(save_id, rank, written, files, seconds, self.node_id))
-        return {
-            "node": self.node_id,
-            "files": [f.path for f in files],
-            "bytes": sum(f.size for f in files),
-            "seconds": seconds,
-        }
+        ray.get(meta.report_written.remote(request.save_id, shard, seconds, self.node_id))
+        return {"node": self.node_id, "files": [f.path for f in shard.files], "bytes": shard.nbytes, "seconds": seconds}
 
     @contextmanager
     def _views(self, staged: list[Any] | StagedRegion) -> Iterator[list[Any]]:

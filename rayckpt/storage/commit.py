@@ -1,14 +1,20 @@
-"""``save`` and ``load``: plan, write, commit, read.
+"""A save's life on storage, each step in one place: its id, its file names, the commit, the cleanup.
 
-Roles: every rank calls ``save`` / ``load`` (collective when a process group is
-initialized). Rank 0 commits. Each phase ends in one all-gather that carries
-failures, so an error on any rank is raised on every rank and nobody hangs.
+Every save path goes through here: ``rayckpt.save`` (rank 0 commits), the Ray
+MetadataActor (commits once every rank's files are durable) and ``rayckpt
+convert`` imports (one process). A save is ``SaveSpec`` (agreed by every rank
+before anything is written) plus each rank's ``WrittenShard``;
+``commit_save`` turns them into a validated manifest and writes it last,
+atomically: before that write the checkpoint does not exist. A save that fails
+is undone by ``remove_failed_save``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, SaveFailedError
@@ -23,36 +29,80 @@ from ..format.manifest import (
     encode_manifest,
     find_manifest_problems,
 )
-from ..format.shard_file import (
-    WrittenChunk,
-)
+from ..format.shard_file import WrittenChunk
 from .checkpoint_dir import CheckpointDir
 
 
-def create_manifest(
-    tensor_meta: dict[str, tuple[str, tuple[int, ...]]],
-    written: Sequence[WrittenChunk],
-    files: Sequence[FileEntry],
-    values: dict[str, Any],
-    save_id: str,
-    world_size: int,
-    block_size: int,
-    metadata: dict[str, Any],
-) -> Manifest:
-    """Assemble and validate the manifest from every rank's written chunks (rank 0 / MetadataActor)."""
-    chunks: dict[str, list[ChunkEntry]] = {k: [] for k in tensor_meta}
-    for w in written:
+def new_save_id() -> str:
+    """A save's id: its start time and a random suffix (``20260101T120000-1a2b3c4d``).
+
+    Shard files start with it, so a failed save's files can be found by prefix.
+    """
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def shard_file_name(save_id: str, rank: int, storage_type: str) -> str:
+    """The shard file ``rank`` writes for one storage type (FORMAT.md: file naming)."""
+    return f"{save_id}-r{rank:05d}-{storage_type}.arrow"
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """What every rank agrees on before writing: the same on every rank, sent to the committer."""
+
+    save_id: str
+    world_size: int
+    block_size: int
+    #: Every tensor key's (dtype, global shape).
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    #: Plain values in their stored (tagged JSON) form.
+    values: dict[str, Any]
+    #: The manifest's ``user_metadata``.
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenShard:
+    """What one rank wrote for a save: its chunks' records and its durable files."""
+
+    rank: int
+    chunks: tuple[WrittenChunk, ...]
+    files: tuple[FileEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
+    """The validated manifest of a save from every rank's shard (files in rank order).
+
+    Raises ``SaveFailedError`` when the chunks do not tile every tensor exactly.
+    """
+    shards = sorted(shards, key=lambda s: s.rank)
+    chunks: dict[str, list[ChunkEntry]] = {k: [] for k in spec.tensors}
+    for w in (w for s in shards for w in s.chunks):
         chunks[w.key].append(ChunkEntry(w.box, w.file, w.byte_offset, w.byte_length, w.checksums))
     entries: dict[str, TensorEntry | ValueEntry] = {}
-    for key in sorted(tensor_meta):
-        dtype, shape = tensor_meta[key]
+    for key in sorted(spec.tensors):
+        dtype, shape = spec.tensors[key]
         entries[key] = TensorEntry(dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.box.offsets)))
-    for key in sorted(values):
-        entries[key] = ValueEntry(values[key])
-    manifest = Manifest(save_id, world_size, block_size, entries, tuple(files), time.time(), user_metadata=metadata)
+    for key in sorted(spec.values):
+        entries[key] = ValueEntry(spec.values[key])
+    files = tuple(f for s in shards for f in s.files)
+    manifest = Manifest(
+        spec.save_id, spec.world_size, spec.block_size, entries, files, time.time(), user_metadata=spec.metadata
+    )
     problems = find_manifest_problems(manifest)
     if problems:
         raise SaveFailedError("refusing to commit an inconsistent checkpoint:\n  " + "\n  ".join(problems[:20]))
+    return manifest
+
+
+def commit_save(ckdir: CheckpointDir, spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
+    """Create the save's manifest and commit it (the committer: rank 0, the MetadataActor, an import)."""
+    manifest = create_manifest(spec, shards)
+    commit_manifest(ckdir, manifest)
     return manifest
 
 
@@ -69,6 +119,21 @@ def commit_manifest(ckdir: CheckpointDir, manifest: Manifest) -> None:
     for name in ckdir.list_files():
         if name.endswith(".arrow") and name not in keep:
             ckdir.delete(name)
+
+
+def remove_failed_save(ckdir: CheckpointDir, save_id: str, paths: Sequence[str] = ()) -> None:
+    """Undo a save that will never commit: its files (``paths`` and any named with its id).
+
+    The directory goes too when nothing else is left in it; a committed
+    checkpoint at the same location (its manifest and files) is never touched.
+    """
+    for rel in paths:
+        ckdir.delete(rel)
+    for name in ckdir.list_files():
+        if name.startswith(f"{save_id}-"):
+            ckdir.delete(name)
+    if MANIFEST_NAME not in ckdir.list_files():
+        ckdir.delete_dir_if_empty()
 
 
 def read_manifest(ckdir: CheckpointDir) -> Manifest:

@@ -25,8 +25,6 @@ import pickle
 import shutil
 import struct
 import sys
-import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -49,7 +47,7 @@ from ...format.manifest import TensorEntry, decode_value, encode_value, itemsize
 from ...format.shard_file import DEFAULT_BLOCK_SIZE, ChunkData, storage_type
 from ...planning.save_plan import LocalShard, create_save_plans
 from ...storage.checkpoint_dir import CheckpointDir
-from ...storage.commit import commit_manifest, create_manifest
+from ...storage.commit import SaveSpec, commit_save, new_save_id, remove_failed_save
 from ..reader import CheckpointReader, Progress, tensor_nbytes
 
 FORMATS = ("torch", "dcp", "safetensors")
@@ -505,19 +503,16 @@ def _import(
     order = list(dict.fromkeys(i.key for i in sorted(plan.items, key=lambda i: storage_type(tensors[i.key][0]))))
     stream = _TensorStream(nbytes, load, order, group_bytes, on_progress)
     chunks = [_LazyChunk(i.key, tensors[i.key][0], i.box, stream) for i in plan.items]
-    save_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    metadata = {"converted_from": {"format": source.format, "path": src}}
+    spec = SaveSpec(new_save_id(), 1, block_size, tensors, values, metadata)
     written_files: list[str] = []
     try:
-        written, files = write_chunks(out, chunks, save_id, 0, block_size, written_files)
-        metadata = {"converted_from": {"format": source.format, "path": src}}
-        manifest = create_manifest(tensors, written, files, values, save_id, 1, block_size, metadata)
-        commit_manifest(out, manifest)
+        shard = write_chunks(out, chunks, spec.save_id, 0, block_size, written_files)
+        commit_save(out, spec, [shard])
     except BaseException:
-        for rel in written_files:
-            out.delete(rel)
-        out.delete_dir_if_empty()
+        remove_failed_save(out, spec.save_id, written_files)
         raise
-    paths = tuple(f.path for f in files)
+    paths = tuple(f.path for f in shard.files)
     return ConvertInfo(src, out.uri, source.format, "from", len(tensors), len(values), sum(nbytes.values()), paths)
 
 
