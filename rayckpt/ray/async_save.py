@@ -52,10 +52,11 @@ class SaveHandle:
 
     def __init__(
         self,
-        ctx: SaveContext,
+        save_id: str,
         ckdir: CheckpointDir,
         run: str,
         step: int | None,
+        rank: int,
         write_ref: Any,
         staged_ref: Any,
         stall_seconds: float,
@@ -64,11 +65,11 @@ class SaveHandle:
         filesystem: Any = None,
         on_outcome: Callable[[SaveHandle], None] | None = None,
     ) -> None:
-        self.save_id = ctx.spec.save_id
+        self.save_id = save_id
         self.uri = ckdir.uri
         self.run = run
         self.step = step
-        self.rank = ctx.rank
+        self.rank = rank
         #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).
         self.stall_seconds = stall_seconds
         #: Where the share was staged: "shm" (the reusable buffer) or "object_store".
@@ -235,7 +236,8 @@ class AsyncSaver:
         stall = time.perf_counter() - start
         metrics.observe("rayckpt_save_stall_seconds", stall, run=run, rank=ctx.rank)
         self.inflight = SaveHandle(
-            ctx, ckdir, run, step, write_ref, staged_ref, stall, commit_timeout_s, registered, filesystem, self._seen
+            ctx.spec.save_id, ckdir, run, step, ctx.rank, write_ref, staged_ref, stall, commit_timeout_s,
+            registered, filesystem, self._seen,
         )
         return self.inflight
 

@@ -24,7 +24,7 @@ def inject_failure(mode: str) -> None:
             os._exit(1)
         raise OSError(28, "No space left on device (injected)")
 
-    async_save.stage_share = fail
+    async_save.AsyncSaver.stage_share = fail
 
 
 def toy_train_loop(config: dict[str, Any]) -> None:

@@ -19,8 +19,7 @@ from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.multiproc import run_ranks
 from rayckpt.testing.toy import ToyModel, build_fsdp, full_state, train_steps
 from rayckpt.tools.convert.core import convert, regroup_values
-
-from .test_tools import track_read_tensor
+from tests.helpers.checkpoints import track_read_tensor
 
 # The module behind ``rayckpt.convert`` (the function).
 convert_module = importlib.import_module("rayckpt.conversions")

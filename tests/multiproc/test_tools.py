@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import weakref
 
 import pytest
 import torch
@@ -14,9 +13,8 @@ from rayckpt import tools
 from rayckpt.examples.demo import load_worker, save_worker
 from rayckpt.testing.multiproc import run_ranks
 from rayckpt.tools import verification
-
-from .test_engine import flip_byte, manifest_of, rewrite_manifest
-from .test_engine import make_state as engine_state
+from tests.helpers.checkpoints import flip_byte, manifest_of, rewrite_manifest, track_read_tensor
+from tests.helpers.checkpoints import make_state as engine_state
 
 
 def make_state() -> dict:
@@ -354,21 +352,6 @@ def test_ls_errors(tmp_path):
         tools.ls(str(tmp_path), run="x")
 
 
-def track_read_tensor(monkeypatch) -> dict[str, int]:
-    """Count the tensors ``CheckpointReader.read_tensor`` returns, and the most alive at once."""
-    alive: list[weakref.ref] = []
-    stats = {"read": 0, "peak": 0}
-    original = tools.CheckpointReader.read_tensor
-
-    def tracked(self, key):
-        t = original(self, key)
-        alive.append(weakref.ref(t))
-        stats["read"] += 1
-        stats["peak"] = max(stats["peak"], sum(r() is not None for r in alive))
-        return t
-
-    monkeypatch.setattr(tools.CheckpointReader, "read_tensor", tracked)
-    return stats
 
 
 def test_reading_every_tensor_holds_one_at_a_time(single, monkeypatch):

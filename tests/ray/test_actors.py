@@ -15,7 +15,7 @@ from rayckpt.planning import load_plan as planner
 from rayckpt.ray import async_save, staging
 from rayckpt.ray.load import load as ray_load
 from rayckpt.ray.metadata_actor import get_metadata_actor
-from rayckpt.ray.shard_writer import get_shard_writer
+from rayckpt.ray.shard_writer import ShardWrite, get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 
 pytestmark = pytest.mark.slow
@@ -159,18 +159,18 @@ def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path)
     handles[-1].wait()
     assert ray.get(handles[-1]._write_ref)["seconds"] > 0
     assert not os.path.exists(stale)  # the node's writer removed it
-    assert my_staging_files() == [os.path.basename(async_save._buffer.path)]  # one file, reused
+    assert my_staging_files() == [os.path.basename(async_save.saver().buffer.path)]  # one file, reused
     for s in (1, 2):
         out = target()
         ray_load(out, str(tmp_path / f"s{s}"), run="shm")
         assert torch.equal(out["w"], state(s)["w"]) and torch.equal(out["b"], state(s)["b"])
     async_save.release_staging()
-    assert my_staging_files() == [] and async_save._buffer is None
+    assert my_staging_files() == [] and async_save.saver().buffer is None
 
 
 def test_a_buffer_a_writer_may_still_read_is_not_reused(ray_session, tmp_path):
     async_save.save_async(state(1), str(tmp_path / "a"), run="busy", step=1).wait()
-    first = async_save._buffer.path
+    first = async_save.saver().buffer.path
 
     @ray.remote(num_cpus=0)
     def never_done() -> None:
@@ -178,10 +178,10 @@ def test_a_buffer_a_writer_may_still_read_is_not_reused(ray_session, tmp_path):
 
         time.sleep(600)
 
-    async_save._buffer.busy = busy = never_done.remote()  # as if its writer were still reading
+    async_save.saver().buffer.busy = busy = never_done.remote()  # as if its writer were still reading
     async_save.save_async(state(2), str(tmp_path / "b"), run="busy", step=2).wait()
     ray.cancel(busy, force=True)
-    assert async_save._buffer.path != first and not os.path.exists(first)
+    assert async_save.saver().buffer.path != first and not os.path.exists(first)
     out = target()
     ray_load(out, str(tmp_path / "b"), run="busy")
     assert torch.equal(out["w"], state(2)["w"])
@@ -191,7 +191,7 @@ def test_object_store_staging_and_the_fallback_when_shm_has_no_room(ray_session,
     h = async_save.save_async(state(3), str(tmp_path / "os"), run="stg", step=1, staging="object_store")
     assert h.staging == "object_store" and h.wait().status == "committed"
     async_save.release_staging()
-    monkeypatch.setattr(async_save, "_buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))
+    monkeypatch.setattr(async_save.saver(), "buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))
     h = async_save.save_async(state(4), str(tmp_path / "auto"), run="stg", step=2)
     assert h.staging == "object_store" and h.wait().status == "committed"
     for name, s in (("os", 3), ("auto", 4)):
@@ -210,7 +210,7 @@ def test_writer_refuses_a_region_staged_on_another_node(ray_session, tmp_path):
     region = staging.StagedRegion("/dev/shm/x", "f" * 56, ((0, 4),))
     writer = get_shard_writer()
     with pytest.raises(ray.exceptions.RayTaskError, match=r"staging file /dev/shm/x is on node ffffffffffff"):
-        ray.get(writer.write.remote("sid-node", str(tmp_path / "n"), None, 0, [], 64, region))
+        ray.get(writer.write.remote(ShardWrite("sid-node", str(tmp_path / "n"), None, 0, 64, ()), region))
 
 
 def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tmp_path, monkeypatch):
@@ -284,13 +284,13 @@ def test_prepare_staging_makes_the_buffer_the_first_save_uses(ray_session, tmp_p
     st = state(9)
     need = staging.staged_size([st["w"], st["b"]])
     size = async_save.prepare_staging(st)
-    assert size >= need and my_staging_files() == [os.path.basename(async_save._buffer.path)]
-    prepared = async_save._buffer.path
+    assert size >= need and my_staging_files() == [os.path.basename(async_save.saver().buffer.path)]
+    prepared = async_save.saver().buffer.path
     async_save.save_async(st, str(tmp_path / "p"), run="prep", step=1).wait()
-    assert async_save._buffer.path == prepared
+    assert async_save.saver().buffer.path == prepared
     async_save.release_staging()
     assert async_save.prepare_staging(st, staging="object_store") == 0 and my_staging_files() == []
-    monkeypatch.setattr(async_save, "_buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))
+    monkeypatch.setattr(async_save.saver(), "buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))
     assert async_save.prepare_staging(st) == 0
     with pytest.raises(staging.StagingUnavailable, match="cannot create a staging file in"):
         async_save.prepare_staging(st, staging="shm")

@@ -18,21 +18,7 @@ from rayckpt.engine.state import flatten
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan, save_plan
 from rayckpt.storage.checkpoint_dir import CheckpointDir
-
-
-def make_state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "model": {
-            "w": torch.randn(37, 5, generator=g),
-            "b": torch.randn(5, generator=g).to(torch.bfloat16),
-            "scalar": torch.tensor(3.5),
-            "mask": torch.rand(6, generator=g) > 0.5,
-            "ids": torch.arange(7, dtype=torch.int64) * (seed + 1),
-        },
-        "step": 10 + seed,
-        "config": {"betas": (0.9, 0.99), "names": ["a", "b"], 3: "int key", "lr": float("nan")},
-    }
+from tests.helpers.checkpoints import flip_byte, make_state, manifest_of, rewrite_manifest
 
 
 def zeros_like_state(state: dict) -> dict:
@@ -43,9 +29,6 @@ def zeros_like_state(state: dict) -> dict:
     }
 
 
-def manifest_of(path) -> dict:
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
 
 
 def data_files(path) -> list[str]:
@@ -157,12 +140,6 @@ def test_value_where_tensor_expected_is_an_error(saved):
         rayckpt.load({"step": torch.zeros(1)}, path)
 
 
-def flip_byte(path: str, name: str, offset: int) -> None:
-    with open(os.path.join(path, name), "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_flipped_byte_is_caught_naming_file_key_and_bytes(saved):
@@ -215,11 +192,6 @@ def test_missing_shard_file_is_caught(saved):
         rayckpt.load(zeros_like_state(state), path)
 
 
-def rewrite_manifest(path, edit) -> None:
-    m = manifest_of(path)
-    edit(m)
-    with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(m, f)
 
 
 def to_version_1(path) -> None:
