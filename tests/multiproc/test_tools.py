@@ -15,8 +15,8 @@ from rayckpt.examples.demo import load_worker, save_worker
 from rayckpt.testing.multiproc import run_ranks
 from rayckpt.tools import verification
 
-from .test_engine import flip_byte, manifest_of, rewrite_manifest
-from .test_engine import make_state as engine_state
+from ..unit.test_engine import flip_byte, manifest_of, rewrite_manifest
+from ..unit.test_engine import make_state as engine_state
 
 
 def make_state() -> dict:
