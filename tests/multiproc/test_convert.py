@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import warnings
@@ -18,11 +17,9 @@ from rayckpt.engine.app_state import AppState
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.multiproc import run_ranks
 from rayckpt.testing.toy import ToyModel, build_fsdp, full_state, train_steps
-from rayckpt.tools.convert.core import convert, regroup_values
+from rayckpt.tools.convert import convert, dcp_dir, regroup_values, safetensors_files, streaming
 from tests.helpers.checkpoints import track_read_tensor
 
-# The module behind ``rayckpt.convert`` (the function).
-convert_module = importlib.import_module("rayckpt.conversions")
 FORMATS = ["torch", "dcp", "safetensors"]
 
 
@@ -232,7 +229,7 @@ def test_imports_load_bounded_groups(ckpt, tmp_path, monkeypatch):
     out = str(tmp_path / "dcp")
     convert(ckpt, out, to="dcp")
     groups = []
-    original = convert_module._dcp_source
+    original = dcp_dir.dcp_source
 
     def recording(src):
         source = original(src)
@@ -241,9 +238,9 @@ def test_imports_load_bounded_groups(ckpt, tmp_path, monkeypatch):
             groups.append(list(keys))
             return source.load(keys)
 
-        return convert_module._Source(source.format, source.tensors, source.values, load)
+        return streaming.Source(source.format, source.tensors, source.values, load)
 
-    monkeypatch.setattr(convert_module, "_dcp_source", recording)
+    monkeypatch.setattr(dcp_dir, "dcp_source", recording)
     convert(out, str(tmp_path / "back"), from_="dcp", group_bytes=160)
     sizes = {k: t.nbytes for k, t in make_state()["model"].items()}
     # each tensor is loaded once (the empty one has no bytes to load)
@@ -292,17 +289,17 @@ def test_size_limits_must_be_positive(ckpt, tmp_path):
 def test_safetensors_export_needs_tensors_with_a_safetensors_dtype(ckpt, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no tensor under prefix 'step' in"):
         convert(ckpt, str(tmp_path / "a"), to="safetensors", prefix="step")
-    monkeypatch.delitem(convert_module.SAFETENSORS_DTYPES, "complex64")
+    monkeypatch.delitem(safetensors_files.SAFETENSORS_DTYPES, "complex64")
     with pytest.raises(rayckpt.InvalidStateError, match="key 'model.z': safetensors has no dtype complex64"):
         convert(ckpt, str(tmp_path / "b"), to="safetensors")
     assert not (tmp_path / "b").exists()
 
 
 def test_a_key_that_is_both_tensor_and_value_is_refused(tmp_path):
-    source = convert_module._Source("torch", {"a": ("float32", (2,))}, {"a": 1}, lambda keys: {})
+    source = streaming.Source("torch", {"a": ("float32", (2,))}, {"a": 1}, lambda keys: {})
     out = CheckpointDir.resolve(str(tmp_path / "o"))
     with pytest.raises(rayckpt.InvalidStateError, match="key 'a' is both a tensor and a value in src.pt"):
-        convert_module._import(source, out, "src.pt", "", 64, 1024, None)
+        streaming.import_source(source, out, "src.pt", "", 64, 1024, None)
 
 
 def test_existing_destination_is_refused(ckpt, tmp_path):
@@ -383,7 +380,7 @@ def test_a_failed_export_removes_what_it_wrote(ckpt, tmp_path, monkeypatch):
 def test_a_failed_import_leaves_nothing(ckpt, tmp_path, monkeypatch):
     out = str(tmp_path / "o.pt")
     convert(ckpt, out, to="torch")
-    original = convert_module._TensorStream.__call__
+    original = streaming._TensorStream.__call__
     calls = 0
 
     def failing(self, key, box):
@@ -393,7 +390,7 @@ def test_a_failed_import_leaves_nothing(ckpt, tmp_path, monkeypatch):
             raise OSError("disk full")
         return original(self, key, box)
 
-    monkeypatch.setattr(convert_module._TensorStream, "__call__", failing)
+    monkeypatch.setattr(streaming._TensorStream, "__call__", failing)
     with pytest.raises(OSError, match="disk full"):
         convert(out, str(tmp_path / "back"), from_="torch")
     assert not (tmp_path / "back").exists()

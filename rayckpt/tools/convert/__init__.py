@@ -1,5 +1,11 @@
-"""Conversions between rayckpt and torch.save, DCP and safetensors (``rayckpt convert``)."""
+"""Conversions between rayckpt and torch.save, DCP and safetensors (``rayckpt convert``).
 
-from .core import DEFAULT_GROUP_BYTES, DEFAULT_MAX_SHARD_BYTES, FORMATS, ConvertInfo, convert, regroup_values
+``core`` holds ``convert()`` and what every format shares, ``streaming`` writes imports
+as rayckpt checkpoints, and ``torch_file``, ``dcp_dir`` and ``safetensors_files`` each
+own one format.
+"""
+
+from .core import DEFAULT_GROUP_BYTES, DEFAULT_MAX_SHARD_BYTES, FORMATS, ConvertInfo, convert
+from .dcp_dir import regroup_values
 
 __all__ = ["DEFAULT_GROUP_BYTES", "DEFAULT_MAX_SHARD_BYTES", "FORMATS", "ConvertInfo", "convert", "regroup_values"]

@@ -1,0 +1,173 @@
+"""Export to and import from a ``torch.distributed.checkpoint`` (DCP) directory.
+
+Both directions go through DCP itself (``dcp.save`` / ``dcp.load`` with ``no_dist=True``),
+so the layout is what ``FileSystemWriter`` writes and ``format_utils`` reads; imports
+also take checkpoints saved by many FSDP ranks, and regroup DCP's per-leaf plain values
+into the containers rayckpt stores as one value (``regroup_values``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from ...engine.state import dtype_name, torch_dtype
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
+from ...format.manifest import TensorEntry, decode_value
+from ..reader import CheckpointReader, Progress
+from .core import ConvertInfo, progress_over, selected
+from .streaming import Source
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str) -> Iterator[None]:
+    """DCP wraps every failure in a ``CheckpointException`` (a ``BaseException``): unwrap it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            yield
+    except CheckpointException as exc:
+        errors = [pair[0] for pair in exc.failures.values()]
+        if errors and isinstance(errors[0], (RayckptError, OSError)):
+            raise errors[0] from None
+        detail = f"{type(errors[0]).__name__}: {errors[0]}" if errors else str(exc)
+        raise RayckptError(f"{what} failed: {detail}") from None
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """Plans a DCP save from meta tensors; each tensor's data is assembled only when
+    the storage writer asks for it (``resolve_data``) and dropped after it is written."""
+
+    def __init__(self, reader: CheckpointReader, keys: dict[str, str], advance: Callable[[str], None]) -> None:
+        super().__init__()
+        self._reader = reader
+        self._keys = keys
+        self._advance = advance
+        self.bytes = 0
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        key = self._keys[write_item.index.fqn]
+        tensor = self._reader.read_tensor(key)
+        self.bytes += tensor.nbytes
+        self._advance(key)
+        return tensor
+
+
+def export_dcp(
+    reader: CheckpointReader, dst: str, prefix: str, _shard: int, on_progress: Progress | None
+) -> ConvertInfo:
+    """A DCP checkpoint, one ``.distcp`` file per tensor (so the writer holds one at a
+    time), written by ``dcp.save`` itself from a flat dict of dotted keys."""
+    keys = selected(reader, prefix)
+    state: dict[str, Any] = {}
+    tensors: dict[str, str] = {}
+    for key, out_key in keys:
+        e = reader.manifest.entries[key]
+        if isinstance(e, TensorEntry):
+            state[out_key] = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device="meta")
+            tensors[out_key] = key
+        else:
+            state[out_key] = decode_value(e.value)
+    planner = _StreamingSavePlanner(reader, tensors, progress_over(reader, tensors.values(), on_progress))
+    writer = FileSystemWriter(dst, single_file_per_rank=False, thread_count=1)
+    with _dcp_errors("DCP save"):
+        dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+    files = tuple(sorted(os.listdir(dst)))
+    return ConvertInfo(reader.ckdir.uri, dst, "dcp", "to", len(tensors), len(keys) - len(tensors), planner.bytes, files)
+
+
+def dcp_source(src: str) -> Source:
+    """A DCP directory: metadata first, then whole tensors with ``dcp.load`` in no-process-group mode.
+
+    DCP stores plain values pickled, one per leaf; they are regrouped into the
+    containers rayckpt stores as one value (``app.optim.param_groups``) using the
+    object paths DCP keeps in its metadata. DCP metadata and values are pickles:
+    import only DCP checkpoints you trust.
+    """
+    if not os.path.isdir(src):
+        raise CheckpointNotFoundError(
+            f"{src}: no such directory" if not os.path.exists(src) else f"{src} is not a directory"
+        )
+    if not os.path.isfile(os.path.join(src, ".metadata")):
+        raise CheckpointNotFoundError(f"{src} is not a torch.distributed.checkpoint directory (no .metadata)")
+    try:
+        metadata = FileSystemReader(src).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{src}/.metadata is not readable DCP metadata: {exc}") from None
+    tensors = {}
+    byte_keys = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors[fqn] = (dtype_name(md.properties.dtype), tuple(md.size))
+        else:
+            byte_keys.append(fqn)
+
+    def load(keys: list[str]) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for k in keys:
+            if k in tensors:
+                dtype, shape = tensors[k]
+                state[k] = torch.empty(shape, dtype=torch_dtype(dtype))
+            else:
+                state[k] = None
+        with _dcp_errors(f"reading {src} with dcp.load"):
+            dcp.load(state, storage_reader=FileSystemReader(src), no_dist=True)
+        return state
+
+    paths = dict(metadata.planner_data or {}) if isinstance(metadata.planner_data, dict) else {}
+    flat_values = load(byte_keys) if byte_keys else {}
+    return Source("dcp", tensors, regroup_values(flat_values, paths, tensors), load)
+
+
+def regroup_values(
+    values: dict[str, Any], paths: dict[str, tuple[Any, ...]], tensor_keys: Iterable[str]
+) -> dict[str, Any]:
+    """DCP keeps one entry per leaf; rayckpt keeps each container that holds no tensor as one value.
+
+    ``paths`` maps a DCP key to its object path (``("app", "optim", "param_groups", 0, "lr")``);
+    a value goes under the shortest path prefix that holds no tensor, and list
+    indices rebuild lists. Keys without a path stay as they are.
+    """
+    holders = {paths[k][:i] for k in tensor_keys if k in paths for i in range(1, len(paths[k]))}
+    out: dict[str, Any] = {}
+    nested: dict[str, dict[Any, Any]] = {}
+    for fqn, value in values.items():
+        path = tuple(paths.get(fqn, (fqn,)))
+        cut = 1
+        while cut < len(path) and path[:cut] in holders:
+            cut += 1
+        key = ".".join(map(str, path[:cut]))
+        rest = path[cut:]
+        if not rest:
+            out[key] = value
+            continue
+        node = nested.setdefault(key, {})
+        for part in rest[:-1]:
+            node = node.setdefault(part, {})
+        node[rest[-1]] = value
+    for key, tree in nested.items():
+        out[key] = _lists_from_indices(tree)
+    return out
+
+
+def _lists_from_indices(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    items = {k: _lists_from_indices(v) for k, v in node.items()}
+    if items and all(isinstance(k, int) for k in items):
+        return [items.get(i) for i in range(max(items) + 1)]
+    return items
