@@ -18,15 +18,36 @@ import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import xxhash
 
 from ..errors import CorruptCheckpointError
-from ..storage.checkpoint_dir import CheckpointDir
 from .boxes import Box
 from .manifest import DEFAULT_CHECKSUM, DTYPES, FORMAT_VERSION, Blocks
+
+
+class ShardFiles(Protocol):
+    """Where shard files are read and written: what this module needs of a checkpoint directory.
+
+    ``rayckpt.storage.checkpoint_dir.CheckpointDir`` is the one implementation; the
+    format layer names only the calls it makes, so it never imports storage.
+    """
+
+    uri: str
+
+    @property
+    def is_local(self) -> bool: ...
+
+    def path(self, rel: str) -> str: ...
+
+    def open_output(self, rel: str) -> Any: ...
+
+    def sync_file(self, rel: str) -> None: ...
+
+    def open_input(self, rel: str) -> Any: ...
+
 
 DEFAULT_BLOCK_SIZE = 64 * 1024
 _ARROW_TYPES = {
@@ -107,7 +128,7 @@ def checksum_of(parts: Sequence[memoryview], checksum: str) -> int:
 
 
 def write_shard_file(
-    ckdir: CheckpointDir, rel: str, chunks: Sequence[ChunkData], block_size: int, save_id: str
+    ckdir: ShardFiles, rel: str, chunks: Sequence[ChunkData], block_size: int, save_id: str
 ) -> tuple[list[WrittenChunk], int]:
     """Write ``chunks`` (all of one storage type) to ``rel``; fsync; return records and size."""
     arrow_name = storage_type(chunks[0].dtype)
@@ -149,7 +170,7 @@ class ShardReader:
     so no page faults and no intermediate copy.
     """
 
-    def __init__(self, ckdir: CheckpointDir, blocks: Blocks, file_sizes: dict[str, int]) -> None:
+    def __init__(self, ckdir: ShardFiles, blocks: Blocks, file_sizes: dict[str, int]) -> None:
         self.ckdir = ckdir
         self.block_size = blocks.size
         self.checksum = blocks.checksum

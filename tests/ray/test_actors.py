@@ -17,6 +17,7 @@ from rayckpt.ray.load import load as ray_load
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.ray.shard_writer import ShardWrite, get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
+from rayckpt.storage.commit import SaveSpec
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +113,8 @@ def test_rank_that_never_reports_fails_the_save_after_its_timeout(ray_session, t
     meta = get_metadata_actor()
     path = str(tmp_path / "t")
     os.makedirs(path)
-    ray.get(meta.begin_save.remote("sid-timeout", path, None, "timeouts", 9, 2, {}, {}, 64, {}, 1.0))
+    spec = SaveSpec("sid-timeout", world_size=2, block_size=64, tensors={}, values={})
+    ray.get(meta.begin_save.remote(spec, path, None, "timeouts", 9, 1.0))
     entry = ray.get(meta.wait_commit.remote("sid-timeout", 30))
     assert entry.status == "failed"
     assert "rank(s) [0, 1] did not report within 1s" in entry.error
