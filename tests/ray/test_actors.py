@@ -273,7 +273,8 @@ def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_s
     path.mkdir()
     (path / "sid-early-r00001-float.arrow").write_bytes(b"partial")  # written before rank 1 failed
     ray.get(meta.report_failed.remote("sid-early", 1, "staging: OSError", "early", 5, str(path), None))
-    ray.get(meta.begin_save.remote("sid-early", str(path), None, "early", 5, 2, {}, {}, 64, {}, 30.0))
+    spec = SaveSpec("sid-early", world_size=2, block_size=64, tensors={}, values={})
+    ray.get(meta.begin_save.remote(spec, str(path), None, "early", 5, 30.0))
     entry = ray.get(meta.wait_commit.remote("sid-early", 5))
     assert entry.status == "failed" and entry.step == 5 and "rank 1: staging: OSError" in entry.error
     (event,) = [e for e in ray.get(meta.events.remote("early")) if e["kind"] == "failed"]
