@@ -2,8 +2,9 @@
 
 The engine only needs ``all_gather`` of small picklable objects. With no process
 group there is one rank and every call is local; with ``torch.distributed``
-initialized, calls go over the group (gloo or nccl). The Ray layer provides its
-own implementation through the MetadataActor.
+initialized, calls go over the group (gloo or nccl). On Ray too the ranks agree
+through their process group (Ray Train sets one up); the MetadataActor only
+commits and plans, it is not a collective.
 
 ``gather_or_raise`` is how a failure on one rank reaches every rank: each phase
 of a save or load ends in one all-gather of (ok, result-or-error), so no rank is

@@ -24,7 +24,7 @@ _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rayckpt_write_throughput_bytes_per_second": ("gauge", "Last shard write throughput", ("run",)),
     "rayckpt_load_seconds": ("histogram", "Time a worker spends loading", ("run", "rank")),
     "rayckpt_bytes_read": ("counter", "Shard bytes read by loads", ("run",)),
-    "rayckpt_plan_seconds": ("histogram", "Time the MetadataActor spends computing a read plan", ("run",)),
+    "rayckpt_plan_seconds": ("histogram", "Time the MetadataActor spends computing a load plan", ("run",)),
     "rayckpt_checkpoints_committed": ("counter", "Checkpoints committed", ("run",)),
     "rayckpt_checkpoints_failed": ("counter", "Saves that failed and were rolled back", ("run",)),
 }

@@ -62,7 +62,8 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
     Checks: the manifest parses and is consistent (dtypes, sizes, checksum counts,
     chunks tile each tensor exactly once); every file it names exists with the
     recorded size and is a readable Arrow IPC file holding the chunks the manifest
-    says; every byte of every chunk matches its block's CRC-32.
+    says; every byte of every chunk matches its block's checksum (the manifest's
+    ``checksum``: XXH3-64, or CRC-32 in version-1 checkpoints).
     """
     ckdir = resolve_checkpoint(ckpt)
     where = f"{ckdir.uri}/{MANIFEST_NAME}"
@@ -128,7 +129,7 @@ def _some(keys: list[str], n: int = 5) -> str:
 
 
 def _check_chunk(reader: ShardReader, key: str, c: ChunkEntry, file_size: int) -> list[Problem]:
-    """Read every byte of one chunk in bounded windows and check every block's CRC-32."""
+    """Read every byte of one chunk in bounded windows and check every block's checksum."""
     end = c.byte_offset + c.byte_length
     if end > file_size:
         return [
