@@ -1,8 +1,10 @@
-"""``save`` and ``load``: plan, write, commit, read.
+"""``load``: plan -> read -> finish, on every rank, with any world size.
 
-Roles: every rank calls ``save`` / ``load`` (collective when a process group is
-initialized). Rank 0 commits. Each phase ends in one all-gather that carries
-failures, so an error on any rank is raised on every rank and nobody hangs.
+Roles: every rank calls ``load`` (collective when a process group is
+initialized). Each rank flattens its target state, gets its load plan (from the
+manifest here, or from a ``PlanSource`` such as the MetadataActor on Ray),
+reads and verifies only its byte ranges (``engine.reader``), and after one
+all-gather that carries failures gives Stateful objects their filled dicts.
 """
 
 from __future__ import annotations

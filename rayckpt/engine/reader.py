@@ -1,8 +1,10 @@
-"""``save`` and ``load``: plan, write, commit, read.
+"""The read step: carry out a ``LoadPlan`` with verified ranged reads straight into the targets.
 
-Roles: every rank calls ``save`` / ``load`` (collective when a process group is
-initialized). Rank 0 commits. Each phase ends in one all-gather that carries
-failures, so an error on any rank is raised on every rank and nobody hangs.
+Local files: each single-item range is one ``preadv`` into the target tensor's
+memory (partial checksum blocks at its ends into small scratch buffers), split
+into pieces on an I/O thread that runs ahead while this thread verifies the
+finished ones in order. Other reads (remote filesystems, strided targets) read
+the range, verify it and copy. ``LoadInfo`` is what a rank read.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""``save`` and ``load``: plan, write, commit, read.
+"""Flatten state dicts into keys, boxes and local tensors, and write loaded data back.
 
-Roles: every rank calls ``save`` / ``load`` (collective when a process group is
-initialized). Rank 0 commits. Each phase ends in one all-gather that carries
-failures, so an error on any rank is raised on every rank and nobody hangs.
+Keys join the path through nested dicts and lists with ``.``, as DCP does
+(``app.model.layers.0.weight``). A ``Stateful`` object (anything with
+``state_dict()`` and ``load_state_dict()``) is replaced by its ``state_dict()``
+on save and given the filled dict back on load. Containers holding no tensor are
+stored whole as one JSON value.
 """
 
 from __future__ import annotations

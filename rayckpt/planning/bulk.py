@@ -1,6 +1,6 @@
 """Load plans for every target rank at once, vectorized with numpy (FSDP2 targets).
 
-``planner.create_load_plan`` plans one rank with per-item dataclasses: at 1024
+``load_plan.create_load_plan`` plans one rank with per-item dataclasses: at 1024
 saved ranks x 2000 tensors that is ~0.05-0.1 s a rank, a minute or more for
 1000 ranks. When every one of M target ranks holds, for each key,
 ``dim0_boxes(shape, M)[rank]`` (FSDP2's ``torch.chunk`` on dim 0), the plans of
@@ -150,7 +150,7 @@ def create_dim0_plans(
     (same reads, items, order, needed bytes, missing keys); validation raises the
     same ``IncompatibleStateError``. Pass the manifest's cached ``table`` to skip
     building one. Keys whose chunks are not dim-0 slabs are planned per rank with
-    ``planner.ChunkIndex``. Two cases fall back to ``create_load_plans`` for every
+    ``load_plan.ChunkIndex``. Two cases fall back to ``create_load_plans`` for every
     rank (correct, not fast): a key asked for twice, and chunks whose byte ranges
     overlap inside a file (never written by rayckpt).
     """
@@ -169,13 +169,8 @@ def create_dim0_plans(
 
     m = world_size
     t = table
-    key_ids = {k: i for i, k in enumerate(t.keys)}
     skip = set(missing)
-    wanted: dict[int, TensorSpec] = {}
-    for k, dtype, shape in specs:
-        if k not in skip and math.prod(shape):
-            itemsize(dtype)  # raises like create_load_plan does for an unknown dtype
-            wanted[key_ids[k]] = (k, dtype, shape)
+    wanted = _wanted(t, specs, skip)
     kind = np.full(len(t.keys), -1, np.int8)
     ids = np.fromiter(wanted, np.int64, len(wanted))
     kind[ids] = t.key_kind[ids]
@@ -189,17 +184,7 @@ def create_dim0_plans(
     if other:
         np.add.at(counts, np.fromiter((row for row, _, _ in other), np.int64, len(other)), 1)
     item_row, rank, span_start, span_end = _spans(t, counts, first_rank, per, step, manifest.block_size)
-    other_items: dict[tuple[int, int], ReadItem] = {}
-    if other:
-        # A row's items are its ranks in order: the vectorized ones, or these.
-        other.sort(key=lambda o: (o[0], o[1]))
-        rows = np.fromiter((row for row, _, _ in other), np.int64, len(other))
-        at = np.cumsum(counts)[rows] - counts[rows] + np.arange(len(other)) - np.searchsorted(rows, rows)
-        for i, (row, r, (start, end, item)) in zip(at.tolist(), other):
-            rank[i] = r
-            span_start[i] = start
-            span_end[i] = end
-            other_items[(r, row)] = item
+    other_items = _place_other(other, counts, rank, span_start, span_end)
 
     # A stable sort on the rank keeps each rank's items in table-row, (file, byte_offset), order.
     order = np.argsort(rank.astype(np.uint16 if m <= 2**16 else np.int64), kind="stable")
@@ -234,6 +219,39 @@ def create_dim0_plans(
         _specs=wanted,
         _other_items=other_items,
     )
+
+
+def _wanted(t: ChunkTable, specs: Sequence[TensorSpec], skip: set[str]) -> dict[int, TensorSpec]:
+    """Table key id -> spec, for every asked-for key with elements that the checkpoint has."""
+    key_ids = {k: i for i, k in enumerate(t.keys)}
+    wanted: dict[int, TensorSpec] = {}
+    for k, dtype, shape in specs:
+        if k not in skip and math.prod(shape):
+            itemsize(dtype)  # raises like create_load_plan does for an unknown dtype
+            wanted[key_ids[k]] = (k, dtype, shape)
+    return wanted
+
+
+def _place_other(
+    other: list[tuple[int, int, tuple[int, int, ReadItem]]],
+    counts: np.ndarray,
+    rank: np.ndarray,
+    span_start: np.ndarray,
+    span_end: np.ndarray,
+) -> dict[tuple[int, int], ReadItem]:
+    """Put the per-rank planned items into their slots of the item arrays (in place); return them by (rank, row)."""
+    other_items: dict[tuple[int, int], ReadItem] = {}
+    if other:
+        # A row's items are its ranks in order: the vectorized ones, or these.
+        other.sort(key=lambda o: (o[0], o[1]))
+        rows = np.fromiter((row for row, _, _ in other), np.int64, len(other))
+        at = np.cumsum(counts)[rows] - counts[rows] + np.arange(len(other)) - np.searchsorted(rows, rows)
+        for i, (row, r, (start, end, item)) in zip(at.tolist(), other):
+            rank[i] = r
+            span_start[i] = start
+            span_end[i] = end
+            other_items[(r, row)] = item
+    return other_items
 
 
 def _rank_ranges(t: ChunkTable, kind: np.ndarray, per: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -295,7 +313,7 @@ def _merge(
     """Coalesce each rank's spans into reads: first item, offset and length of every read.
 
     The spans of a rank must rise: by file id, or by start within a file, with ends not
-    falling. Then this order is the one the planner's stable sort on (file, start, end)
+    falling. Then this order is the one ``load_plan``'s stable sort on (file, start, end)
     gives, and its merge (``start <= current end``) only looks at the previous span.
     Returns ``None`` when they do not (chunks overlapping inside a file).
     """
@@ -342,7 +360,7 @@ def _needed_bytes(specs: Sequence[TensorSpec], skip: set[str], world_size: int) 
 def _plan_other(
     t: ChunkTable, wanted: dict[int, TensorSpec], kind: np.ndarray, world_size: int
 ) -> list[tuple[int, int, tuple[int, int, ReadItem]]]:
-    """(table row, rank, (span start, span end, item)) for the OTHER keys, planned per rank like the planner."""
+    """(table row, rank, (span start, span end, item)) for the OTHER keys, planned per rank like ``load_plan``."""
     keys = [k for k in wanted if kind[k] == OTHER]
     if not keys:
         return []
@@ -374,7 +392,7 @@ def _per_item(
     strict: bool,
     missing: tuple[str, ...],
 ) -> BulkPlan:
-    """Every rank planned by ``planner.create_load_plans``: the exact, slow path."""
+    """Every rank planned by ``load_plan.create_load_plans``: the exact, slow path."""
     boxes = {k: dim0_boxes(shape, world_size) for k, _, shape in specs}
     requests = [[TensorRequest(k, dtype, shape, boxes[k][r]) for k, dtype, shape in specs] for r in range(world_size)]
     plans = tuple(create_load_plans(table.manifest, requests, value_keys, strict))

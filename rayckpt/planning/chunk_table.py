@@ -19,7 +19,7 @@ from ..format.manifest import DTYPES, ChunkEntry, Manifest, TensorEntry
 #: Key kinds. DIM0: the non-empty chunks are disjoint dim-0 slabs (whole trailing
 #: dims), planned vectorized. SCALAR: a 0-dim tensor, every rank reads every chunk.
 #: OTHER: anything else (Shard(1) columns, 2-D grids, malformed chunks), planned
-#: per rank with ``planner.ChunkIndex``.
+#: per rank with ``load_plan.ChunkIndex``.
 DIM0, SCALAR, OTHER = 0, 1, 2
 
 SCALAR_BOX = Box((), ())

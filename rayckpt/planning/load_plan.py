@@ -1,12 +1,10 @@
-"""Save plans and reshard (load) plans. Pure: no torch.distributed, no Ray, no I/O.
+"""Load (reshard) plans, N -> M: which byte ranges each rank reads. Pure: no torch.distributed, no Ray, no I/O.
 
-Save: every rank reports the boxes it holds; ``create_save_plans`` picks one
-writer for each distinct box (replicated data is written once), spreading bytes
-across ranks, and splits chunks larger than the Arrow limit.
-
-Load: ``create_load_plan`` intersects the boxes a rank needs with the saved
-chunks and returns the byte ranges to read, block-aligned for verification,
-coalesced and sorted by file offset.
+``create_load_plan`` intersects the boxes a rank needs (``TensorRequest``) with
+the saved chunks and returns a ``LoadPlan``: the byte ranges to read,
+block-aligned for verification, coalesced and sorted by file offset. The mirror
+image of ``save_plan``; ``bulk`` plans every FSDP2 rank at once and gives the
+same plans.
 """
 
 from __future__ import annotations

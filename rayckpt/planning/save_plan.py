@@ -1,12 +1,9 @@
-"""Save plans and reshard (load) plans. Pure: no torch.distributed, no Ray, no I/O.
+"""Save plans: which rank writes which box. Pure: no torch.distributed, no Ray, no I/O.
 
-Save: every rank reports the boxes it holds; ``create_save_plans`` picks one
-writer for each distinct box (replicated data is written once), spreading bytes
-across ranks, and splits chunks larger than the Arrow limit.
-
-Load: ``create_load_plan`` intersects the boxes a rank needs with the saved
-chunks and returns the byte ranges to read, block-aligned for verification,
-coalesced and sorted by file offset.
+Every rank reports the boxes it holds (``LocalShard``); ``create_save_plans``
+picks one writer for each distinct box (replicated data is written once),
+spreading bytes across ranks, and splits chunks larger than the Arrow limit.
+The mirror image of ``load_plan``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Save and load through the Ray actors.
+"""``load`` on Ray: ``rayckpt.load`` with each rank's load plan served by the MetadataActor.
 
-``save_async`` (every rank): plan like ``save``, copy this rank's share once into
-the node's shared memory (the only time training is blocked): into the rank's
-reusable staging buffer (``staging``), or into Ray's object store when that buffer
-cannot be had; hand it to the node's ShardWriter; the MetadataActor commits when
-every rank's files are durable. ``load`` (every rank): the MetadataActor plans the
-byte ranges this rank reads (cached), the rank reads and verifies them.
+Every rank calls it. The actor keeps the manifest and the plans cached (for
+FSDP2 layouts the first rank to ask gets every rank's plan computed at once), so
+ranks do not each decode the manifest; the reads are the engine's own.
 """
 
 from __future__ import annotations

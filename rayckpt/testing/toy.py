@@ -1,7 +1,8 @@
-"""Save a sharded FSDP2 model with N processes, load it with M, check outputs match.
+"""A toy FSDP2 model and its helpers, for tests, benchmarks and the demo.
 
-The seeds' check ("outputs MATCH after load"), on CPU with gloo. Also the worker
-functions the multi-process tests and benchmarks reuse.
+``build_fsdp`` makes a small MLP sharded with ``fully_shard`` over the current
+gloo process group plus AdamW; ``train_steps`` moves it off its initial values;
+``full_state`` gathers every parameter and optimizer moment for exact checks.
 """
 
 from __future__ import annotations

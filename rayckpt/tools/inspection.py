@@ -1,11 +1,6 @@
-"""Look into checkpoints without a cluster: list, inspect, verify, plan, consolidate.
+"""``inspect`` and ``tensor_summary``: what a checkpoint holds, from its manifest (and one tensor's values).
 
-One process, no process group, no Ray. Every function reads the manifest with
-the engine's validation and every tensor byte through the engine's verified
-reader; tensors are assembled one at a time, so memory stays about the size of
-the largest tensor (``consolidate`` excepted: it returns the whole state).
-Results are frozen dataclasses; the ``rayckpt`` command prints them as text or
-JSON (``docs/CLI.md``).
+Frozen dataclasses; the ``rayckpt inspect`` command prints them as text or JSON.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Look into checkpoints without a cluster: list, inspect, verify, plan, consolidate.
+"""``ls``: the checkpoints under a storage path, laid out as Ray Train does (``<storage>/<run>/<checkpoint>``).
 
-One process, no process group, no Ray. Every function reads the manifest with
-the engine's validation and every tensor byte through the engine's verified
-reader; tensors are assembled one at a time, so memory stays about the size of
-the largest tensor (``consolidate`` excepted: it returns the whole state).
-Results are frozen dataclasses; the ``rayckpt`` command prints them as text or
-JSON (``docs/CLI.md``).
+Uses the storage catalog, the same one the MetadataActor keeps; ``rayckpt ls``
+prints it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Look into checkpoints without a cluster: list, inspect, verify, plan, consolidate.
+"""``plan``: the reshard report for M FSDP2 ranks, computed with nothing running.
 
-One process, no process group, no Ray. Every function reads the manifest with
-the engine's validation and every tensor byte through the engine's verified
-reader; tensors are assembled one at a time, so memory stays about the size of
-the largest tensor (``consolidate`` excepted: it returns the whole state).
-Results are frozen dataclasses; the ``rayckpt`` command prints them as text or
-JSON (``docs/CLI.md``).
+The same load plans ``load`` makes (dim-0 shards as ``torch.chunk`` cuts them),
+summed per rank: bytes needed and read, reads, files, read amplification and
+balance. ``rayckpt plan`` prints it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Look into checkpoints without a cluster: list, inspect, verify, plan, consolidate.
+"""Whole tensors out of a checkpoint, one at a time, with no cluster: the reader the other tools share.
 
-One process, no process group, no Ray. Every function reads the manifest with
-the engine's validation and every tensor byte through the engine's verified
-reader; tensors are assembled one at a time, so memory stays about the size of
-the largest tensor (``consolidate`` excepted: it returns the whole state).
-Results are frozen dataclasses; the ``rayckpt`` command prints them as text or
-JSON (``docs/CLI.md``).
+``resolve_checkpoint`` says what a path holds when it is not a checkpoint;
+``CheckpointReader`` assembles full tensors from verified ranged reads (the
+engine's reader) so memory stays about the largest tensor; ``consolidate`` is
+DCP's full-state-dict equivalent in one process.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Ray Train integration: a checkpointer for ``TorchTrainer`` loops and a callback.
+"""``RayckptCallback``: the controller side of the TorchTrainer integration.
 
-Inside ``train_loop_per_worker`` (every worker)::
-
-    ckpt = Checkpointer()
-    step = ckpt.restore(state) or 0         # any worker count: N -> M
-    ...
-    ckpt.save(step, state, {"loss": loss})  # async; reported to Ray Train once committed
-    ...
-    ckpt.wait()
-
-Checkpoints are written straight under the run's directory in
-``RunConfig.storage_path`` as ``rayckpt-step-<step>`` and reported with
-``checkpoint_upload_mode=ASYNC`` and an upload function that only waits for
-the commit, so Ray never copies the files, ``CheckpointConfig`` retention and
-``ray.train.get_checkpoint()`` work as usual, and training is not blocked.
+Runs in Ray Train's controller: logs each committed checkpoint and, when the
+worker group fails, fails the run's in-flight saves at once (their partial files
+removed) instead of after the commit timeout.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ray Train integration: a checkpointer for ``TorchTrainer`` loops and a callback.
+"""``Checkpointer``: async sharded checkpoints inside a ``TorchTrainer`` loop, resumed with any worker count.
 
 Inside ``train_loop_per_worker`` (every worker)::
 
