@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 
 import pytest
 import ray
@@ -18,6 +19,7 @@ from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.ray.shard_writer import ShardWrite, get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec
+from tests.helpers import plan_asks
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +77,23 @@ def test_dim0_loads_are_planned_once_for_every_rank_and_match_the_per_rank_plann
     bundle = ray.get(meta.read_plan.remote(path, None, odd, (), True, "bulk", 0, 3))
     assert bundle.plan == planner.create_load_plan(m, odd)
     assert ray.get(meta.cached_plans.remote()) == before + 2
+
+
+def test_twelve_checkpoints_planned_at_once_through_the_actor(ray_session, tmp_path):
+    """More checkpoints than the actor caches, every rank of each asking at once: each gets its plan."""
+    asks = [a for p in plan_asks.save_small_checkpoints(str(tmp_path), 12) for a in plan_asks.asks_for(p)]
+    meta = get_metadata_actor()
+    work = [i for i in range(len(asks)) for _ in range(4)]
+    random.Random(0).shuffle(work)  # checkpoints interleaved: each plan races the others' evictions
+    refs = [
+        meta.read_plan.remote(a.uri, None, a.requests, a.value_keys, True, "many", a.rank, a.world_size)
+        for a in (asks[i] for i in work)
+    ]
+    bundles = ray.get(refs)
+    expected = [plan_asks.expected_plan(a) for a in asks]
+    for i, bundle in zip(work, bundles):
+        assert bundle.plan == expected[i], asks[i]
+        assert bundle.values == {"step": int(asks[i].uri[-2:])}
 
 
 def test_writer_is_the_one_on_this_node(ray_session, tmp_path):

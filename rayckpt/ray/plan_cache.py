@@ -1,0 +1,220 @@
+"""The MetadataActor's plan cache: manifests, their chunk indexes and the load plans made from them.
+
+Ray-free and thread-safe. The actor plans in worker threads, so that one slow
+manifest read does not hold up every other rank, and each thread goes through
+``PlanCache.plan``. One lock guards every cache structure; the slow work
+(reading and decoding a manifest, building an index or a chunk table, computing
+a plan) runs outside it and once per key: the first thread to miss a key
+computes the value, and the threads that ask for it meanwhile wait for that
+result (a *flight*). So when every rank of a load asks for the same all-ranks
+plan at once, it is computed once. A checkpoint's manifest and its chunk index
+are one cache entry: a thread holding the entry can always plan from it, even
+after another thread evicted it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..format.manifest import Blocks, Manifest, manifest_values
+from ..planning.bulk import BulkPlan, create_dim0_plans
+from ..planning.chunk_table import ChunkTable
+from ..planning.load_plan import ChunkIndex, LoadPlan, TensorRequest, create_load_plan, is_dim0_layout
+from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.commit import read_manifest
+
+#: Checkpoints whose manifest (with index and chunk table) is kept.
+MANIFESTS_CACHED = 8
+#: Per-request load plans kept (one per loading rank and checkpoint, for non-FSDP2 layouts).
+PLANS_CACHED = 1024
+#: All-ranks (FSDP2 dim-0) plans kept, each serving every rank of one load.
+BULK_PLANS_CACHED = 8
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBundle:
+    """What a loading rank needs besides the shard files: its plan and the manifest facts."""
+
+    plan: LoadPlan
+    blocks: Blocks
+    #: Size of every shard file, by its path in the checkpoint.
+    file_sizes: dict[str, int]
+    #: The plain values the rank asked for, in their stored form.
+    values: dict[str, Any]
+    save_id: str
+    #: Time spent producing the bundle, reading the manifest included.
+    plan_seconds: float
+
+
+@dataclass(frozen=True, eq=False)
+class CachedCheckpoint:
+    """A committed checkpoint's manifest and its chunk index: cached, and evicted, together."""
+
+    manifest: Manifest
+    #: Shared by every plan made from ``manifest``; it fills itself lazily, key by
+    #: key, and only ever adds entries, so threads may use it at once.
+    index: ChunkIndex
+
+
+class _Store:
+    """One LRU cache of a ``PlanCache``; touched only while that cache's lock is held.
+
+    Keys are tuples that start with the checkpoint's location, so that
+    ``drop`` can forget one checkpoint.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.entries: OrderedDict[tuple, Any] = OrderedDict()
+        #: Keys being computed by some thread, with the future the others wait on.
+        self.flights: dict[tuple, Future] = {}
+
+    def get(self, key: tuple) -> Any | None:
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)
+        return value
+
+    def put(self, key: tuple, value: Any) -> None:
+        self.entries[key] = value
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.limit:
+            self.entries.popitem(last=False)
+
+    def drop(self, uri: str) -> None:
+        for table in (self.entries, self.flights):
+            for key in [k for k in table if k[0] == uri]:
+                del table[key]
+
+
+def _read(uri: str, filesystem: Any) -> Manifest:
+    return read_manifest(CheckpointDir.resolve(uri, filesystem))
+
+
+class PlanCache:
+    """Manifests and load plans, cached per checkpoint location (``uri``) for the MetadataActor."""
+
+    def __init__(self, read: Callable[[str, Any], Manifest] = _read) -> None:
+        """``read(uri, filesystem)``: a checkpoint's committed manifest (default: from storage)."""
+        self._read = read
+        self._lock = threading.Lock()
+        self._checkpoints = _Store(MANIFESTS_CACHED)  # (uri,) -> CachedCheckpoint
+        # (uri, CachedCheckpoint) -> its ChunkTable, made on the first all-ranks plan: keyed by the
+        # entry itself (hashed by identity), as a table serves only the manifest object it was built from.
+        self._tables = _Store(MANIFESTS_CACHED)
+        self._plans = _Store(PLANS_CACHED)  # (uri, save_id, requests, value_keys, strict) -> LoadPlan
+        self._bulk = _Store(BULK_PLANS_CACHED)  # (uri, save_id, specs, value_keys, strict, world) -> BulkPlan
+
+    def checkpoint(self, uri: str, filesystem: Any = None) -> CachedCheckpoint:
+        """The checkpoint at ``uri`` with its index, read from storage on a miss."""
+
+        def create() -> CachedCheckpoint:
+            manifest = self._read(uri, filesystem)
+            return CachedCheckpoint(manifest, ChunkIndex(manifest))
+
+        return self._get_or_create(self._checkpoints, (uri,), create)
+
+    def manifest(self, uri: str, filesystem: Any = None) -> Manifest:
+        """The committed manifest at ``uri`` (the actor's ``user_metadata``)."""
+        return self.checkpoint(uri, filesystem).manifest
+
+    def plan(
+        self,
+        uri: str,
+        filesystem: Any,
+        requests: tuple[TensorRequest, ...],
+        value_keys: tuple[str, ...],
+        strict: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> LoadBundle:
+        """A loading rank's bundle for checkpoint ``uri`` (the actor's ``read_plan``, in a worker thread).
+
+        With ``rank`` and ``world_size``, when the requests are FSDP2's dim-0
+        shards, the first rank to ask plans every rank at once (``BulkPlan``)
+        and each rank gets its part of that; otherwise the plan is this
+        request's alone, cached per (checkpoint, request).
+        """
+        start = time.perf_counter()
+        ckpt = self.checkpoint(uri, filesystem)
+        m = ckpt.manifest
+        if rank is not None and world_size and is_dim0_layout(requests, rank, world_size):
+            plan = self._bulk_plan(uri, ckpt, requests, value_keys, strict, world_size).for_rank(rank)
+        else:
+            plan = self._get_or_create(
+                self._plans,
+                (uri, m.save_id, requests, value_keys, strict),
+                lambda: create_load_plan(m, requests, value_keys, strict, index=ckpt.index),
+            )
+        sizes = {f.path: f.size for f in m.files}
+        values = manifest_values(m, value_keys)
+        return LoadBundle(plan, m.blocks, sizes, values, m.save_id, time.perf_counter() - start)
+
+    def _bulk_plan(
+        self,
+        uri: str,
+        ckpt: CachedCheckpoint,
+        requests: tuple[TensorRequest, ...],
+        value_keys: tuple[str, ...],
+        strict: bool,
+        world_size: int,
+    ) -> BulkPlan:
+        m = ckpt.manifest
+        specs = tuple((r.key, r.dtype, r.shape) for r in requests)
+
+        def create() -> BulkPlan:
+            table = self._get_or_create(self._tables, (uri, ckpt), lambda: ChunkTable.from_manifest(m))
+            return create_dim0_plans(m, specs, world_size, value_keys, strict, table=table)
+
+        return self._get_or_create(self._bulk, (uri, m.save_id, specs, value_keys, strict, world_size), create)
+
+    def forget(self, uri: str) -> None:
+        """Drop everything cached for ``uri`` (the actor, once a new save there committed).
+
+        Values being computed for ``uri`` are still handed to the threads that
+        wait for them, but not cached.
+        """
+        with self._lock:
+            for store in (self._checkpoints, self._tables, self._plans, self._bulk):
+                store.drop(uri)
+
+    def cached_plans(self) -> int:
+        """Plans held: per-request plans plus all-ranks (bulk) plans."""
+        with self._lock:
+            return len(self._plans.entries) + len(self._bulk.entries)
+
+    def _get_or_create(self, store: _Store, key: tuple[Hashable, ...], create: Callable[[], T]) -> T:
+        """``store[key]``, made by ``create()`` on a miss: by this thread, or by the one already at it."""
+        with self._lock:
+            value = store.get(key)
+            if value is not None:
+                return value
+            flight = store.flights.get(key)
+            owner = flight is None
+            if owner:
+                flight = store.flights[key] = Future()
+        if not owner:
+            return flight.result()
+        try:
+            value = create()
+        except BaseException as exc:
+            with self._lock:
+                if store.flights.get(key) is flight:
+                    del store.flights[key]
+            flight.set_exception(exc)  # the waiters raise it too; the next caller tries again
+            raise
+        with self._lock:
+            # Cached only while still wanted: ``forget`` during the computation drops the flight.
+            if store.flights.get(key) is flight:
+                del store.flights[key]
+                store.put(key, value)
+        flight.set_result(value)
+        return value

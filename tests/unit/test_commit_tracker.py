@@ -1,0 +1,234 @@
+"""The commit protocol without Ray: a CommitTracker driven by hand, with real shard files and manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import rayckpt
+from rayckpt.engine.writer import write_chunks
+from rayckpt.format.boxes import Box
+from rayckpt.format.shard_file import ChunkData
+from rayckpt.ray.commit_tracker import CommitTracker
+from rayckpt.storage.checkpoint_dir import CheckpointDir
+from rayckpt.storage.commit import SaveSpec, WrittenShard, commit_save
+
+ROWS, COLS, BLOCK = 8, 4, 64
+DATA = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
+
+
+class Clock:
+    """A wall clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def spec_of(save_id: str, world_size: int = 2) -> SaveSpec:
+    return SaveSpec(save_id, world_size, BLOCK, {"w": ("float32", (ROWS, COLS))}, {}, {"note": save_id})
+
+
+def write_rank(path: str, save_id: str, rank: int, world_size: int = 2) -> WrittenShard:
+    """Rank ``rank``'s dim-0 share of ``DATA``, written as a real shard file."""
+    per = ROWS // world_size
+    rows = np.ascontiguousarray(DATA[rank * per : (rank + 1) * per])
+    chunk = ChunkData("w", "float32", Box((rank * per, 0), (per, COLS)), rows.reshape(-1).view(np.uint8))
+    return write_chunks(CheckpointDir.resolve(path), [chunk], save_id, rank, BLOCK, [])
+
+
+def shard_files(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.endswith(".arrow")) if os.path.isdir(path) else []
+
+
+def loaded(path: str) -> np.ndarray:
+    out = {"w": torch.zeros(ROWS, COLS)}
+    rayckpt.load(out, path)
+    return out["w"].numpy()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def tracker(clock) -> CommitTracker:
+    return CommitTracker(60.0, clock=clock)
+
+
+def test_registered_first_commits_when_the_last_rank_reports(tracker, clock, tmp_path):
+    path = str(tmp_path / "ck")
+    assert tracker.begin_save(spec_of("s1"), path, None, "run", 7) == []
+    assert tracker.report_written("s1", write_rank(path, "s1", 0), "node-a") == []
+    assert not os.path.exists(os.path.join(path, "manifest.json"))  # rank 1 is missing
+    assert tracker.entry("s1").status == "pending"
+    clock.now += 2.5
+    (outcome,) = tracker.report_written("s1", write_rank(path, "s1", 1), "node-b")
+    m = rayckpt.read_manifest(CheckpointDir.resolve(path))
+    assert outcome.entry.status == "committed" and outcome.entry.bytes == m.total_bytes > 0
+    assert outcome.entry.step == 7 and outcome.entry.world_size == 2 and outcome.entry.path == path
+    assert outcome.writer_nodes == {0: "node-a", 1: "node-b"} and outcome.seconds == 2.5
+    assert m.save_id == "s1" and m.user_metadata == {"note": "s1"} and len(m.files) == 2
+    assert np.array_equal(loaded(path), DATA)
+    assert tracker.entry("s1") == outcome.entry
+
+
+def test_reports_before_the_registration_commit_only_once_it_arrives(tracker, tmp_path):
+    path = str(tmp_path / "ck")
+    for rank in (1, 0):
+        assert tracker.report_written("s2", write_rank(path, "s2", rank)) == []
+    assert not os.path.exists(os.path.join(path, "manifest.json"))  # every rank wrote, nobody registered
+    (outcome,) = tracker.begin_save(spec_of("s2"), path, None, "run", 1)
+    assert outcome.entry.status == "committed"
+    assert np.array_equal(loaded(path), DATA)
+
+
+def test_a_failure_report_fails_the_save_and_removes_its_files(tracker, tmp_path):
+    path = str(tmp_path / "ck")
+    tracker.begin_save(spec_of("s3"), path, None, "run", 3)
+    tracker.report_written("s3", write_rank(path, "s3", 0))
+    assert shard_files(path) == ["s3-r00000-float.arrow"]
+    (outcome,) = tracker.report_failed("s3", 1, "disk full")
+    assert outcome.entry.status == "failed" and outcome.entry.error == "rank 1: disk full"
+    assert not os.path.exists(path)  # its file, then the empty directory
+    assert tracker.report_failed("s3", 0, "again") == []  # settled once
+
+    # A rank whose files became durable only after the failure: removed on arrival.
+    late = write_rank(path, "s3", 1)
+    assert shard_files(path) == ["s3-r00001-float.arrow"]
+    assert tracker.report_written("s3", late) == []
+    assert shard_files(path) == [] and tracker.entry("s3").status == "failed"
+
+
+def test_a_failed_save_leaves_the_committed_checkpoint_at_its_location(tracker, tmp_path):
+    path = str(tmp_path / "ck")
+    tracker.begin_save(spec_of("old"), path, None, "run", 1)
+    for rank in (0, 1):
+        tracker.report_written("old", write_rank(path, "old", rank))
+    tracker.begin_save(spec_of("new"), path, None, "run", 2)
+    tracker.report_written("new", write_rank(path, "new", 0))
+    (outcome,) = tracker.report_failed("new", 1, "oom")
+    assert outcome.entry.status == "failed"
+    assert shard_files(path) == ["old-r00000-float.arrow", "old-r00001-float.arrow"]
+    assert rayckpt.read_manifest(CheckpointDir.resolve(path)).save_id == "old"
+
+
+def test_a_failure_before_the_registration_names_and_cleans_the_save(tracker, tmp_path):
+    path = tmp_path / "early"
+    path.mkdir()
+    (path / "s4-r00001-float.arrow").write_bytes(b"partial")
+    (outcome,) = tracker.report_failed("s4", 1, "staging: OSError", "early", 5, str(path), None)
+    assert (outcome.entry.run, outcome.entry.step, outcome.entry.path) == ("early", 5, str(path))
+    assert not path.exists()
+    assert tracker.begin_save(spec_of("s4"), str(path), None, "early", 5) == []  # nothing left to commit
+    assert tracker.entry("s4").status == "failed" and "rank 1: staging: OSError" in tracker.entry("s4").error
+
+
+def test_a_save_past_its_deadline_fails_naming_the_missing_ranks(tracker, clock, tmp_path):
+    path = str(tmp_path / "ck")
+    tracker.begin_save(spec_of("s5", world_size=4), path, None, "run", 1, timeout_s=10.0)
+    tracker.begin_save(spec_of("patient", world_size=2), str(tmp_path / "p"), None, "run", 2)  # the default: 60 s
+    tracker.report_written("s5", write_rank(path, "s5", 2, world_size=4))
+    clock.now += 9
+    assert tracker.expire() == []
+    clock.now += 2
+    (outcome,) = tracker.expire()
+    assert outcome.entry.save_id == "s5" and outcome.entry.status == "failed"
+    assert outcome.entry.error == "rank(s) [0, 1, 3] did not report within 10s"
+    assert not os.path.exists(path)  # rank 2's file removed
+    assert tracker.entry("patient").status == "pending" and tracker.has_pending()
+    assert [o.entry.save_id for o in tracker.expire(now=clock.now + 60)] == ["patient"]
+    assert not tracker.has_pending()
+
+
+def test_an_unregistered_save_never_expires(tracker, clock, tmp_path):
+    tracker.report_written("s6", write_rank(str(tmp_path / "ck"), "s6", 0))
+    clock.now += 10_000
+    assert tracker.expire() == [] and tracker.entry("s6").status == "pending"
+
+
+def test_fail_pending_fails_only_that_runs_saves_in_flight(tracker, tmp_path):
+    def begin(save_id: str, run: str) -> str:
+        path = str(tmp_path / save_id)
+        tracker.begin_save(spec_of(save_id), path, None, run, 1)
+        tracker.report_written(save_id, write_rank(path, save_id, 0))
+        return path
+
+    done = begin("done", "a")
+    tracker.report_written("done", write_rank(done, "done", 1))
+    lost, other = begin("lost", "a"), begin("other", "b")
+    outcomes = tracker.fail_pending("a", "worker group failed: boom")
+    assert [(o.entry.save_id, o.entry.error) for o in outcomes] == [("lost", "worker group failed: boom")]
+    assert not os.path.exists(lost) and shard_files(other) == ["other-r00000-float.arrow"]
+    assert tracker.entry("done").status == "committed" and tracker.entry("other").status == "pending"
+    assert tracker.fail_pending("a", "again") == []
+
+
+def test_the_catalog_holds_the_last_tracked_save_per_location(tracker, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    tracker.begin_save(spec_of("a1"), a, None, "run", 1)
+    assert [(e.save_id, e.status) for e in tracker.catalog("run")] == [("a1", "pending")]
+    for rank in (0, 1):
+        tracker.report_written("a1", write_rank(a, "a1", rank))
+    tracker.begin_save(spec_of("b2"), b, None, "run", 2)
+    tracker.report_failed("b2", 0, "boom")
+    assert [(e.step, e.save_id, e.status) for e in tracker.catalog("run")] == [
+        (1, "a1", "committed"),
+        (2, "b2", "failed"),
+    ]
+    tracker.begin_save(spec_of("a3"), a, None, "run", 3)  # a new save at a's location
+    assert [(e.step, e.save_id, e.status) for e in tracker.catalog("run")] == [
+        (2, "b2", "failed"),
+        (3, "a3", "pending"),
+    ]
+    assert tracker.catalog("other run") == []
+
+
+def test_a_commit_that_raises_fails_the_save_and_removes_its_files(clock, tmp_path):
+    def commit(ckdir, spec, shards):
+        raise OSError("manifest write refused")
+
+    tracker = CommitTracker(60.0, commit=commit, clock=clock)
+    path = str(tmp_path / "ck")
+    tracker.begin_save(spec_of("s7"), path, None, "run", 1)
+    tracker.report_written("s7", write_rank(path, "s7", 0))
+    (outcome,) = tracker.report_written("s7", write_rank(path, "s7", 1))
+    assert outcome.entry.status == "failed" and outcome.entry.error == "commit: OSError: manifest write refused"
+    assert not os.path.exists(path)
+
+
+def test_a_failure_during_the_commit_does_not_remove_the_files_the_manifest_names(clock, tmp_path):
+    during: list = []
+
+    def commit(ckdir, spec, shards):
+        # Arrives while the manifest is being written: every rank's files are durable, the commit wins.
+        during.append(tracker.report_failed("s8", 0, "late news") + tracker.expire(now=clock.now + 3600))
+        return commit_save(ckdir, spec, shards)
+
+    tracker = CommitTracker(60.0, commit=commit, clock=clock)
+    path = str(tmp_path / "ck")
+    tracker.begin_save(spec_of("s8"), path, None, "run", 1)
+    tracker.report_written("s8", write_rank(path, "s8", 0))
+    (outcome,) = tracker.report_written("s8", write_rank(path, "s8", 1))
+    assert during == [[]] and outcome.entry.status == "committed"
+    assert np.array_equal(loaded(path), DATA)
+
+
+def test_the_ray_side_parts_import_no_ray():
+    script = (
+        "import json, sys, rayckpt.ray.commit_tracker, rayckpt.ray.plan_cache; print(json.dumps(sorted(sys.modules)))"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded_modules = json.loads(proc.stdout)
+    assert "rayckpt.ray.plan_cache" in loaded_modules
+    assert not [m for m in loaded_modules if m == "ray" or m.startswith("ray.")]
