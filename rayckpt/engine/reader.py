@@ -82,7 +82,7 @@ def read_into(
     for key, leaf in flat.values.items():
         if key in values:
             leaf.assign(decode_value(values[key]))
-    return LoadInfo(ckdir.uri, plan.needed_bytes, reader.bytes_read, len(plan.reads), plan.missing)
+    return LoadInfo(ckdir.location, plan.needed_bytes, reader.bytes_read, len(plan.reads), plan.missing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +123,6 @@ def _direct_read(fr: FileRead, flat: FlatState) -> DirectRead | None:
 #: Direct reads are split into pieces of at most this many bytes, spread over
 #: ``READ_THREADS`` threads, so the disk has several requests in flight per rank.
 READ_PIECE_BYTES = 8 * 2**20
-
-
 READ_THREADS = 1
 
 

@@ -78,7 +78,7 @@ def save(
         remove_failed_save(ckdir, ctx.spec.save_id, written_files)
         raise
     num_files = sum(len(s.files) for s in shards)
-    return SaveInfo(ckdir.uri, ctx.spec.save_id, total, num_files, coord.world_size)
+    return SaveInfo(ckdir.location, ctx.spec.save_id, total, num_files, coord.world_size)
 
 
 @dataclass(frozen=True, slots=True)

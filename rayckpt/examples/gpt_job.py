@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = CheckpointDir.resolve(args.storage_path).child(args.run_name)
     if not args.resume and (run_dir.list_files() or run_dir.list_dirs()):
         raise FileExistsError(
-            f"run {args.run_name!r} already exists at {run_dir.uri}: pass --resume to continue it, "
+            f"run {args.run_name!r} already exists at {run_dir.location}: pass --resume to continue it, "
             "or choose another --run-name"
         )
     started_ray = not ray.is_initialized()

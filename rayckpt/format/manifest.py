@@ -19,26 +19,18 @@ from ..errors import CorruptCheckpointError, FormatVersionError, InvalidStateErr
 from .boxes import Box, find_coverage_problem
 
 FORMAT_NAME = "rayckpt"
-
-
 FORMAT_VERSION = 2
 
 
 #: Versions this rayckpt reads: 1 (CRC-32 blocks) and 2 (the checksum is named).
 READ_VERSIONS = (1, 2)
-
-
 #: Block checksum algorithms: XXH3-64 (the default, ~3x faster than zlib's CRC-32
 #: here) and CRC-32 (what version 1 wrote).
 CHECKSUMS = ("xxh3_64", "crc32")
-
-
 DEFAULT_CHECKSUM = "xxh3_64"
 
 
 MANIFEST_NAME = "manifest.json"
-
-
 #: torch dtype name -> (bytes per element, Arrow storage type name).
 #: Dtypes Arrow lacks are stored as same-width unsigned integers.
 DTYPES: dict[str, tuple[int, str]] = {

@@ -35,7 +35,7 @@ class ShardFiles(Protocol):
     format layer names only the calls it makes, so it never imports storage.
     """
 
-    uri: str
+    location: str
 
     @property
     def is_local(self) -> bool: ...
@@ -185,13 +185,13 @@ class ShardReader:
 
     def _missing(self, rel: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            f"shard file {rel!r} is missing from {self.ckdir.uri}; the checkpoint is incomplete"
+            f"shard file {rel!r} is missing from {self.ckdir.location}; the checkpoint is incomplete"
         )
 
     def _check_size(self, rel: str, actual: int) -> None:
         if actual != self._sizes.get(rel, actual):
             raise CorruptCheckpointError(
-                f"shard file {rel!r} in {self.ckdir.uri} has {actual} bytes but the manifest "
+                f"shard file {rel!r} in {self.ckdir.location} has {actual} bytes but the manifest "
                 f"recorded {self._sizes[rel]}: truncated or replaced"
             )
 

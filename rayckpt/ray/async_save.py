@@ -44,7 +44,7 @@ STAGING_MODES = ("auto", "shm", "object_store")
 
 def actor_location(ckdir: CheckpointDir, filesystem: Any) -> str:
     """How the actors reach ``ckdir``: its path on ``filesystem`` when one was given, else the user's URI."""
-    return ckdir.root if filesystem is not None else ckdir.uri
+    return ckdir.fs_path if filesystem is not None else ckdir.location
 
 
 class SaveHandle:
@@ -66,7 +66,7 @@ class SaveHandle:
         on_outcome: Callable[[SaveHandle], None] | None = None,
     ) -> None:
         self.save_id = save_id
-        self.uri = ckdir.uri
+        self.location = ckdir.location
         self.run = run
         self.step = step
         self.rank = rank
@@ -99,7 +99,7 @@ class SaveHandle:
                 self._on_outcome(self)
         if self._entry.status != "committed":
             raise SaveFailedError(
-                f"save of step {self.step} to {self.uri} (save {self.save_id}) failed; nothing was committed: "
+                f"save of step {self.step} to {self.location} (save {self.save_id}) failed; nothing was committed: "
                 f"{self._entry.error}"
             )
         return self._entry
@@ -109,7 +109,7 @@ class SaveHandle:
         try:
             ray.get(self._write_ref, timeout=limit)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"save {self.save_id} to {self.uri}: not written within {limit}s") from None
+            raise TimeoutError(f"save {self.save_id} to {self.location}: not written within {limit}s") from None
         except Exception as exc:  # noqa: BLE001 - the writer died or raised: the save failed
             self._report_failed(meta, f"{type(exc).__name__}: {exc}")
         self._check_registered(meta, limit)
@@ -118,7 +118,7 @@ class SaveHandle:
         except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
             entry = self._entry_from_storage()
         if entry.status == "pending":
-            raise TimeoutError(f"save {self.save_id} to {self.uri}: not committed within {limit}s")
+            raise TimeoutError(f"save {self.save_id} to {self.location}: not committed within {limit}s")
         return entry
 
     def _check_registered(self, meta: Any, limit: float) -> None:
@@ -144,7 +144,7 @@ class SaveHandle:
         return CatalogEntry(
             self.run,
             self.step,
-            self.uri,
+            self.location,
             "failed",
             time.time(),
             0,
@@ -231,7 +231,7 @@ class AsyncSaver:
             failed = f"staging: {type(exc).__name__}: {exc}"
             report_failed(ctx.spec.save_id, ctx.rank, failed, run, step, ckdir, filesystem)
             raise SaveFailedError(
-                f"save of step {step} to {ckdir.uri}: staging failed on rank {ctx.rank}: {exc}"
+                f"save of step {step} to {ckdir.location}: staging failed on rank {ctx.rank}: {exc}"
             ) from exc
         stall = time.perf_counter() - start
         metrics.observe("rayckpt_save_stall_seconds", stall, run=run, rank=ctx.rank)
@@ -262,7 +262,7 @@ class AsyncSaver:
         except Exception as exc:
             failed = f"registering with the MetadataActor: {type(exc).__name__}: {exc}"
             report_failed(ctx.spec.save_id, ctx.rank, failed, run, step, ckdir, filesystem)
-            raise SaveFailedError(f"save of step {step} to {ckdir.uri}: {failed}") from exc
+            raise SaveFailedError(f"save of step {step} to {ckdir.location}: {failed}") from exc
 
     def stage_share(self, ctx: SaveContext, node_id: str, staging: str) -> Any:
         """Copy this rank's share into shared memory: a ``StagedRegion`` of the staging
@@ -330,7 +330,7 @@ def _check_reachable(ckdir: CheckpointDir, ctx: SaveContext, local_is_shared: bo
     nodes = set(ctx.nodes)
     if ckdir.is_local and len(nodes) > 1 and not local_is_shared:
         raise InvalidStateError(
-            f"checkpoint location {ckdir.uri} is node-local storage but the ranks run on {len(nodes)} nodes; "
+            f"checkpoint location {ckdir.location} is node-local storage but the ranks run on {len(nodes)} nodes; "
             "every node must reach the same files: use shared storage (s3://..., gs://..., or an NFS path with "
             f"{LOCAL_IS_SHARED_ENV}=1)"
         )

@@ -52,7 +52,7 @@ class SaveOutcome:
 class _Removal:
     """Files of a failed save to remove, captured under the lock and removed outside it."""
 
-    uri: str
+    location: str
     filesystem: Any
     save_id: str
     paths: tuple[str, ...]
@@ -64,7 +64,7 @@ class _Save:
 
     save_id: str
     started: float
-    uri: str = ""
+    location: str = ""
     filesystem: Any = None
     run: str = ""
     step: int | None = None
@@ -87,7 +87,7 @@ class _Save:
         return CatalogEntry(
             run=self.run,
             step=self.step,
-            path=self.uri,
+            path=self.location,
             status=self.status,
             created=self.started,
             world_size=self.spec.world_size if self.spec else 0,
@@ -135,7 +135,7 @@ class CommitTracker:
     def begin_save(
         self,
         spec: SaveSpec,
-        uri: str,
+        location: str,
         filesystem: Any,
         run: str,
         step: int | None,
@@ -145,7 +145,7 @@ class CommitTracker:
         already reported. It fails unless committed within ``timeout_s`` (default: the tracker's)."""
         with self._lock:
             s = self._save(spec.save_id)
-            s.spec, s.uri, s.filesystem, s.run, s.step = spec, uri, filesystem, run, step
+            s.spec, s.location, s.filesystem, s.run, s.step = spec, location, filesystem, run, step
             s.timeout = timeout_s or self._default_timeout_s
             s.deadline = self._clock() + s.timeout
             s.registered = True
@@ -181,19 +181,19 @@ class CommitTracker:
         error: str,
         run: str = "",
         step: int | None = None,
-        uri: str = "",
+        location: str = "",
         filesystem: Any = None,
     ) -> list[SaveOutcome]:
         """A rank's part of the save failed (the rank or its writer, through the actor).
 
-        ``run``, ``step``, ``uri``, ``filesystem``: where the save goes, for a
+        ``run``, ``step``, ``location``, ``filesystem``: where the save goes, for a
         failure that arrives before rank 0's registration (its catalog entry and
         its cleanup).
         """
         with self._lock:
             s = self._save(save_id)
             if not s.registered:
-                s.run, s.step, s.uri, s.filesystem = run, step, uri, filesystem
+                s.run, s.step, s.location, s.filesystem = run, step, location, filesystem
             s.failures[rank] = error
         return self._fail(s, f"rank {rank}: {error}")
 
@@ -240,9 +240,9 @@ class CommitTracker:
     def _commit(self, s: _Save) -> list[SaveOutcome]:
         """Write the manifest of ``s``, which the caller marked ``committing``."""
         with self._lock:
-            uri, filesystem, spec, shards = s.uri, s.filesystem, s.spec, tuple(s.written.values())
+            location, filesystem, spec, shards = s.location, s.filesystem, s.spec, tuple(s.written.values())
         try:
-            manifest = self._commit_fn(CheckpointDir.resolve(uri, filesystem), spec, shards)
+            manifest = self._commit_fn(CheckpointDir.resolve(location, filesystem), spec, shards)
         except Exception as exc:  # noqa: BLE001 - a failed commit fails the save, not its caller
             return self._fail(s, f"commit: {type(exc).__name__}: {exc}", committing=True)
         with self._lock:
@@ -266,13 +266,13 @@ class CommitTracker:
             reason = f"{reason} (removing its files failed too: {type(exc).__name__}: {exc})"
         with self._lock:
             s.error = reason
-            if s.uri:
+            if s.location:
                 self._note(s)
             return [self._outcome(s)]
 
     def _remove(self, removal: _Removal) -> None:
-        if removal.uri:
-            ckdir = CheckpointDir.resolve(removal.uri, removal.filesystem)
+        if removal.location:
+            ckdir = CheckpointDir.resolve(removal.location, removal.filesystem)
             self._remove_fn(ckdir, removal.save_id, removal.paths)
 
     # -- helpers (called with the lock held) ----------------------------------------
@@ -284,10 +284,10 @@ class CommitTracker:
         return s
 
     def _note(self, s: _Save) -> None:
-        self._catalog.setdefault(s.run, {})[s.uri] = s.entry()
+        self._catalog.setdefault(s.run, {})[s.location] = s.entry()
 
     def _removal(self, s: _Save, paths: list[str]) -> _Removal:
-        return _Removal(s.uri, s.filesystem, s.save_id, tuple(paths))
+        return _Removal(s.location, s.filesystem, s.save_id, tuple(paths))
 
     def _outcome(self, s: _Save) -> SaveOutcome:
         return SaveOutcome(s.entry(), dict(s.writer_nodes), self._clock() - s.started)

@@ -32,11 +32,7 @@ from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutco
 from .plan_cache import LoadBundle, PlanCache
 
 NAMESPACE = "rayckpt"
-
-
 METADATA_ACTOR_NAME = "rayckpt-metadata"
-
-
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
 
 #: How often the watchdog looks for saves past their deadline.
@@ -63,14 +59,14 @@ class MetadataActor:
 
     # -- catalog ---------------------------------------------------------------
 
-    async def register_run(self, run: str, root: str, filesystem: Any = None) -> list[CatalogEntry]:
-        """Make ``root`` (where ``run``'s checkpoint directories live) known; scan it (the Checkpointer)."""
-        self._roots[run] = (root, filesystem)
+    async def register_run(self, run: str, run_root: str, filesystem: Any = None) -> list[CatalogEntry]:
+        """Make ``run_root`` (where ``run``'s checkpoint directories live) known; scan it (the Checkpointer)."""
+        self._roots[run] = (run_root, filesystem)
         return await asyncio.to_thread(self._scan, run)
 
     def _scan(self, run: str) -> list[CatalogEntry]:
-        root, fs = self._roots[run]
-        found = {e.path: e for e in scan_run(CheckpointDir.resolve(root, fs), run)}
+        run_root, fs = self._roots[run]
+        found = {e.path: e for e in scan_run(CheckpointDir.resolve(run_root, fs), run)}
         # In-flight and rolled-back saves are not (or no longer) on storage: keep them.
         for e in self._tracker.catalog(run):
             if e.status in (PENDING, FAILED) and e.path not in found:
@@ -92,7 +88,7 @@ class MetadataActor:
     async def begin_save(
         self,
         spec: SaveSpec,
-        uri: str,
+        location: str,
         filesystem: Any,
         run: str,
         step: int | None,
@@ -100,7 +96,8 @@ class MetadataActor:
     ) -> None:
         """Called by rank 0 once per save. A save not committed within
         ``commit_timeout_s`` (default: the actor's) fails."""
-        settled = await asyncio.to_thread(self._tracker.begin_save, spec, uri, filesystem, run, step, commit_timeout_s)
+        track = self._tracker.begin_save
+        settled = await asyncio.to_thread(track, spec, location, filesystem, run, step, commit_timeout_s)
         # Started once the save is registered, so that its first look sees the save pending.
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._expire_loop())
@@ -124,15 +121,16 @@ class MetadataActor:
         error: str,
         run: str = "",
         step: int | None = None,
-        uri: str = "",
+        location: str = "",
         filesystem: Any = None,
     ) -> None:
         """Called by a rank or its writer when its part of the save failed.
 
-        ``run``, ``step``, ``uri``, ``filesystem``: where the save goes, for a failure
+        ``run``, ``step``, ``location``, ``filesystem``: where the save goes, for a failure
         that arrives before rank 0's registration (its event and its cleanup).
         """
-        settled = await asyncio.to_thread(self._tracker.report_failed, save_id, rank, error, run, step, uri, filesystem)
+        track = self._tracker.report_failed
+        settled = await asyncio.to_thread(track, save_id, rank, error, run, step, location, filesystem)
         await self._settle(settled)
 
     async def fail_pending(self, run: str, reason: str) -> list[str]:
@@ -159,12 +157,12 @@ class MetadataActor:
             if e.status == COMMITTED:
                 self._plans.forget(e.path)  # a new checkpoint replaced whatever was cached there
                 metrics.inc("rayckpt_checkpoints_committed", run=e.run)
-                data = {"save_id": e.save_id, "step": e.step, "uri": e.path, "writer_nodes": o.writer_nodes}
+                data = {"save_id": e.save_id, "step": e.step, "location": e.path, "writer_nodes": o.writer_nodes}
                 await self.record_event(e.run, "committed", data)
                 metrics.observe("rayckpt_commit_seconds", o.seconds, run=e.run)
             else:
                 metrics.inc("rayckpt_checkpoints_failed", run=e.run)
-                data = {"save_id": e.save_id, "step": e.step, "uri": e.path, "error": e.error}
+                data = {"save_id": e.save_id, "step": e.step, "location": e.path, "error": e.error}
                 await self.record_event(e.run, "failed", data)
             self._settled_event(e.save_id).set()
 
@@ -177,7 +175,7 @@ class MetadataActor:
 
     async def read_plan(
         self,
-        uri: str,
+        location: str,
         filesystem: Any,
         requests: tuple[TensorRequest, ...],
         value_keys: tuple[str, ...],
@@ -186,21 +184,21 @@ class MetadataActor:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> LoadBundle:
-        """A loading rank's read plan for checkpoint ``uri``; cached per (checkpoint, request).
+        """A loading rank's read plan for checkpoint ``location``; cached per (checkpoint, request).
 
         With ``rank`` and ``world_size``, when the requests are FSDP2's dim-0
         shards, the first rank to ask plans every rank at once (vectorized,
         ``BulkPlan``) and the others get their part of that.
         """
         bundle = await asyncio.to_thread(
-            self._plans.plan, uri, filesystem, requests, value_keys, strict, rank, world_size
+            self._plans.plan, location, filesystem, requests, value_keys, strict, rank, world_size
         )
         metrics.observe("rayckpt_plan_seconds", bundle.plan_seconds, run=run)
         return bundle
 
-    async def user_metadata(self, uri: str, filesystem: Any = None) -> dict[str, Any]:
+    async def user_metadata(self, location: str, filesystem: Any = None) -> dict[str, Any]:
         """The ``user_metadata`` of a committed checkpoint (step, run, metrics)."""
-        m = await asyncio.to_thread(self._plans.manifest, uri, filesystem)
+        m = await asyncio.to_thread(self._plans.manifest, location, filesystem)
         return dict(m.user_metadata)
 
     async def cached_plans(self) -> int:

@@ -89,46 +89,46 @@ class _Store:
         while len(self.entries) > self.limit:
             self.entries.popitem(last=False)
 
-    def drop(self, uri: str) -> None:
+    def drop(self, location: str) -> None:
         for table in (self.entries, self.flights):
-            for key in [k for k in table if k[0] == uri]:
+            for key in [k for k in table if k[0] == location]:
                 del table[key]
 
 
-def _read(uri: str, filesystem: Any) -> Manifest:
-    return read_manifest(CheckpointDir.resolve(uri, filesystem))
+def _read(location: str, filesystem: Any) -> Manifest:
+    return read_manifest(CheckpointDir.resolve(location, filesystem))
 
 
 class PlanCache:
-    """Manifests and load plans, cached per checkpoint location (``uri``) for the MetadataActor."""
+    """Manifests and load plans, cached per checkpoint location (``location``) for the MetadataActor."""
 
     def __init__(self, read: Callable[[str, Any], Manifest] = _read) -> None:
-        """``read(uri, filesystem)``: a checkpoint's committed manifest (default: from storage)."""
+        """``read(location, filesystem)``: a checkpoint's committed manifest (default: from storage)."""
         self._read = read
         self._lock = threading.Lock()
-        self._checkpoints = _Store(MANIFESTS_CACHED)  # (uri,) -> CachedCheckpoint
-        # (uri, CachedCheckpoint) -> its ChunkTable, made on the first all-ranks plan: keyed by the
+        self._checkpoints = _Store(MANIFESTS_CACHED)  # (location,) -> CachedCheckpoint
+        # (location, CachedCheckpoint) -> its ChunkTable, made on the first all-ranks plan: keyed by the
         # entry itself (hashed by identity), as a table serves only the manifest object it was built from.
         self._tables = _Store(MANIFESTS_CACHED)
-        self._plans = _Store(PLANS_CACHED)  # (uri, save_id, requests, value_keys, strict) -> LoadPlan
-        self._bulk = _Store(BULK_PLANS_CACHED)  # (uri, save_id, specs, value_keys, strict, world) -> BulkPlan
+        self._plans = _Store(PLANS_CACHED)  # (location, save_id, requests, value_keys, strict) -> LoadPlan
+        self._bulk = _Store(BULK_PLANS_CACHED)  # (location, save_id, specs, value_keys, strict, world) -> BulkPlan
 
-    def checkpoint(self, uri: str, filesystem: Any = None) -> CachedCheckpoint:
-        """The checkpoint at ``uri`` with its index, read from storage on a miss."""
+    def checkpoint(self, location: str, filesystem: Any = None) -> CachedCheckpoint:
+        """The checkpoint at ``location`` with its index, read from storage on a miss."""
 
         def create() -> CachedCheckpoint:
-            manifest = self._read(uri, filesystem)
+            manifest = self._read(location, filesystem)
             return CachedCheckpoint(manifest, ChunkIndex(manifest))
 
-        return self._get_or_create(self._checkpoints, (uri,), create)
+        return self._get_or_create(self._checkpoints, (location,), create)
 
-    def manifest(self, uri: str, filesystem: Any = None) -> Manifest:
-        """The committed manifest at ``uri`` (the actor's ``user_metadata``)."""
-        return self.checkpoint(uri, filesystem).manifest
+    def manifest(self, location: str, filesystem: Any = None) -> Manifest:
+        """The committed manifest at ``location`` (the actor's ``user_metadata``)."""
+        return self.checkpoint(location, filesystem).manifest
 
     def plan(
         self,
-        uri: str,
+        location: str,
         filesystem: Any,
         requests: tuple[TensorRequest, ...],
         value_keys: tuple[str, ...],
@@ -136,7 +136,7 @@ class PlanCache:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> LoadBundle:
-        """A loading rank's bundle for checkpoint ``uri`` (the actor's ``read_plan``, in a worker thread).
+        """A loading rank's bundle for checkpoint ``location`` (the actor's ``read_plan``, in a worker thread).
 
         With ``rank`` and ``world_size``, when the requests are FSDP2's dim-0
         shards, the first rank to ask plans every rank at once (``BulkPlan``)
@@ -144,14 +144,14 @@ class PlanCache:
         request's alone, cached per (checkpoint, request).
         """
         start = time.perf_counter()
-        ckpt = self.checkpoint(uri, filesystem)
+        ckpt = self.checkpoint(location, filesystem)
         m = ckpt.manifest
         if rank is not None and world_size and is_dim0_layout(requests, rank, world_size):
-            plan = self._bulk_plan(uri, ckpt, requests, value_keys, strict, world_size).for_rank(rank)
+            plan = self._bulk_plan(location, ckpt, requests, value_keys, strict, world_size).for_rank(rank)
         else:
             plan = self._get_or_create(
                 self._plans,
-                (uri, m.save_id, requests, value_keys, strict),
+                (location, m.save_id, requests, value_keys, strict),
                 lambda: create_load_plan(m, requests, value_keys, strict, index=ckpt.index),
             )
         sizes = {f.path: f.size for f in m.files}
@@ -160,7 +160,7 @@ class PlanCache:
 
     def _bulk_plan(
         self,
-        uri: str,
+        location: str,
         ckpt: CachedCheckpoint,
         requests: tuple[TensorRequest, ...],
         value_keys: tuple[str, ...],
@@ -171,20 +171,20 @@ class PlanCache:
         specs = tuple((r.key, r.dtype, r.shape) for r in requests)
 
         def create() -> BulkPlan:
-            table = self._get_or_create(self._tables, (uri, ckpt), lambda: ChunkTable.from_manifest(m))
+            table = self._get_or_create(self._tables, (location, ckpt), lambda: ChunkTable.from_manifest(m))
             return create_dim0_plans(m, specs, world_size, value_keys, strict, table=table)
 
-        return self._get_or_create(self._bulk, (uri, m.save_id, specs, value_keys, strict, world_size), create)
+        return self._get_or_create(self._bulk, (location, m.save_id, specs, value_keys, strict, world_size), create)
 
-    def forget(self, uri: str) -> None:
-        """Drop everything cached for ``uri`` (the actor, once a new save there committed).
+    def forget(self, location: str) -> None:
+        """Drop everything cached for ``location`` (the actor, once a new save there committed).
 
-        Values being computed for ``uri`` are still handed to the threads that
+        Values being computed for ``location`` are still handed to the threads that
         wait for them, but not cached.
         """
         with self._lock:
             for store in (self._checkpoints, self._tables, self._plans, self._bulk):
-                store.drop(uri)
+                store.drop(location)
 
     def cached_plans(self) -> int:
         """Plans held: per-request plans plus all-ranks (bulk) plans."""

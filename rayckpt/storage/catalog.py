@@ -49,18 +49,18 @@ def looks_like_checkpoint(ckdir: CheckpointDir) -> bool:
 def describe(ckdir: CheckpointDir, run: str) -> CatalogEntry | None:
     """The catalog entry of one directory, or ``None`` when it holds no checkpoint."""
     files = ckdir.list_files()
-    match = _STEP_DIR.search(ckdir.root)
+    match = _STEP_DIR.search(ckdir.fs_path)
     step = int(match.group(1)) if match else None
     if MANIFEST_NAME in files:
         try:
             m = read_manifest(ckdir)
         except RayckptError as exc:
-            return CatalogEntry(run, step, ckdir.uri, "corrupt", 0.0, 0, 0, "", str(exc).splitlines()[0])
+            return CatalogEntry(run, step, ckdir.location, "corrupt", 0.0, 0, 0, "", str(exc).splitlines()[0])
         meta_step = m.user_metadata.get("step")
         return CatalogEntry(
             str(m.user_metadata.get("run") or run),
             meta_step if isinstance(meta_step, int) else step,
-            ckdir.uri,
+            ckdir.location,
             "committed",
             m.created,
             m.world_size,
@@ -70,7 +70,7 @@ def describe(ckdir: CheckpointDir, run: str) -> CatalogEntry | None:
     arrow = [f for f in files if f.endswith(".arrow")]
     if arrow:
         size = sum(ckdir.size(f) or 0 for f in arrow)
-        return CatalogEntry(run, step, ckdir.uri, "incomplete", 0.0, 0, size, "")
+        return CatalogEntry(run, step, ckdir.location, "incomplete", 0.0, 0, size, "")
     return None
 
 

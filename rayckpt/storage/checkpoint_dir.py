@@ -21,11 +21,12 @@ from ..errors import CheckpointNotFoundError, RayckptError
 class CheckpointDir:
     """One checkpoint directory. Paths given to methods are relative to it."""
 
-    def __init__(self, fs: pafs.FileSystem, root: str, uri: str) -> None:
+    def __init__(self, fs: pafs.FileSystem, fs_path: str, location: str) -> None:
         self.fs = fs
-        self.root = root.rstrip("/") or "/"
+        #: The directory's path on ``fs``.
+        self.fs_path = fs_path.rstrip("/") or "/"
         #: What the user passed (for messages and for handing the location on).
-        self.uri = uri
+        self.location = location
 
     @staticmethod
     def resolve(checkpoint_id: str | os.PathLike[str], filesystem: pafs.FileSystem | None = None) -> CheckpointDir:
@@ -47,15 +48,15 @@ class CheckpointDir:
         return isinstance(self.fs, pafs.LocalFileSystem)
 
     def path(self, rel: str) -> str:
-        return posixpath.join(self.root, rel)
+        return posixpath.join(self.fs_path, rel)
 
     def child(self, rel: str) -> CheckpointDir:
-        return CheckpointDir(self.fs, self.path(rel), posixpath.join(self.uri, rel))
+        return CheckpointDir(self.fs, self.path(rel), posixpath.join(self.location, rel))
 
     # -- write side -------------------------------------------------------
 
     def makedirs(self) -> None:
-        self.fs.create_dir(self.root, recursive=True)
+        self.fs.create_dir(self.fs_path, recursive=True)
 
     def open_output(self, rel: str) -> Any:
         return self.fs.open_output_stream(self.path(rel))
@@ -71,7 +72,7 @@ class CheckpointDir:
 
     def sync_dir(self) -> None:
         if self.is_local:
-            fd = os.open(self.root, os.O_RDONLY)
+            fd = os.open(self.fs_path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
@@ -105,7 +106,7 @@ class CheckpointDir:
     def delete_dir_if_empty(self) -> None:
         try:
             if not self.list_files():
-                self.fs.delete_dir(self.root)
+                self.fs.delete_dir(self.fs_path)
         except (FileNotFoundError, OSError):
             pass
 
@@ -123,7 +124,7 @@ class CheckpointDir:
             with self.fs.open_input_stream(self.path(rel)) as f:
                 return f.read()
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"no {rel} in {self.uri}: not a committed checkpoint") from None
+            raise CheckpointNotFoundError(f"no {rel} in {self.location}: not a committed checkpoint") from None
 
     def open_input(self, rel: str) -> Any:
         """A random-access file; memory-mapped for local files (zero-copy reads)."""
@@ -142,7 +143,7 @@ class CheckpointDir:
 
     def _list(self, kind: pafs.FileType) -> list[str]:
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+            infos = self.fs.get_file_info(pafs.FileSelector(self.fs_path, allow_not_found=True))
         except (FileNotFoundError, NotADirectoryError):
             return []
         return sorted(posixpath.basename(i.path) for i in infos if i.type == kind)

@@ -138,7 +138,7 @@ def remove_failed_save(ckdir: CheckpointDir, save_id: str, paths: Sequence[str] 
 
 def read_manifest(ckdir: CheckpointDir) -> Manifest:
     """Read and validate the committed manifest of ``ckdir``."""
-    where = f"{ckdir.uri}/{MANIFEST_NAME}"
+    where = f"{ckdir.location}/{MANIFEST_NAME}"
     manifest = decode_manifest(ckdir.read_bytes(MANIFEST_NAME), where=where)
     problems = find_manifest_problems(manifest)
     if problems:

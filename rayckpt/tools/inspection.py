@@ -74,7 +74,7 @@ def inspect(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointInfo:
         else:
             values.append(ValueInfo(key, e.value))
     return CheckpointInfo(
-        ckdir.uri,
+        ckdir.location,
         m.save_id,
         m.version,
         m.created,

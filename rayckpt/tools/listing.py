@@ -23,20 +23,20 @@ def ls(storage_path: str | os.PathLike[str], run: str | None = None) -> tuple[Ca
     ``run``, only ``<storage_path>/<run>``. Sorted by run, then step.
     """
     base = CheckpointDir.resolve(storage_path)
-    if base.fs.get_file_info(base.root).type != pafs.FileType.Directory:
-        raise CheckpointNotFoundError(f"{base.uri}: no such directory")
+    if base.fs.get_file_info(base.fs_path).type != pafs.FileType.Directory:
+        raise CheckpointNotFoundError(f"{base.location}: no such directory")
     if run is not None:
         base = base.child(run)
-        if base.fs.get_file_info(base.root).type != pafs.FileType.Directory:
-            raise CheckpointNotFoundError(f"no run {run!r}: {base.uri} is not a directory")
+        if base.fs.get_file_info(base.fs_path).type != pafs.FileType.Directory:
+            raise CheckpointNotFoundError(f"no run {run!r}: {base.location} is not a directory")
     if looks_like_checkpoint(base):
-        candidates = [(posixpath.basename(posixpath.dirname(base.root)), base)]
+        candidates = [(posixpath.basename(posixpath.dirname(base.fs_path)), base)]
     else:
         candidates = []
         for name in base.list_dirs():
             child = base.child(name)
             if looks_like_checkpoint(child):
-                candidates.append((posixpath.basename(base.root), child))
+                candidates.append((posixpath.basename(base.fs_path), child))
             else:
                 candidates.extend((name, child.child(sub)) for sub in child.list_dirs())
     found = [e for run_name, ckdir in candidates if (e := describe(ckdir, run_name)) is not None]

@@ -63,7 +63,7 @@ def plan(ckpt: str | os.PathLike[str] | CheckpointDir, world_size: int) -> Resha
     read = sum(r.bytes_read for r in ranks)
     busiest = max(r.bytes_read for r in ranks)
     return ReshardPlan(
-        ckdir.uri,
+        ckdir.location,
         m.world_size,
         world_size,
         needed,

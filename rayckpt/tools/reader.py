@@ -37,15 +37,15 @@ def resolve_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> Checkpoi
     ``ckpt`` is a local path, a ``pyarrow.fs`` URI, or the ``manifest.json`` inside one.
     """
     ckdir = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir.resolve(ckpt)
-    kind = ckdir.fs.get_file_info(ckdir.root).type
-    if kind == pafs.FileType.File and posixpath.basename(ckdir.root) == MANIFEST_NAME:
-        parent = posixpath.dirname(ckdir.root)
-        ckdir = CheckpointDir(ckdir.fs, parent, posixpath.dirname(ckdir.uri.rstrip("/")))
+    kind = ckdir.fs.get_file_info(ckdir.fs_path).type
+    if kind == pafs.FileType.File and posixpath.basename(ckdir.fs_path) == MANIFEST_NAME:
+        parent = posixpath.dirname(ckdir.fs_path)
+        ckdir = CheckpointDir(ckdir.fs, parent, posixpath.dirname(ckdir.location.rstrip("/")))
         kind = pafs.FileType.Directory
     if kind == pafs.FileType.NotFound:
-        raise CheckpointNotFoundError(f"{ckdir.uri}: no such file or directory")
+        raise CheckpointNotFoundError(f"{ckdir.location}: no such file or directory")
     if kind != pafs.FileType.Directory:
-        raise CheckpointNotFoundError(f"{ckdir.uri} is a file, not a rayckpt checkpoint directory")
+        raise CheckpointNotFoundError(f"{ckdir.location} is a file, not a rayckpt checkpoint directory")
     if not ckdir.exists(MANIFEST_NAME):
         files = ckdir.list_files()
         why = (
@@ -53,7 +53,7 @@ def resolve_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> Checkpoi
             if any(f.endswith(".arrow") for f in files)
             else "no manifest.json"
         )
-        raise CheckpointNotFoundError(f"{ckdir.uri} is not a rayckpt checkpoint ({why})")
+        raise CheckpointNotFoundError(f"{ckdir.location} is not a rayckpt checkpoint ({why})")
     return ckdir
 
 

@@ -66,11 +66,11 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
     ``checksum``: XXH3-64, or CRC-32 in version-1 checkpoints).
     """
     ckdir = resolve_checkpoint(ckpt)
-    where = f"{ckdir.uri}/{MANIFEST_NAME}"
+    where = f"{ckdir.location}/{MANIFEST_NAME}"
     try:
         m = decode_manifest(ckdir.read_bytes(MANIFEST_NAME), where=where)
     except CorruptCheckpointError as exc:
-        return VerifyReport(ckdir.uri, False, 0, 0, 0, (Problem("manifest", str(exc), file=MANIFEST_NAME),))
+        return VerifyReport(ckdir.location, False, 0, 0, 0, (Problem("manifest", str(exc), file=MANIFEST_NAME),))
     problems = [Problem("manifest", f"{where}: {p}", file=MANIFEST_NAME) for p in find_manifest_problems(m)]
     by_file: dict[str, list[tuple[str, ChunkEntry]]] = {f.path: [] for f in m.files}
     for key, e in m.entries.items():
@@ -118,7 +118,7 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
                     on_progress(done, total)
     finally:
         reader.close()
-    return VerifyReport(ckdir.uri, not problems, len(actual), chunks, reader.bytes_read, tuple(problems))
+    return VerifyReport(ckdir.location, not problems, len(actual), chunks, reader.bytes_read, tuple(problems))
 
 
 def _some(keys: list[str], n: int = 5) -> str:

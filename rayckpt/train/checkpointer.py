@@ -50,7 +50,7 @@ class Checkpointer:
         ctx = ray.train.get_context()
         storage = ctx.get_storage()
         self.run: str = ctx.get_experiment_name()
-        self.root: str = storage.experiment_fs_path
+        self.run_root: str = storage.experiment_fs_path
         self.filesystem = storage.storage_filesystem
         self.rank: int = ctx.get_world_rank()
         self.block_size = block_size
@@ -62,10 +62,10 @@ class Checkpointer:
         self.staging_bytes = 0
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
         self.last_load: LoadInfo | None = None
-        ray.get(get_metadata_actor().register_run.remote(self.run, self.root, self.filesystem))
+        ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
 
     def path(self, step: int) -> str:
-        return posixpath.join(self.root, checkpoint_dir_name(step))
+        return posixpath.join(self.run_root, checkpoint_dir_name(step))
 
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None) -> SaveHandle:
         """Start saving ``state`` as step ``step`` (collective); return after staging.
@@ -109,7 +109,7 @@ class Checkpointer:
         The catalog is re-read from storage, so this holds after the actor was
         killed and recreated.
         """
-        entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.root, self.filesystem))
+        entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
         committed = [e for e in entries if e.status == "committed"]
         return committed[-1] if committed else None
 

@@ -32,7 +32,7 @@ def save_small_checkpoints(root: str, count: int) -> list[str]:
 class PlanAsk:
     """One loading rank's question to the planner (the arguments of ``read_plan``)."""
 
-    uri: str
+    location: str
     requests: tuple[TensorRequest, ...]
     value_keys: tuple[str, ...]
     rank: int | None
@@ -60,4 +60,4 @@ def asks_for(path: str) -> list[PlanAsk]:
 
 def expected_plan(ask: PlanAsk) -> LoadPlan:
     """The plan computed directly from storage, with no cache."""
-    return create_load_plan(rayckpt.read_manifest(CheckpointDir.resolve(ask.uri)), ask.requests, ask.value_keys)
+    return create_load_plan(rayckpt.read_manifest(CheckpointDir.resolve(ask.location)), ask.requests, ask.value_keys)

@@ -143,21 +143,21 @@ class LocalCheckpointer:
     """The job's checkpointer interface on plain rayckpt.save/load (no Ray): step_<n> dirs."""
 
     def __init__(self, root: str) -> None:
-        self.root = root
+        self.fs_path = root
 
     def restore(self, state: dict[str, Any]) -> int | None:
         steps = sorted(
             int(d.split("_")[1])
-            for d in (os.listdir(self.root) if os.path.isdir(self.root) else [])
-            if os.path.exists(os.path.join(self.root, d, "manifest.json"))
+            for d in (os.listdir(self.fs_path) if os.path.isdir(self.fs_path) else [])
+            if os.path.exists(os.path.join(self.fs_path, d, "manifest.json"))
         )
         if not steps:
             return None
-        rayckpt.load(state, os.path.join(self.root, f"step_{steps[-1]}"))
+        rayckpt.load(state, os.path.join(self.fs_path, f"step_{steps[-1]}"))
         return state["app"].extras["step"]
 
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any]) -> None:
-        rayckpt.save(state, os.path.join(self.root, f"step_{step}"))
+        rayckpt.save(state, os.path.join(self.fs_path, f"step_{step}"))
 
     def wait(self) -> None:
         pass

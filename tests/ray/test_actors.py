@@ -86,14 +86,14 @@ def test_twelve_checkpoints_planned_at_once_through_the_actor(ray_session, tmp_p
     work = [i for i in range(len(asks)) for _ in range(4)]
     random.Random(0).shuffle(work)  # checkpoints interleaved: each plan races the others' evictions
     refs = [
-        meta.read_plan.remote(a.uri, None, a.requests, a.value_keys, True, "many", a.rank, a.world_size)
+        meta.read_plan.remote(a.location, None, a.requests, a.value_keys, True, "many", a.rank, a.world_size)
         for a in (asks[i] for i in work)
     ]
     bundles = ray.get(refs)
     expected = [plan_asks.expected_plan(a) for a in asks]
     for i, bundle in zip(work, bundles):
         assert bundle.plan == expected[i], asks[i]
-        assert bundle.values == {"step": int(asks[i].uri[-2:])}
+        assert bundle.values == {"step": int(asks[i].location[-2:])}
 
 
 def test_writer_is_the_one_on_this_node(ray_session, tmp_path):
@@ -297,7 +297,7 @@ def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_s
     entry = ray.get(meta.wait_commit.remote("sid-early", 5))
     assert entry.status == "failed" and entry.step == 5 and "rank 1: staging: OSError" in entry.error
     (event,) = [e for e in ray.get(meta.events.remote("early")) if e["kind"] == "failed"]
-    assert event["step"] == 5 and event["uri"] == str(path)
+    assert event["step"] == 5 and event["location"] == str(path)
     assert not path.exists()  # its partial file removed, then the empty directory
 
 

@@ -338,12 +338,12 @@ def test_non_local_filesystem_uses_ranged_reads(tmp_path):
 
 
 def test_uri_checkpoint_id(tmp_path):
-    uri = f"file://{tmp_path}/viauri"
+    location = f"file://{tmp_path}/viauri"
     state = make_state()
-    rayckpt.save(state, uri)
+    rayckpt.save(state, location)
     assert os.path.exists(tmp_path / "viauri" / "manifest.json")
     target = zeros_like_state(state)
-    rayckpt.load(target, uri)
+    rayckpt.load(target, location)
     assert torch.equal(target["model"]["b"], state["model"]["b"])
 
 

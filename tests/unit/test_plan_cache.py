@@ -39,15 +39,15 @@ def expected(asks) -> list[LoadPlan]:
 def counting_reads() -> tuple[Callable, list[str]]:
     reads: list[str] = []
 
-    def read(uri, filesystem):
-        reads.append(uri)
-        return rayckpt.read_manifest(CheckpointDir.resolve(uri, filesystem))
+    def read(location, filesystem):
+        reads.append(location)
+        return rayckpt.read_manifest(CheckpointDir.resolve(location, filesystem))
 
     return read, reads
 
 
 def plan_of(cache: PlanCache, ask: PlanAsk):
-    return cache.plan(ask.uri, None, ask.requests, ask.value_keys, True, ask.rank, ask.world_size)
+    return cache.plan(ask.location, None, ask.requests, ask.value_keys, True, ask.rank, ask.world_size)
 
 
 def test_a_bundle_carries_the_plan_and_the_manifest_facts(paths):
@@ -107,13 +107,13 @@ def test_a_failed_read_reaches_every_waiter_and_is_not_cached(paths):
     calls = []
     started = threading.Event()
 
-    def read(uri, filesystem):
-        calls.append(uri)
+    def read(location, filesystem):
+        calls.append(location)
         if len(calls) == 1:
             started.set()
             time.sleep(0.3)  # the other threads ask meanwhile
             raise OSError("storage unreachable")
-        return rayckpt.read_manifest(CheckpointDir.resolve(uri, filesystem))
+        return rayckpt.read_manifest(CheckpointDir.resolve(location, filesystem))
 
     cache = PlanCache(read)
     with ThreadPoolExecutor(4) as pool:

@@ -90,9 +90,9 @@ def convert(
     out = CheckpointDir.resolve(dst)
     if to is not None and not out.is_local:
         raise ValueError(f"--to {to} writes to a local path, not {dst}")
-    kind = out.fs.get_file_info(out.root).type
+    kind = out.fs.get_file_info(out.fs_path).type
     if kind != pafs.FileType.NotFound and (kind != pafs.FileType.Directory or out.list_files() or out.list_dirs()):
-        raise ValueError(f"destination {out.uri} already exists; remove it or choose a new path")
+        raise ValueError(f"destination {out.location} already exists; remove it or choose a new path")
     if to is not None:
         export = {
             "torch": torch_file.export_torch,
@@ -101,9 +101,9 @@ def convert(
         }[to]
         reader = CheckpointReader(src)
         try:
-            return export(reader, out.root, prefix, max_shard_bytes, on_progress)
+            return export(reader, out.fs_path, prefix, max_shard_bytes, on_progress)
         except BaseException:
-            _remove_output(out.root, keep_dir=kind == pafs.FileType.Directory)
+            _remove_output(out.fs_path, keep_dir=kind == pafs.FileType.Directory)
             raise
     source = {
         "torch": torch_file.torch_source,
@@ -129,7 +129,7 @@ def selected(reader: CheckpointReader, prefix: str) -> list[tuple[str, str]]:
     """(key in the checkpoint, key in the output) for every entry under ``prefix``."""
     keys = [(k, k[len(prefix) :]) for k in reader.manifest.entries if k.startswith(prefix)]
     if not keys:
-        raise ValueError(f"no key in {reader.ckdir.uri} starts with prefix {prefix!r}")
+        raise ValueError(f"no key in {reader.ckdir.location} starts with prefix {prefix!r}")
     return keys
 
 

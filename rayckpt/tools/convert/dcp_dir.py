@@ -87,7 +87,8 @@ def export_dcp(
     with _dcp_errors("DCP save"):
         dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
     files = tuple(sorted(os.listdir(dst)))
-    return ConvertInfo(reader.ckdir.uri, dst, "dcp", "to", len(tensors), len(keys) - len(tensors), planner.bytes, files)
+    num_values = len(keys) - len(tensors)
+    return ConvertInfo(reader.ckdir.location, dst, "dcp", "to", len(tensors), num_values, planner.bytes, files)
 
 
 def dcp_source(src: str) -> Source:

@@ -56,7 +56,7 @@ def export_safetensors(
         (k, out, e) for k, out in selected(reader, prefix) if isinstance(e := reader.manifest.entries[k], TensorEntry)
     ]
     if not tensors:
-        raise ValueError(f"no tensor under prefix {prefix!r} in {reader.ckdir.uri}")
+        raise ValueError(f"no tensor under prefix {prefix!r} in {reader.ckdir.location}")
     shards: list[list[tuple[str, str, TensorEntry]]] = [[]]
     size = 0
     for item in tensors:
@@ -111,7 +111,7 @@ def export_safetensors(
         names.append(SAFETENSORS_INDEX)
     skipped = len(selected(reader, prefix)) - len(tensors)
     files = (dst,) if dst.endswith(".safetensors") else tuple(names)
-    return ConvertInfo(reader.ckdir.uri, dst, "safetensors", "to", len(tensors), skipped, total, files)
+    return ConvertInfo(reader.ckdir.location, dst, "safetensors", "to", len(tensors), skipped, total, files)
 
 
 def safetensors_source(src: str) -> Source:

@@ -135,4 +135,4 @@ def import_source(
         remove_failed_save(out, spec.save_id, written_files)
         raise
     paths = tuple(f.path for f in shard.files)
-    return ConvertInfo(src, out.uri, source.format, "from", len(tensors), len(values), sum(nbytes.values()), paths)
+    return ConvertInfo(src, out.location, source.format, "from", len(tensors), len(values), sum(nbytes.values()), paths)

@@ -102,7 +102,7 @@ def export_torch(
             del storage
             advance(key)
     return ConvertInfo(
-        reader.ckdir.uri, dst, "torch", "to", len(tensor_keys), len(keys) - len(tensor_keys), total, (dst,)
+        reader.ckdir.location, dst, "torch", "to", len(tensor_keys), len(keys) - len(tensor_keys), total, (dst,)
     )
 
 
