@@ -43,13 +43,13 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness import MIB, summary
 from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry, decode_manifest, encode_manifest
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import ChunkTable
 from rayckpt.planning.load_plan import ChunkIndex, TensorRequest, create_load_plan, dim0_boxes
 from rayckpt.planning.save_plan import LocalShard, create_save_plans
 
-MIB = 2**20
 DTYPE = "float32"
 ITEMSIZE = 4
 
@@ -71,10 +71,6 @@ def build_manifest(saved_ranks: int, tensors: int, rows: int, cols: int, block_s
         entries[f"layers.{t}.weight"] = TensorEntry(DTYPE, shape, tuple(chunks))
     file_entries = tuple(FileEntry(files[r], pos[r], r) for r in range(saved_ranks))
     return Manifest("bench_plan", saved_ranks, block_size, entries, file_entries)
-
-
-def summary(values: list[float]) -> dict[str, Any]:
-    return {"values": values, "median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> tuple[dict[str, Any], Any]:
@@ -109,6 +105,9 @@ def rss_bytes() -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # One long function on purpose: each step reuses what the one before built (manifest, table, bulk
+    # plan), and the decode step measures RSS after deleting them, which needs this frame to hold the
+    # only references.
     n, m, reps = args.saved_ranks, args.target_ranks, args.repeats
     shape = (args.rows, args.cols)
     results: dict[str, Any] = {}

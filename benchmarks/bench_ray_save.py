@@ -26,8 +26,8 @@ from typing import Any
 
 import ray
 
-from benchmarks.bench_engine import build_state, layer_shapes
-from benchmarks.bench_suite import connect_ray
+from benchmarks.harness import connect_ray
+from benchmarks.workload import build_state, layer_shapes
 from rayckpt.testing.multiproc import run_ranks
 
 SYSTEMS = ("shm", "object_store", "dcp", "rayckpt")
