@@ -43,9 +43,9 @@ def chunk_pieces(
 
 
 def create_chunk_data(plan: SavePlan, flat: FlatState) -> list[ChunkData]:
-    """The bytes of each item of ``plan``: zero-copy views of (CPU-staged) local tensors."""
-    staged = stage_to_cpu(flat.tensors[item.key] for item in plan.items)
-    pieces = chunk_pieces(plan, flat, staged)
+    """The bytes of each item of ``plan``: zero-copy views of the local tensors (copied to the CPU if on a device)."""
+    on_cpu = cpu_tensors(flat.tensors[item.key] for item in plan.items)
+    pieces = chunk_pieces(plan, flat, on_cpu)
     return [spec.with_data(as_bytes(piece.contiguous())) for spec, piece in zip(chunk_specs(plan, flat), pieces)]
 
 
@@ -78,18 +78,21 @@ def write_chunks(
     return WrittenShard(rank, tuple(written), tuple(files))
 
 
-def stage_to_cpu(leaves: Iterable[TensorLeaf]) -> dict[str, torch.Tensor]:
-    """Local tensors on the CPU: device tensors are copied (non-blocking, then one sync)."""
-    staged: dict[str, torch.Tensor] = {}
+def cpu_tensors(leaves: Iterable[TensorLeaf]) -> dict[str, torch.Tensor]:
+    """Local tensors on the CPU: device tensors are copied (non-blocking, then one sync).
+
+    Not "staging": in rayckpt to stage is the async save's one copy into shared memory.
+    """
+    on_cpu: dict[str, torch.Tensor] = {}
     on_device = False
     for leaf in leaves:
-        if leaf.key in staged:
+        if leaf.key in on_cpu:
             continue
         t = leaf.local.detach()
         if t.device.type != "cpu":
             on_device = True
             t = t.to("cpu", non_blocking=True)
-        staged[leaf.key] = t
+        on_cpu[leaf.key] = t
     if on_device and torch.cuda.is_available():
         torch.cuda.synchronize()
-    return staged
+    return on_cpu
