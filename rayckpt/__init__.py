@@ -37,6 +37,7 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

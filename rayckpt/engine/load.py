@@ -15,10 +15,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ..errors import RayckptError
-from ..format.manifest import (
-    Blocks,
-    manifest_values,
-)
+from ..format.manifest import Blocks, manifest_values
 from ..planning.load_plan import LoadPlan, TensorRequest, create_load_plan
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import read_manifest

@@ -27,9 +27,7 @@ def chunk_specs(plan: SavePlan, flat: FlatState) -> tuple[ChunkSpec, ...]:
     return tuple(ChunkSpec(item.key, flat.tensors[item.key].dtype, item.box) for item in plan.items)
 
 
-def chunk_pieces(
-    plan: SavePlan, flat: FlatState, local: dict[str, torch.Tensor] | None = None
-) -> list[torch.Tensor]:
+def chunk_pieces(plan: SavePlan, flat: FlatState, local: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The piece of its local tensor each item of ``plan`` saves: views, on any device.
 
     ``local``: the tensors to cut the pieces from (default: each leaf's own).

@@ -221,7 +221,11 @@ class AsyncSaver:
         try:
             staged_ref = self.stage_share(ctx, node_id, staging)  # the one copy: into shared memory
             request = ShardWrite(
-                ctx.spec.save_id, actor_location(ckdir, filesystem), filesystem, ctx.rank, ctx.spec.block_size,
+                ctx.spec.save_id,
+                actor_location(ckdir, filesystem),
+                filesystem,
+                ctx.rank,
+                ctx.spec.block_size,
                 chunk_specs(ctx.plan, ctx.flat),
             )
             write_ref = get_shard_writer(node_id).write.remote(request, staged_ref)
@@ -236,8 +240,18 @@ class AsyncSaver:
         stall = time.perf_counter() - start
         metrics.observe("rayckpt_save_stall_seconds", stall, run=run, rank=ctx.rank)
         self.inflight = SaveHandle(
-            ctx.spec.save_id, ckdir, run, step, ctx.rank, write_ref, staged_ref, stall, commit_timeout_s,
-            registered, filesystem, self._seen,
+            ctx.spec.save_id,
+            ckdir,
+            run,
+            step,
+            ctx.rank,
+            write_ref,
+            staged_ref,
+            stall,
+            commit_timeout_s,
+            registered,
+            filesystem,
+            self._seen,
         )
         return self.inflight
 

@@ -80,9 +80,7 @@ class ShardWriter:
             yield staged
             return
         if staged.node_id != self.node_id:
-            raise ValueError(
-                f"staging file {staged.path} is on node {staged.node_id[:12]}, not on this writer's node"
-            )
+            raise ValueError(f"staging file {staged.path} is on node {staged.node_id[:12]}, not on this writer's node")
         sweep_stale()
         with open_region(staged) as views:
             yield views

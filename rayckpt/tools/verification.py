@@ -15,14 +15,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import (
-    MANIFEST_NAME,
-    ChunkEntry,
-    Manifest,
-    TensorEntry,
-    decode_manifest,
-    find_manifest_problems,
-)
+from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry, decode_manifest, find_manifest_problems
 from ..format.shard_file import ShardReader
 from ..storage.checkpoint_dir import CheckpointDir
 from .reader import Progress, resolve_checkpoint

@@ -352,8 +352,6 @@ def test_ls_errors(tmp_path):
         tools.ls(str(tmp_path), run="x")
 
 
-
-
 def test_reading_every_tensor_holds_one_at_a_time(single, monkeypatch):
     path, state = single
     stats = track_read_tensor(monkeypatch)

@@ -29,8 +29,6 @@ def zeros_like_state(state: dict) -> dict:
     }
 
 
-
-
 def data_files(path) -> list[str]:
     return sorted(f for f in os.listdir(path) if f.endswith(".arrow"))
 
@@ -140,8 +138,6 @@ def test_value_where_tensor_expected_is_an_error(saved):
         rayckpt.load({"step": torch.zeros(1)}, path)
 
 
-
-
 def test_flipped_byte_is_caught_naming_file_key_and_bytes(saved):
     path, state, _ = saved
     chunk = manifest_of(path)["entries"]["model.w"]["chunks"][0]
@@ -190,8 +186,6 @@ def test_missing_shard_file_is_caught(saved):
     os.remove(os.path.join(path, name))
     with pytest.raises(rayckpt.CorruptCheckpointError, match=rf"shard file '{name}' is missing"):
         rayckpt.load(zeros_like_state(state), path)
-
-
 
 
 def to_version_1(path) -> None:

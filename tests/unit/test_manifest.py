@@ -236,8 +236,11 @@ def test_version_1_manifest_reads_as_crc32_and_encodes_back_unchanged():
 def test_unknown_or_mismatched_checksum_is_refused(version, checksum):
     doc = doc_of(sample_manifest())
     doc["version"], doc["checksum"] = version, checksum
-    with pytest.raises(CorruptCheckpointError, match=rf"m.json: checksum {checksum!r} is not supported by format "
-                       rf"version {version} \(known: xxh3_64, crc32\)"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=rf"m.json: checksum {checksum!r} is not supported by format "
+        rf"version {version} \(known: xxh3_64, crc32\)",
+    ):
         decode_manifest(raw(doc), where="m.json")
 
 

@@ -20,10 +20,7 @@ from hypothesis import strategies as st
 import rayckpt
 from rayckpt.errors import IncompatibleStateError, InvalidStateError
 from rayckpt.format.boxes import Box, contiguous_runs, find_coverage_problem, row_major_strides
-from rayckpt.format.manifest import (
-    Manifest,
-    itemsize,
-)
+from rayckpt.format.manifest import Manifest, itemsize
 from rayckpt.planning.load_plan import LoadPlan, TensorRequest, create_load_plan, create_load_plans, dim0_boxes
 from rayckpt.planning.save_plan import LocalShard, create_save_plans
 from tests.helpers.planning import Tensor, build, value_at
