@@ -25,19 +25,20 @@ except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError(f"unknown torch dtype {name!r} in manifest")
-    return dtype
-
-
 def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a manifest names (the inverse of ``dtype_name``)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"unknown torch dtype {name!r} in manifest")
+    return dtype
 
 
 @dataclass(slots=True)
