@@ -37,7 +37,7 @@ from typing import Any
 import rayckpt
 from benchmarks.diskio import RAW_BLOCK, dir_bytes, evict, files_under, read_raw, resident_fraction, write_raw
 from benchmarks.engine_report import build_report, markdown
-from benchmarks.harness import io_delta, memcpy_anchor, proc_io
+from benchmarks.harness import import_rayckpt, io_delta, memcpy_anchor, proc_io
 from benchmarks.workload import build_state, checksums, layer_shapes, state_bytes, tensor_sums, verify_loaded
 from rayckpt.engine.app_state import AppState
 from rayckpt.testing.multiproc import run_ranks
@@ -106,6 +106,8 @@ def load_with(system: str, app: AppState, path: str) -> Any:
 
 def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
+
+    import_rayckpt()
 
     t_build = time.perf_counter()
     model, optim, app = build_state(world_size, rank, seed=0, shapes=cfg["shapes"])
@@ -186,6 +188,8 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
 
 def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
+
+    import_rayckpt()
 
     t_build = time.perf_counter()
     apps = {}

@@ -23,7 +23,7 @@ import torch
 
 import rayckpt
 from benchmarks.diskio import evict, files_under, resident_fraction, warm_up
-from benchmarks.harness import measure, mem_summary, rotated, summary
+from benchmarks.harness import import_rayckpt, measure, mem_summary, rotated, summary
 from benchmarks.workload import build_state, local_bytes, verify_loaded, zero_state
 
 LOAD_SYSTEMS = ("rayckpt", "dcp", "torch_load", "rayckpt_warm", "dcp_warm")
@@ -53,6 +53,7 @@ def parse_reshards(text: str) -> list[tuple[int, int]]:
 
 def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One load rank: every repeat of every load system in ``cfg["sources"]``; its records for ``load_report``."""
+    import_rayckpt()
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 

@@ -23,7 +23,7 @@ import torch
 
 import rayckpt
 from benchmarks.diskio import RAW_BLOCK, evict, read_raw, resident_fraction, write_raw
-from benchmarks.harness import connect_ray, measure, mem_summary, memcpy_anchor, rotated, summary
+from benchmarks.harness import connect_ray, import_rayckpt, measure, mem_summary, memcpy_anchor, rotated, summary
 from benchmarks.workload import build_state, checksums, local_bytes, state_bytes
 
 SAVE_SYSTEMS = ("rayckpt", "rayckpt_ray", "dcp", "dcp_async", "torch_save", "raw")
@@ -46,6 +46,7 @@ SaveOp = Callable[[float, int], dict[str, Any]]
 
 def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One save rank: set up, then every repeat of every save system; its records for ``save_report``."""
+    import_rayckpt()
     import ray
     import torch.distributed as dist
 
