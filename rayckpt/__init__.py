@@ -26,6 +26,7 @@ _EXPORTS = {
     "inspect": "rayckpt.tools.inspection",
     "plan": "rayckpt.tools.plan_report",
     "verify": "rayckpt.tools.verification",
+    "CheckpointExistsError": "rayckpt.errors",
     "CheckpointNotFoundError": "rayckpt.errors",
     "CorruptCheckpointError": "rayckpt.errors",
     "FormatVersionError": "rayckpt.errors",

@@ -34,5 +34,9 @@ class SaveFailedError(RayckptError):
     """A save failed on at least one rank; nothing was committed."""
 
 
+class CheckpointExistsError(SaveFailedError):
+    """``save(..., overwrite=False)`` found a committed checkpoint at the location; it is untouched."""
+
+
 class InvalidStateError(RayckptError):
     """The state dict given to ``save`` cannot be stored (type, key, placement)."""

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from ..errors import InvalidStateError, RayckptError, SaveFailedError
-from ..format.manifest import encode_value
+from ..errors import CheckpointExistsError, InvalidStateError, RayckptError, SaveFailedError
+from ..format.manifest import MANIFEST_NAME, encode_value
 from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..planning import save_plan
 from ..planning.save_plan import LocalShard, SavePlan, create_save_plans
@@ -51,6 +52,7 @@ def save(
     filesystem: pafs.FileSystem | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     metadata: dict[str, Any] | None = None,
+    overwrite: bool = True,
 ) -> SaveInfo:
     """Save ``state_dict`` to ``checkpoint_id`` (a path or a ``pyarrow.fs`` URI).
 
@@ -60,9 +62,16 @@ def save(
     are durable. On any rank's failure every rank raises ``SaveFailedError`` (or
     the shared error type), this save's files are removed and a previous
     checkpoint at the same location stays loadable.
+
+    ``overwrite=False``: refuse (``CheckpointExistsError`` on every rank, before
+    anything is written) when the location already holds a committed checkpoint;
+    by default a new save replaces it atomically.
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
+    if not overwrite:
+        refuse = partial(_refuse_existing, ckdir, coord.rank)
+        gather_or_raise(coord, "save (checking the location)", refuse, SaveFailedError)
     ctx = collect_state(coord, state_dict, block_size=block_size, metadata=metadata)
     written_files: list[str] = []
     try:
@@ -79,6 +88,15 @@ def save(
         raise
     num_files = sum(len(s.files) for s in shards)
     return SaveInfo(ckdir.location, ctx.spec.save_id, total, num_files, coord.world_size)
+
+
+def _refuse_existing(ckdir: CheckpointDir, rank: int) -> None:
+    """Rank 0: raise ``CheckpointExistsError`` if ``ckdir`` holds a committed checkpoint (one look, one rank)."""
+    if rank == 0 and ckdir.exists(MANIFEST_NAME):
+        raise CheckpointExistsError(
+            f"{ckdir.location} already holds a committed checkpoint and overwrite=False: nothing was written; "
+            "save elsewhere, or pass overwrite=True to replace it atomically"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,12 +90,22 @@ def _has_tensor(obj: Any) -> bool:
     return False
 
 
+def _key_order(item: tuple[Any, Any]) -> tuple[str, str]:
+    """Sort key of a dict item: its key as text (keys of mixed types sort too), then the type."""
+    return str(item[0]), type(item[0]).__name__
+
+
 def _join(prefix: str, k: Any) -> str:
     return f"{prefix}.{k}" if prefix else str(k)
 
 
 def _walk(container: dict | list, prefix: str, flat: FlatState) -> None:
-    items = container.items() if isinstance(container, dict) else enumerate(container)
+    # Dicts in sorted key order, not insertion order: every rank then calls its
+    # Stateful objects' state_dict() (here) and load_state_dict() (``finish_load``,
+    # in this order) and assigns loaded values in the same order, whatever order its
+    # dicts were built in. Those calls may run collectives, which must line up across
+    # ranks (DCP sorts the same way).
+    items = sorted(container.items(), key=_key_order) if isinstance(container, dict) else enumerate(container)
     for k, v in list(items):
         key = _join(prefix, k)
         if is_stateful(v) and not isinstance(v, torch.Tensor):

@@ -168,3 +168,57 @@ def train_job_worker(rank: int, world_size: int, config: dict[str, Any], root: s
 
     torch.set_num_threads(1)
     return train(config, rank, world_size, LocalCheckpointer(root))
+
+
+class CollectiveStateful:
+    """A Stateful whose ``state_dict`` and ``load_state_dict`` each run an all-reduce (as many do).
+
+    Every rank's call contributes this object's ``ident``: when all ranks call their
+    objects in the same order, each all-reduce sums one ``ident`` from every rank.
+    """
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+        self.weight = torch.full((4,), float(ident))
+        self.sums: dict[str, int] = {}
+
+    def _all_reduce(self, phase: str) -> None:
+        t = torch.tensor([self.ident], dtype=torch.int64)
+        dist.all_reduce(t)
+        self.sums[phase] = int(t.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        self._all_reduce("save")
+        return {"weight": self.weight}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._all_reduce("load")
+        self.weight = sd["weight"]
+
+
+def stateful_order_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """Save and load two collective Statefuls held in opposite dict orders on odd and even ranks."""
+    names = ["alpha", "beta"] if rank % 2 == 0 else ["beta", "alpha"]
+    idents = {"alpha": 1, "beta": 100}
+    saved = {name: CollectiveStateful(idents[name]) for name in names}
+    rayckpt.save(saved, path)
+    loaded = {name: CollectiveStateful(idents[name]) for name in names}
+    for obj in loaded.values():
+        obj.weight = torch.zeros(4)
+    rayckpt.load(loaded, path)
+    return {
+        "order": names,
+        "save": {n: saved[n].sums["save"] for n in names},
+        "load": {n: loaded[n].sums["load"] for n in names},
+        "weights": {n: loaded[n].weight.tolist() for n in names},
+    }
+
+
+def overwrite_refused_worker(rank: int, world_size: int, path: str) -> str:
+    """Save, then save again with ``overwrite=False``: the error every rank gets."""
+    rayckpt.save({"w": torch.full((8,), 7.0 + rank)}, path)
+    try:
+        rayckpt.save({"w": torch.zeros(8)}, path, overwrite=False)
+    except rayckpt.CheckpointExistsError as exc:
+        return str(exc)
+    return "no error"

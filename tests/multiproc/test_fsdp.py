@@ -163,3 +163,24 @@ def test_rank_failing_mid_save_commits_nothing_and_keeps_previous(tmp_path, wher
     for key, value in first[0]["state"].items():
         assert torch.equal(loaded[0]["state"][key], value)
     assert json.loads(manifest_before)["world_size"] == 3
+
+
+def test_stateful_callbacks_run_in_the_same_order_on_every_rank(tmp_path):
+    # Rank 0 holds {alpha, beta}, rank 1 {beta, alpha}; each state_dict() and
+    # load_state_dict() all-reduces its object's ident. In dict order the ranks would
+    # pair alpha with beta (sum 101); in a common order each sums its own ident twice.
+    results = run_ranks(workers.stateful_order_worker, 2, str(tmp_path / "ck"), timeout=120)
+    assert [r["order"] for r in results] == [["alpha", "beta"], ["beta", "alpha"]]
+    for r in results:
+        assert r["save"] == {"alpha": 2, "beta": 200}
+        assert r["load"] == {"alpha": 2, "beta": 200}
+        assert r["weights"] == {"alpha": [1.0] * 4, "beta": [100.0] * 4}
+
+
+def test_overwrite_false_refuses_on_every_rank_and_keeps_the_checkpoint(tmp_path):
+    path = str(tmp_path / "ck")
+    messages = run_ranks(workers.overwrite_refused_worker, 2, path, timeout=120)
+    assert all("already holds a committed checkpoint and overwrite=False" in m for m in messages), messages
+    out = {"w": torch.empty(8)}
+    rayckpt.load(out, path)
+    assert torch.equal(out["w"], torch.full((8,), 7.0))  # rank 0's first save, not overwritten

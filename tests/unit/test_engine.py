@@ -429,3 +429,54 @@ def test_corrupt_block_fails_the_load_even_when_later_pieces_are_queued(saved, m
     flip_byte(path, chunk["file"], chunk["byte_offset"] + 1)
     with pytest.raises(rayckpt.CorruptCheckpointError, match=r"'model.w'.*stored xxh3_64 0x"):
         rayckpt.load(zeros_like_state(state), path)
+
+
+def test_overwrite_false_refuses_a_committed_checkpoint_and_leaves_it_untouched(tmp_path):
+    path = str(tmp_path / "ck")
+    state = make_state(1)
+    rayckpt.save(state, path)
+    before = {n: (tmp_path / "ck" / n).read_bytes() for n in os.listdir(path)}
+    refused = r"ck already holds a committed checkpoint and overwrite=False: nothing was written"
+    with pytest.raises(rayckpt.CheckpointExistsError, match=refused):
+        rayckpt.save(make_state(2), path, overwrite=False)
+    assert {n: (tmp_path / "ck" / n).read_bytes() for n in os.listdir(path)} == before
+    assert isinstance(rayckpt.CheckpointExistsError("x"), rayckpt.SaveFailedError)
+
+
+def test_overwrite_false_saves_where_nothing_is_committed(tmp_path):
+    fresh = str(tmp_path / "fresh")
+    rayckpt.save(make_state(1), fresh, overwrite=False)
+    assert os.path.exists(os.path.join(fresh, "manifest.json"))
+    crashed = tmp_path / "crashed"  # shard files of a save that never committed: no checkpoint there
+    crashed.mkdir()
+    (crashed / "20260101T000000-deadbeef-r00000-float.arrow").write_bytes(b"partial")
+    rayckpt.save(make_state(2), str(crashed), overwrite=False)
+    out = zeros_like_state(make_state(2))
+    rayckpt.load(out, str(crashed))
+    assert torch.equal(out["model"]["w"], make_state(2)["model"]["w"])
+    assert not (crashed / "20260101T000000-deadbeef-r00000-float.arrow").exists()  # dropped by the commit
+    rayckpt.save(make_state(3), fresh)  # the default still replaces atomically
+    rayckpt.load(out, fresh)
+    assert torch.equal(out["model"]["w"], make_state(3)["model"]["w"])
+
+
+def test_stateful_objects_are_called_in_sorted_key_order_whatever_the_dict_order(tmp_path):
+    calls: list[str] = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def state_dict(self) -> dict:
+            calls.append(f"save {self.name}")
+            return {"t": torch.ones(2)}
+
+        def load_state_dict(self, sd: dict) -> None:
+            calls.append(f"load {self.name}")
+
+    path = str(tmp_path / "ck")
+    rayckpt.save({"b": Recorder("b"), "a": Recorder("a"), "c": {"z": Recorder("cz"), "y": Recorder("cy")}}, path)
+    assert calls == ["save a", "save b", "save cy", "save cz"]
+    calls.clear()
+    rayckpt.load({"c": {"y": Recorder("cy"), "z": Recorder("cz")}, "b": Recorder("b"), "a": Recorder("a")}, path)
+    assert calls == ["save a", "save b", "save cy", "save cz", "load a", "load b", "load cy", "load cz"]
