@@ -23,6 +23,10 @@ try:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
+try:
+    from torch.distributed._shard.sharded_tensor import ShardedTensorBase
+except ImportError:  # pragma: no cover - torch built without distributed
+    ShardedTensorBase = None  # type: ignore[assignment,misc]
 
 
 def is_stateful(obj: Any) -> bool:
@@ -139,8 +143,24 @@ def _check_unique(key: str, flat: FlatState) -> None:
         raise InvalidStateError(f"two entries flatten to the same key {key!r}; rename one")
 
 
+def _refuse_unsupported(key: str, t: torch.Tensor) -> None:
+    """Refuse, naming the key and type, tensors whose layout rayckpt cannot describe as boxes."""
+    kind = type(t).__name__
+    if ShardedTensorBase is not None and isinstance(t, ShardedTensorBase):
+        raise InvalidStateError(
+            f"key {key!r}: {kind} (the legacy torch.distributed._shard sharded tensor) is not supported; "
+            "save a DTensor instead (FSDP2's fully_shard gives DTensors)"
+        )
+    if (DTensor is None or not isinstance(t, DTensor)) and hasattr(type(t), "__create_write_items__"):
+        raise InvalidStateError(
+            f"key {key!r}: {kind} is a tensor subclass with DCP's own checkpoint protocol "
+            "(__create_write_items__), which rayckpt does not support; save a DTensor or a plain tensor"
+        )
+
+
 def _add_tensor(key: str, t: torch.Tensor, flat: FlatState) -> None:
     _check_unique(key, flat)
+    _refuse_unsupported(key, t)
     if DTensor is not None and isinstance(t, DTensor):
         if any(isinstance(p, Partial) for p in t.placements):
             raise InvalidStateError(

@@ -222,3 +222,17 @@ def overwrite_refused_worker(rank: int, world_size: int, path: str) -> str:
     except rayckpt.CheckpointExistsError as exc:
         return str(exc)
     return "no error"
+
+
+def sharded_tensor_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """Try to save a legacy ShardedTensor: the error, and whether anything was written."""
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)])
+    st = sharded_tensor.zeros(spec, 4, 2)
+    try:
+        rayckpt.save({"legacy": st}, path)
+    except rayckpt.InvalidStateError as exc:
+        return {"error": str(exc), "written": os.path.exists(path)}
+    return {"error": None, "written": os.path.exists(path)}

@@ -184,3 +184,9 @@ def test_overwrite_false_refuses_on_every_rank_and_keeps_the_checkpoint(tmp_path
     out = {"w": torch.empty(8)}
     rayckpt.load(out, path)
     assert torch.equal(out["w"], torch.full((8,), 7.0))  # rank 0's first save, not overwritten
+
+
+def test_a_legacy_sharded_tensor_is_refused_by_key_and_type(tmp_path):
+    (result,) = run_ranks(workers.sharded_tensor_worker, 1, str(tmp_path / "ck"), timeout=120)
+    assert not result["written"]
+    assert result["error"] and result["error"].startswith("key 'legacy': ShardedTensor (the legacy")

@@ -480,3 +480,18 @@ def test_stateful_objects_are_called_in_sorted_key_order_whatever_the_dict_order
     calls.clear()
     rayckpt.load({"c": {"y": Recorder("cy"), "z": Recorder("cz")}, "b": Recorder("b"), "a": Recorder("a")}, path)
     assert calls == ["save a", "save b", "save cy", "save cz", "load a", "load b", "load cy", "load cz"]
+
+
+class _DCPCheckpointable(torch.Tensor):
+    """A tensor subclass that speaks DCP's checkpoint protocol (as LocalShardsWrapper does)."""
+
+    def __create_write_items__(self, fqn, obj):  # pragma: no cover - never called by rayckpt
+        raise AssertionError("rayckpt must refuse this type before using it")
+
+
+def test_tensors_with_dcps_checkpoint_protocol_are_refused_by_key_and_type(tmp_path):
+    path = tmp_path / "ck"
+    weird = torch.ones(3).as_subclass(_DCPCheckpointable)
+    with pytest.raises(rayckpt.InvalidStateError, match=r"key 'm\.w': _DCPCheckpointable .*__create_write_items__"):
+        rayckpt.save({"m": {"w": weird, "b": torch.ones(2)}}, str(path))
+    assert not path.exists()  # refused before anything was written
