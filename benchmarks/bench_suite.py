@@ -63,7 +63,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -72,11 +71,8 @@ import threading
 import time
 from typing import Any
 
-import torch
-
-import rayckpt
 from benchmarks.diskio import dir_bytes
-from benchmarks.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_avg_thread, partial_path, save_partial
+from benchmarks.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_avg_thread, machine_info, partial_path, save_partial
 from benchmarks.suite_load import WARM_SYSTEMS, load_report, load_worker, parse_reshards
 from benchmarks.suite_report import MEM_BUFFER_BYTES, markdown, targets, write_chart
 from benchmarks.suite_save import SAVE_SYSTEMS, save_report, save_worker
@@ -285,16 +281,7 @@ def report_head(args: argparse.Namespace, argv: list[str] | None, sizes: list[fl
             "memory_target_buffer_bytes": MEM_BUFFER_BYTES,
             "dcp_writer": "FileSystemWriter defaults (single_file_per_rank, sync_files=True, thread_count=1)",
         },
-        "machine": {
-            "nproc": os.cpu_count(),
-            "torch": torch.__version__,
-            "ray": ray.__version__,
-            "pyarrow": __import__("pyarrow").__version__,
-            "rayckpt": rayckpt.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "mem_total_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
-        },
+        "machine": {**machine_info(), "ray": ray.__version__},
         "sizes": {},
     }
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 from typing import Any
 
-import torch
-
-import rayckpt
+from benchmarks.harness import machine_info
 
 LABELS = {"rayckpt": "rayckpt", "dcp": "torch DCP"}
 RAW_PHASES = ("write_fsync", "write_cache", "read_cold")
@@ -77,14 +74,8 @@ def build_report(
             "dcp_writer": "FileSystemWriter defaults (single_file_per_rank, sync_files=True, thread_count=1)",
         },
         "machine": {
-            "nproc": os.cpu_count(),
+            **machine_info(),
             "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "torch": torch.__version__,
-            "pyarrow": __import__("pyarrow").__version__,
-            "rayckpt": rayckpt.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "mem_total_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
             "torch_threads_per_rank": saved[0].get("torch_threads"),
             "memcpy_GBps_1thread": saved[0].get("memcpy_GBps_1thread"),
         },

@@ -213,6 +213,26 @@ def rotated(items: list[str] | tuple[str, ...], rep: int) -> list[str]:
     return list(items[k:]) + list(items[:k])
 
 
+def machine_info() -> dict[str, Any]:
+    """What a report records of the machine and the library versions (the reports add their own fields)."""
+    import platform
+
+    import pyarrow
+    import torch
+
+    import rayckpt
+
+    return {
+        "nproc": os.cpu_count(),
+        "torch": torch.__version__,
+        "pyarrow": pyarrow.__version__,
+        "rayckpt": rayckpt.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "mem_total_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+    }
+
+
 def import_rayckpt() -> None:
     """Import what ``rayckpt.save`` and ``rayckpt.load`` run, now.
 
