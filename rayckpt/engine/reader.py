@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from ..format.boxes import row_major_strides
-from ..format.manifest import Blocks, decode_value
+from ..format.manifest import Blocks
 from ..format.shard_file import ShardReader
+from ..format.values import decode_value
 from ..planning.load_plan import FileRead, LoadPlan, ReadItem
 from ..storage.checkpoint_dir import CheckpointDir
 from .state import FlatState, TensorLeaf, torch_dtype

@@ -21,8 +21,10 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointExistsError, InvalidStateError, RayckptError, SaveFailedError
-from ..format.manifest import MANIFEST_NAME, encode_value
+from ..format.manifest import MANIFEST_NAME
+from ..format.paths import Path
 from ..format.shard_file import DEFAULT_BLOCK_SIZE
+from ..format.values import encode_value
 from ..planning import save_plan
 from ..planning.save_plan import LocalShard, SavePlan, create_save_plans
 from ..storage.checkpoint_dir import CheckpointDir
@@ -135,18 +137,19 @@ def collect_state(
         raise ValueError(f"block_size must be positive, got {block_size}")
     flat_holder: list[FlatState] = []
 
-    def collect() -> tuple[list[LocalShard], dict[str, Any], str | None, str]:
+    def collect() -> tuple[list[LocalShard], dict[str, Any], str | None, str, dict[str, Path]]:
         flat = flatten(state_dict)
         flat_holder.append(flat)
         shards = [LocalShard(t.key, t.dtype, t.shape, t.box) for t in flat.tensors.values()]
         values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
-        return shards, values, new_save_id() if coord.rank == 0 else None, node
+        return shards, values, new_save_id() if coord.rank == 0 else None, node, flat.paths
 
     gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError)
     values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
     plans = create_save_plans([g[0] for g in gathered], save_plan.MAX_CHUNK_BYTES)
     tensors = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}
-    spec = SaveSpec(gathered[0][2], coord.world_size, block_size, tensors, values, dict(metadata or {}))
+    paths = {k: p for g in reversed(gathered) for k, p in g[4].items()}  # the lowest rank's wins
+    spec = SaveSpec(gathered[0][2], coord.world_size, block_size, tensors, values, dict(metadata or {}), paths)
     return SaveContext(spec, coord.rank, tuple(plans), tuple(g[3] for g in gathered), flat_holder[0])
 
 

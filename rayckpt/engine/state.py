@@ -1,7 +1,8 @@
 """Flatten state dicts into keys, boxes and local tensors, and write loaded data back.
 
 Keys join the path through nested dicts and lists with ``.``, as DCP does
-(``app.model.layers.0.weight``). A ``Stateful`` object (anything with
+(``app.model.layers.0.weight``); the path itself is kept too (``FlatState.paths``)
+so that exports rebuild the nesting that was saved. A ``Stateful`` object (anything with
 ``state_dict()`` and ``load_state_dict()``) is replaced by its ``state_dict()``
 on save and given the filled dict back on load. Containers holding no tensor are
 stored whole as one JSON value.
@@ -17,6 +18,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, InvalidStateError
 from ..format.boxes import Box
+from ..format.paths import Path, join_path, path_part
 
 try:
     from torch.distributed.tensor import DTensor, Partial
@@ -69,6 +71,8 @@ class FlatState:
     values: dict[str, ValueLeaf] = field(default_factory=dict)
     #: Stateful objects with the dict their ``state_dict()`` gave, to hand back on load.
     statefuls: list[tuple[Any, Any]] = field(default_factory=list)
+    #: Every key's path through the nested dicts and lists (tensors and values).
+    paths: dict[str, Path] = field(default_factory=dict)
 
     def finish_load(self) -> None:
         for obj, sd in self.statefuls:
@@ -80,7 +84,7 @@ def flatten(state_dict: dict[str, Any]) -> FlatState:
     if not isinstance(state_dict, dict):
         raise InvalidStateError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     flat = FlatState()
-    _walk(state_dict, "", flat)
+    _walk(state_dict, (), flat)
     return flat
 
 
@@ -99,11 +103,7 @@ def _key_order(item: tuple[Any, Any]) -> tuple[str, str]:
     return str(item[0]), type(item[0]).__name__
 
 
-def _join(prefix: str, k: Any) -> str:
-    return f"{prefix}.{k}" if prefix else str(k)
-
-
-def _walk(container: dict | list, prefix: str, flat: FlatState) -> None:
+def _walk(container: dict | list, prefix: Path, flat: FlatState) -> None:
     # Dicts in sorted key order, not insertion order: every rank then calls its
     # Stateful objects' state_dict() (here) and load_state_dict() (``finish_load``,
     # in this order) and assigns loaded values in the same order, whatever order its
@@ -111,7 +111,8 @@ def _walk(container: dict | list, prefix: str, flat: FlatState) -> None:
     # ranks (DCP sorts the same way).
     items = sorted(container.items(), key=_key_order) if isinstance(container, dict) else enumerate(container)
     for k, v in list(items):
-        key = _join(prefix, k)
+        path = (*prefix, path_part(container, k))
+        key = join_path(path)
         if is_stateful(v) and not isinstance(v, torch.Tensor):
             sd = v.state_dict()
             if not isinstance(sd, dict):
@@ -119,16 +120,18 @@ def _walk(container: dict | list, prefix: str, flat: FlatState) -> None:
                     f"Stateful at key {key!r} returned {type(sd).__name__} from state_dict(), not a dict"
                 )
             flat.statefuls.append((v, sd))
-            _walk(sd, key, flat)
+            _walk(sd, path, flat)
         elif isinstance(v, torch.Tensor):
             _add_tensor(key, v, flat)
+            flat.paths[key] = path
         elif isinstance(v, (dict, list)) and _has_tensor(v):
-            _walk(v, key, flat)
+            _walk(v, path, flat)
         elif isinstance(v, tuple) and _has_tensor(v):
             raise InvalidStateError(f"key {key!r}: tuples holding tensors cannot be loaded in place; use a list")
         else:
             _check_unique(key, flat)
             flat.values[key] = ValueLeaf(key, v, _setter(container, k))
+            flat.paths[key] = path
 
 
 def _setter(container: dict | list, k: Any) -> Callable[[Any], None]:

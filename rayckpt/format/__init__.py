@@ -2,8 +2,9 @@
 
 Owns what is on storage and what it means: ``boxes`` (n-d index boxes: intersect,
 split, coverage), ``manifest`` (the dataclasses, their JSON encoding and
-validation) and ``shard_file`` (writing chunks into Arrow IPC files with block
-checksums; ranged, verified reads). May import the standard library, numpy,
-pyarrow and xxhash, and ``rayckpt.errors``; nothing else of rayckpt, no torch,
-no Ray. ``docs/FORMAT.md`` describes the bytes.
+validation), ``values`` (plain values as tagged JSON), ``paths`` (where each key
+sits in the nested state dict) and ``shard_file`` (writing chunks into Arrow IPC
+files with block checksums; ranged, verified reads). May import the standard
+library, numpy, pyarrow and xxhash, and ``rayckpt.errors``; nothing else of
+rayckpt, no torch, no Ray. ``docs/FORMAT.md`` describes the bytes.
 """

@@ -1,15 +1,15 @@
 """The manifest: the committed description of one checkpoint. Pure: stdlib only.
 
 A checkpoint exists once ``manifest.json`` exists. It is JSON (no pickle): the
-format version, who saved it, the shard files, and for every key either a tensor
-(dtype, global shape, chunks) or a JSON value. See ``docs/FORMAT.md``.
+format version, who saved it, the shard files, and for every key its path in the
+nested state dict and either a tensor (dtype, global shape, chunks) or a JSON
+value. See ``docs/FORMAT.md``.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import math
 import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,13 +17,15 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, FormatVersionError, InvalidStateError
 from .boxes import Box, find_coverage_problem
+from .paths import Path, decode_path, encode_path
 
 FORMAT_NAME = "rayckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
-#: Versions this rayckpt reads: 1 (CRC-32 blocks) and 2 (the checksum is named).
-READ_VERSIONS = (1, 2)
+#: Versions this rayckpt reads: 1 (CRC-32 blocks), 2 (the checksum is named) and
+#: 3 (each key's path; bytes values).
+READ_VERSIONS = (1, 2, 3)
 #: Block checksum algorithms: XXH3-64 (the default, ~3x faster than zlib's CRC-32
 #: here) and CRC-32 (what version 1 wrote).
 CHECKSUMS = ("xxh3_64", "crc32")
@@ -80,12 +82,16 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[ChunkEntry, ...]
+    #: Where the key sits in the nested state dict (None before format version 3).
+    path: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ValueEntry:
     #: The value in tagged JSON form (see ``encode_value``).
     value: Any
+    #: Where the key sits in the nested state dict (None before format version 3).
+    path: Path | None = None
 
 
 Entry = TensorEntry | ValueEntry
@@ -128,50 +134,15 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def path(self, key: str) -> Path:
+        """Where ``key`` sits in the saved state dict (the key itself before format version 3)."""
+        return self.entries[key].path or (key,)
+
     def tensor(self, key: str) -> TensorEntry:
         entry = self.entries.get(key)
         if not isinstance(entry, TensorEntry):
             raise KeyError(key)
         return entry
-
-
-def encode_value(value: Any, key: str) -> Any:
-    """Turn a plain Python value into JSON-able data, tagging tuples and non-str dict keys."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value
-        return {"__float__": repr(value)}
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v, f"{key}.{i}") for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [encode_value(v, f"{key}.{i}") for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: encode_value(v, f"{key}.{k}") for k, v in value.items()}
-        return {"__dict__": [[encode_value(k, key), encode_value(v, f"{key}.{k}")] for k, v in value.items()]}
-    raise InvalidStateError(
-        f"value at key {key!r} has type {type(value).__name__}, which the pickle-free format "
-        "cannot store; use a tensor, a JSON-able value (None, bool, int, float, str, list, "
-        "tuple, dict) or a Stateful object"
-    )
-
-
-def decode_value(data: Any) -> Any:
-    if isinstance(data, list):
-        return [decode_value(v) for v in data]
-    if isinstance(data, dict):
-        if "__tuple__" in data:
-            return tuple(decode_value(v) for v in data["__tuple__"])
-        if "__float__" in data:
-            return float(data["__float__"])
-        if "__dict__" in data:
-            return {decode_value(k): decode_value(v) for k, v in data["__dict__"]}
-        return {k: decode_value(v) for k, v in data.items()}
-    return data
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -182,6 +153,7 @@ def encode_manifest(m: Manifest) -> bytes:
         if isinstance(e, TensorEntry):
             entries[key] = {
                 "kind": "tensor",
+                **_path_field(m.version, e.path),
                 "dtype": e.dtype,
                 "shape": list(e.shape),
                 "chunks": [
@@ -197,7 +169,7 @@ def encode_manifest(m: Manifest) -> bytes:
                 ],
             }
         else:
-            entries[key] = {"kind": "value", "value": e.value}
+            entries[key] = {"kind": "value", **_path_field(m.version, e.path), "value": e.value}
     doc = {
         "format": FORMAT_NAME,
         "version": m.version,
@@ -211,6 +183,10 @@ def encode_manifest(m: Manifest) -> bytes:
         "entries": entries,
     }
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _path_field(version: int, path: Path | None) -> dict[str, Any]:
+    return {"path": encode_path(path)} if version >= 3 and path is not None else {}
 
 
 def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
@@ -255,29 +231,30 @@ def _decode(data: bytes, where: str) -> Manifest:
         safe: dict[Any, str] = {}  # file name as written -> checked path (a few files, millions of chunks)
         entries: dict[str, Entry] = {}
         for key, e in doc["entries"].items():
+            path = decode_path(e["path"], key, where) if "path" in e and version >= 3 else None
             if e["kind"] == "value":
-                entries[key] = ValueEntry(e["value"])
+                entries[key] = ValueEntry(e["value"], path)
                 continue
             if e["kind"] != "tensor":
                 raise CorruptCheckpointError(f"{where}: key {key!r} has unknown kind {e['kind']!r}")
             chunks = []
             for c in e["chunks"]:
-                path = safe.get(c["file"]) if isinstance(c["file"], str) else None
-                if path is None:
-                    path = safe[c["file"]] = _safe_path(c["file"], where)
-                if path not in known:
-                    raise CorruptCheckpointError(f"{where}: key {key!r} names file {path!r} missing from 'files'")
+                file = safe.get(c["file"]) if isinstance(c["file"], str) else None
+                if file is None:
+                    file = safe[c["file"]] = _safe_path(c["file"], where)
+                if file not in known:
+                    raise CorruptCheckpointError(f"{where}: key {key!r} names file {file!r} missing from 'files'")
                 what = f"{where}: key {key!r} chunk"
                 chunks.append(
                     ChunkEntry(
                         Box(_ints(c["offsets"], f"{what} offsets"), _ints(c["sizes"], f"{what} sizes")),
-                        path,
+                        file,
                         int(c["byte_offset"]),
                         int(c["byte_length"]),
                         _ints(c[sums], f"{what} {sums}"),
                     )
                 )
-            entries[key] = TensorEntry(e["dtype"], tuple(e["shape"]), tuple(chunks))
+            entries[key] = TensorEntry(e["dtype"], tuple(e["shape"]), tuple(chunks), path)
         block_size = doc["block_size"]
         if type(block_size) is not int or block_size <= 0:
             raise CorruptCheckpointError(f"{where}: block_size {block_size!r} is not a positive integer")

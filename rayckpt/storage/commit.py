@@ -29,6 +29,7 @@ from ..format.manifest import (
     encode_manifest,
     find_manifest_problems,
 )
+from ..format.paths import Path
 from ..format.shard_file import WrittenChunk
 from .checkpoint_dir import CheckpointDir
 
@@ -59,6 +60,8 @@ class SaveSpec:
     values: dict[str, Any]
     #: The manifest's ``user_metadata``.
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Each key's path through the nested state dict (keys without one: the key alone).
+    paths: dict[str, Path] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +89,10 @@ def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
     entries: dict[str, TensorEntry | ValueEntry] = {}
     for key in sorted(spec.tensors):
         dtype, shape = spec.tensors[key]
-        entries[key] = TensorEntry(dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.box.offsets)))
+        chunks_in_order = tuple(sorted(chunks[key], key=lambda c: c.box.offsets))
+        entries[key] = TensorEntry(dtype, shape, chunks_in_order, spec.paths.get(key, (key,)))
     for key in sorted(spec.values):
-        entries[key] = ValueEntry(spec.values[key])
+        entries[key] = ValueEntry(spec.values[key], spec.paths.get(key, (key,)))
     files = tuple(f for s in shards for f in s.files)
     manifest = Manifest(
         spec.save_id, spec.world_size, spec.block_size, entries, files, time.time(), user_metadata=spec.metadata

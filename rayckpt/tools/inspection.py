@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from ..engine.state import dtype_name
-from ..format.manifest import FileEntry, TensorEntry, decode_value
+from ..format.manifest import FileEntry, TensorEntry
+from ..format.values import decode_value
 from ..storage.checkpoint_dir import CheckpointDir
 from .reader import open_checkpoint, read_tensor, tensor_nbytes
 

@@ -22,7 +22,9 @@ from ..engine.reader import read_into
 from ..engine.state import FlatState, TensorLeaf, torch_dtype
 from ..errors import CheckpointNotFoundError
 from ..format.boxes import Box
-from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry, decode_value, itemsize
+from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry, itemsize
+from ..format.paths import nest, strip_prefix
+from ..format.values import decode_value
 from ..planning.load_plan import ChunkIndex, TensorRequest, create_load_plan
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import read_manifest
@@ -120,14 +122,24 @@ def read_tensor(ckpt: str | os.PathLike[str] | CheckpointDir, key: str) -> torch
 
 
 def consolidate(
-    ckpt: str | os.PathLike[str] | CheckpointDir, *, prefix: str = "", on_progress: Progress | None = None
-) -> dict[str, Any]:
+    ckpt: str | os.PathLike[str] | CheckpointDir,
+    *,
+    prefix: str = "",
+    flat: bool = False,
+    on_progress: Progress | None = None,
+) -> dict[Any, Any]:
     """The full (unsharded) state dict in this process: DCP's full-state-dict / rank-0 equivalent.
 
-    Keys are the checkpoint's flattened keys (``app.model.layers.0.weight``),
-    values are whole tensors and plain Python values. With ``prefix``, only keys
-    under it, with the prefix removed (``prefix="app.model."`` gives a model's
-    ``state_dict``). Holds the whole selection in memory, by design.
+    The nesting that was saved is rebuilt from the paths the manifest records
+    (``{"app": {"model": {"layers.0.weight": tensor}}}``; before format version 3,
+    flat keys). ``flat=True`` gives the checkpoint's flattened keys instead
+    (``app.model.layers.0.weight``). Values are whole tensors and plain Python
+    values. With ``prefix``, only keys under it, with the prefix removed
+    (``prefix="app.model."`` gives a model's ``state_dict``). Holds the whole
+    selection in memory, by design.
     """
     reader = CheckpointReader(ckpt)
-    return {key[len(prefix) :]: value for key, value in reader.items(prefix, on_progress)}
+    items = reader.items(prefix, on_progress)
+    if flat:
+        return {key[len(prefix) :]: value for key, value in items}
+    return nest((strip_prefix(reader.manifest.path(key), key, prefix), value) for key, value in items)

@@ -12,10 +12,10 @@ from rayckpt.format.manifest import (
     Manifest,
     TensorEntry,
     ValueEntry,
-    encode_value,
     find_manifest_problems,
     itemsize,
 )
+from rayckpt.format.values import encode_value
 
 #: Filler bytes at the start of every fake file (where an Arrow header would be).
 HEADER = 64

@@ -49,7 +49,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def assert_same_checkpoint(a: str, b: str, tensors_only: bool = False) -> None:
     """Bit for bit: same keys, dtypes, shapes, bytes; same values."""
-    ca, cb = rayckpt.consolidate(a), rayckpt.consolidate(b)
+    ca, cb = rayckpt.consolidate(a, flat=True), rayckpt.consolidate(b, flat=True)
     if tensors_only:
         ca = {k: v for k, v in ca.items() if isinstance(v, torch.Tensor)}
     assert ca.keys() == cb.keys()
@@ -60,6 +60,12 @@ def assert_same_checkpoint(a: str, b: str, tensors_only: bool = False) -> None:
             assert torch.equal(bits(x), bits(y)), k
         else:
             assert x == y and type(x) is type(y), k
+
+
+def paths_of(ckpt: str) -> dict:
+    """Each key's recorded path in the nested state dict."""
+    m = tools.CheckpointReader(ckpt).manifest
+    return {k: m.path(k) for k in m.entries}
 
 
 @pytest.fixture
@@ -80,6 +86,9 @@ def test_round_trip_is_bit_exact(ckpt, tmp_path, fmt):
     assert again.direction == "from" and again.tensors == 10
     assert rayckpt.verify(back).ok
     assert_same_checkpoint(ckpt, back, tensors_only=fmt == "safetensors")
+    if fmt != "safetensors":  # safetensors keys are flat: nothing records the nesting
+        assert rayckpt.consolidate(back).keys() == {"model", "step", "config"}
+        assert paths_of(back) == paths_of(ckpt)
     assert rayckpt.inspect(back).user_metadata == {"converted_from": {"format": fmt, "path": out}}
 
 
@@ -94,7 +103,7 @@ def test_torch_file_is_what_torch_save_writes(ckpt, tmp_path):
     for mmap in (False, True):
         loaded = torch.load(out, weights_only=True, mmap=mmap)
         assert loaded["config"] == make_state()["config"] and loaded["step"] == 10
-        assert torch.equal(bits(loaded["model.b"]), bits(make_state()["model"]["b"]))
+        assert torch.equal(bits(loaded["model"]["b"]), bits(make_state()["model"]["b"]))
 
 
 def test_prefix_exports_a_plain_model_state_dict(tmp_path):
@@ -155,9 +164,9 @@ def test_dcp_output_is_read_by_torch_itself(ckpt, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(out, str(tmp_path / "via_format_utils.pt"))
-    flat = torch.load(str(tmp_path / "via_format_utils.pt"), weights_only=True)
-    assert torch.equal(bits(flat["model.f8"]), bits(make_state()["model"]["f8"]))
-    assert flat["config"] == make_state()["config"]
+    full = torch.load(str(tmp_path / "via_format_utils.pt"), weights_only=True)
+    assert torch.equal(bits(full["model"]["f8"]), bits(make_state()["model"]["f8"]))
+    assert full["config"] == make_state()["config"]
     target = {"model": {"w": torch.zeros(37, 5)}, "step": 0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -192,12 +201,18 @@ def test_regroup_values_rebuilds_the_containers_rayckpt_stores_whole():
         "flat": "x",
         "no.path": 1,
     }
-    out = regroup_values(values, paths, ["app.model.w", "app.optim.state.w.step"])
+    out, out_paths = regroup_values(values, paths, ["app.model.w", "app.optim.state.w.step"])
     assert out == {
         "app.optim.param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.2}],
         "app.extra.step": 3,
         "flat": "x",
         "no.path": 1,
+    }
+    # Each regrouped value keeps the path DCP recorded for it, cut where it is stored whole.
+    assert out_paths == {
+        "app.optim.param_groups": ("app", "optim", "param_groups"),
+        "app.extra.step": ("app", "extra.step"),
+        "flat": ("flat",),
     }
 
 
@@ -238,7 +253,7 @@ def test_imports_load_bounded_groups(ckpt, tmp_path, monkeypatch):
             groups.append(list(keys))
             return source.load(keys)
 
-        return streaming.Source(source.format, source.tensors, source.values, load)
+        return streaming.Source(source.format, source.tensors, source.values, load, source.paths)
 
     monkeypatch.setattr(dcp_dir, "dcp_source", recording)
     convert(out, str(tmp_path / "back"), from_="dcp", group_bytes=160)

@@ -48,7 +48,7 @@ def fsdp(tmp_path_factory):
 def test_inspect_describes_keys_shapes_chunks_and_files(fsdp):
     path, state = fsdp
     info = rayckpt.inspect(path)
-    assert info.world_size == 3 and info.block_size == 16 and info.version == 2 and info.checksum == "xxh3_64"
+    assert info.world_size == 3 and info.block_size == 16 and info.version == 3 and info.checksum == "xxh3_64"
     tensors = {t.key: t for t in info.tensors}
     assert set(tensors) == set(state)
     w = tensors["app.model.blocks.0.0.weight"]
@@ -109,7 +109,8 @@ def test_unknown_key_without_a_close_match_points_to_inspect(single):
 
 def test_consolidate_returns_the_full_state_dict(fsdp):
     path, state = fsdp
-    full = rayckpt.consolidate(path)
+    assert rayckpt.consolidate(path)["app"]["extra.step"] == 2  # nested as saved (AppState's key has a dot)
+    full = rayckpt.consolidate(path, flat=True)
     assert full["app.extra.step"] == 2
     tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
     assert tensors.keys() == state.keys()

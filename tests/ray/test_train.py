@@ -79,6 +79,9 @@ def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path):
     # a committed checkpoint is a plain rayckpt checkpoint too
     m = rayckpt.read_manifest(CheckpointDir.resolve(str(run_dir / "rayckpt-step-00000004")))
     assert m.world_size == 3 and m.user_metadata["step"] == 4
+    # the MetadataActor's commit records each key's path (a module's dotted keys stay one part)
+    weights = [k for k in m.entries if k.endswith("weight") and ".model." in k]
+    assert weights and all(m.path(k)[-1].endswith("weight") and "." in m.path(k)[-1] for k in weights)
 
 
 @pytest.mark.parametrize("mode", ["raise", "kill"])

@@ -231,8 +231,9 @@ def test_convert_round_trip_from_the_command_line(runs, world):
     info = json.loads(back.stdout)
     assert list(info) == CONVERT_FIELDS and info["direction"] == "from" and info["tensors"] == 2
     assert check.returncode == 0
-    full = rayckpt.consolidate(os.path.join(work, "back"))
-    assert torch.equal(full["app.model.w"], make_state()["app"]["model"]["w"]) and full["app.extra.step"] == 7
+    full = rayckpt.consolidate(os.path.join(work, "back"))  # the nesting saved, dotted keys and all
+    assert full.keys() == {"app"} and full["app"].keys() == {"model", "extra.step"} and full["app"]["extra.step"] == 7
+    assert torch.equal(full["app"]["model"]["w"], make_state()["app"]["model"]["w"])
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,7 @@ def test_shard_files_are_plain_arrow_ipc(saved):
     assert seen["model.ids"][0] == pa.int64()
     m = manifest_of(path)
     assert m["entries"]["model.b"]["dtype"] == "bfloat16"
-    assert m["format"] == "rayckpt" and m["version"] == 2 and m["checksum"] == "xxh3_64"
+    assert m["format"] == "rayckpt" and m["version"] == 3 and m["checksum"] == "xxh3_64"
 
 
 def test_manifest_is_json_without_pickle(saved):

@@ -74,7 +74,15 @@ def test_planning_modules_import_no_torch_ray_or_pyarrow():
     assert proc.stdout.strip() == "PURE"
 
 
-PURE_MODULES = ("format/boxes", "format/manifest", "planning/load_plan", "planning/save_plan", "errors")
+PURE_MODULES = (
+    "format/boxes",
+    "format/manifest",
+    "format/paths",
+    "format/values",
+    "planning/load_plan",
+    "planning/save_plan",
+    "errors",
+)
 
 
 @pytest.mark.parametrize("module", PURE_MODULES)

@@ -3,8 +3,8 @@ the defaults, and the helpers exports use to pick keys and report progress.
 
 One module per format holds the format itself:
 
-- ``torch_file``: one ``torch.save`` file of the full state dict (flattened keys),
-  loadable with ``torch.load(..., weights_only=True)``.
+- ``torch_file``: one ``torch.save`` file of the full state dict, nested as it was
+  saved, loadable with ``torch.load(..., weights_only=True)``.
 - ``dcp_dir``: a ``torch.distributed.checkpoint`` directory (``FileSystemWriter``
   layout) that ``dcp.load`` and ``format_utils`` read; and back, including
   checkpoints saved by many FSDP ranks.
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
+from ...format.paths import Path, strip_prefix
 from ...format.shard_file import DEFAULT_BLOCK_SIZE
 from ...storage.checkpoint_dir import CheckpointDir
 from ..reader import CheckpointReader, Progress, tensor_nbytes
@@ -131,6 +132,11 @@ def selected(reader: CheckpointReader, prefix: str) -> list[tuple[str, str]]:
     if not keys:
         raise ValueError(f"no key in {reader.ckdir.location} starts with prefix {prefix!r}")
     return keys
+
+
+def output_path(reader: CheckpointReader, key: str, prefix: str) -> Path:
+    """Where ``key`` goes in a nested export: its saved path less the parts that spell ``prefix``."""
+    return strip_prefix(reader.manifest.path(key), key, prefix)
 
 
 def progress_over(reader: CheckpointReader, keys: Iterable[str], on_progress: Progress | None) -> Callable[[str], None]:

@@ -25,9 +25,11 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ...engine.state import dtype_name, torch_dtype
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
-from ...format.manifest import TensorEntry, decode_value
+from ...format.manifest import TensorEntry
+from ...format.paths import Path, join_path, nest
+from ...format.values import decode_value
 from ..reader import CheckpointReader, Progress
-from .core import ConvertInfo, progress_over, selected
+from .core import ConvertInfo, output_path, progress_over, selected
 from .streaming import Source
 
 
@@ -71,17 +73,20 @@ def export_dcp(
     reader: CheckpointReader, dst: str, prefix: str, _shard: int, on_progress: Progress | None
 ) -> ConvertInfo:
     """A DCP checkpoint, one ``.distcp`` file per tensor (so the writer holds one at a
-    time), written by ``dcp.save`` itself from a flat dict of dotted keys."""
+    time), written by ``dcp.save`` itself from the state dict nested as it was saved,
+    so DCP records each key's own path (``planner_data``)."""
     keys = selected(reader, prefix)
-    state: dict[str, Any] = {}
-    tensors: dict[str, str] = {}
-    for key, out_key in keys:
+    leaves: list[tuple[Path, Any]] = []
+    tensors: dict[str, str] = {}  # DCP's key -> rayckpt's
+    for key, _ in keys:
         e = reader.manifest.entries[key]
+        path = output_path(reader, key, prefix)
         if isinstance(e, TensorEntry):
-            state[out_key] = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device="meta")
-            tensors[out_key] = key
+            leaves.append((path, torch.empty(e.shape, dtype=torch_dtype(e.dtype), device="meta")))
+            tensors[join_path(path)] = key
         else:
-            state[out_key] = decode_value(e.value)
+            leaves.append((path, decode_value(e.value)))
+    state = nest(leaves)
     planner = _StreamingSavePlanner(reader, tensors, progress_over(reader, tensors.values(), on_progress))
     writer = FileSystemWriter(dst, single_file_per_rank=False, thread_count=1)
     with _dcp_errors("DCP save"):
@@ -129,29 +134,47 @@ def dcp_source(src: str) -> Source:
             dcp.load(state, storage_reader=FileSystemReader(src), no_dist=True)
         return state
 
-    paths = dict(metadata.planner_data or {}) if isinstance(metadata.planner_data, dict) else {}
-    flat_values = load(byte_keys) if byte_keys else {}
-    return Source("dcp", tensors, regroup_values(flat_values, paths, tensors), load)
+    paths = _object_paths(metadata.planner_data)
+    values, value_paths = regroup_values(load(byte_keys) if byte_keys else {}, paths, tensors)
+    return Source("dcp", tensors, values, load, {**{k: paths[k] for k in tensors if k in paths}, **value_paths})
+
+
+def _object_paths(planner_data: Any) -> dict[str, Path]:
+    """DCP's recorded object path of each key (``planner_data``), where it is a well-formed one."""
+    if not isinstance(planner_data, dict):
+        return {}
+    out: dict[str, Path] = {}
+    for fqn, path in planner_data.items():
+        path = tuple(path) if isinstance(path, (tuple, list)) else ()
+        if path and all(isinstance(p, str) or type(p) is int for p in path) and join_path(path) == fqn:
+            out[fqn] = path
+    return out
 
 
 def regroup_values(
-    values: dict[str, Any], paths: dict[str, tuple[Any, ...]], tensor_keys: Iterable[str]
-) -> dict[str, Any]:
+    values: dict[str, Any], paths: dict[str, Path], tensor_keys: Iterable[str]
+) -> tuple[dict[str, Any], dict[str, Path]]:
     """DCP keeps one entry per leaf; rayckpt keeps each container that holds no tensor as one value.
 
     ``paths`` maps a DCP key to its object path (``("app", "optim", "param_groups", 0, "lr")``);
     a value goes under the shortest path prefix that holds no tensor, and list
-    indices rebuild lists. Keys without a path stay as they are.
+    indices rebuild lists. Keys without a path stay as they are. Returns the
+    values by rayckpt key, and the path of each that has one.
     """
     holders = {paths[k][:i] for k in tensor_keys if k in paths for i in range(1, len(paths[k]))}
     out: dict[str, Any] = {}
+    out_paths: dict[str, Path] = {}
     nested: dict[str, dict[Any, Any]] = {}
     for fqn, value in values.items():
-        path = tuple(paths.get(fqn, (fqn,)))
+        path = paths.get(fqn)
+        if path is None:
+            out[fqn] = value
+            continue
         cut = 1
         while cut < len(path) and path[:cut] in holders:
             cut += 1
-        key = ".".join(map(str, path[:cut]))
+        key = join_path(path[:cut])
+        out_paths[key] = path[:cut]
         rest = path[cut:]
         if not rest:
             out[key] = value
@@ -162,7 +185,7 @@ def regroup_values(
         node[rest[-1]] = value
     for key, tree in nested.items():
         out[key] = _lists_from_indices(tree)
-    return out
+    return out, out_paths
 
 
 def _lists_from_indices(node: Any) -> Any:

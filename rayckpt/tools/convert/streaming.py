@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,8 +18,10 @@ from ...engine.state import as_bytes
 from ...engine.writer import write_chunks
 from ...errors import InvalidStateError
 from ...format.boxes import Box
-from ...format.manifest import encode_value, itemsize
+from ...format.manifest import itemsize
+from ...format.paths import Path, add_prefix
 from ...format.shard_file import ChunkData, storage_type
+from ...format.values import encode_value
 from ...planning.save_plan import LocalShard, create_save_plans
 from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.commit import SaveSpec, commit_save, new_save_id, remove_failed_save
@@ -38,6 +40,8 @@ class Source:
     values: dict[str, Any]
     #: Loads whole tensors for the given keys (a bounded group) into memory.
     load: Callable[[list[str]], dict[str, torch.Tensor]]
+    #: Each key's path through the source's nested state dict, where it has one.
+    paths: dict[str, Path] = field(default_factory=dict)
 
 
 class _LazyChunk(ChunkData):
@@ -126,7 +130,8 @@ def import_source(
     stream = _TensorStream(nbytes, load, order, group_bytes, on_progress)
     chunks = [_LazyChunk(i.key, tensors[i.key][0], i.box, stream) for i in plan.items]
     metadata = {"converted_from": {"format": source.format, "path": src}}
-    spec = SaveSpec(new_save_id(), 1, block_size, tensors, values, metadata)
+    key_paths = {prefix + k: add_prefix(prefix, p) for k, p in source.paths.items()}
+    spec = SaveSpec(new_save_id(), 1, block_size, tensors, values, metadata, key_paths)
     written_files: list[str] = []
     try:
         shard = write_chunks(out, chunks, spec.save_id, 0, block_size, written_files)

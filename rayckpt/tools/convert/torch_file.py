@@ -1,4 +1,4 @@
-"""Export to and import from one ``torch.save`` file of the full state dict (flattened keys).
+"""Export to and import from one ``torch.save`` file of the full state dict, nested as it was saved.
 
 Exports write torch's own zip layout record by record, so the file is what ``torch.save``
 would write and ``torch.load(..., weights_only=True)`` reads it; imports memory-map the file.
@@ -19,9 +19,11 @@ import torch
 from ...engine.state import FlatState, flatten, torch_dtype
 from ...errors import CheckpointNotFoundError
 from ...format.boxes import row_major_strides
-from ...format.manifest import TensorEntry, decode_value
+from ...format.manifest import TensorEntry
+from ...format.paths import Path, nest
+from ...format.values import decode_value
 from ..reader import CheckpointReader, Progress
-from .core import ConvertInfo, progress_over, selected
+from .core import ConvertInfo, output_path, progress_over, selected
 from .streaming import Source
 
 
@@ -74,15 +76,17 @@ def export_torch(
     from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _open_zipfile_writer
 
     keys = selected(reader, prefix)
-    stub: dict[str, Any] = {}
+    leaves: list[tuple[Path, Any]] = []
     tensor_keys: list[str] = []
-    for key, out_key in keys:
+    for key, _ in keys:
         e = reader.manifest.entries[key]
         if isinstance(e, TensorEntry):
-            stub[out_key] = _TensorRef(str(len(tensor_keys)), torch_dtype(e.dtype), e.shape)
+            leaf: Any = _TensorRef(str(len(tensor_keys)), torch_dtype(e.dtype), e.shape)
             tensor_keys.append(key)
         else:
-            stub[out_key] = decode_value(e.value)
+            leaf = decode_value(e.value)
+        leaves.append((output_path(reader, key, prefix), leaf))
+    stub = nest(leaves)
     data = io.BytesIO()
     _Pickler(data, protocol=DEFAULT_PROTOCOL).dump(stub)
     advance = progress_over(reader, tensor_keys, on_progress)
@@ -127,10 +131,11 @@ def torch_source(src: str) -> Source:
     flat = load_flat()
     tensors = {k: (t.dtype, t.shape) for k, t in flat.tensors.items()}
     values = {k: v.value for k, v in flat.values.items()}
+    paths = flat.paths
     del flat
 
     def load(keys: list[str]) -> dict[str, torch.Tensor]:
         leaves = load_flat().tensors
         return {k: leaves[k].local for k in keys}
 
-    return Source("torch", tensors, values, load)
+    return Source("torch", tensors, values, load, paths)
