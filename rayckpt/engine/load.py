@@ -73,4 +73,4 @@ def plan_from_manifest(
 
 
 def tensor_requests(flat: FlatState) -> list[TensorRequest]:
-    return [TensorRequest(t.key, t.dtype, t.shape, t.box) for t in flat.tensors.values()]
+    return [TensorRequest(t.key, t.dtype, t.shape, box) for t in flat.tensors.values() for box in t.boxes()]

@@ -104,8 +104,7 @@ def _direct_read(fr: FileRead, flat: FlatState) -> DirectRead | None:
     if len(fr.items) != 1:
         return None
     item = fr.items[0]
-    leaf = flat.tensors[item.key]
-    dst = leaf.local[item.box.relative_to(leaf.box).to_slices()]
+    dst = flat.tensors[item.key].region(item.box)
     if item.hi - item.lo != dst.numel() * dst.element_size() or not dst.is_contiguous() or dst.device.type != "cpu":
         return None
     start = item.chunk.byte_offset + item.lo
@@ -173,4 +172,4 @@ def _copy_item(buf: Any, buf_offset: int, item: ReadItem, leaf: TensorLeaf) -> N
     src = torch.from_numpy(raw).view(dtype)
     src = src.as_strided(item.box.sizes, row_major_strides(item.chunk.box.sizes))
     with torch.no_grad():
-        leaf.local[item.box.relative_to(leaf.box).to_slices()].copy_(src)
+        leaf.region(item.box).copy_(src)

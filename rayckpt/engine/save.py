@@ -140,7 +140,7 @@ def collect_state(
     def collect() -> tuple[list[LocalShard], dict[str, Any], str | None, str, dict[str, Path]]:
         flat = flatten(state_dict)
         flat_holder.append(flat)
-        shards = [LocalShard(t.key, t.dtype, t.shape, t.box) for t in flat.tensors.values()]
+        shards = [LocalShard(t.key, t.dtype, t.shape, box) for t in flat.tensors.values() for box in t.boxes()]
         values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
         return shards, values, new_save_id() if coord.rank == 0 else None, node, flat.paths
 

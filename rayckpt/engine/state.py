@@ -47,14 +47,42 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One shard a rank holds of a tensor: where it lies in the global tensor, and the local tensor holding it."""
+
+    box: Box
+    local: torch.Tensor
+
+
 @dataclass(slots=True)
 class TensorLeaf:
     key: str
-    #: The rank's local data (a DTensor's local shard, or the plain tensor).
-    local: torch.Tensor
+    #: The rank's local data: one piece for a plain tensor or a DTensor's local shard;
+    #: one per local shard of a ``LocalShardsWrapper`` (uneven, several or none);
+    #: none on a rank outside a DTensor's mesh.
+    pieces: tuple[Piece, ...]
     shape: tuple[int, ...]
-    box: Box
     dtype: str
+
+    def boxes(self) -> tuple[Box, ...]:
+        """The boxes this rank reports to the save and load plans: its pieces'.
+
+        A rank holding no piece reports one empty box, so the key, its shape and
+        dtype still reach the plans (checked, nothing written or read); a 0-dim
+        tensor has no empty box and reports none.
+        """
+        if self.pieces or not self.shape:
+            return tuple(p.box for p in self.pieces)
+        return (Box((0,) * len(self.shape), (0,) * len(self.shape)),)
+
+    def region(self, box: Box) -> torch.Tensor:
+        """The view of the local data at global ``box``, which lies inside one piece (writer and reader)."""
+        for p in self.pieces:
+            if p.box.contains(box):
+                return p.local[box.relative_to(p.box).to_slices()]
+        held = [list(p.box.offsets) for p in self.pieces]
+        raise ValueError(f"key {self.key!r}: box {box} lies in none of this rank's pieces (at offsets {held})")
 
 
 @dataclass(slots=True)
@@ -164,26 +192,59 @@ def _refuse_unsupported(key: str, t: torch.Tensor) -> None:
 def _add_tensor(key: str, t: torch.Tensor, flat: FlatState) -> None:
     _check_unique(key, flat)
     _refuse_unsupported(key, t)
+    shape = tuple(t.shape)
     if DTensor is not None and isinstance(t, DTensor):
-        if any(isinstance(p, Partial) for p in t.placements):
-            raise InvalidStateError(
-                f"key {key!r}: DTensor with Partial placement {t.placements} has no stored value yet; "
-                "reduce it (redistribute to Replicate or Shard) before saving"
-            )
-        shape = tuple(t.shape)
-        local_shape, offsets = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
-        local = t.to_local()
-        if tuple(local.shape) != tuple(local_shape):
-            raise InvalidStateError(
-                f"key {key!r}: local shard shape {list(local.shape)} does not match the "
-                f"placement's {list(local_shape)} (padded or strided sharding is not supported)"
-            )
-        box = Box(tuple(offsets), tuple(local_shape))
+        pieces = _dtensor_pieces(key, t)
     else:
-        shape = tuple(t.shape)
-        local = t
-        box = Box.full(shape)
-    flat.tensors[key] = TensorLeaf(key, local, shape, box, dtype_name(t.dtype))
+        pieces = (Piece(Box.full(shape), t),)
+    flat.tensors[key] = TensorLeaf(key, pieces, shape, dtype_name(t.dtype))
+
+
+def _dtensor_pieces(key: str, t: DTensor) -> tuple[Piece, ...]:
+    """This rank's pieces of a DTensor: none off its mesh, each listed local shard, or its one local shard."""
+    if any(isinstance(p, Partial) for p in t.placements):
+        raise InvalidStateError(
+            f"key {key!r}: DTensor with Partial placement {t.placements} has no stored value yet; "
+            "reduce it (redistribute to Replicate or Shard) before saving"
+        )
+    if t.device_mesh.get_coordinate() is None:
+        # A mesh of some ranks only (a sub-mesh): the others hold nothing of it, as in DCP.
+        return ()
+    shape = tuple(t.shape)
+    local = t.to_local()
+    if hasattr(local, "__create_chunk_list__"):
+        return _listed_pieces(key, shape, local)
+    local_shape, offsets = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+    if tuple(local.shape) != tuple(local_shape):
+        raise InvalidStateError(
+            f"key {key!r}: local shard shape {list(local.shape)} does not match the "
+            f"placement's {list(local_shape)} (padded or strided sharding is not supported)"
+        )
+    return (Piece(Box(tuple(offsets), tuple(local_shape)), local),)
+
+
+def _listed_pieces(key: str, shape: tuple[int, ...], local: Any) -> tuple[Piece, ...]:
+    """The local shards of a local tensor that lists its own chunks, as DCP reads them
+    (``__create_chunk_list__``, ``__get_tensor_shard__``: a ``LocalShardsWrapper``).
+
+    Each shard keeps its own offsets and sizes, so a rank may hold uneven shards,
+    several, or none.
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    pieces = []
+    for i, chunk in enumerate(local.__create_chunk_list__()):
+        box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+        if box.volume == 0:
+            continue  # nothing to save or fill; an empty wrapper lists one such placeholder chunk
+        shard = local.__get_tensor_shard__(MetadataIndex(key, chunk.offsets, i))
+        if box.ndim != len(shape) or not Box.full(shape).contains(box) or tuple(shard.shape) != box.sizes:
+            raise InvalidStateError(
+                f"key {key!r}: local shard {i} (offsets {list(box.offsets)}, sizes {list(box.sizes)}, "
+                f"tensor shape {list(shard.shape)}) does not fit the DTensor's shape {list(shape)}"
+            )
+        pieces.append(Piece(box, shard))
+    return tuple(pieces)
 
 
 def as_bytes(t: torch.Tensor) -> Any:

@@ -10,7 +10,8 @@ with the bytes read from shared memory) and by imports (``rayckpt convert``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -19,7 +20,7 @@ from ..format.shard_file import ChunkData, ChunkSpec, WrittenChunk, storage_type
 from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import WrittenShard, shard_file_name
-from .state import FlatState, TensorLeaf, as_bytes
+from .state import FlatState, Piece, TensorLeaf, as_bytes
 
 
 def chunk_specs(plan: SavePlan, flat: FlatState) -> tuple[ChunkSpec, ...]:
@@ -27,22 +28,18 @@ def chunk_specs(plan: SavePlan, flat: FlatState) -> tuple[ChunkSpec, ...]:
     return tuple(ChunkSpec(item.key, flat.tensors[item.key].dtype, item.box) for item in plan.items)
 
 
-def chunk_pieces(plan: SavePlan, flat: FlatState, local: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The piece of its local tensor each item of ``plan`` saves: views, on any device.
+def chunk_pieces(plan: SavePlan, flat: FlatState, leaves: Mapping[str, TensorLeaf] | None = None) -> list[torch.Tensor]:
+    """The part of its local data each item of ``plan`` saves: views, on any device.
 
-    ``local``: the tensors to cut the pieces from (default: each leaf's own).
+    ``leaves``: the leaves to cut the parts from (default: ``flat``'s own).
     """
-    out = []
-    for item in plan.items:
-        leaf = flat.tensors[item.key]
-        tensor = local[item.key] if local is not None else leaf.local.detach()
-        out.append(tensor[item.box.relative_to(leaf.box).to_slices()])
-    return out
+    leaves = flat.tensors if leaves is None else leaves
+    return [leaves[item.key].region(item.box).detach() for item in plan.items]
 
 
 def create_chunk_data(plan: SavePlan, flat: FlatState) -> list[ChunkData]:
     """The bytes of each item of ``plan``: zero-copy views of the local tensors (copied to the CPU if on a device)."""
-    on_cpu = cpu_tensors(flat.tensors[item.key] for item in plan.items)
+    on_cpu = cpu_leaves(flat.tensors[item.key] for item in plan.items)
     pieces = chunk_pieces(plan, flat, on_cpu)
     return [spec.with_data(as_bytes(piece.contiguous())) for spec, piece in zip(chunk_specs(plan, flat), pieces)]
 
@@ -76,21 +73,24 @@ def write_chunks(
     return WrittenShard(rank, tuple(written), tuple(files))
 
 
-def cpu_tensors(leaves: Iterable[TensorLeaf]) -> dict[str, torch.Tensor]:
-    """Local tensors on the CPU: device tensors are copied (non-blocking, then one sync).
+def cpu_leaves(leaves: Iterable[TensorLeaf]) -> dict[str, TensorLeaf]:
+    """The leaves with every piece on the CPU: device pieces are copied (non-blocking, then one sync).
 
     Not "staging": in rayckpt to stage is the async save's one copy into shared memory.
     """
-    on_cpu: dict[str, torch.Tensor] = {}
+    on_cpu: dict[str, TensorLeaf] = {}
     on_device = False
     for leaf in leaves:
         if leaf.key in on_cpu:
             continue
-        t = leaf.local.detach()
-        if t.device.type != "cpu":
-            on_device = True
-            t = t.to("cpu", non_blocking=True)
-        on_cpu[leaf.key] = t
+        pieces = []
+        for p in leaf.pieces:
+            t = p.local.detach()
+            if t.device.type != "cpu":
+                on_device = True
+                t = t.to("cpu", non_blocking=True)
+            pieces.append(Piece(p.box, t))
+        on_cpu[leaf.key] = replace(leaf, pieces=tuple(pieces))
     if on_device and torch.cuda.is_available():
         torch.cuda.synchronize()
     return on_cpu

@@ -311,7 +311,7 @@ class AsyncSaver:
         flat = flatten(state_dict)
         buffer = self._staging_buffer()
         try:
-            buffer.reserve(staged_size([leaf.local for leaf in flat.tensors.values()]))
+            buffer.reserve(staged_size([p.local for leaf in flat.tensors.values() for p in leaf.pieces]))
         except StagingUnavailable:
             if mode == "shm":
                 raise

@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 import torch
 
 from ..engine.reader import read_into
-from ..engine.state import FlatState, TensorLeaf, torch_dtype
+from ..engine.state import FlatState, Piece, TensorLeaf, torch_dtype
 from ..errors import CheckpointNotFoundError
 from ..format.boxes import Box
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry, itemsize
@@ -88,7 +88,7 @@ class CheckpointReader:
             raise _no_such_key(self.manifest, key, "tensor")
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         box = Box.full(entry.shape)
-        flat = FlatState(tensors={key: TensorLeaf(key, target, entry.shape, box, entry.dtype)})
+        flat = FlatState(tensors={key: TensorLeaf(key, (Piece(box, target),), entry.shape, entry.dtype)})
         request = TensorRequest(key, entry.dtype, entry.shape, box)
         plan = create_load_plan(self.manifest, [request], index=self._index)
         read_into(self.ckdir, plan, flat, self.manifest.blocks, self._sizes, {})

@@ -14,7 +14,7 @@ import xxhash
 
 import rayckpt
 from rayckpt.engine import reader, writer
-from rayckpt.engine.state import flatten
+from rayckpt.engine.state import FlatState, Piece, TensorLeaf
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan, save_plan
 from rayckpt.storage.checkpoint_dir import CheckpointDir
@@ -162,12 +162,11 @@ def test_flipped_byte_outside_the_needed_range_does_not_fail_a_partial_read(tmp_
     req = load_plan.TensorRequest("w", "float32", (16, 4), Box((0, 0), (8, 4)))
     plan = load_plan.create_load_plan(m, [req])
     assert plan.read_bytes == plan.needed_bytes == 128
-    flat = flatten({"w": torch.zeros(8, 4)})
-    flat.tensors["w"].box = req.box
-    flat.tensors["w"].shape = (16, 4)
+    target = torch.zeros(8, 4)
+    flat = FlatState(tensors={"w": TensorLeaf("w", (Piece(req.box, target),), (16, 4), "float32")})
     sizes = {f.path: f.size for f in m.files}
     reader.read_into(CheckpointDir.resolve(path), plan, flat, m.blocks, sizes, {})
-    assert torch.equal(flat.tensors["w"].local, w[:8])
+    assert torch.equal(target, w[:8])
 
 
 def test_truncated_file_is_caught(saved):

@@ -136,6 +136,6 @@ def torch_source(src: str) -> Source:
 
     def load(keys: list[str]) -> dict[str, torch.Tensor]:
         leaves = load_flat().tensors
-        return {k: leaves[k].local for k in keys}
+        return {k: leaves[k].pieces[0].local for k in keys}  # plain tensors: one piece, the whole
 
     return Source("torch", tensors, values, load, paths)
