@@ -42,21 +42,29 @@ def no_room() -> Iterator[None]:
         signal.signal(signal.SIGXFSZ, previous)
 
 
+@contextlib.contextmanager
+def tmpfs(root: str) -> Iterator[None]:
+    """A real 2 MiB tmpfs at ``root`` (skips the test where it cannot be mounted)."""
+    os.makedirs(root)
+    mount = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", root]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True, check=False).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", root], capture_output=True, check=False)
+
+
 @pytest.fixture(params=["tmpfs", "rlimit"])
 def small_fs(request, tmp_path) -> Iterator[tuple[str, contextlib.AbstractContextManager]]:
     """(a directory on a nearly full filesystem, the context the failing save runs in)."""
     root = str(tmp_path / "fs")
-    os.makedirs(root)
     if request.param == "rlimit":
+        os.makedirs(root)
         yield root, no_room()
         return
-    mount = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", root]
-    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True, check=False).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (not root); the rlimit case covers a full disk")
-    try:
+    with tmpfs(root):
         yield root, contextlib.nullcontext()
-    finally:
-        subprocess.run(["umount", root], capture_output=True, check=False)
 
 
 def load_state(path: str, n: int) -> dict:
@@ -89,3 +97,24 @@ def test_a_save_that_runs_out_of_space_fails_cleanly(small_fs):
     rayckpt.save(state(SMALL, seed=3), path)
     got = load_state(path, SMALL)
     assert torch.equal(got["model"]["w"], state(SMALL, seed=3)["model"]["w"]) and got["step"] == 3
+
+
+def test_a_ray_save_that_runs_out_of_space_fails_cleanly(ray_session, tmp_path):
+    # The node's ShardWriter writes the files, in its own process: only a real full filesystem reaches it.
+    from rayckpt.ray import async_save
+
+    root = str(tmp_path / "fs")
+    with tmpfs(root):
+        path = os.path.join(root, "ckpt")
+        async_save.save_async(state(SMALL, seed=1), path, run="full-disk", step=1).wait()
+        kept = sorted(os.listdir(path))
+        handle = async_save.save_async(state(BIG, seed=2), path, run="full-disk", step=2)
+        with pytest.raises(SaveFailedError) as info:
+            handle.wait()
+        msg = str(info.value)
+        assert "No space left on device" in msg and f"writing shard file {path}/" in msg, msg
+        assert sorted(os.listdir(path)) == kept
+        got = load_state(path, SMALL)
+        assert torch.equal(got["model"]["w"], state(SMALL, seed=1)["model"]["w"]) and got["step"] == 1
+        assert async_save.save_async(state(SMALL, seed=3), path, run="full-disk", step=3).wait().status == "committed"
+        assert load_state(path, SMALL)["step"] == 3
