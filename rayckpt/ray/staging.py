@@ -174,6 +174,11 @@ def open_region(region: StagedRegion) -> Iterator[list[memoryview]]:
         fd = os.open(region.path, os.O_RDONLY)
     except FileNotFoundError:
         raise FileNotFoundError(gone) from None
+    except PermissionError as exc:  # /proc/<pid>/fd of another process needs the same user and a dumpable process
+        raise PermissionError(
+            f"cannot open staging file {region.path} of the rank's process: {exc}; "
+            "stage through Ray's object store instead (staging='object_store' or RAYCKPT_STAGING=object_store)"
+        ) from None
     try:
         stat = os.fstat(fd)
         if region.inode and stat.st_ino != region.inode:  # the rank closed it and reused the descriptor

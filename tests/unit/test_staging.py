@@ -157,3 +157,15 @@ def test_a_reserved_buffer_is_the_one_the_next_share_lands_in(buffer, tmp_path):
     assert buffer.stage(pieces, "n").path == reserved
     buffer.reserve(1 << 20)  # smaller: kept as it is
     assert buffer.path == reserved and buffer.capacity == 3 << 20
+
+
+def test_a_staging_file_the_writer_may_not_open_says_what_to_do(buffer, monkeypatch):
+    region = buffer.stage([torch.ones(4)], "n")
+
+    def denied(path, flags):  # as /proc/<pid>/fd is for a process that is not dumpable or another user's
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr("rayckpt.ray.staging.os.open", denied)
+    with pytest.raises(PermissionError, match=r"cannot open staging file /proc/\d+/fd/\d+ .*staging='object_store'"):
+        with open_region(region):
+            pass
