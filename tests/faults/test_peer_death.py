@@ -99,6 +99,7 @@ def saved_once(path: str) -> list[str]:
 
 
 def test_a_broken_collective_raises_the_callers_error_naming_phase_collective_and_rank():
+    assert issubclass(PeerLostError, SaveFailedError)  # callers catching SaveFailedError catch it too
     with pytest.raises(PeerLostError, match=r"save \(x\) failed: the all_gather collective failed on rank 0 of 1: "):
         gather_or_raise(BrokenCollective(1), "save (x)", lambda: 1, SaveFailedError, PeerLostError)
     with pytest.raises(RayckptError, match=r"load failed: the all_gather collective failed .*Connection closed") as err:
