@@ -32,6 +32,7 @@ _EXPORTS = {
     "FormatVersionError": "rayckpt.errors",
     "IncompatibleStateError": "rayckpt.errors",
     "InvalidStateError": "rayckpt.errors",
+    "PeerLostError": "rayckpt.errors",
     "RayckptError": "rayckpt.errors",
     "SaveFailedError": "rayckpt.errors",
 }

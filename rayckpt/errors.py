@@ -38,5 +38,9 @@ class CheckpointExistsError(SaveFailedError):
     """``save(..., overwrite=False)`` found a committed checkpoint at the location; it is untouched."""
 
 
+class PeerLostError(SaveFailedError):
+    """A collective of a save failed (a peer rank died or stopped answering); the process group is unusable."""
+
+
 class InvalidStateError(RayckptError):
     """The state dict given to ``save`` cannot be stored (type, key, placement)."""

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check rayckpt tests jobs benchmarks
+# pytest collects every tier under tests/: unit, multiproc, ray, faults (fault injection), e2e
 .venv/bin/python -m pytest -q "$@"

@@ -8,7 +8,14 @@ commits and plans, it is not a collective.
 
 ``gather_or_raise`` is how a failure on one rank reaches every rank: each phase
 of a save or load ends in one all-gather of (ok, result-or-error), so no rank is
-left waiting in a collective while another has given up.
+left waiting in a collective while another has given up. When the all-gather
+itself fails (a peer rank died or stopped answering: gloo and nccl raise a
+``RuntimeError`` or time out), it raises the caller's rayckpt error naming the
+phase, the collective and this rank, never the transport's error alone.
+
+``claim`` settles what ranks can no longer agree on through a collective: the
+first value set for a key in the process group's store wins (a save's commit
+against a rank that gave up on it).
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ class LocalCoordinator:
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def claim(self, key: str, value: str) -> str | None:
+        return value
+
 
 class ProcessGroupCoordinator:
     """Collectives over an initialized ``torch.distributed`` process group."""
@@ -58,6 +68,17 @@ class ProcessGroupCoordinator:
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
 
+    def claim(self, key: str, value: str) -> str | None:
+        """First writer wins, through the group's store (which outlives a broken collective)."""
+        try:
+            c10d = self._dist.distributed_c10d
+            group = self._group if self._group is not None else c10d._get_default_group()
+            store = c10d._world.pg_map[group][1]
+            held = store.compare_set(f"rayckpt/{key}", "", value)
+        except Exception:  # noqa: BLE001 - no store (the rank hosting it died): unknown
+            return None
+        return held.decode() if isinstance(held, bytes) else str(held)
+
 
 def default_coordinator(process_group: Any = None) -> Coordinator:
     """The process group's coordinator when one is initialized, else a local one."""
@@ -71,11 +92,31 @@ def default_coordinator(process_group: Any = None) -> Coordinator:
     return LocalCoordinator()
 
 
-def gather_or_raise(coord: Coordinator, phase: str, fn: Callable[[], T], error_type: type[RayckptError]) -> list[T]:
+def claim(coord: Coordinator, key: str, value: str) -> str | None:
+    """Set ``key`` to ``value`` unless another rank set it first; return the value that holds.
+
+    Any rank, not collective. ``None``: unknown (no store reached, or a coordinator
+    without ``claim`` in a world of several ranks).
+    """
+    own = getattr(coord, "claim", None)
+    if own is not None:
+        return own(key, value)
+    return value if coord.world_size == 1 else None
+
+
+def gather_or_raise(
+    coord: Coordinator,
+    phase: str,
+    fn: Callable[[], T],
+    error_type: type[RayckptError],
+    lost_type: type[RayckptError] | None = None,
+) -> list[T]:
     """Run ``fn`` on this rank, share the outcome, and raise on every rank if any failed.
 
     The raised error names each failed rank and its message. A ``RayckptError``
-    raised on this rank is re-raised as itself when it is the only failure.
+    raised on this rank is re-raised as itself when it is the only failure. When
+    the all-gather itself fails (a peer died), ``lost_type`` (default
+    ``error_type``) is raised, naming the phase, the collective and this rank.
     """
     try:
         outcome: tuple[bool, Any] = (True, fn())
@@ -86,7 +127,10 @@ def gather_or_raise(coord: Coordinator, phase: str, fn: Callable[[], T], error_t
         if not isinstance(exc, RayckptError):
             detail += "\n" + "".join(traceback.format_exception(exc)[-3:]).rstrip()
         outcome = (False, (type(exc).__name__, detail))
-    results = coord.all_gather(outcome)
+    try:
+        results = coord.all_gather(outcome)
+    except Exception as exc:  # noqa: BLE001 - gloo / nccl: RuntimeError, DistBackendError, timeouts
+        raise (lost_type or error_type)(_collective_failed(coord, phase, exc, local_exc)) from exc
     failed = [(r, info) for r, (ok, info) in enumerate(results) if not ok]
     if not failed:
         return [value for _, value in results]
@@ -102,3 +146,15 @@ def gather_or_raise(coord: Coordinator, phase: str, fn: Callable[[], T], error_t
             cls = found
     lines = "\n".join(f"  rank {r}: {detail}" for r, (_, detail) in failed)
     raise cls(f"{phase} failed on {len(failed)} of {coord.world_size} rank(s):\n{lines}") from local_exc
+
+
+def _collective_failed(coord: Coordinator, phase: str, exc: Exception, local_exc: BaseException | None) -> str:
+    error = " ".join(str(exc).split())[:400]
+    text = (
+        f"{phase} failed: the all_gather collective failed on rank {coord.rank} of {coord.world_size}: "
+        f"{type(exc).__name__}: {error}. A peer rank that died or stopped answering makes it fail (which one "
+        "is not known here); this process group cannot run collectives any more: destroy it and start a new one"
+    )
+    if local_exc is not None:
+        text += f". Rank {coord.rank} had failed too: {type(local_exc).__name__}: {local_exc}"
+    return text

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from ..errors import CheckpointExistsError, InvalidStateError, RayckptError, SaveFailedError
+from ..errors import CheckpointExistsError, InvalidStateError, PeerLostError, RayckptError, SaveFailedError
 from ..format.manifest import MANIFEST_NAME
 from ..format.paths import Path
 from ..format.shard_file import DEFAULT_BLOCK_SIZE
@@ -28,8 +28,15 @@ from ..format.values import encode_value
 from ..planning import save_plan
 from ..planning.save_plan import LocalShard, SavePlan, create_save_plans
 from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import SaveSpec, WrittenShard, commit_save, new_save_id, remove_failed_save
-from .coordinator import Coordinator, default_coordinator, gather_or_raise
+from ..storage.commit import (
+    SaveSpec,
+    WrittenShard,
+    commit_save,
+    new_save_id,
+    read_manifest,
+    remove_failed_save,
+)
+from .coordinator import Coordinator, claim, default_coordinator, gather_or_raise
 from .state import FlatState, flatten
 from .writer import create_chunk_data, write_chunks
 
@@ -63,7 +70,9 @@ def save(
     exists once ``manifest.json`` is committed by rank 0 after every rank's files
     are durable. On any rank's failure every rank raises ``SaveFailedError`` (or
     the shared error type), this save's files are removed and a previous
-    checkpoint at the same location stays loadable.
+    checkpoint at the same location stays loadable. A peer that dies mid-save
+    (the collective fails) gives ``PeerLostError`` on the ranks left; they remove
+    this save's files unless rank 0 had already taken the commit.
 
     ``overwrite=False``: refuse (``CheckpointExistsError`` on every rank, before
     anything is written) when the location already holds a committed checkpoint;
@@ -71,25 +80,107 @@ def save(
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
+    try:
+        return _save(coord, ckdir, state_dict, block_size, metadata, overwrite)
+    except RayckptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the caller gets a SaveFailedError
+        raise SaveFailedError(
+            f"save to {ckdir.location} failed on rank {coord.rank}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _save(
+    coord: Coordinator,
+    ckdir: CheckpointDir,
+    state_dict: dict[str, Any],
+    block_size: int,
+    metadata: dict[str, Any] | None,
+    overwrite: bool,
+) -> SaveInfo:
     if not overwrite:
         refuse = partial(_refuse_existing, ckdir, coord.rank)
-        gather_or_raise(coord, "save (checking the location)", refuse, SaveFailedError)
+        gather_or_raise(coord, "save (checking the location)", refuse, SaveFailedError, PeerLostError)
     ctx = collect_state(coord, state_dict, block_size=block_size, metadata=metadata)
+    save_id = ctx.spec.save_id
     written_files: list[str] = []
+    shards: list[WrittenShard] = []
+    committed: list[int] = []  # rank 0, once the manifest is written: the checkpoint's bytes
+
+    def commit() -> int:
+        if coord.rank != 0:
+            return 0
+        if claim(coord, _decision_key(save_id), "commit") not in ("commit", None):
+            raise SaveFailedError(
+                f"rank 0 did not commit save {save_id}: a rank gave up on it after a collective failed"
+            )
+        committed.append(commit_save(ckdir, ctx.spec, shards).total_bytes)
+        return committed[0]
+
     try:
-        shards = gather_or_raise(
-            coord, "save (writing shards)", lambda: write_share(ckdir, ctx, written_files), SaveFailedError
-        )
-
-        def commit() -> int:
-            return commit_save(ckdir, ctx.spec, shards).total_bytes if coord.rank == 0 else 0
-
-        total = gather_or_raise(coord, "save (commit)", commit, SaveFailedError)[0]
-    except RayckptError:
-        remove_failed_save(ckdir, ctx.spec.save_id, written_files)
-        raise
+        write = partial(write_share, ckdir, ctx, written_files)
+        shards = gather_or_raise(coord, "save (writing shards)", write, SaveFailedError, PeerLostError)
+        total = gather_or_raise(coord, "save (commit)", commit, SaveFailedError, PeerLostError)[0]
+    except BaseException as exc:
+        if committed:  # rank 0 wrote the manifest: the checkpoint is complete whatever broke after
+            if not isinstance(exc, Exception):
+                raise
+            return SaveInfo(ckdir.location, save_id, committed[0], sum(len(s.files) for s in shards), coord.world_size)
+        if isinstance(exc, RayckptError) and not isinstance(exc, PeerLostError):
+            remove_failed_save(ckdir, save_id, written_files)  # every rank saw this failure: nobody commits
+            raise
+        return _settle_lost(coord, ckdir, save_id, written_files, exc)
     num_files = sum(len(s.files) for s in shards)
-    return SaveInfo(ckdir.location, ctx.spec.save_id, total, num_files, coord.world_size)
+    return SaveInfo(ckdir.location, save_id, total, num_files, coord.world_size)
+
+
+def _decision_key(save_id: str) -> str:
+    return f"save/{save_id}/decision"
+
+
+def _settle_lost(
+    coord: Coordinator, ckdir: CheckpointDir, save_id: str, written_files: list[str], exc: BaseException
+) -> SaveInfo:
+    """This rank left a save without knowing how the others ended (a collective failed, or it was interrupted).
+
+    Rank 0, the only committer, knows it did not commit. Another rank asks the
+    process group's store: if no rank took the commit, its "abort" wins (rank 0
+    will not commit) and it removes the save's files; if rank 0 took it, the
+    files stay (the manifest may name them) and the save counts as committed once
+    its manifest is there. Raises ``PeerLostError`` (or ``exc`` itself when it is
+    not an ``Exception``), unless the save is committed.
+    """
+    decision = "abort" if coord.rank == 0 else claim(coord, _decision_key(save_id), "abort")
+    if decision == "abort":
+        remove_failed_save(ckdir, save_id, written_files)
+        outcome = f"rank {coord.rank} removed the files of save {save_id}; nothing was committed"
+    elif decision == "commit":
+        if _committed_id(ckdir) == save_id:
+            manifest = read_manifest(ckdir)
+            total = sum(f.size for f in manifest.files)
+            return SaveInfo(ckdir.location, save_id, total, len(manifest.files), coord.world_size)
+        outcome = (
+            f"rank 0 had taken the commit of save {save_id} when this rank lost it, so rank {coord.rank} "
+            f"kept its files: check whether {ckdir.location} holds save {save_id} (the next save there "
+            "removes them if not)"
+        )
+    else:
+        outcome = (
+            f"rank {coord.rank} could not reach the process group's store to learn whether rank 0 commits "
+            f"save {save_id}, so rank {coord.rank} kept its files (the next save at {ckdir.location} "
+            "removes them if not)"
+        )
+    if not isinstance(exc, Exception):
+        raise exc
+    message = str(exc) if isinstance(exc, PeerLostError) else f"save failed on rank {coord.rank}: {exc!r}"
+    raise PeerLostError(f"{message}; {outcome}") from exc
+
+
+def _committed_id(ckdir: CheckpointDir) -> str | None:
+    try:
+        return read_manifest(ckdir).save_id
+    except Exception:  # noqa: BLE001 - no manifest, or not one this rank can read: not committed here
+        return None
 
 
 def _refuse_existing(ckdir: CheckpointDir, rank: int) -> None:
@@ -144,7 +235,7 @@ def collect_state(
         values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
         return shards, values, new_save_id() if coord.rank == 0 else None, node, flat.paths
 
-    gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError)
+    gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError, PeerLostError)
     values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
     plans = create_save_plans([g[0] for g in gathered], save_plan.MAX_CHUNK_BYTES)
     tensors = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}

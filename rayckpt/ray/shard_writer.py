@@ -21,7 +21,7 @@ from ..engine.writer import write_chunks
 from ..format.shard_file import ChunkSpec
 from ..storage.checkpoint_dir import CheckpointDir
 from .metadata_actor import NAMESPACE, get_metadata_actor
-from .staging import StagedRegion, open_region, sweep_stale
+from .staging import StagedRegion, StaleSweeper, open_region, sweep_stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,8 @@ class ShardWriter:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        sweep_stale()
+        #: Removes named staging files of processes that are gone: now, then every minute.
+        self.sweeper = StaleSweeper()
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -7,19 +7,26 @@ into memory already mapped. So each rank keeps one staging file in ``/dev/shm``
 (tmpfs, the memory the object store itself uses), sized to its share and reused
 from save to save; the node's ShardWriter maps the same file and writes from it.
 
-Lifetime: the buffer lives as long as the rank's process (``release_staging``
-frees it earlier); a buffer still read by a writer is never overwritten: a save
-that finds it busy moves to a new file and lets the old one go once the writer
-unmaps it. Files of processes that died are removed by the node's ShardWriter
-(``sweep_stale``). Space is reserved with ``posix_fallocate``, so a full tmpfs
-is an error at staging time (and the save falls back to ``ray.put``), never a
-``SIGBUS`` halfway through a copy.
+Lifetime: the file is unlinked the moment it is created, so it has no name to
+leak: it lives as long as the rank's descriptor of it (and a writer's mapping),
+and the kernel frees it when the rank's process exits, however it exits (a
+normal exit, ``ray.kill`` at the end of a TorchTrainer run, ``ray.shutdown``,
+SIGKILL, the OOM killer). ``release_staging`` frees it earlier. The writer opens
+it through ``/proc/<rank pid>/fd/<fd>`` and checks its inode. A buffer still
+read by a writer is never overwritten: a save that finds it busy moves to a new
+file and lets the old one go once the writer unmaps it. Named files (left by an
+older rayckpt, or by a process killed between creating and unlinking one) of
+processes that are gone are removed by the node's ShardWriter, when it starts
+and then periodically (``StaleSweeper``). Space is reserved with
+``posix_fallocate``, so a full tmpfs is an error at staging time (and the save
+falls back to ``ray.put``), never a ``SIGBUS`` halfway through a copy.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +44,8 @@ _GRANULE = 1 << 20
 #: Shared mappings with their page tables filled in one call: faulting page by page
 #: inside ``write()`` made the writer's writes 1.3-1.7x slower (benchmarks/NOTES.md).
 _POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+#: How often a ShardWriter removes named staging files of processes that are gone.
+SWEEP_INTERVAL_S = 60.0
 
 
 class StagingUnavailable(RuntimeError):
@@ -47,10 +56,13 @@ class StagingUnavailable(RuntimeError):
 class StagedRegion:
     """Where a rank's staged chunks are: what a ShardWriter on the same node needs."""
 
+    #: Where a process on the node opens it: ``/proc/<rank pid>/fd/<fd>`` for a staging buffer.
     path: str
     node_id: str
     #: (offset, length) in the file of each chunk, in the save plan's order.
     spans: tuple[tuple[int, int], ...]
+    #: The file's inode, checked on opening (a descriptor number can be reused); 0: not checked.
+    inode: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -67,35 +79,47 @@ def layout(sizes: Sequence[int]) -> tuple[tuple[tuple[int, int], ...], int]:
 
 
 class StagingBuffer:
-    """One rank's staging file in shared memory, grown as needed and reused."""
+    """One rank's staging file in shared memory (unlinked: nameless), grown as needed and reused."""
 
     def __init__(self, directory: str = SHM_DIR) -> None:
         self.directory = directory
-        self.path: str | None = None
+        #: The file's descriptor in this process; the file has no other hold on it but a writer's mapping.
+        self.fd: int | None = None
+        #: The name it was created under (gone since): what ``/proc/<pid>/fd/<fd>`` points at.
+        self.name: str | None = None
+        self.inode = 0
         self.capacity = 0
         self._map: mmap.mmap | None = None
+        self._pid = 0
         #: The write that still reads this file (a Ray ObjectRef), if any.
         self.busy: object | None = None
 
+    @property
+    def path(self) -> str | None:
+        """Where a process on this node opens the buffer (``None``: no buffer)."""
+        return None if self.fd is None else f"/proc/{self._pid}/fd/{self.fd}"
+
     def _open(self, size: int) -> None:
-        self.close()
         capacity = -(-max(size, 1) // _GRANULE) * _GRANULE
-        path = os.path.join(self.directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        name = os.path.join(self.directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             raise StagingUnavailable(f"cannot create a staging file in {self.directory}: {exc}") from None
+        os.unlink(name)  # from here on nothing can leak: the kernel frees it with the last descriptor and mapping
         try:
             os.posix_fallocate(fd, 0, capacity)  # reserve the pages now: ENOSPC here, not SIGBUS later
-            self._map = mmap.mmap(fd, capacity, flags=_POPULATED)
+            mapped = mmap.mmap(fd, capacity, flags=_POPULATED)
         except OSError as exc:
-            os.unlink(path)
+            os.close(fd)
             raise StagingUnavailable(
                 f"cannot reserve {capacity} bytes of shared memory in {self.directory}: {exc}"
             ) from None
-        finally:
-            os.close(fd)
-        self.path, self.capacity, self.busy = path, capacity, None
+        # Closed only now, so the new descriptor's number differs from the old one's (a writer
+        # of the old file may not have opened it yet; the inode check catches later reuse).
+        self.close()
+        self.fd, self.name, self.inode, self._pid = fd, name, os.fstat(fd).st_ino, os.getpid()
+        self._map, self.capacity, self.busy = mapped, capacity, None
 
     def reserve(self, nbytes: int) -> None:
         """Make the buffer hold at least ``nbytes`` now, so the next save's copy finds it mapped."""
@@ -122,22 +146,19 @@ class StagingBuffer:
             else:  # strided or on a device: torch copies it, device to host directly
                 dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
                 dst.view(src.dtype).view(src.shape).copy_(src)
-        return StagedRegion(self.path, node_id, spans)
+        return StagedRegion(self.path, node_id, spans, self.inode)
 
     def close(self) -> None:
-        """Unmap and remove the file; a writer that still maps it keeps reading until it unmaps."""
+        """Unmap and close the file; a writer that still maps it keeps reading until it unmaps."""
         if self._map is not None:
             try:
                 self._map.close()
             except BufferError:  # views still exported: the mapping goes when they do
                 pass
             self._map = None
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path, self.capacity = None, 0
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd, self.name, self.inode, self.capacity = None, None, 0, 0
 
 
 def staged_size(pieces: Sequence[torch.Tensor]) -> int:
@@ -148,14 +169,21 @@ def staged_size(pieces: Sequence[torch.Tensor]) -> int:
 @contextmanager
 def open_region(region: StagedRegion) -> Iterator[list[memoryview]]:
     """Read-only views of a staged region's chunks (for the ShardWriter)."""
+    gone = f"staging file {region.path} is gone: the rank that staged it released it or exited"
     try:
         fd = os.open(region.path, os.O_RDONLY)
     except FileNotFoundError:
-        raise FileNotFoundError(
-            f"staging file {region.path} is gone: the rank that staged it released it or exited"
+        raise FileNotFoundError(gone) from None
+    except PermissionError as exc:  # /proc/<pid>/fd of another process needs the same user and a dumpable process
+        raise PermissionError(
+            f"cannot open staging file {region.path} of the rank's process: {exc}; "
+            "stage through Ray's object store instead (staging='object_store' or RAYCKPT_STAGING=object_store)"
         ) from None
     try:
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        if region.inode and stat.st_ino != region.inode:  # the rank closed it and reused the descriptor
+            raise FileNotFoundError(f"{gone} (the descriptor now names another file)")
+        size = stat.st_size
         end = max((o + n for o, n in region.spans), default=0)
         if end > size:
             raise ValueError(f"staging file {region.path} has {size} bytes, the region needs {end}")
@@ -198,6 +226,32 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+class StaleSweeper:
+    """``sweep_stale`` of ``directory`` now and then every ``interval_s`` seconds, on a daemon thread.
+
+    The node's ShardWriter holds one, so named staging files of processes that are
+    gone do not wait for the next save on the node to be removed.
+    """
+
+    def __init__(self, directory: str = SHM_DIR, interval_s: float = SWEEP_INTERVAL_S) -> None:
+        self.directory = directory
+        self.interval_s = interval_s
+        #: Names removed so far, oldest first.
+        self.removed: list[str] = []
+        self._stop = threading.Event()
+        self.removed += sweep_stale(directory)
+        self._thread = threading.Thread(target=self._run, name="rayckpt-stale-sweeper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.removed += sweep_stale(self.directory)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _alive(pid: int) -> bool:

@@ -2,18 +2,21 @@
 
 For the demo, the benchmarks and tests: ``torch.multiprocessing`` spawn, one
 process per rank, a file-store rendezvous, results returned in rank order. A
-failing rank's traceback is raised in the caller; a hung group is killed at the
-timeout.
+failing rank's traceback (or a dead rank's exit code) is raised in the caller,
+or returned per rank on request; a hung group is killed at the timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -23,16 +26,38 @@ class RankFailedError(RuntimeError):
     pass
 
 
-def _entry(rank: int, world_size: int, init_file: str, backend: str, fn: Callable, args: tuple, out: Any) -> None:
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """A rank that raised or died, in ``run_ranks(..., allow_failures=True)``'s results."""
+
+    rank: int
+    #: The process's exit code when it died without reporting (-9: SIGKILL); ``None`` when it raised.
+    exitcode: int | None
+    #: The traceback it raised, or what is known of its death.
+    error: str
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    backend: str,
+    pg_timeout: float | None,
+    fn: Callable,
+    args: tuple,
+    out: Any,
+) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        timeout = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, **timeout)
         try:
             result = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         # Plain pickle: tensors travel as bytes, not as shared-memory handles that die with us.
         out.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
@@ -40,43 +65,65 @@ def _entry(rank: int, world_size: int, init_file: str, backend: str, fn: Callabl
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout: float = 300.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    pg_timeout: float | None = None,
+    allow_failures: bool = False,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
-    ``fn`` must be importable (module-level) and its result picklable.
+    ``fn`` must be importable (module-level) and its result picklable. A rank that
+    raises, or whose process dies without reporting (a signal, ``os._exit``),
+    fails the call with ``RankFailedError``; with ``allow_failures=True`` its place
+    in the results holds a ``RankFailure`` instead. ``pg_timeout``: the process
+    group's timeout in seconds (torch's default otherwise), which bounds how long
+    the other ranks wait in a collective for a rank that died. ``timeout``: how long to
+    wait for the first (then the next) rank's result.
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_entry, args=(r, world_size, init_file, backend, fn, args, out), daemon=True)
+            ctx.Process(target=_entry, args=(r, world_size, init_file, backend, pg_timeout, fn, args, out), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
-        failures: dict[int, str] = {}
+        failures: dict[int, RankFailure] = {}
         try:
             while len(results) + len(failures) < world_size:
+                # ranks found dead before this wait: whatever they sent is in the queue by its end
+                dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None}
                 try:
-                    rank, ok, value = out.get(timeout=timeout)
+                    rank, ok, value = out.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
                 except queue.Empty:
-                    raise RankFailedError(
-                        f"ranks {sorted(set(range(world_size)) - set(results) - set(failures))} did not finish "
-                        f"within {timeout}s; failures so far: {failures}"
-                    ) from None
+                    for r, code in dead.items():
+                        if r not in results and r not in failures:
+                            failures[r] = RankFailure(r, code, f"rank {r} exited with code {code} without a result")
+                    if time.monotonic() >= deadline:
+                        pending = sorted(set(range(world_size)) - set(results) - set(failures))
+                        raise RankFailedError(
+                            f"ranks {pending} did not finish within {timeout}s; failures so far: "
+                            f"{ {r: f.error for r, f in failures.items()} }"
+                        ) from None
+                    continue
+                deadline = time.monotonic() + timeout  # as long again for the next rank's result
                 if ok:
                     results[rank] = pickle.loads(value)
                 else:
-                    failures[rank] = value
+                    failures[rank] = RankFailure(rank, None, value)
         finally:
             for p in procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-        if failures:
-            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        if failures and not allow_failures:
+            detail = "\n".join(f"--- rank {r} ---\n{f.error}" for r, f in sorted(failures.items()))
             raise RankFailedError(f"{len(failures)} of {world_size} rank(s) failed:\n{detail}")
-        return [results[r] for r in range(world_size)]
+        return [results[r] if r in results else failures[r] for r in range(world_size)]

@@ -169,6 +169,17 @@ def my_staging_files() -> list[str]:
     return [n for n in os.listdir(staging.SHM_DIR) if n.startswith(f"{staging.PREFIX}{os.getpid()}-")]
 
 
+def held_here(name: str) -> bool:
+    """Whether this process still has a descriptor of the (unlinked) staging file ``name``."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == f"{name} (deleted)":
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path):
     dead = multiprocessing.get_context("spawn").Process(target=int)
     dead.start()
@@ -180,7 +191,7 @@ def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path)
     handles[-1].wait()
     assert ray.get(handles[-1]._write_ref)["seconds"] > 0
     assert not os.path.exists(stale)  # the node's writer removed it
-    assert my_staging_files() == [os.path.basename(async_save.saver().buffer.path)]  # one file, reused
+    assert my_staging_files() == [] and os.path.exists(async_save.saver().buffer.path)  # one nameless file, reused
     for s in (1, 2):
         out = target()
         ray_load(out, str(tmp_path / f"s{s}"), run="shm")
@@ -191,7 +202,7 @@ def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path)
 
 def test_a_buffer_a_writer_may_still_read_is_not_reused(ray_session, tmp_path):
     async_save.save_async(state(1), str(tmp_path / "a"), run="busy", step=1).wait()
-    first = async_save.saver().buffer.path
+    first = async_save.saver().buffer.name
 
     @ray.remote(num_cpus=0)
     def never_done() -> None:
@@ -202,7 +213,7 @@ def test_a_buffer_a_writer_may_still_read_is_not_reused(ray_session, tmp_path):
     async_save.saver().buffer.busy = busy = never_done.remote()  # as if its writer were still reading
     async_save.save_async(state(2), str(tmp_path / "b"), run="busy", step=2).wait()
     ray.cancel(busy, force=True)
-    assert async_save.saver().buffer.path != first and not os.path.exists(first)
+    assert async_save.saver().buffer.name != first and not held_here(first)
     out = target()
     ray_load(out, str(tmp_path / "b"), run="busy")
     assert torch.equal(out["w"], state(2)["w"])
@@ -306,10 +317,10 @@ def test_prepare_staging_makes_the_buffer_the_first_save_uses(ray_session, tmp_p
     st = state(9)
     need = staging.staged_size([st["w"], st["b"]])
     size = async_save.prepare_staging(st)
-    assert size >= need and my_staging_files() == [os.path.basename(async_save.saver().buffer.path)]
-    prepared = async_save.saver().buffer.path
+    assert size >= need and my_staging_files() == [] and os.path.exists(async_save.saver().buffer.path)
+    prepared = async_save.saver().buffer.name
     async_save.save_async(st, str(tmp_path / "p"), run="prep", step=1).wait()
-    assert async_save.saver().buffer.path == prepared
+    assert async_save.saver().buffer.name == prepared
     async_save.release_staging()
     assert async_save.prepare_staging(st, staging="object_store") == 0 and my_staging_files() == []
     monkeypatch.setattr(async_save.saver(), "buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))

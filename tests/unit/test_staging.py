@@ -37,6 +37,13 @@ def staged_files(directory) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith(PREFIX))
 
 
+def held_by(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 def test_layout_aligns_every_chunk_to_64_bytes():
     spans, total = layout([10, 64, 0, 65])
     assert spans == ((0, 10), (64, 64), (128, 0), (128, 65))
@@ -58,7 +65,9 @@ def test_pieces_of_any_dtype_and_strides_are_staged_byte_for_byte(buffer, tmp_pa
     assert region.node_id == "node-a" and region.nbytes == sum(len(as_bytes(p)) for p in pieces)
     with open_region(region) as views:
         assert [bytes(v) for v in views] == [as_bytes(p) for p in pieces]
-    assert staged_files(tmp_path) == [os.path.basename(region.path)]
+    assert staged_files(tmp_path) == []  # nameless: nothing in the directory to leak
+    assert region.path == f"/proc/{os.getpid()}/fd/{buffer.fd}" and region.inode == os.fstat(buffer.fd).st_ino
+    assert os.readlink(region.path) == f"{buffer.name} (deleted)"
 
 
 def test_the_file_is_reused_until_a_share_outgrows_it(buffer, tmp_path):
@@ -68,8 +77,8 @@ def test_the_file_is_reused_until_a_share_outgrows_it(buffer, tmp_path):
     with open_region(again) as views:
         assert bytes(views[0]) == as_bytes(torch.full((10,), 2.0))
     bigger = buffer.stage([torch.ones(1 << 19)], "n")  # 2 MiB > the 1 MiB granule
-    assert bigger.path != first.path
-    assert staged_files(tmp_path) == [os.path.basename(bigger.path)]
+    assert bigger.path != first.path and bigger.inode != first.inode
+    assert staged_files(tmp_path) == []
 
 
 def test_a_buffer_still_read_is_never_overwritten(buffer, tmp_path):
@@ -79,14 +88,16 @@ def test_a_buffer_still_read_is_never_overwritten(buffer, tmp_path):
         new = buffer.stage([torch.full((100,), 9.0)], "n", in_use=True)
         assert new.path != old.path and buffer.busy is None  # a new file: nothing reads it yet
         assert bytes(views[0]) == as_bytes(torch.full((100,), 1.0))
-    assert staged_files(tmp_path) == [os.path.basename(new.path)]
+    assert staged_files(tmp_path) == []
 
 
-def test_close_removes_the_file(tmp_path):
+def test_close_releases_the_file(tmp_path):
     b = StagingBuffer(str(tmp_path))
     b.stage([torch.ones(4)], "n")
+    name = b.name
     b.close()
-    assert staged_files(tmp_path) == [] and b.path is None
+    assert staged_files(tmp_path) == [] and b.path is None and b.fd is None
+    assert not [fd for fd in os.listdir("/proc/self/fd") if held_by(fd) == f"{name} (deleted)"]
     b.close()  # twice is fine
 
 
@@ -113,6 +124,9 @@ def test_a_region_whose_file_is_gone_or_short_is_refused(buffer, tmp_path):
     region = buffer.stage([torch.ones(4)], "n")
     with pytest.raises(ValueError, match=r"has 1048576 bytes, the region needs 2097152"):
         with open_region(StagedRegion(region.path, "n", ((0, 2 << 20),))):
+            pass
+    with pytest.raises(FileNotFoundError, match=r"staging file .* is gone: .* \(the descriptor now names another"):
+        with open_region(StagedRegion(region.path, "n", region.spans, region.inode + 1)):
             pass
     buffer.close()
     with pytest.raises(FileNotFoundError, match=r"staging file .* is gone"):
@@ -143,3 +157,15 @@ def test_a_reserved_buffer_is_the_one_the_next_share_lands_in(buffer, tmp_path):
     assert buffer.stage(pieces, "n").path == reserved
     buffer.reserve(1 << 20)  # smaller: kept as it is
     assert buffer.path == reserved and buffer.capacity == 3 << 20
+
+
+def test_a_staging_file_the_writer_may_not_open_says_what_to_do(buffer, monkeypatch):
+    region = buffer.stage([torch.ones(4)], "n")
+
+    def denied(path, flags):  # as /proc/<pid>/fd is for a process that is not dumpable or another user's
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr("rayckpt.ray.staging.os.open", denied)
+    with pytest.raises(PermissionError, match=r"cannot open staging file /proc/\d+/fd/\d+ .*staging='object_store'"):
+        with open_region(region):
+            pass
