@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import psutil  # Ray's dependency (importable once ray is)
 import pytest
 import ray
 import torch
@@ -26,6 +25,8 @@ def state(seed: int) -> dict:
 
 
 def test_two_hundred_saves_keep_the_actors_records_and_memory_flat(ray_session, tmp_path):
+    import psutil  # Ray's own copy: importable once ray is
+
     ray.kill(get_metadata_actor(), no_restart=False)  # a fresh incarnation: only this test's records
     meta = get_metadata_actor()
     actor = psutil.Process(ray.get(meta.debug_stats.remote())["pid"])
