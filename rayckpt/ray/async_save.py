@@ -177,7 +177,7 @@ class AsyncSaver:
     def wait(self) -> CatalogEntry | None:
         """Wait for the save in flight, if any (raises if it failed); the next save no longer waits for it."""
         previous, self.inflight = self.inflight, None
-        return previous.wait() if previous is not None else None
+        return previous.wait_before_next_save() if previous is not None else None
 
     def prepare_staging(self, state_dict: dict[str, Any], staging: str | None = None) -> int:
         """``prepare_staging`` (see there)."""

@@ -11,6 +11,7 @@ the save); when it died for good, storage answers.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +77,11 @@ class SaveHandle:
         self._incarnation = incarnation
         #: Told once the outcome is known (its saver stops holding the next save up for it).
         self._on_outcome = on_outcome
+        #: Held by the one thread that learns the outcome; the others then read it.
+        self._learning = threading.Lock()
+        #: Callers of ``wait()`` waiting or told the outcome: a failure is theirs to hear.
+        self._watchers = 0
+        self._watchers_lock = threading.Lock()
 
     def done(self) -> bool:
         """Whether this rank's share is written (the commit may still be pending)."""
@@ -87,29 +93,60 @@ class SaveHandle:
 
         ``TimeoutError`` when ``timeout`` (shorter than the save's commit timeout) runs
         out first: the save is still in flight. At the commit timeout the save fails.
+        Thread-safe (Ray Train's upload thread waits while training goes on).
         """
-        if self._entry is None:
-            limit = timeout if timeout is not None else self._timeout
-            try:
-                entry = self._wait_outcome(limit)
-            except TimeoutError:
-                if limit < self._timeout:
-                    raise
-                gave_up = f"not committed within {limit:g}s: rank {self.rank} stopped waiting"
-                self._report_failed(gave_up)  # so that it cannot commit after this rank called it failed
-                entry = self._ask(0.0, None)
-                if entry.status == "pending":
-                    entry = self._failed_entry(gave_up)
-            self._entry = entry
-            self._staged_ref = None  # release the staged copy in the object store
-            if self._on_outcome is not None:
-                self._on_outcome(self)
-        if self._entry.status != "committed":
+        self._count_watcher(+1)
+        try:
+            entry = self._outcome(timeout)
+        except TimeoutError:
+            self._count_watcher(-1)  # not told: the failure may still be the next save's to raise
+            raise
+        return self._checked(entry)
+
+    def wait_before_next_save(self) -> CatalogEntry:
+        """Wait for the outcome (this process's next ``save_async``): a failure is raised here
+        only if no ``wait()`` caller hears of it, so that it is raised once, for its own save."""
+        entry = self._outcome(None)
+        return entry if self._count_watcher(0) else self._checked(entry)
+
+    def _count_watcher(self, change: int) -> int:
+        with self._watchers_lock:
+            self._watchers += change
+            return self._watchers
+
+    def _checked(self, entry: CatalogEntry) -> CatalogEntry:
+        if entry.status != "committed":
             raise SaveFailedError(
                 f"save of step {self.step} to {self.location} (save {self.save_id}) failed; nothing was committed: "
-                f"{self._entry.error}"
+                f"{entry.error}"
             )
-        return self._entry
+        return entry
+
+    def _outcome(self, timeout: float | None) -> CatalogEntry:
+        """The save's outcome, learned once: one thread asks, the others wait for its answer."""
+        limit = timeout if timeout is not None else self._timeout
+        if not self._learning.acquire(timeout=limit if timeout is not None else -1):
+            raise TimeoutError(f"save {self.save_id} to {self.location}: no outcome within {limit}s")
+        try:
+            if self._entry is None:
+                self._entry = self._learn(limit)
+                self._staged_ref = None  # release the staged copy in the object store
+                if self._on_outcome is not None:
+                    self._on_outcome(self)
+            return self._entry
+        finally:
+            self._learning.release()
+
+    def _learn(self, limit: float) -> CatalogEntry:
+        try:
+            return self._wait_outcome(limit)
+        except TimeoutError:
+            if limit < self._timeout:
+                raise
+        gave_up = f"not committed within {limit:g}s: rank {self.rank} stopped waiting"
+        self._report_failed(gave_up)  # so that it cannot commit after this rank called it failed
+        entry = self._ask(0.0, None)
+        return self._failed_entry(gave_up) if entry.status == "pending" else entry
 
     def _wait_outcome(self, limit: float) -> CatalogEntry:
         try:
