@@ -7,7 +7,8 @@ the node's shared memory (its reusable staging buffer, or Ray's object store
 when that buffer cannot be had) and hands it to the node's ShardWriter, which
 runs the engine's write step; the MetadataActor runs the commit step when every
 rank's files are durable. A process's saves are owned by one ``AsyncSaver``:
-the save in flight and the staging buffer it reuses.
+the save in flight and the staging buffer it reuses; each save is a
+``save_handle.SaveHandle``, through which the rank learns its outcome.
 """
 
 from __future__ import annotations
