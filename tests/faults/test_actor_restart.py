@@ -149,3 +149,32 @@ def test_a_save_committed_just_before_the_restart_stays_committed(ray_session, t
     entry = handle.wait()
     assert entry.status == "committed" and entry.save_id == handle.save_id
     assert_loads_bit_exact(path, 4)
+
+
+def test_a_save_the_actor_lost_fails_at_its_commit_timeout_and_only_for_its_own_wait(ray_session, tmp_path):
+    """Nothing will settle this save (the actor never heard of it): a shorter wait() times out and
+    leaves it in flight; at the commit timeout it fails, once, and the next save does not hear of it."""
+    saver = async_save.saver()
+    path = tmp_path / "unheard"
+    path.mkdir()
+    (path / "sid-unheard-r00000-float.arrow").write_bytes(b"written, then the report was lost")
+    handle = SaveHandle(
+        "sid-unheard",
+        CheckpointDir.resolve(str(path)),
+        "unheard",
+        3,
+        0,
+        ray.put(None),
+        None,
+        0.0,
+        2.0,
+        on_outcome=saver._seen,
+    )
+    saver.inflight = handle
+    with pytest.raises(TimeoutError, match="sid-unheard"):
+        handle.wait(timeout=0.1)
+    assert saver.inflight is handle  # still in flight: the next save would wait for it
+    with pytest.raises(rayckpt.SaveFailedError, match=r"sid-unheard.*not committed within 2s: rank 0 stopped waiting"):
+        handle.wait()
+    assert saver.inflight is None and async_save.wait_inflight() is None
+    assert not path.exists()  # the actor failed it and removed its files
