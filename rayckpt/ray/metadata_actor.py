@@ -25,6 +25,7 @@ files removed) instead of waiting out its commit timeout.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -41,6 +42,8 @@ from . import metrics
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
 from .plan_cache import LoadBundle, PlanCache
 from .save_history import RUNS_KEPT
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE = "rayckpt"
 METADATA_ACTOR_NAME = "rayckpt-metadata"
@@ -255,6 +258,9 @@ class MetadataActor:
                 await self.record_event(e.run, "committed", data)
                 metrics.observe("rayckpt_commit_seconds", o.seconds, run=e.run)
             else:
+                logger.warning(
+                    "save %s of run %r (step %s) to %s failed: %s", e.save_id, e.run, e.step, e.path, e.error
+                )
                 metrics.inc("rayckpt_checkpoints_failed", run=e.run)
                 data = {"save_id": e.save_id, "step": e.step, "location": e.path, "error": e.error}
                 await self.record_event(e.run, "failed", data)
