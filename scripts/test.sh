@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check rayckpt tests jobs benchmarks
-# pytest collects every tier under tests/: unit, multiproc, ray, faults (fault injection), e2e
+# Every tier folder under tests/ runs (unit, multiproc, ray, faults, e2e); `pytest tests/faults` runs one.
 .venv/bin/python -m pytest -q "$@"

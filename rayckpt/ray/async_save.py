@@ -7,7 +7,8 @@ the node's shared memory (its reusable staging buffer, or Ray's object store
 when that buffer cannot be had) and hands it to the node's ShardWriter, which
 runs the engine's write step; the MetadataActor runs the commit step when every
 rank's files are durable. A process's saves are owned by one ``AsyncSaver``:
-the save in flight and the staging buffer it reuses.
+the save in flight and the staging buffer it reuses; each save is a
+``save_handle.SaveHandle``, through which the rank learns its outcome.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import atexit
 import functools
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -28,10 +28,11 @@ from ..engine.state import flatten
 from ..engine.writer import chunk_pieces, chunk_specs, create_chunk_data
 from ..errors import InvalidStateError, SaveFailedError
 from ..format.shard_file import DEFAULT_BLOCK_SIZE
-from ..storage.catalog import CatalogEntry, describe
+from ..storage.catalog import CatalogEntry
 from ..storage.checkpoint_dir import CheckpointDir
 from . import metrics
 from .metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from .save_handle import SaveHandle, actor_location, report_failed
 from .shard_writer import ShardWrite, get_shard_writer
 from .staging import StagedRegion, StagingBuffer, StagingUnavailable, staged_size
 
@@ -40,135 +41,6 @@ LOCAL_IS_SHARED_ENV = "RAYCKPT_LOCAL_IS_SHARED"
 #: Where ``save_async`` stages: "auto" (the reusable buffer, else the object store), "shm", "object_store".
 STAGING_ENV = "RAYCKPT_STAGING"
 STAGING_MODES = ("auto", "shm", "object_store")
-
-
-def actor_location(ckdir: CheckpointDir, filesystem: Any) -> str:
-    """How the actors reach ``ckdir``: its path on ``filesystem`` when one was given, else the user's URI."""
-    return ckdir.fs_path if filesystem is not None else ckdir.location
-
-
-class SaveHandle:
-    """An async save in flight on this rank. ``wait()`` until committed."""
-
-    def __init__(
-        self,
-        save_id: str,
-        ckdir: CheckpointDir,
-        run: str,
-        step: int | None,
-        rank: int,
-        write_ref: Any,
-        staged_ref: Any,
-        stall_seconds: float,
-        timeout: float,
-        registered: Any = None,
-        filesystem: Any = None,
-        on_outcome: Callable[[SaveHandle], None] | None = None,
-    ) -> None:
-        self.save_id = save_id
-        self.location = ckdir.location
-        self.run = run
-        self.step = step
-        self.rank = rank
-        #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).
-        self.stall_seconds = stall_seconds
-        #: Where the share was staged: "shm" (the reusable buffer) or "object_store".
-        self.staging = "shm" if isinstance(staged_ref, StagedRegion) else "object_store"
-        self._ckdir = ckdir
-        self._filesystem = filesystem
-        self._write_ref = write_ref
-        self._staged_ref = staged_ref
-        self._timeout = timeout
-        self._entry: CatalogEntry | None = None
-        #: Rank 0: the registration with the MetadataActor (``begin_save``), not yet waited for.
-        self._registered = registered
-        #: Told once the outcome is known (its saver stops holding the next save up for it).
-        self._on_outcome = on_outcome
-
-    def done(self) -> bool:
-        """Whether this rank's share is written (the commit may still be pending)."""
-        ready, _ = ray.wait([self._write_ref], timeout=0)
-        return bool(ready)
-
-    def wait(self, timeout: float | None = None) -> CatalogEntry:
-        """Block until the checkpoint is committed; raise ``SaveFailedError`` if it failed."""
-        if self._entry is None:
-            self._entry = self._wait_outcome(timeout if timeout is not None else self._timeout)
-            self._staged_ref = None  # release the staged copy in the object store
-            if self._on_outcome is not None:
-                self._on_outcome(self)
-        if self._entry.status != "committed":
-            raise SaveFailedError(
-                f"save of step {self.step} to {self.location} (save {self.save_id}) failed; nothing was committed: "
-                f"{self._entry.error}"
-            )
-        return self._entry
-
-    def _wait_outcome(self, limit: float) -> CatalogEntry:
-        meta = get_metadata_actor()
-        try:
-            ray.get(self._write_ref, timeout=limit)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"save {self.save_id} to {self.location}: not written within {limit}s") from None
-        except Exception as exc:  # noqa: BLE001 - the writer died or raised: the save failed
-            self._report_failed(meta, f"{type(exc).__name__}: {exc}")
-        self._check_registered(meta, limit)
-        try:
-            entry = ray.get(meta.wait_commit.remote(self.save_id, limit))
-        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
-            entry = self._entry_from_storage()
-        if entry.status == "pending":
-            raise TimeoutError(f"save {self.save_id} to {self.location}: not committed within {limit}s")
-        return entry
-
-    def _check_registered(self, meta: Any, limit: float) -> None:
-        """Rank 0: a registration that failed fails the save (the others learn it from the actor)."""
-        if self._registered is None:
-            return
-        try:
-            ray.get(self._registered, timeout=limit)
-        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
-            pass  # the actor is gone: wait_commit below asks storage
-        except Exception as exc:  # noqa: BLE001 - begin_save raised: the save cannot commit
-            failed = f"registering with the MetadataActor: {type(exc).__name__}: {exc}"
-            self._report_failed(meta, failed)
-
-    def _report_failed(self, meta: Any, error: str) -> None:
-        report_failed(self.save_id, self.rank, error, self.run, self.step, self._ckdir, self._filesystem, meta)
-
-    def _entry_from_storage(self) -> CatalogEntry:
-        """The MetadataActor died while this rank waited: storage says whether the save committed."""
-        found = describe(self._ckdir, self.run)
-        if found is not None and found.status == "committed" and found.save_id == self.save_id:
-            return found
-        return CatalogEntry(
-            self.run,
-            self.step,
-            self.location,
-            "failed",
-            time.time(),
-            0,
-            0,
-            self.save_id,
-            "the MetadataActor died before this save was committed",
-        )
-
-
-def report_failed(
-    save_id: str,
-    rank: int,
-    error: str,
-    run: str,
-    step: int | None,
-    ckdir: CheckpointDir,
-    filesystem: Any,
-    meta: Any = None,
-) -> None:
-    """Tell the MetadataActor that ``rank``'s part of a save failed, with where the save
-    goes: the report may arrive before rank 0's registration."""
-    meta = meta or get_metadata_actor()
-    location = actor_location(ckdir, filesystem)
-    ray.get(meta.report_failed.remote(save_id, rank, error, run, step, location, filesystem))
 
 
 def staging_mode(staging: str | None) -> str:
@@ -218,6 +90,8 @@ class AsyncSaver:
         registered = None
         if ctx.rank == 0:
             registered = self._register(ctx, ckdir, filesystem, run, step, commit_timeout_s)
+        # The actor incarnation the save begins under (not waited for): its writer and wait() pass it on.
+        incarnation = get_metadata_actor().incarnation.remote()
         try:
             staged_ref = self.stage_share(ctx, node_id, staging)  # the one copy: into shared memory
             request = ShardWrite(
@@ -227,8 +101,10 @@ class AsyncSaver:
                 ctx.rank,
                 ctx.spec.block_size,
                 chunk_specs(ctx.plan, ctx.flat),
+                run,
+                step,
             )
-            write_ref = get_shard_writer(node_id).write.remote(request, staged_ref)
+            write_ref = get_shard_writer(node_id).write.remote(request, staged_ref, incarnation)
             if isinstance(staged_ref, StagedRegion):
                 self.buffer.busy = write_ref  # the writer reads the buffer until this resolves
         except Exception as exc:
@@ -252,6 +128,7 @@ class AsyncSaver:
             registered,
             filesystem,
             self._seen,
+            incarnation,
         )
         return self.inflight
 
@@ -301,7 +178,7 @@ class AsyncSaver:
     def wait(self) -> CatalogEntry | None:
         """Wait for the save in flight, if any (raises if it failed); the next save no longer waits for it."""
         previous, self.inflight = self.inflight, None
-        return previous.wait() if previous is not None else None
+        return previous.wait_before_next_save() if previous is not None else None
 
     def prepare_staging(self, state_dict: dict[str, Any], staging: str | None = None) -> int:
         """``prepare_staging`` (see there)."""

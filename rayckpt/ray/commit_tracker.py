@@ -4,14 +4,22 @@ Ray-free and asyncio-free; the MetadataActor is its one caller. A save commits
 once rank 0 registered it (``begin_save``, bringing the ``SaveSpec``) and every
 rank's shard files are durable (``report_written``), in either order. It fails
 when a rank reports a failure (``report_failed``), when its run's workers died
-(``fail_pending``) or when it is not committed by its deadline (``expire``);
-its files are then removed, and files reported after that are removed too.
+(``fail_pending``), when it is not committed by its deadline (``expire``) or
+when the actor learns that the save belongs to an earlier incarnation of
+itself (``lost``: the actor restarted mid-save); its files are then removed,
+and files reported after that are removed too. Files reported for a save that
+is never registered are removed once they are ``orphan_timeout_s`` old.
+
+Memory stays bounded: a save's heavy state (its spec, every rank's chunk
+records and checksums) lives only while it is in flight. Once it settles only
+its catalog entry is kept, in a bounded ``save_history.SaveHistory``.
 
 The tracker does the storage work itself, through the two functions it is
 given (``commit_save`` and ``remove_failed_save`` by default), and outside its
 lock: the actor calls it from worker threads. Each call returns the saves it
 settled (``SaveOutcome``), for the actor to turn into events, metrics and
-wake-ups. Storage stays the truth; the tracker only knows the saves it saw.
+wake-ups. Storage stays the truth: a save this tracker never saw registered is
+failed only after storage shows that no earlier incarnation committed it.
 """
 
 from __future__ import annotations
@@ -23,13 +31,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..format.manifest import Manifest
-from ..storage.catalog import CatalogEntry, entry_order
+from ..storage.catalog import CatalogEntry, describe, entry_order
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard, commit_save, remove_failed_save
+from .save_history import SaveHistory, SettledSave
 
 PENDING = "pending"
 COMMITTED = "committed"
 FAILED = "failed"
+
+#: How long files reported for a save that nobody registered are kept before they are removed.
+ORPHAN_TIMEOUT_S = 60.0
 
 #: ``commit_save``'s signature: write the manifest of a save from every rank's shard.
 CommitFn = Callable[[CheckpointDir, SaveSpec, Iterable[WrittenShard]], Manifest]
@@ -60,7 +72,7 @@ class _Removal:
 
 @dataclass
 class _Save:
-    """One save's state; changed only under the tracker's lock."""
+    """One save in flight; changed only under the tracker's lock."""
 
     save_id: str
     started: float
@@ -73,8 +85,8 @@ class _Save:
     deadline: float = 0.0
     timeout: float = 0.0
     registered: bool = False
-    #: Set while one thread writes the manifest: no second commit, and no failure
-    #: may remove the files the manifest is about to name.
+    #: Set while one thread writes the manifest (or asks storage whether an earlier
+    #: incarnation did): no second commit, and no failure may remove its files.
     committing: bool = False
     written: dict[int, WrittenShard] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
@@ -106,7 +118,7 @@ class _Save:
 
 
 class CommitTracker:
-    """Every save the MetadataActor has heard of, and the catalog entries of those with a location.
+    """The saves in flight the MetadataActor has heard of, and a bounded history of settled ones.
 
     Thread-safe: one lock guards the state, and storage I/O runs outside it.
     """
@@ -115,20 +127,23 @@ class CommitTracker:
         self,
         default_timeout_s: float,
         *,
+        orphan_timeout_s: float | None = None,
         commit: CommitFn = commit_save,
         remove: RemoveFn = remove_failed_save,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """``default_timeout_s``: how long a registered save may take to commit, unless its
-        registration says otherwise. ``clock``: wall time in seconds (tests pass their own)."""
+        registration says otherwise. ``orphan_timeout_s``: how long files reported for an
+        unregistered save are kept (default: ``ORPHAN_TIMEOUT_S``, at most ``default_timeout_s``).
+        ``clock``: wall time in seconds (tests pass their own)."""
         self._default_timeout_s = default_timeout_s
+        self._orphan_timeout_s = orphan_timeout_s or min(ORPHAN_TIMEOUT_S, default_timeout_s)
         self._commit_fn = commit
         self._remove_fn = remove
         self._clock = clock
         self._lock = threading.Lock()
         self._saves: dict[str, _Save] = {}
-        #: run -> location -> the entry of the last tracked save there.
-        self._catalog: dict[str, dict[str, CatalogEntry]] = {}
+        self._history = SaveHistory()
 
     # -- reports (each returns the saves it settled) -----------------------------
 
@@ -142,34 +157,56 @@ class CommitTracker:
         timeout_s: float | None = None,
     ) -> list[SaveOutcome]:
         """Register a save (rank 0, once per save, through the actor); commits it if every rank
-        already reported. It fails unless committed within ``timeout_s`` (default: the tracker's)."""
+        already reported. It fails unless committed within ``timeout_s`` (default: the tracker's).
+        A save that already failed (a rank reported first) stays failed."""
         with self._lock:
+            if self._history.get(spec.save_id) is not None:
+                return []
             s = self._save(spec.save_id)
             s.spec, s.location, s.filesystem, s.run, s.step = spec, location, filesystem, run, step
             s.timeout = timeout_s or self._default_timeout_s
             s.deadline = self._clock() + s.timeout
             s.registered = True
-            self._note(s)
             ready = s.ready_to_commit()
             if ready:
                 s.committing = True
         return self._commit(s) if ready else []
 
-    def report_written(self, save_id: str, shard: WrittenShard, node: str = "") -> list[SaveOutcome]:
+    def report_written(
+        self,
+        save_id: str,
+        shard: WrittenShard,
+        node: str = "",
+        run: str = "",
+        step: int | None = None,
+        location: str = "",
+        filesystem: Any = None,
+    ) -> list[SaveOutcome]:
         """A rank's shard files are durable (its ShardWriter, through the actor); commits the
-        save when it was the last one missing. Files of a save that already failed are removed."""
+        save when it was the last one missing. Files of a save that failed are removed.
+
+        ``run``, ``step``, ``location``, ``filesystem``: whose save and where it goes, to
+        name and clean up a save that is never registered (see ``expire``).
+        """
+        paths = tuple(f.path for f in shard.files)
         with self._lock:
-            s = self._save(save_id)
-            s.writer_nodes[shard.rank] = node
-            late = s.status == FAILED
-            if late:
-                removal = self._removal(s, [f.path for f in shard.files])
+            done = self._history.get(save_id)
+            if done is not None:
+                if done.entry.status != FAILED:
+                    return []  # a repeated report of a committed save: its files are the checkpoint's
+                removal = _Removal(done.entry.path or location, done.filesystem or filesystem, save_id, paths)
+                ready = False
             else:
-                s.written[shard.rank] = shard
-            ready = not late and s.ready_to_commit()
-            if ready:
-                s.committing = True
-        if late:
+                s = self._save(save_id)
+                self._locate(s, run, step, location, filesystem)
+                s.writer_nodes[shard.rank] = node
+                removal = self._removal(s, paths) if s.status == FAILED else None
+                if removal is None:
+                    s.written[shard.rank] = shard
+                ready = removal is None and s.ready_to_commit()
+                if ready:
+                    s.committing = True
+        if removal is not None:
             self._remove(removal)
             return []
         return self._commit(s) if ready else []
@@ -191,11 +228,39 @@ class CommitTracker:
         its cleanup).
         """
         with self._lock:
+            if self._history.get(save_id) is not None:
+                return []
             s = self._save(save_id)
-            if not s.registered:
-                s.run, s.step, s.location, s.filesystem = run, step, location, filesystem
+            self._locate(s, run, step, location, filesystem)
             s.failures[rank] = error
         return self._fail(s, f"rank {rank}: {error}")
+
+    def lost(
+        self,
+        save_id: str,
+        reason: str,
+        rank: int | None = None,
+        run: str = "",
+        step: int | None = None,
+        location: str = "",
+        filesystem: Any = None,
+    ) -> list[SaveOutcome]:
+        """A rank (or its writer) that started the save under an earlier incarnation of the
+        actor asks about it: fail it with ``reason`` unless this tracker has what it needs
+        to commit it (its registration and, given ``rank``, that rank's files).
+
+        A save this tracker never saw registered is failed only if storage does not hold
+        it committed (the earlier incarnation may have committed it before it died).
+        """
+        with self._lock:
+            if self._history.get(save_id) is not None:
+                return []
+            s = self._saves.get(save_id)
+            if s is not None and s.registered and (rank is None or rank in s.written):
+                return []
+            s = s or self._save(save_id)
+            self._locate(s, run, step, location, filesystem)
+        return self._fail(s, reason)
 
     def fail_pending(self, run: str, reason: str) -> list[SaveOutcome]:
         """Fail every in-flight save of ``run`` (the actor, when the run's worker group died).
@@ -207,33 +272,61 @@ class CommitTracker:
         return [o for s in pending for o in self._fail(s, reason)]
 
     def expire(self, now: float | None = None) -> list[SaveOutcome]:
-        """Fail every registered save past its deadline, naming the ranks that did not report
-        (the actor's watchdog, periodically)."""
+        """Fail every registered save past its deadline, naming the ranks that did not report,
+        and every unregistered one whose first report is ``orphan_timeout_s`` old (the actor's
+        watchdog, periodically)."""
         now = self._clock() if now is None else now
         with self._lock:
             overdue = []
             for s in self._saves.values():
-                if s.status == PENDING and s.registered and not s.committing and now > s.deadline:
+                if s.status != PENDING or s.committing:
+                    continue
+                if s.registered and now > s.deadline:
                     missing = sorted(set(range(s.spec.world_size)) - set(s.written))
                     overdue.append((s, f"rank(s) {missing} did not report within {s.timeout:g}s"))
+                elif not s.registered and now > s.started + self._orphan_timeout_s:
+                    reason = (
+                        f"rank(s) {sorted(s.written)} wrote files, but rank 0 did not register the save with this "
+                        f"MetadataActor within {self._orphan_timeout_s:g}s (it restarted, or rank 0 died)"
+                    )
+                    overdue.append((s, reason))
         return [o for s, reason in overdue for o in self._fail(s, reason)]
 
     # -- queries -----------------------------------------------------------------
 
     def entry(self, save_id: str) -> CatalogEntry:
-        """The save's catalog entry ("pending" for a save not heard of yet)."""
+        """The save's catalog entry ("pending" with no location for a save not heard of, or forgotten)."""
         with self._lock:
-            return self._save(save_id).entry()
+            s = self._saves.get(save_id)
+            if s is not None:
+                return s.entry()
+            done = self._history.get(save_id)
+            return done.entry if done is not None else CatalogEntry("", None, "", PENDING, 0.0, 0, 0, save_id)
 
     def catalog(self, run: str) -> list[CatalogEntry]:
         """The entries of ``run``'s tracked saves, the last one per location, oldest first."""
         with self._lock:
-            return sorted(self._catalog.get(run, {}).values(), key=entry_order)
+            latest = {d.entry.path: d.entry for d in self._history.of_run(run) if d.entry.path}
+            for s in self._saves.values():
+                if s.run == run and s.location and (s.registered or s.status != PENDING):
+                    latest[s.location] = s.entry()
+        return sorted(latest.values(), key=entry_order)
 
     def has_pending(self) -> bool:
         """Whether some save is still in flight (the actor's watchdog runs while one is)."""
         with self._lock:
             return any(s.status == PENDING for s in self._saves.values())
+
+    def counts(self) -> dict[str, int]:
+        """Records held: saves in flight (registered or not), settled saves kept, runs they belong to."""
+        with self._lock:
+            registered = sum(s.registered for s in self._saves.values())
+            return {
+                "in_flight": len(self._saves),
+                "unregistered": len(self._saves) - registered,
+                "settled": len(self._history),
+                "runs": self._history.run_count(),
+            }
 
     # -- the steps (called without the lock) ---------------------------------------
 
@@ -249,26 +342,43 @@ class CommitTracker:
             s.committing = False
             s.status = COMMITTED
             s.total_bytes = manifest.total_bytes
-            self._note(s)
-            return [self._outcome(s)]
+            return [self._settle(s)]
 
     def _fail(self, s: _Save, reason: str, committing: bool = False) -> list[SaveOutcome]:
         """Fail ``s`` unless it already settled or is being committed (``committing``: by this
-        caller, whose commit failed); then remove its files."""
+        caller, whose commit failed); then remove its files.
+
+        A save never registered here is first looked up in storage: committed there (by an
+        earlier incarnation of the actor), it settles as committed and its files stay.
+        """
         with self._lock:
             if s.status != PENDING or s.committing != committing:
                 return []
+            verify = not s.registered and bool(s.location)
+            s.committing = verify  # while storage is asked: no other outcome, no removal
+        keep_files = False
+        if verify:
+            try:
+                stored = describe(CheckpointDir.resolve(s.location, s.filesystem), s.run)
+            except Exception as exc:  # noqa: BLE001 - storage cannot say: fail the save, leave its files
+                stored, keep_files = None, True
+                reason = f"{reason} (its files are left: checking storage failed: {type(exc).__name__}: {exc})"
+            if stored is not None and stored.status == COMMITTED and stored.save_id == s.save_id:
+                with self._lock:
+                    s.committing, s.status, s.total_bytes = False, COMMITTED, stored.bytes
+                    s.run, s.step = s.run or stored.run, s.step if s.step is not None else stored.step
+                    return [self._settle(s)]
+        with self._lock:
             s.status, s.error, s.committing = FAILED, reason, False
             removal = self._removal(s, [f.path for shard in s.written.values() for f in shard.files])
-        try:
-            self._remove(removal)
-        except Exception as exc:  # noqa: BLE001 - the save failed either way: say so, with the leftovers
-            reason = f"{reason} (removing its files failed too: {type(exc).__name__}: {exc})"
+        if not keep_files:
+            try:
+                self._remove(removal)
+            except Exception as exc:  # noqa: BLE001 - the save failed either way: say so, with the leftovers
+                reason = f"{reason} (removing its files failed too: {type(exc).__name__}: {exc})"
         with self._lock:
             s.error = reason
-            if s.location:
-                self._note(s)
-            return [self._outcome(s)]
+            return [self._settle(s)]
 
     def _remove(self, removal: _Removal) -> None:
         if removal.location:
@@ -283,11 +393,21 @@ class CommitTracker:
             s = self._saves[save_id] = _Save(save_id, started=self._clock())
         return s
 
-    def _note(self, s: _Save) -> None:
-        self._catalog.setdefault(s.run, {})[s.location] = s.entry()
+    @staticmethod
+    def _locate(s: _Save, run: str, step: int | None, location: str, filesystem: Any) -> None:
+        """Where an unregistered save goes, from a report that says (the registration says otherwise)."""
+        if not s.registered:
+            s.run, s.step = s.run or run, s.step if s.step is not None else step
+            if location:
+                s.location, s.filesystem = location, filesystem
 
-    def _removal(self, s: _Save, paths: list[str]) -> _Removal:
+    def _removal(self, s: _Save, paths: Sequence[str]) -> _Removal:
         return _Removal(s.location, s.filesystem, s.save_id, tuple(paths))
 
-    def _outcome(self, s: _Save) -> SaveOutcome:
-        return SaveOutcome(s.entry(), dict(s.writer_nodes), self._clock() - s.started)
+    def _settle(self, s: _Save) -> SaveOutcome:
+        """``s`` settled: keep only its entry (its spec and chunk records go) and say so."""
+        outcome = SaveOutcome(s.entry(), dict(s.writer_nodes), self._clock() - s.started)
+        if self._saves.get(s.save_id) is s:
+            del self._saves[s.save_id]
+        self._history.add(SettledSave(outcome.entry, s.filesystem))
+        return outcome

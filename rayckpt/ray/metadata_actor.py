@@ -13,12 +13,23 @@ parts, which it calls from worker threads (they do the storage I/O):
 The shell adds what needs Ray or the event loop: waiting for a save's outcome
 (``wait_commit``), the watchdog that expires late saves, metrics and the event
 log the Ray Train callback and tests read.
+
+Ray restarts the actor when it dies (``max_restarts=-1``), with an empty state.
+Each incarnation has an id (``incarnation()``, also ``begin_save``'s answer);
+ranks and writers tag a save's reports and waits with the id they heard when
+the save began, and a save begun under another incarnation is settled at once
+(``CommitTracker.lost``: committed if storage holds it, else failed and its
+files removed) instead of waiting out its commit timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
+import uuid
+from collections import OrderedDict
 from typing import Any
 
 import ray
@@ -30,6 +41,9 @@ from ..storage.commit import SaveSpec, WrittenShard
 from . import metrics
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
 from .plan_cache import LoadBundle, PlanCache
+from .save_history import RUNS_KEPT
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE = "rayckpt"
 METADATA_ACTOR_NAME = "rayckpt-metadata"
@@ -45,17 +59,39 @@ class MetadataActor:
     """Catalog, commit protocol and reshard planning service (an async Ray actor)."""
 
     def __init__(self, commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
+        #: This incarnation's id: a restart starts a new one, which knows none of the earlier one's saves.
+        self._incarnation = uuid.uuid4().hex[:12]
         self._tracker = CommitTracker(commit_timeout_s)
         self._plans = PlanCache()
         #: run -> (root directory of its checkpoints, filesystem), from ``register_run``.
         self._roots: dict[str, tuple[str, Any]] = {}
-        #: save_id -> set once the save settled (its files removed, if it failed).
-        self._settled: dict[str, asyncio.Event] = {}
+        #: save_id -> an event per ``wait_commit`` waiting for it, set once the save settled.
+        self._waiters: dict[str, set[asyncio.Event]] = {}
         self._watchdog: asyncio.Task | None = None
-        self._events: dict[str, list[dict[str, Any]]] = {}
+        #: run -> its last ``_EVENTS_KEPT`` events; the ``RUNS_KEPT`` most recently active runs.
+        self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
 
     async def ping(self) -> str:
         return "ok"
+
+    async def incarnation(self) -> str:
+        """This incarnation's id (every rank, when a save begins: it tags the save's reports and waits)."""
+        return self._incarnation
+
+    async def debug_stats(self) -> dict[str, Any]:
+        """Records held and this process's resident memory: operators and tests check both stay flat."""
+        import psutil  # a dependency of Ray's
+
+        return {
+            "incarnation": self._incarnation,
+            "pid": os.getpid(),
+            "rss_bytes": psutil.Process().memory_info().rss,
+            **self._tracker.counts(),
+            "waited_saves": len(self._waiters),
+            "event_runs": len(self._events),
+            "events": sum(len(e) for e in self._events.values()),
+            **self._plans.counts(),
+        }
 
     # -- catalog ---------------------------------------------------------------
 
@@ -93,18 +129,33 @@ class MetadataActor:
         run: str,
         step: int | None,
         commit_timeout_s: float | None = None,
-    ) -> None:
-        """Called by rank 0 once per save. A save not committed within
-        ``commit_timeout_s`` (default: the actor's) fails."""
+    ) -> str:
+        """Called by rank 0 once per save; returns this incarnation's id. A save not committed
+        within ``commit_timeout_s`` (default: the actor's) fails."""
         track = self._tracker.begin_save
         settled = await asyncio.to_thread(track, spec, location, filesystem, run, step, commit_timeout_s)
-        # Started once the save is registered, so that its first look sees the save pending.
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.get_running_loop().create_task(self._expire_loop())
+        self._watch()  # once the save is registered, so that the watchdog's first look sees it pending
         await self._settle(settled)
+        return self._incarnation
 
-    async def report_written(self, save_id: str, shard: WrittenShard, seconds: float, node: str = "") -> None:
-        """Called by a ShardWriter when a rank's shard files are durable."""
+    async def report_written(
+        self,
+        save_id: str,
+        shard: WrittenShard,
+        seconds: float,
+        node: str = "",
+        incarnation: str | None = None,
+        run: str = "",
+        step: int | None = None,
+        location: str = "",
+        filesystem: Any = None,
+    ) -> None:
+        """Called by a ShardWriter when a rank's shard files are durable.
+
+        ``incarnation``: the id the rank heard when its save began; ``run``, ``step``,
+        ``location``, ``filesystem``: whose save and where its files are, for a save
+        this incarnation does not know (to name it, and to remove the files if it never commits).
+        """
         known = self._tracker.entry(save_id)
         if known.status != FAILED:  # a failed save's files are removed: not counted as written
             nbytes = shard.nbytes
@@ -112,7 +163,14 @@ class MetadataActor:
             metrics.inc("rayckpt_bytes_written", nbytes, run=known.run)
             if seconds > 0:
                 metrics.observe("rayckpt_write_throughput_bytes_per_second", nbytes / seconds, run=known.run)
-        await self._settle(await asyncio.to_thread(self._tracker.report_written, save_id, shard, node))
+        track = self._tracker.report_written
+        where = (run, step, location, filesystem)
+        settled = await asyncio.to_thread(track, save_id, shard, node, *where)
+        if self._restarted_since(incarnation):
+            lost, reason = self._tracker.lost, self._lost_reason(incarnation)
+            settled += await asyncio.to_thread(lost, save_id, reason, shard.rank, *where)
+        self._watch()  # a save nobody registered expires too
+        await self._settle(settled)
 
     async def report_failed(
         self,
@@ -139,16 +197,55 @@ class MetadataActor:
         await self._settle(settled)
         return [o.entry.save_id for o in settled]
 
-    async def wait_commit(self, save_id: str, timeout: float | None = None) -> CatalogEntry:
-        """Block until the save committed or failed; return its catalog entry (any rank)."""
-        try:
-            await asyncio.wait_for(self._settled_event(save_id).wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+    async def wait_commit(
+        self,
+        save_id: str,
+        timeout: float | None = None,
+        incarnation: str | None = None,
+        rank: int | None = None,
+        run: str = "",
+        step: int | None = None,
+        location: str = "",
+        filesystem: Any = None,
+    ) -> CatalogEntry:
+        """Block until the save committed or failed, at most ``timeout`` seconds; return its
+        catalog entry ("pending" if it did not settle in time). Called by every rank.
+
+        ``incarnation``: the id the rank heard when its save began. A save begun under
+        another incarnation (this actor restarted since) is settled at once, with
+        ``rank``, ``run``, ``step``, ``location``, ``filesystem`` saying whose and where.
+        """
+        if self._restarted_since(incarnation):
+            lost, reason = self._tracker.lost, self._lost_reason(incarnation)
+            await self._settle(await asyncio.to_thread(lost, save_id, reason, rank, run, step, location, filesystem))
+        if self._tracker.entry(save_id).status == PENDING:
+            waiters = self._waiters.setdefault(save_id, set())
+            settled = asyncio.Event()
+            waiters.add(settled)
+            try:
+                await asyncio.wait_for(settled.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                waiters.discard(settled)
+                if not waiters and self._waiters.get(save_id) is waiters:
+                    del self._waiters[save_id]
         return self._tracker.entry(save_id)
 
-    def _settled_event(self, save_id: str) -> asyncio.Event:
-        return self._settled.setdefault(save_id, asyncio.Event())
+    def _restarted_since(self, incarnation: str | None) -> bool:
+        """Whether a save begun when the actor was ``incarnation`` began under another incarnation."""
+        return incarnation is not None and incarnation != self._incarnation
+
+    def _lost_reason(self, incarnation: str | None) -> str:
+        return (
+            f"the MetadataActor restarted while this save was in flight (it began under incarnation "
+            f"{incarnation}, this is {self._incarnation}), so it cannot commit; save again"
+        )
+
+    def _watch(self) -> None:
+        """Start the watchdog unless it runs (it stops once nothing is in flight)."""
+        if (self._watchdog is None or self._watchdog.done()) and self._tracker.has_pending():
+            self._watchdog = asyncio.get_running_loop().create_task(self._expire_loop())
 
     async def _settle(self, outcomes: list[SaveOutcome]) -> None:
         """Announce saves that settled: cached plans, metrics, events, then wake their waiters."""
@@ -161,10 +258,14 @@ class MetadataActor:
                 await self.record_event(e.run, "committed", data)
                 metrics.observe("rayckpt_commit_seconds", o.seconds, run=e.run)
             else:
+                logger.warning(
+                    "save %s of run %r (step %s) to %s failed: %s", e.save_id, e.run, e.step, e.path, e.error
+                )
                 metrics.inc("rayckpt_checkpoints_failed", run=e.run)
                 data = {"save_id": e.save_id, "step": e.step, "location": e.path, "error": e.error}
                 await self.record_event(e.run, "failed", data)
-            self._settled_event(e.save_id).set()
+            for settled in self._waiters.pop(e.save_id, ()):
+                settled.set()
 
     async def _expire_loop(self) -> None:
         while self._tracker.has_pending():
@@ -209,8 +310,11 @@ class MetadataActor:
 
     async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:
         events = self._events.setdefault(run, [])
+        self._events.move_to_end(run)
         events.append({"time": time.time(), "kind": kind, **data})
         del events[:-_EVENTS_KEPT]
+        while len(self._events) > RUNS_KEPT:
+            self._events.popitem(last=False)
 
     async def events(self, run: str) -> list[dict[str, Any]]:
         return list(self._events.get(run, []))

@@ -186,6 +186,16 @@ class PlanCache:
             for store in (self._checkpoints, self._tables, self._plans, self._bulk):
                 store.drop(location)
 
+    def counts(self) -> dict[str, int]:
+        """Entries held by each cache, each bounded (the actor's ``debug_stats``)."""
+        with self._lock:
+            return {
+                "cached_manifests": len(self._checkpoints.entries),
+                "cached_chunk_tables": len(self._tables.entries),
+                "cached_rank_plans": len(self._plans.entries),
+                "cached_bulk_plans": len(self._bulk.entries),
+            }
+
     def cached_plans(self) -> int:
         """Plans held: per-request plans plus all-ranks (bulk) plans."""
         with self._lock:

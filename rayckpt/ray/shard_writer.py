@@ -36,6 +36,9 @@ class ShardWrite:
     block_size: int
     #: Each staged chunk, in the order of the staged arrays.
     chunks: tuple[ChunkSpec, ...]
+    #: The save's run and step, for a MetadataActor that does not know the save (it restarted).
+    run: str = ""
+    step: int | None = None
 
 
 class ShardWriter:
@@ -49,14 +52,17 @@ class ShardWriter:
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def write(self, request: ShardWrite, staged: list[Any] | StagedRegion) -> dict[str, Any]:
+    def write(
+        self, request: ShardWrite, staged: list[Any] | StagedRegion, incarnation: str | None = None
+    ) -> dict[str, Any]:
         """Write a rank's staged chunks and report to the MetadataActor (called by the rank).
 
         ``staged``: the arrays themselves (zero-copy views into the object store)
         or a ``StagedRegion`` of the rank's staging buffer on this node, one array
-        per ``request.chunks``. Returns what was written.
+        per ``request.chunks``. ``incarnation``: the MetadataActor's id when the
+        save began, passed on with the report (a restarted actor fails the save at
+        once). Returns what was written.
         """
-        meta = get_metadata_actor()
         ckdir = CheckpointDir.resolve(request.location, request.filesystem)
         written_files: list[str] = []
         start = time.perf_counter()
@@ -69,10 +75,19 @@ class ShardWriter:
             for rel in written_files:
                 ckdir.delete(rel)
             msg = f"ShardWriter on node {self.node_id[:12]}: {type(exc).__name__}: {exc}"
-            ray.get(meta.report_failed.remote(request.save_id, request.rank, msg))
+            where = (request.run, request.step, request.location, request.filesystem)
+            try:
+                ray.get(get_metadata_actor().report_failed.remote(request.save_id, request.rank, msg, *where))
+            except ray.exceptions.RayActorError:
+                pass  # the actor is gone: the rank reports the failure it gets from this task
             raise
         seconds = time.perf_counter() - start
-        ray.get(meta.report_written.remote(request.save_id, shard, seconds, self.node_id))
+        where = (request.run, request.step, request.location, request.filesystem)
+        ray.get(
+            get_metadata_actor().report_written.remote(
+                request.save_id, shard, seconds, self.node_id, incarnation, *where
+            )
+        )
         return {"node": self.node_id, "files": [f.path for f in shard.files], "bytes": shard.nbytes, "seconds": seconds}
 
     @contextmanager

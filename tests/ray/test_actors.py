@@ -13,7 +13,7 @@ import torch
 import rayckpt
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan as planner
-from rayckpt.ray import async_save, staging
+from rayckpt.ray import async_save, save_handle, staging
 from rayckpt.ray.load import load as ray_load
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.ray.shard_writer import ShardWrite, get_shard_writer
@@ -252,7 +252,7 @@ def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tm
     assert ray.get(dying.wait_commit.remote(handle.save_id, 60)).status == "committed"
     ray.kill(dying, no_restart=True)
     # the race the Ray Train test hit: this rank looked the actor up just before it was killed
-    monkeypatch.setattr(async_save, "get_metadata_actor", lambda: dying)
+    monkeypatch.setattr(save_handle, "get_metadata_actor", lambda: dying)
     entry = handle.wait()
     assert entry.status == "committed" and entry.save_id == handle.save_id and entry.step == 8
     # a save storage does not hold (another save's manifest is there) failed

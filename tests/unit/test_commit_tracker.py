@@ -15,7 +15,9 @@ import rayckpt
 from rayckpt.engine.writer import write_chunks
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkData
-from rayckpt.ray.commit_tracker import CommitTracker
+from rayckpt.ray.commit_tracker import ORPHAN_TIMEOUT_S, CommitTracker
+from rayckpt.ray.save_history import RUNS_KEPT, SETTLED_KEPT_PER_RUN, SaveHistory, SettledSave
+from rayckpt.storage.catalog import CatalogEntry
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec, WrittenShard, commit_save
 
@@ -150,10 +152,113 @@ def test_a_save_past_its_deadline_fails_naming_the_missing_ranks(tracker, clock,
     assert not tracker.has_pending()
 
 
-def test_an_unregistered_save_never_expires(tracker, clock, tmp_path):
-    tracker.report_written("s6", write_rank(str(tmp_path / "ck"), "s6", 0))
-    clock.now += 10_000
-    assert tracker.expire() == [] and tracker.entry("s6").status == "pending"
+def test_files_of_a_save_nobody_registers_are_removed_once_the_orphan_timeout_passes(tracker, clock, tmp_path):
+    path = str(tmp_path / "ck")
+    tracker.report_written("s6", write_rank(path, "s6", 1), "node-a", location=path)
+    assert tracker.has_pending() and tracker.counts()["unregistered"] == 1
+    clock.now += ORPHAN_TIMEOUT_S - 1
+    assert tracker.expire() == [] and shard_files(path) == ["s6-r00001-float.arrow"]
+    clock.now += 2
+    (outcome,) = tracker.expire()
+    assert outcome.entry.status == "failed" and outcome.entry.path == path
+    assert outcome.entry.error == (
+        f"rank(s) [1] wrote files, but rank 0 did not register the save with this MetadataActor within "
+        f"{ORPHAN_TIMEOUT_S:g}s (it restarted, or rank 0 died)"
+    )
+    assert not os.path.exists(path) and not tracker.has_pending()
+    assert tracker.begin_save(spec_of("s6"), path, None, "run", 1) == []  # too late: it stays failed
+    assert tracker.entry("s6").status == "failed"
+
+
+def test_the_orphan_timeout_is_never_longer_than_the_commit_timeout(clock, tmp_path):
+    tracker = CommitTracker(5.0, clock=clock)
+    tracker.report_written("s6", write_rank(str(tmp_path / "ck"), "s6", 0), location=str(tmp_path / "ck"))
+    clock.now += 6
+    assert [o.entry.status for o in tracker.expire()] == ["failed"]
+
+
+def test_a_save_of_an_earlier_incarnation_fails_at_once_and_its_files_go(tracker, tmp_path):
+    path = str(tmp_path / "ck")
+    # The writer's report reaches the restarted actor, which never saw the registration.
+    tracker.report_written("s9", write_rank(path, "s9", 0), "node-a", "run", 2, path, None)
+    (outcome,) = tracker.lost("s9", "the MetadataActor restarted", 0, "run", 2, path, None)
+    assert outcome.entry.status == "failed" and outcome.entry.error == "the MetadataActor restarted"
+    assert [(e.step, e.status) for e in tracker.catalog("run")] == [(2, "failed")]
+    assert not os.path.exists(path)
+    # The waiting rank asks next: already settled, answered at once.
+    assert tracker.lost("s9", "again", 0, "run", 2, path, None) == []
+    assert tracker.entry("s9").status == "failed"
+    # A rank that only waits (its writer reported to the dead incarnation): its save id's files go too.
+    other = str(tmp_path / "other")
+    write_rank(other, "s10", 1)
+    (outcome,) = tracker.lost("s10", "the MetadataActor restarted", 1, "run", 3, other, None)
+    assert (outcome.entry.run, outcome.entry.step, outcome.entry.status) == ("run", 3, "failed")
+    assert not os.path.exists(other)
+
+
+def test_a_save_an_earlier_incarnation_committed_is_found_in_storage_and_kept(tracker, tmp_path):
+    path = str(tmp_path / "ck")
+    shards = [write_rank(path, "s11", r) for r in (0, 1)]
+    commit_save(CheckpointDir.resolve(path), spec_of("s11"), shards)  # then that incarnation died
+    (outcome,) = tracker.report_failed("s11", 1, "the writer's report was cut off", "run", 4, path, None)
+    assert outcome.entry.status == "committed" and outcome.entry.bytes > 0 and outcome.entry.step == 4
+    assert tracker.lost("s11", "restarted", 0, "run", 4, path, None) == []
+    assert shard_files(path) == ["s11-r00000-float.arrow", "s11-r00001-float.arrow"]
+    assert np.array_equal(loaded(path), DATA)
+
+
+def test_lost_spares_a_save_registered_here_unless_the_asking_ranks_files_went_elsewhere(tracker, tmp_path):
+    path = str(tmp_path / "ck")
+    tracker.begin_save(spec_of("s12"), path, None, "run", 1)  # rank 0's registration reached this incarnation
+    tracker.report_written("s12", write_rank(path, "s12", 0))
+    assert tracker.lost("s12", "restarted", 0) == []  # rank 0's files were reported here
+    (outcome,) = tracker.lost("s12", "restarted", 1)  # rank 1's report went to the incarnation that died
+    assert outcome.entry.status == "failed" and not os.path.exists(path)
+
+
+def test_a_repeated_report_of_a_committed_save_leaves_its_files(tracker, tmp_path):
+    path = str(tmp_path / "ck")
+    tracker.begin_save(spec_of("s13"), path, None, "run", 1)
+    shards = [write_rank(path, "s13", r) for r in (0, 1)]
+    for shard in shards:
+        tracker.report_written("s13", shard)
+    assert tracker.report_written("s13", shards[1]) == []
+    assert np.array_equal(loaded(path), DATA)
+
+
+def test_settled_saves_keep_only_a_bounded_history_of_small_entries(tracker, tmp_path):
+    def commit(save_id: str, run: str) -> None:
+        path = str(tmp_path / save_id)
+        tracker.begin_save(spec_of(save_id), path, None, run, 1)
+        for rank in (0, 1):
+            tracker.report_written(save_id, write_rank(path, save_id, rank))
+
+    for i in range(SETTLED_KEPT_PER_RUN + 8):
+        commit(f"a{i}", "a")
+    assert tracker.counts() == {"in_flight": 0, "unregistered": 0, "settled": SETTLED_KEPT_PER_RUN, "runs": 1}
+    assert tracker._saves == {}  # no spec, no chunk records, no checksums kept
+    kept = {e.save_id for e in tracker.catalog("a")}
+    assert kept == {f"a{i}" for i in range(8, SETTLED_KEPT_PER_RUN + 8)}  # the newest
+    assert tracker.entry("a0") == CatalogEntry("", None, "", "pending", 0.0, 0, 0, "a0")  # forgotten
+    assert tracker.entry("a8").status == "committed"
+    for r in range(RUNS_KEPT):  # one save in each of as many other runs as are kept: run "a" goes
+        commit(f"r{r}", f"run{r}")
+    assert tracker.counts()["runs"] == RUNS_KEPT and tracker.counts()["settled"] == RUNS_KEPT
+    assert tracker.catalog("a") == [] and tracker.entry("r0").status == "committed"
+
+
+def test_save_history_bounds_runs_by_recent_activity():
+    def settled(run: str, save_id: str) -> SettledSave:
+        return SettledSave(CatalogEntry(run, 1, f"/{save_id}", "committed", 0.0, 1, 0, save_id), None)
+
+    history = SaveHistory(per_run=2, runs=2)
+    for run, save_id in (("x", "x1"), ("y", "y1"), ("x", "x2"), ("x", "x3"), ("z", "z1")):
+        history.add(settled(run, save_id))
+    assert [d.entry.save_id for d in history.of_run("x")] == ["x2", "x3"]
+    assert history.of_run("y") == [] and history.get("y1") is None  # least recently active run forgotten
+    assert len(history) == 3 and history.run_count() == 2
+    history.add(settled("z", "x3"))  # one id settles once; re-adding moves it
+    assert [d.entry.save_id for d in history.of_run("x")] == ["x2"] and history.get("x3").entry.run == "z"
 
 
 def test_fail_pending_fails_only_that_runs_saves_in_flight(tracker, tmp_path):
@@ -225,7 +330,8 @@ def test_a_failure_during_the_commit_does_not_remove_the_files_the_manifest_name
 
 def test_the_ray_side_parts_import_no_ray():
     script = (
-        "import json, sys, rayckpt.ray.commit_tracker, rayckpt.ray.plan_cache; print(json.dumps(sorted(sys.modules)))"
+        "import json, sys, rayckpt.ray.commit_tracker, rayckpt.ray.plan_cache, rayckpt.ray.save_history; "
+        "print(json.dumps(sorted(sys.modules)))"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

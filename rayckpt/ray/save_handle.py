@@ -1,0 +1,233 @@
+"""A rank's async save in flight, and how the rank learns its outcome from the MetadataActor.
+
+``SaveHandle.wait()`` waits for the rank's ShardWriter, then asks the
+MetadataActor for the save's outcome (``wait_commit``), tagged with the actor
+incarnation the save began under. The outcome is learned once and kept: a
+failed save raises its ``SaveFailedError`` from its own ``wait()`` (every time
+it is called) and never from a later save's. When the actor restarted mid-save
+its new incarnation answers at once (failed, or committed if storage holds
+the save); when it died for good, storage answers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from ..errors import SaveFailedError
+from ..storage.catalog import CatalogEntry, describe
+from ..storage.checkpoint_dir import CheckpointDir
+from .metadata_actor import get_metadata_actor
+from .staging import StagedRegion
+
+#: The incarnation tag of a save whose registration (or incarnation query) reached an
+#: incarnation that died before answering: every live incarnation is another one.
+UNKNOWN_INCARNATION = "unknown"
+#: Seconds a rank waits before asking again when the MetadataActor died under its request
+#: (Ray restarts it; a request sent just then may fail too); then storage answers.
+_RETRY_AFTER_S = (0.2, 0.5, 1.0, 2.0)
+
+
+def actor_location(ckdir: CheckpointDir, filesystem: Any) -> str:
+    """How the actors reach ``ckdir``: its path on ``filesystem`` when one was given, else the user's URI."""
+    return ckdir.fs_path if filesystem is not None else ckdir.location
+
+
+class SaveHandle:
+    """An async save in flight on this rank. ``wait()`` until committed."""
+
+    def __init__(
+        self,
+        save_id: str,
+        ckdir: CheckpointDir,
+        run: str,
+        step: int | None,
+        rank: int,
+        write_ref: Any,
+        staged_ref: Any,
+        stall_seconds: float,
+        timeout: float,
+        registered: Any = None,
+        filesystem: Any = None,
+        on_outcome: Callable[[SaveHandle], None] | None = None,
+        incarnation: Any = None,
+    ) -> None:
+        self.save_id = save_id
+        self.location = ckdir.location
+        self.run = run
+        self.step = step
+        self.rank = rank
+        #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).
+        self.stall_seconds = stall_seconds
+        #: Where the share was staged: "shm" (the reusable buffer) or "object_store".
+        self.staging = "shm" if isinstance(staged_ref, StagedRegion) else "object_store"
+        self._ckdir = ckdir
+        self._filesystem = filesystem
+        self._write_ref = write_ref
+        self._staged_ref = staged_ref
+        self._timeout = timeout
+        self._entry: CatalogEntry | None = None
+        #: Rank 0: the registration with the MetadataActor (``begin_save``), not yet waited for.
+        self._registered = registered
+        #: The MetadataActor's answer to ``incarnation()`` when the save began, not yet waited for.
+        self._incarnation = incarnation
+        #: Told once the outcome is known (its saver stops holding the next save up for it).
+        self._on_outcome = on_outcome
+        #: Held by the one thread that learns the outcome; the others then read it.
+        self._learning = threading.Lock()
+        #: Callers of ``wait()`` waiting or told the outcome: a failure is theirs to hear.
+        self._watchers = 0
+        self._watchers_lock = threading.Lock()
+
+    def done(self) -> bool:
+        """Whether this rank's share is written (the commit may still be pending)."""
+        ready, _ = ray.wait([self._write_ref], timeout=0)
+        return bool(ready)
+
+    def wait(self, timeout: float | None = None) -> CatalogEntry:
+        """Block until the checkpoint is committed; raise ``SaveFailedError`` if it failed.
+
+        ``TimeoutError`` when ``timeout`` (shorter than the save's commit timeout) runs
+        out first: the save is still in flight. At the commit timeout the save fails.
+        Thread-safe (Ray Train's upload thread waits while training goes on).
+        """
+        self._count_watcher(+1)
+        try:
+            entry = self._outcome(timeout)
+        except TimeoutError:
+            self._count_watcher(-1)  # not told: the failure may still be the next save's to raise
+            raise
+        return self._checked(entry)
+
+    def wait_before_next_save(self) -> CatalogEntry:
+        """Wait for the outcome (this process's next ``save_async``): a failure is raised here
+        only if no ``wait()`` caller hears of it, so that it is raised once, for its own save."""
+        entry = self._outcome(None)
+        return entry if self._count_watcher(0) else self._checked(entry)
+
+    def _count_watcher(self, change: int) -> int:
+        with self._watchers_lock:
+            self._watchers += change
+            return self._watchers
+
+    def _checked(self, entry: CatalogEntry) -> CatalogEntry:
+        if entry.status != "committed":
+            raise SaveFailedError(
+                f"save of step {self.step} to {self.location} (save {self.save_id}) failed; nothing was committed: "
+                f"{entry.error}"
+            )
+        return entry
+
+    def _outcome(self, timeout: float | None) -> CatalogEntry:
+        """The save's outcome, learned once: one thread asks, the others wait for its answer."""
+        limit = timeout if timeout is not None else self._timeout
+        if not self._learning.acquire(timeout=limit if timeout is not None else -1):
+            raise TimeoutError(f"save {self.save_id} to {self.location}: no outcome within {limit}s")
+        try:
+            if self._entry is None:
+                self._entry = self._learn(limit)
+                self._staged_ref = None  # release the staged copy in the object store
+                if self._on_outcome is not None:
+                    self._on_outcome(self)
+            return self._entry
+        finally:
+            self._learning.release()
+
+    def _learn(self, limit: float) -> CatalogEntry:
+        try:
+            return self._wait_outcome(limit)
+        except TimeoutError:
+            if limit < self._timeout:
+                raise
+        gave_up = f"not committed within {limit:g}s: rank {self.rank} stopped waiting"
+        self._report_failed(gave_up)  # so that it cannot commit after this rank called it failed
+        entry = self._ask(0.0, None)
+        return self._failed_entry(gave_up) if entry.status == "pending" else entry
+
+    def _wait_outcome(self, limit: float) -> CatalogEntry:
+        try:
+            ray.get(self._write_ref, timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"save {self.save_id} to {self.location}: not written within {limit}s") from None
+        except Exception as exc:  # noqa: BLE001 - the writer died or raised: the save failed
+            self._report_failed(f"{type(exc).__name__}: {exc}")
+        entry = self._ask(limit, self._began_under(limit))
+        if entry.status == "pending":
+            raise TimeoutError(f"save {self.save_id} to {self.location}: not committed within {limit}s")
+        return entry
+
+    def _began_under(self, limit: float) -> str | None:
+        """The MetadataActor incarnation the save began under: the one that registered it (rank 0),
+        else the one this rank asked; ``None`` when unknown (a handle made without either).
+
+        Rank 0: a registration that failed fails the save (the others learn it from the actor).
+        """
+        if self._registered is not None:
+            try:
+                return ray.get(self._registered, timeout=limit)
+            except ray.exceptions.RayActorError:
+                return UNKNOWN_INCARNATION  # it died before registering the save: no incarnation has it
+            except Exception as exc:  # noqa: BLE001 - begin_save raised: the save cannot commit
+                self._report_failed(f"registering with the MetadataActor: {type(exc).__name__}: {exc}")
+        if self._incarnation is not None:
+            try:
+                return ray.get(self._incarnation, timeout=limit)
+            except ray.exceptions.RayActorError:
+                return UNKNOWN_INCARNATION
+        return None
+
+    def _ask(self, limit: float, began_under: str | None) -> CatalogEntry:
+        """The MetadataActor's answer (waiting up to ``limit``): asked again when it died under
+        the request, as its next incarnation settles this save at once; storage's answer when
+        the actor cannot be reached."""
+        where = (self.rank, self.run, self.step, actor_location(self._ckdir, self._filesystem), self._filesystem)
+        for pause in (*_RETRY_AFTER_S, None):
+            try:
+                return ray.get(get_metadata_actor().wait_commit.remote(self.save_id, limit, began_under, *where))
+            except ray.exceptions.RayActorError:
+                began_under = began_under or UNKNOWN_INCARNATION  # the incarnation asked is gone
+                if pause is not None:
+                    time.sleep(pause)
+        return self._entry_from_storage()
+
+    def _report_failed(self, error: str) -> None:
+        report_failed(self.save_id, self.rank, error, self.run, self.step, self._ckdir, self._filesystem)
+
+    def _entry_from_storage(self) -> CatalogEntry:
+        """The MetadataActor cannot be reached: storage says whether the save committed."""
+        found = describe(self._ckdir, self.run)
+        if found is not None and found.status == "committed" and found.save_id == self.save_id:
+            return found
+        return self._failed_entry("the MetadataActor died before this save was committed")
+
+    def _failed_entry(self, error: str) -> CatalogEntry:
+        return CatalogEntry(self.run, self.step, self.location, "failed", time.time(), 0, 0, self.save_id, error)
+
+
+def report_failed(
+    save_id: str,
+    rank: int,
+    error: str,
+    run: str,
+    step: int | None,
+    ckdir: CheckpointDir,
+    filesystem: Any,
+) -> None:
+    """Tell the MetadataActor that ``rank``'s part of a save failed, with where the save
+    goes: the report may arrive before rank 0's registration, or at a restarted actor.
+
+    Asked again when the actor died under the request; if it cannot be reached the
+    failure is not lost: the rank's ``wait()`` learns the outcome from storage.
+    """
+    location = actor_location(ckdir, filesystem)
+    for pause in (*_RETRY_AFTER_S, None):
+        try:
+            ray.get(get_metadata_actor().report_failed.remote(save_id, rank, error, run, step, location, filesystem))
+            return
+        except ray.exceptions.RayActorError:
+            if pause is not None:
+                time.sleep(pause)
