@@ -7,6 +7,12 @@ when a rank reports a failure (``report_failed``), when its run's workers died
 (``fail_pending``) or when it is not committed by its deadline (``expire``);
 its files are then removed, and files reported after that are removed too.
 
+Rank 0 claimed the save's location (a lease file, ``storage.lease``) before any
+rank wrote; from the registration on, the tracker keeps that lease fresh
+(``refresh_leases``, from the actor's watchdog) and releases it once the save
+committed or failed, so another run's save to the same location is refused
+while this one is in flight.
+
 The tracker does the storage work itself, through the two functions it is
 given (``commit_save`` and ``remove_failed_save`` by default), and outside its
 lock: the actor calls it from worker threads. Each call returns the saves it
@@ -26,6 +32,7 @@ from ..format.manifest import Manifest
 from ..storage.catalog import CatalogEntry, entry_order
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard, commit_save, remove_failed_save
+from ..storage.lease import HELD, LEASE_TTL_S, release_lease, write_lease
 
 PENDING = "pending"
 COMMITTED = "committed"
@@ -82,6 +89,11 @@ class _Save:
     status: str = PENDING
     error: str | None = None
     total_bytes: int = 0
+    #: When the tracker last wrote the save's lease (0: not yet; rank 0's claim stands until then).
+    lease_written: float = 0.0
+    #: Held while the lease is refreshed, the manifest written or the files removed: no
+    #: refresh may bring the lease of a save that settled back.
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def entry(self) -> CatalogEntry:
         return CatalogEntry(
@@ -218,6 +230,31 @@ class CommitTracker:
                     overdue.append((s, f"rank(s) {missing} did not report within {s.timeout:g}s"))
         return [o for s, reason in overdue for o in self._fail(s, reason)]
 
+    def refresh_leases(self, now: float | None = None) -> None:
+        """Rewrite the lease of every registered save in flight that was not written for a
+        quarter of its TTL (the actor's watchdog, periodically; the first time takes it over
+        from rank 0). A refresh that fails is retried on the next call."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            due = [
+                s
+                for s in self._saves.values()
+                if s.status == PENDING and s.registered and now - s.lease_written >= LEASE_TTL_S / 4
+            ]
+        for s in due:
+            if not s.io_lock.acquire(blocking=False):
+                continue  # being committed or removed right now
+            try:
+                with self._lock:
+                    still = s.status == PENDING and not s.committing
+                if still:
+                    write_lease(CheckpointDir.resolve(s.location, s.filesystem), s.save_id, HELD)
+                    s.lease_written = now
+            except OSError:
+                pass
+            finally:
+                s.io_lock.release()
+
     # -- queries -----------------------------------------------------------------
 
     def entry(self, save_id: str) -> CatalogEntry:
@@ -241,10 +278,20 @@ class CommitTracker:
         """Write the manifest of ``s``, which the caller marked ``committing``."""
         with self._lock:
             location, filesystem, spec, shards = s.location, s.filesystem, s.spec, tuple(s.written.values())
-        try:
-            manifest = self._commit_fn(CheckpointDir.resolve(location, filesystem), spec, shards)
-        except Exception as exc:  # noqa: BLE001 - a failed commit fails the save, not its caller
-            return self._fail(s, f"commit: {type(exc).__name__}: {exc}", committing=True)
+        with s.io_lock:
+            ckdir = CheckpointDir.resolve(location, filesystem)
+            try:
+                manifest = self._commit_fn(ckdir, spec, shards)
+            except Exception as exc:  # noqa: BLE001 - a failed commit fails the save, not its caller
+                failed = f"commit: {type(exc).__name__}: {exc}"
+            else:
+                failed = ""
+                try:
+                    release_lease(ckdir, s.save_id)
+                except OSError:
+                    pass  # committed; the lease expires by itself
+        if failed:
+            return self._fail(s, failed, committing=True)
         with self._lock:
             s.committing = False
             s.status = COMMITTED
@@ -261,7 +308,8 @@ class CommitTracker:
             s.status, s.error, s.committing = FAILED, reason, False
             removal = self._removal(s, [f.path for shard in s.written.values() for f in shard.files])
         try:
-            self._remove(removal)
+            with s.io_lock:
+                self._remove(removal)
         except Exception as exc:  # noqa: BLE001 - the save failed either way: say so, with the leftovers
             reason = f"{reason} (removing its files failed too: {type(exc).__name__}: {exc})"
         with self._lock:
@@ -273,6 +321,7 @@ class CommitTracker:
     def _remove(self, removal: _Removal) -> None:
         if removal.location:
             ckdir = CheckpointDir.resolve(removal.location, removal.filesystem)
+            release_lease(ckdir, removal.save_id)
             self._remove_fn(ckdir, removal.save_id, removal.paths)
 
     # -- helpers (called with the lock held) ----------------------------------------

@@ -29,6 +29,7 @@ import pyarrow.fs as pafs
 from ...format.paths import Path, strip_prefix
 from ...format.shard_file import DEFAULT_BLOCK_SIZE
 from ...storage.checkpoint_dir import CheckpointDir
+from ...storage.lease import is_lease_file
 from ..reader import CheckpointReader, Progress, tensor_nbytes
 
 FORMATS = ("torch", "dcp", "safetensors")
@@ -73,7 +74,10 @@ def convert(
 
     ``prefix``: exports keep only keys starting with it and strip it (``"app.model."``
     gives a plain model state dict); imports prepend it to every key. ``dst`` must
-    not exist yet (an empty directory is fine).
+    not exist yet (an empty directory is fine). An import claims ``dst`` before
+    writing (``storage.lease``): of two imports into one new directory at once,
+    one commits and the other raises ``SaveFailedError`` naming the other save
+    (or ``ValueError``: the destination exists) and leaves nothing behind.
     """
     # The format modules import this one (ConvertInfo, the helpers below), so they are
     # imported here rather than at the top; their functions are looked up on the module
@@ -92,7 +96,9 @@ def convert(
     if to is not None and not out.is_local:
         raise ValueError(f"--to {to} writes to a local path, not {dst}")
     kind = out.fs.get_file_info(out.fs_path).type
-    if kind != pafs.FileType.NotFound and (kind != pafs.FileType.Directory or out.list_files() or out.list_dirs()):
+    # Lease files alone do not make it exist: an import in flight there is named by the claim.
+    found = [n for n in out.list_files() if not is_lease_file(n)] if kind == pafs.FileType.Directory else []
+    if kind != pafs.FileType.NotFound and (kind != pafs.FileType.Directory or found or out.list_dirs()):
         raise ValueError(f"destination {out.location} already exists; remove it or choose a new path")
     if to is not None:
         export = {
