@@ -236,3 +236,22 @@ def test_two_imports_claiming_at_once_leave_one_checkpoint(tmp_path):
     assert_refused_naming(outcomes[loser], dst, ids[winner])
     assert manifest_of(dst).save_id == ids[winner]
     assert_one_whole_checkpoint(dst, (8,))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_two_exports_to_one_destination_one_wins_the_other_removes_its_output(tmp_path, fmt):
+    ckpt, sync = str(tmp_path / "ckpt"), str(tmp_path)
+    rayckpt.save(state_of(4), ckpt)
+    dst = str(tmp_path / ("out.pt" if fmt == "torch" else "out"))
+    a = start(workers.export_worker, ckpt, dst, fmt, sync, "a", "publish")
+    ready(sync, "a")  # a's output is complete beside dst, not yet published
+    b = start(workers.export_worker, ckpt, dst, fmt, sync, "b")
+    assert result(sync, "b", b) == {"ok": True, "save_id": dst}
+    go(sync, "a")
+    outcome = result(sync, "a", a)
+    assert outcome["type"] == "SaveFailedError" and f"{dst}: another writer" in outcome["error"], outcome
+    sync_files = [f for f in os.listdir(sync) if f.startswith(("a.", "b."))]
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", os.path.basename(dst), *sync_files])  # no leftovers
+    if fmt == "torch":
+        loaded = torch.load(dst, weights_only=True)
+        assert torch.equal(loaded["w"], state_of(4)["w"])

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 #: Pause points: after writing the claiming lease (before looking at rivals), right
-#: before the commit (shard files written, lease held), before an import writes.
-PAUSES = ("claim", "commit", "import")
+#: before the commit (shard files written, lease held), before an import writes,
+#: before an export publishes its finished output.
+PAUSES = ("claim", "commit", "import", "publish")
 WAIT_S = 60.0
 
 
@@ -116,6 +117,16 @@ def _install_pause(pause: str | None, sync_dir: str, name: str) -> None:
             return real_write_chunks(ckdir, chunks, save_id, *args)
 
         streaming.write_chunks = write_chunks
+    elif pause == "publish":
+        from rayckpt.tools.convert import core
+
+        real_publish = core.publish
+
+        def publish(tmp, dst):
+            _pause(sync_dir, name, tmp)
+            return real_publish(tmp, dst)
+
+        core.publish = publish
     else:
         raise ValueError(f"pause must be one of {PAUSES}, not {pause!r}")
 
@@ -164,6 +175,14 @@ def import_worker(src: str, dst: str, sync_dir: str, name: str, pause: str | Non
         return ""
 
     _report(sync_dir, name, run)
+
+
+def export_worker(src: str, dst: str, fmt: str, sync_dir: str, name: str, pause: str | None = None) -> None:
+    """``rayckpt convert SRC DST --to FMT`` in this process."""
+    from rayckpt.tools.convert.core import convert
+
+    _install_pause(pause, sync_dir, name)
+    _report(sync_dir, name, lambda: convert(src, dst, to=fmt).dst)
 
 
 def start(target: Any, *args: Any) -> multiprocessing.process.BaseProcess:
