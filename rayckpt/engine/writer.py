@@ -10,11 +10,13 @@ with the bytes read from shared memory) and by imports (``rayckpt convert``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
+from ..errors import SaveFailedError
 from ..format.manifest import FileEntry
 from ..format.shard_file import ChunkData, ChunkSpec, WrittenChunk, storage_type, write_shard_file
 from ..planning.save_plan import SavePlan
@@ -67,7 +69,12 @@ def write_chunks(
     for stype, data in sorted(by_type.items()):
         rel = shard_file_name(save_id, rank, stype)
         written_files.append(rel)
-        records, size = write_shard_file(ckdir, rel, data, block_size, save_id)
+        try:
+            records, size = write_shard_file(ckdir, rel, data, block_size, save_id)
+        except OSError as exc:
+            # pyarrow's message carries its own traceback; the errno says what happened.
+            reason = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[-1]
+            raise SaveFailedError(f"rank {rank}: writing shard file {ckdir.location}/{rel} failed: {reason}") from exc
         written.extend(records)
         files.append(FileEntry(rel, size, rank))
     return WrittenShard(rank, tuple(written), tuple(files))
