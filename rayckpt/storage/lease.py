@@ -98,7 +98,7 @@ def write_lease(ckdir: CheckpointDir, save_id: str, state: str = HELD, ttl_s: fl
     for attempt in range(3):
         ckdir.makedirs()
         try:
-            ckdir.write_atomic(lease_name(save_id), data)
+            ckdir.write_atomic(lease_name(save_id), data, durable=False)  # a crash ends the save anyway
             return lease
         except FileNotFoundError:  # the directory was removed under us (a failed save's cleanup): again
             if attempt == 2:
