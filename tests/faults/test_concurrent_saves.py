@@ -191,6 +191,7 @@ def test_the_tracker_keeps_the_lease_fresh_and_refuses_a_commit_into_a_location_
     lease.write_lease(ckdir, "20260101T000000-0000000b", lease.HELD)
     (outcome,) = tracker.report_written(spec.save_id, _no_files())
     assert outcome.entry.status == FAILED and "20260101T000000-0000000b" in outcome.entry.error
+    assert "owns this location (this save's lease lapsed)" in outcome.entry.error
     assert not os.path.exists(os.path.join(path, MANIFEST_NAME))
     assert {x.save_id for x in lease.read_leases(ckdir)} == {"20260101T000000-0000000b"}  # its own lease went
     lease.release_lease(ckdir, "20260101T000000-0000000b")
@@ -255,3 +256,35 @@ def test_two_exports_to_one_destination_one_wins_the_other_removes_its_output(tm
     if fmt == "torch":
         loaded = torch.load(dst, weights_only=True)
         assert torch.equal(loaded["w"], state_of(4)["w"])
+
+
+def test_a_location_where_no_lease_can_be_written_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(rayckpt.SaveFailedError, match=r"file/ckpt: cannot write the save's lease there"):
+        rayckpt.save(state_of(1), str(tmp_path / "file" / "ckpt"))
+
+
+def test_a_claim_gives_up_on_a_rival_that_neither_wins_nor_goes(tmp_path):
+    ckdir = CheckpointDir.resolve(str(tmp_path / "ckpt"))
+    rival = "20990101T000000-0000ffff"  # a larger id, claiming, on another host: we wait for it, then give up
+    ckdir.makedirs()
+    ckdir.write_atomic(
+        f"{LEASE_PREFIX}{rival}",
+        json.dumps({"state": "claiming", "owner": "elsewhere/x", "pid": 1, "expires": time.time() + 60}).encode(),
+    )
+    with pytest.raises(rayckpt.SaveFailedError, match=f"another save is writing this checkpoint: save {rival}"):
+        lease.claim_location(ckdir, "20260101T000000-00000001", wait_s=0.2)
+    assert os.listdir(ckdir.fs_path) == [f"{LEASE_PREFIX}{rival}"]  # our lease went again
+
+
+def test_an_unreadable_lease_counts_as_live_for_one_ttl_after_it_was_written(tmp_path):
+    ckdir = CheckpointDir.resolve(str(tmp_path / "ckpt"))
+    garbled = tmp_path / "ckpt" / f"{LEASE_PREFIX}20000101T000000-00000bad"
+    ckdir.makedirs()
+    garbled.write_bytes(b"{trunc")
+    with pytest.raises(rayckpt.SaveFailedError, match="save 20000101T000000-00000bad"):
+        rayckpt.save(state_of(1), ckdir.fs_path)
+    old = time.time() - lease.LEASE_TTL_S - 1
+    os.utime(garbled, (old, old))
+    rayckpt.save(state_of(1), ckdir.fs_path)  # dead now: saved, and the commit removed it
+    assert assert_one_whole_checkpoint(ckdir.fs_path, (1,)) == 1

@@ -97,3 +97,9 @@ def test_gc_leaves_a_directory_whose_manifest_cannot_be_read_alone(tmp_path, cap
 def test_gc_of_a_missing_path_is_a_usage_error(tmp_path, capsys):
     assert main(["gc", str(tmp_path / "nope")]) == 2
     assert f"{tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+
+
+def test_gc_of_a_file_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert main(["gc", str(tmp_path / "f")]) == 2
+    assert f"{tmp_path / 'f'}: not a directory" in capsys.readouterr().err
