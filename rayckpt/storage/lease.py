@@ -37,8 +37,9 @@ from .checkpoint_dir import CheckpointDir
 LEASE_PREFIX = ".rayckpt-lease-"
 #: A lease not refreshed for this long is dead.
 LEASE_TTL_S = 60.0
-#: How long a claimer that saw a rival (with a larger save id) waits for it to give up.
-CLAIM_WAIT_S = 5.0
+#: How long a claimer that saw a rival (with a larger save id) waits for it to give up or win.
+#: A live rival decides within one listing; only a stalled or crashed one makes this run out.
+CLAIM_WAIT_S = 20.0
 CLAIMING = "claiming"
 HELD = "held"
 _POLL_S = 0.05
