@@ -94,14 +94,17 @@ def _holds_checkpoint_files(ckdir: CheckpointDir) -> bool:
 
 def _orphans(ckdir: CheckpointDir, live: list[str]) -> tuple[list[RemovedFile], str]:
     """``ckdir``'s orphaned files, and why it was skipped ("" if it was not); adds its live saves to ``live``."""
+    # Files, then leases, then the manifest: a save that commits and drops its lease between
+    # these looks is then named by the manifest read last, so its files are never taken.
+    names = ckdir.list_files()
+    going = sweepable_files(ckdir, set())  # lists again, then reads the leases
     keep: set[str] = set()
     if ckdir.exists(MANIFEST_NAME):
         try:
             keep = {f.path for f in read_manifest(ckdir).files}
         except RayckptError as exc:
             return [], f"manifest unreadable, nothing removed ({str(exc).splitlines()[0]})"
-    names = ckdir.list_files()
-    going = sweepable_files(ckdir, keep)  # lists again, then reads the leases
+    going = [n for n in going if n not in keep]
     in_flight = live_save_ids(ckdir)
     live.extend(in_flight)
     if not in_flight:
