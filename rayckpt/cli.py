@@ -1,4 +1,4 @@
-"""The ``rayckpt`` command: look into, verify, plan and convert checkpoints without a cluster.
+"""The ``rayckpt`` command: look into, verify, plan, convert and clean up checkpoints without a cluster.
 
 Thin: parses arguments, calls ``rayckpt.tools`` / ``rayckpt.convert`` and prints
 what they return, as text or (``--json``) as JSON whose fields are those of the
@@ -288,6 +288,28 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from .tools.gc import gc
+
+    report = gc(args.path, dry_run=args.dry_run)
+    if args.json:
+        _print_json({**_jsonable(report), "bytes_removed": report.bytes_removed})
+        return EXIT_OK
+    verb = "would remove" if report.dry_run else "removed"
+    dirs = f"{report.directories} checkpoint director{'y' if report.directories == 1 else 'ies'}"
+    print(
+        f"{verb} {_count(len(report.removed), 'file')} ({human_bytes(report.bytes_removed)}) under {report.path} "
+        f"({dirs} looked at)"
+    )
+    for f in report.removed:
+        print(f"  {f.path}  {human_bytes(f.bytes)}  {f.why}")
+    if report.live_saves:
+        print(f"kept the files of {_count(len(report.live_saves), 'save')} in flight: {', '.join(report.live_saves)}")
+    for why in report.skipped:
+        print(f"skipped {why}")
+    return EXIT_OK
+
+
 def _parser() -> _Parser:
     parser = _Parser(
         prog="rayckpt",
@@ -332,6 +354,12 @@ def _parser() -> _Parser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("gc", help="remove shard files no manifest names and no live save owns")
+    p.add_argument("path", metavar="PATH", help="a checkpoint directory, or a run directory of them")
+    p.add_argument("--dry-run", action="store_true", help="remove nothing; print what would be removed")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_gc)
     return parser
 
 

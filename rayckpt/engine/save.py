@@ -14,14 +14,14 @@ failures, so an error on any rank is raised on every rank and nobody hangs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from ..errors import CheckpointExistsError, InvalidStateError, PeerLostError, RayckptError, SaveFailedError
-from ..format.manifest import MANIFEST_NAME
+from ..errors import InvalidStateError, PeerLostError, RayckptError, SaveFailedError
 from ..format.paths import Path
 from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..format.values import encode_value
@@ -36,7 +36,9 @@ from ..storage.commit import (
     read_manifest,
     remove_failed_save,
 )
-from .coordinator import Coordinator, claim, default_coordinator, gather_or_raise
+from ..storage.lease import LeaseKeeper, claim_location, release_lease
+from .coordinator import Coordinator, default_coordinator, gather_or_raise
+from .coordinator import claim as claim_decision
 from .state import FlatState, flatten
 from .writer import create_chunk_data, write_chunks
 
@@ -77,6 +79,11 @@ def save(
     ``overwrite=False``: refuse (``CheckpointExistsError`` on every rank, before
     anything is written) when the location already holds a committed checkpoint;
     by default a new save replaces it atomically.
+
+    Rank 0 first claims the location (a lease file, ``storage.lease``): when
+    another save (another job) is writing there, every rank raises
+    ``SaveFailedError`` naming the location and that save's id, before anything
+    is written, and the other save goes on untouched.
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
@@ -98,10 +105,7 @@ def _save(
     metadata: dict[str, Any] | None,
     overwrite: bool,
 ) -> SaveInfo:
-    if not overwrite:
-        refuse = partial(_refuse_existing, ckdir, coord.rank)
-        gather_or_raise(coord, "save (checking the location)", refuse, SaveFailedError, PeerLostError)
-    ctx = collect_state(coord, state_dict, block_size=block_size, metadata=metadata)
+    ctx = collect_state(coord, state_dict, block_size=block_size, metadata=metadata, claim=ckdir, overwrite=overwrite)
     save_id = ctx.spec.save_id
     written_files: list[str] = []
     shards: list[WrittenShard] = []
@@ -110,7 +114,7 @@ def _save(
     def commit() -> int:
         if coord.rank != 0:
             return 0
-        if claim(coord, _decision_key(save_id), "commit") not in ("commit", None):
+        if claim_decision(coord, _decision_key(save_id), "commit") not in ("commit", None):
             raise SaveFailedError(
                 f"rank 0 did not commit save {save_id}: a rank gave up on it after a collective failed"
             )
@@ -118,9 +122,11 @@ def _save(
         return committed[0]
 
     try:
-        write = partial(write_share, ckdir, ctx, written_files)
-        shards = gather_or_raise(coord, "save (writing shards)", write, SaveFailedError, PeerLostError)
-        total = gather_or_raise(coord, "save (commit)", commit, SaveFailedError, PeerLostError)[0]
+        # Rank 0 owns the lease it claimed: refreshed while the save runs, deleted when it ends.
+        with LeaseKeeper(ckdir, save_id) if coord.rank == 0 else nullcontext():
+            write = partial(write_share, ckdir, ctx, written_files)
+            shards = gather_or_raise(coord, "save (writing shards)", write, SaveFailedError, PeerLostError)
+            total = gather_or_raise(coord, "save (commit)", commit, SaveFailedError, PeerLostError)[0]
     except BaseException as exc:
         if committed:  # rank 0 wrote the manifest: the checkpoint is complete whatever broke after
             if not isinstance(exc, Exception):
@@ -150,7 +156,7 @@ def _settle_lost(
     its manifest is there. Raises ``PeerLostError`` (or ``exc`` itself when it is
     not an ``Exception``), unless the save is committed.
     """
-    decision = "abort" if coord.rank == 0 else claim(coord, _decision_key(save_id), "abort")
+    decision = "abort" if coord.rank == 0 else claim_decision(coord, _decision_key(save_id), "abort")
     if decision == "abort":
         remove_failed_save(ckdir, save_id, written_files)
         outcome = f"rank {coord.rank} removed the files of save {save_id}; nothing was committed"
@@ -183,15 +189,6 @@ def _committed_id(ckdir: CheckpointDir) -> str | None:
         return None
 
 
-def _refuse_existing(ckdir: CheckpointDir, rank: int) -> None:
-    """Rank 0: raise ``CheckpointExistsError`` if ``ckdir`` holds a committed checkpoint (one look, one rank)."""
-    if rank == 0 and ckdir.exists(MANIFEST_NAME):
-        raise CheckpointExistsError(
-            f"{ckdir.location} already holds a committed checkpoint and overwrite=False: nothing was written; "
-            "save elsewhere, or pass overwrite=True to replace it atomically"
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class SaveContext:
     """A save after its first step, on one rank: what every rank agreed on, and this rank's state."""
@@ -219,28 +216,48 @@ def collect_state(
     block_size: int = DEFAULT_BLOCK_SIZE,
     metadata: dict[str, Any] | None = None,
     node: str = "",
+    claim: CheckpointDir | None = None,
+    overwrite: bool = True,
 ) -> SaveContext:
     """Save steps collect and plan (collective): flatten, share every rank's boxes, plan the writes.
 
     ``node``: where this rank runs (the Ray node id), shared with every rank.
+    ``claim``: where the save goes; rank 0 claims it for the new save id before
+    sharing the id, so before any rank writes (``lease.claim_location``, with
+    ``overwrite``). When this step succeeds the lease is rank 0's to keep and
+    release; when it fails, it is released here.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     flat_holder: list[FlatState] = []
 
-    def collect() -> tuple[list[LocalShard], dict[str, Any], str | None, str, dict[str, Path]]:
+    def collect() -> tuple[list[LocalShard], dict[str, Any], tuple[str | None, str | None], str, dict[str, Path]]:
         flat = flatten(state_dict)
         flat_holder.append(flat)
         shards = [LocalShard(t.key, t.dtype, t.shape, box) for t in flat.tensors.values() for box in t.boxes()]
         values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
-        return shards, values, new_save_id() if coord.rank == 0 else None, node, flat.paths
+        save_id = previous = None
+        if coord.rank == 0:
+            save_id = new_save_id()
+            if claim is not None:
+                previous = claim_location(claim, save_id, overwrite=overwrite)
+                claimed.append(save_id)
+        return shards, values, (save_id, previous), node, flat.paths
 
-    gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError, PeerLostError)
-    values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
-    plans = create_save_plans([g[0] for g in gathered], save_plan.MAX_CHUNK_BYTES)
+    claimed: list[str] = []
+    try:
+        gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError, PeerLostError)
+        values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
+        plans = create_save_plans([g[0] for g in gathered], save_plan.MAX_CHUNK_BYTES)
+    except BaseException:
+        if claimed:
+            release_lease(claim, claimed[0])
+            remove_failed_save(claim, claimed[0])
+        raise
     tensors = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}
     paths = {k: p for g in reversed(gathered) for k, p in g[4].items()}  # the lowest rank's wins
-    spec = SaveSpec(gathered[0][2], coord.world_size, block_size, tensors, values, dict(metadata or {}), paths)
+    save_id, previous = gathered[0][2]
+    spec = SaveSpec(save_id, coord.world_size, block_size, tensors, values, dict(metadata or {}), paths, previous)
     return SaveContext(spec, coord.rank, tuple(plans), tuple(g[3] for g in gathered), flat_holder[0])
 
 

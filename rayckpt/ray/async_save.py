@@ -30,6 +30,8 @@ from ..errors import InvalidStateError, SaveFailedError
 from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..storage.catalog import CatalogEntry
 from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.commit import remove_failed_save
+from ..storage.lease import release_lease
 from . import metrics
 from .metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from .save_handle import SaveHandle, actor_location, report_failed
@@ -85,8 +87,18 @@ class AsyncSaver:
         ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
         node_id = ray.get_runtime_context().get_node_id()
         metadata = {"step": step, "run": run, **(metadata or {})}
-        ctx = collect_state(coordinator, state_dict, block_size=block_size, metadata=metadata, node=node_id)
-        _check_reachable(ckdir, ctx, local_is_shared)
+        # Rank 0 claims the location (a lease) before any rank writes; the MetadataActor
+        # keeps the lease fresh from the registration on and releases it when the save settles.
+        ctx = collect_state(
+            coordinator, state_dict, block_size=block_size, metadata=metadata, node=node_id, claim=ckdir
+        )
+        try:
+            _check_reachable(ckdir, ctx, local_is_shared)
+        except BaseException:
+            if ctx.rank == 0:
+                release_lease(ckdir, ctx.spec.save_id)
+                remove_failed_save(ckdir, ctx.spec.save_id)
+            raise
         registered = None
         if ctx.rank == 0:
             registered = self._register(ctx, ckdir, filesystem, run, step, commit_timeout_s)
@@ -245,7 +257,9 @@ def save_async(
     """Start a save through the Ray actors; return once this rank's share is staged.
 
     Called by every rank (collective when a process group is initialized), inside
-    a Ray worker or driver. At most one save is in flight per process: a second
+    a Ray worker or driver. Another save writing to the same location (another
+    run's) makes every rank raise ``SaveFailedError`` naming it, before anything
+    is written (rank 0's claim, ``storage.lease``). At most one save is in flight per process: a second
     call first waits for the previous one (and raises if it failed). A local path
     with workers on several nodes is refused unless it is shared storage
     (``local_is_shared=True`` or ``RAYCKPT_LOCAL_IS_SHARED=1``).

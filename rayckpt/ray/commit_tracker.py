@@ -14,6 +14,12 @@ Memory stays bounded: a save's heavy state (its spec, every rank's chunk
 records and checksums) lives only while it is in flight. Once it settles only
 its catalog entry is kept, in a bounded ``save_history.SaveHistory``.
 
+Rank 0 claimed the save's location (a lease file, ``storage.lease``) before any
+rank wrote; from the registration on, the tracker keeps that lease fresh
+(``refresh_leases``, from the actor's watchdog) and releases it once the save
+committed or failed, so another run's save to the same location is refused
+while this one is in flight.
+
 The tracker does the storage work itself, through the two functions it is
 given (``commit_save`` and ``remove_failed_save`` by default), and outside its
 lock: the actor calls it from worker threads. Each call returns the saves it
@@ -27,18 +33,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..format.manifest import Manifest
 from ..storage.catalog import CatalogEntry, describe, entry_order
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard, commit_save, remove_failed_save
+from ..storage.lease import HELD, LEASE_TTL_S, release_lease, write_lease
 from .save_history import SaveHistory, SettledSave
-
-PENDING = "pending"
-COMMITTED = "committed"
-FAILED = "failed"
+from .save_record import COMMITTED, FAILED, PENDING, Removal, SaveOutcome, SaveRecord
 
 #: How long files reported for a save that nobody registered are kept before they are removed.
 ORPHAN_TIMEOUT_S = 60.0
@@ -47,74 +50,6 @@ ORPHAN_TIMEOUT_S = 60.0
 CommitFn = Callable[[CheckpointDir, SaveSpec, Iterable[WrittenShard]], Manifest]
 #: ``remove_failed_save``'s signature: remove a failed save's files (the given ones and its id's).
 RemoveFn = Callable[[CheckpointDir, str, Sequence[str]], None]
-
-
-@dataclass(frozen=True, slots=True)
-class SaveOutcome:
-    """A save that settled: committed (manifest written) or failed (its files removed)."""
-
-    entry: CatalogEntry
-    #: Node of the ShardWriter that wrote each rank's share.
-    writer_nodes: dict[int, str]
-    #: From the tracker first hearing of the save until it settled.
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Removal:
-    """Files of a failed save to remove, captured under the lock and removed outside it."""
-
-    location: str
-    filesystem: Any
-    save_id: str
-    paths: tuple[str, ...]
-
-
-@dataclass
-class _Save:
-    """One save in flight; changed only under the tracker's lock."""
-
-    save_id: str
-    started: float
-    location: str = ""
-    filesystem: Any = None
-    run: str = ""
-    step: int | None = None
-    #: What every rank agreed on (rank 0's registration brings it).
-    spec: SaveSpec | None = None
-    deadline: float = 0.0
-    timeout: float = 0.0
-    registered: bool = False
-    #: Set while one thread writes the manifest (or asks storage whether an earlier
-    #: incarnation did): no second commit, and no failure may remove its files.
-    committing: bool = False
-    written: dict[int, WrittenShard] = field(default_factory=dict)
-    failures: dict[int, str] = field(default_factory=dict)
-    writer_nodes: dict[int, str] = field(default_factory=dict)
-    status: str = PENDING
-    error: str | None = None
-    total_bytes: int = 0
-
-    def entry(self) -> CatalogEntry:
-        return CatalogEntry(
-            run=self.run,
-            step=self.step,
-            path=self.location,
-            status=self.status,
-            created=self.started,
-            world_size=self.spec.world_size if self.spec else 0,
-            bytes=self.total_bytes,
-            save_id=self.save_id,
-            error=self.error,
-        )
-
-    def ready_to_commit(self) -> bool:
-        return (
-            self.status == PENDING
-            and self.registered
-            and not self.committing
-            and len(self.written) >= self.spec.world_size
-        )
 
 
 class CommitTracker:
@@ -142,7 +77,7 @@ class CommitTracker:
         self._remove_fn = remove
         self._clock = clock
         self._lock = threading.Lock()
-        self._saves: dict[str, _Save] = {}
+        self._saves: dict[str, SaveRecord] = {}
         self._history = SaveHistory()
 
     # -- reports (each returns the saves it settled) -----------------------------
@@ -194,7 +129,7 @@ class CommitTracker:
             if done is not None:
                 if done.entry.status != FAILED:
                     return []  # a repeated report of a committed save: its files are the checkpoint's
-                removal = _Removal(done.entry.path or location, done.filesystem or filesystem, save_id, paths)
+                removal = Removal(done.entry.path or location, done.filesystem or filesystem, save_id, paths)
                 ready = False
             else:
                 s = self._save(save_id)
@@ -292,6 +227,31 @@ class CommitTracker:
                     overdue.append((s, reason))
         return [o for s, reason in overdue for o in self._fail(s, reason)]
 
+    def refresh_leases(self, now: float | None = None) -> None:
+        """Rewrite the lease of every registered save in flight that was not written for a
+        quarter of its TTL (the actor's watchdog, periodically; the first time takes it over
+        from rank 0). A refresh that fails is retried on the next call."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            due = [
+                s
+                for s in self._saves.values()
+                if s.status == PENDING and s.registered and now - s.lease_written >= LEASE_TTL_S / 4
+            ]
+        for s in due:
+            if not s.io_lock.acquire(blocking=False):
+                continue  # being committed or removed right now
+            try:
+                with self._lock:
+                    still = s.status == PENDING and not s.committing
+                if still:
+                    write_lease(CheckpointDir.resolve(s.location, s.filesystem), s.save_id, HELD)
+                    s.lease_written = now
+            except OSError:
+                pass
+            finally:
+                s.io_lock.release()
+
     # -- queries -----------------------------------------------------------------
 
     def entry(self, save_id: str) -> CatalogEntry:
@@ -330,21 +290,31 @@ class CommitTracker:
 
     # -- the steps (called without the lock) ---------------------------------------
 
-    def _commit(self, s: _Save) -> list[SaveOutcome]:
+    def _commit(self, s: SaveRecord) -> list[SaveOutcome]:
         """Write the manifest of ``s``, which the caller marked ``committing``."""
         with self._lock:
             location, filesystem, spec, shards = s.location, s.filesystem, s.spec, tuple(s.written.values())
-        try:
-            manifest = self._commit_fn(CheckpointDir.resolve(location, filesystem), spec, shards)
-        except Exception as exc:  # noqa: BLE001 - a failed commit fails the save, not its caller
-            return self._fail(s, f"commit: {type(exc).__name__}: {exc}", committing=True)
+        with s.io_lock:
+            ckdir = CheckpointDir.resolve(location, filesystem)
+            try:
+                manifest = self._commit_fn(ckdir, spec, shards)
+            except Exception as exc:  # noqa: BLE001 - a failed commit fails the save, not its caller
+                failed = f"commit: {type(exc).__name__}: {exc}"
+            else:
+                failed = ""
+                try:
+                    release_lease(ckdir, s.save_id)
+                except OSError:
+                    pass  # committed; the lease expires by itself
+        if failed:
+            return self._fail(s, failed, committing=True)
         with self._lock:
             s.committing = False
             s.status = COMMITTED
             s.total_bytes = manifest.total_bytes
             return [self._settle(s)]
 
-    def _fail(self, s: _Save, reason: str, committing: bool = False) -> list[SaveOutcome]:
+    def _fail(self, s: SaveRecord, reason: str, committing: bool = False) -> list[SaveOutcome]:
         """Fail ``s`` unless it already settled or is being committed (``committing``: by this
         caller, whose commit failed); then remove its files.
 
@@ -373,38 +343,40 @@ class CommitTracker:
             removal = self._removal(s, [f.path for shard in s.written.values() for f in shard.files])
         if not keep_files:
             try:
-                self._remove(removal)
+                with s.io_lock:
+                    self._remove(removal)
             except Exception as exc:  # noqa: BLE001 - the save failed either way: say so, with the leftovers
                 reason = f"{reason} (removing its files failed too: {type(exc).__name__}: {exc})"
         with self._lock:
             s.error = reason
             return [self._settle(s)]
 
-    def _remove(self, removal: _Removal) -> None:
+    def _remove(self, removal: Removal) -> None:
         if removal.location:
             ckdir = CheckpointDir.resolve(removal.location, removal.filesystem)
+            release_lease(ckdir, removal.save_id)
             self._remove_fn(ckdir, removal.save_id, removal.paths)
 
     # -- helpers (called with the lock held) ----------------------------------------
 
-    def _save(self, save_id: str) -> _Save:
+    def _save(self, save_id: str) -> SaveRecord:
         s = self._saves.get(save_id)
         if s is None:
-            s = self._saves[save_id] = _Save(save_id, started=self._clock())
+            s = self._saves[save_id] = SaveRecord(save_id, started=self._clock())
         return s
 
     @staticmethod
-    def _locate(s: _Save, run: str, step: int | None, location: str, filesystem: Any) -> None:
+    def _locate(s: SaveRecord, run: str, step: int | None, location: str, filesystem: Any) -> None:
         """Where an unregistered save goes, from a report that says (the registration says otherwise)."""
         if not s.registered:
             s.run, s.step = s.run or run, s.step if s.step is not None else step
             if location:
                 s.location, s.filesystem = location, filesystem
 
-    def _removal(self, s: _Save, paths: Sequence[str]) -> _Removal:
-        return _Removal(s.location, s.filesystem, s.save_id, tuple(paths))
+    def _removal(self, s: SaveRecord, paths: Sequence[str]) -> Removal:
+        return Removal(s.location, s.filesystem, s.save_id, tuple(paths))
 
-    def _settle(self, s: _Save) -> SaveOutcome:
+    def _settle(self, s: SaveRecord) -> SaveOutcome:
         """``s`` settled: keep only its entry (its spec and chunk records go) and say so."""
         outcome = SaveOutcome(s.entry(), dict(s.writer_nodes), self._clock() - s.started)
         if self._saves.get(s.save_id) is s:

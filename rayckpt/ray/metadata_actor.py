@@ -5,7 +5,8 @@ parts, which it calls from worker threads (they do the storage I/O):
 
 - ``commit_tracker.CommitTracker``: each save's state; commits the manifest once
   every rank's files are durable, fails and cleans up a save that any rank
-  reports failed, that its run gave up on or that times out.
+  reports failed, that its run gave up on or that times out; keeps each save's
+  lease on its location fresh until then.
 - ``plan_cache.PlanCache``: manifests and the load plans made from them.
 - ``storage.catalog``: the checkpoints of each registered run, re-read from
   storage, which stays the truth; the tracker adds the saves in flight.
@@ -269,6 +270,7 @@ class MetadataActor:
 
     async def _expire_loop(self) -> None:
         while self._tracker.has_pending():
+            await asyncio.to_thread(self._tracker.refresh_leases)
             await self._settle(await asyncio.to_thread(self._tracker.expire))
             await asyncio.sleep(_EXPIRE_EVERY_S)
 

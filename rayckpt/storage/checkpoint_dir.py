@@ -78,21 +78,26 @@ class CheckpointDir:
             finally:
                 os.close(fd)
 
-    def write_atomic(self, rel: str, data: bytes) -> None:
-        """Write ``rel`` so that readers see the old file or the whole new one, never part."""
+    def write_atomic(self, rel: str, data: bytes, durable: bool = True) -> None:
+        """Write ``rel`` so that readers see the old file or the whole new one, never part.
+
+        ``durable=False`` skips the fsyncs (a lease: it matters only while its writer runs).
+        """
         if self.is_local:
             tmp = self.path(f".{rel}.tmp-{uuid.uuid4().hex[:8]}")
             try:
                 with open(tmp, "wb") as f:
                     f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    if durable:
+                        f.flush()
+                        os.fsync(f.fileno())
                 os.replace(tmp, self.path(rel))
             except BaseException:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
                 raise
-            self.sync_dir()
+            if durable:
+                self.sync_dir()
         else:
             with self.fs.open_output_stream(self.path(rel)) as out:
                 out.write(data)

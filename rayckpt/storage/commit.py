@@ -11,6 +11,7 @@ is undone by ``remove_failed_save``.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,9 @@ from ..format.manifest import (
 from ..format.paths import Path
 from ..format.shard_file import WrittenChunk
 from .checkpoint_dir import CheckpointDir
+from .lease import LEASE_PREFIX, check_commit, read_leases
+
+_SHARD_FILE = re.compile(r"^(.+)-r\d{5,}-[^-]+\.arrow$")
 
 
 def new_save_id() -> str:
@@ -45,6 +49,12 @@ def new_save_id() -> str:
 def shard_file_name(save_id: str, rank: int, storage_type: str) -> str:
     """The shard file ``rank`` writes for one storage type (FORMAT.md: file naming)."""
     return f"{save_id}-r{rank:05d}-{storage_type}.arrow"
+
+
+def shard_file_save_id(name: str) -> str | None:
+    """The save id a shard file's name starts with (``None``: not a shard file name)."""
+    match = _SHARD_FILE.match(name)
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,10 @@ class SaveSpec:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: Each key's path through the nested state dict (keys without one: the key alone).
     paths: dict[str, Path] = field(default_factory=dict)
+    #: The save id committed at the location when this save claimed it ("" for none), from
+    #: ``lease.claim_location``; the commit refuses if another save committed since.
+    #: ``None``: the save did not claim the location (only the leases are checked).
+    previous: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,25 +118,51 @@ def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
 
 
 def commit_save(ckdir: CheckpointDir, spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
-    """Create the save's manifest and commit it (the committer: rank 0, the MetadataActor, an import)."""
+    """Create the save's manifest and commit it (the committer: rank 0, the MetadataActor, an import).
+
+    Refuses (``SaveFailedError``) when another save owns the location or committed
+    there since this one claimed it (``lease.check_commit``). The save's lease is
+    its owner's to release, after this returns.
+    """
     manifest = create_manifest(spec, shards)
+    check_commit(ckdir, spec.save_id, spec.previous)
     commit_manifest(ckdir, manifest)
     return manifest
 
 
 def commit_manifest(ckdir: CheckpointDir, manifest: Manifest) -> None:
-    """The commit: write the manifest atomically, then drop files it does not name.
+    """The commit: write the manifest atomically, then drop the files of dead or superseded saves.
 
     Files of an older checkpoint at the same location (or of a crashed save) are
     removed only after the new manifest is durable, so some complete checkpoint is
-    always on storage.
+    always on storage. A file is removed only when the manifest does not name it
+    and its save holds no live lease: the files of a save still in flight (another
+    job's, which its claim let through only if this save's lease had lapsed) are
+    never touched. Dead leases go too.
     """
     ckdir.makedirs()
     ckdir.write_atomic(MANIFEST_NAME, encode_manifest(manifest))
-    keep = {f.path for f in manifest.files}
-    for name in ckdir.list_files():
-        if name.endswith(".arrow") and name not in keep:
-            ckdir.delete(name)
+    for name in sweepable_files(ckdir, {f.path for f in manifest.files}, manifest.save_id):
+        ckdir.delete(name)
+
+
+def sweepable_files(ckdir: CheckpointDir, keep: set[str], save_id: str = "") -> list[str]:
+    """Shard files not in ``keep`` of saves with no live lease, and dead leases (not ``save_id``'s).
+
+    Lists the files before reading the leases: a save writes its lease before its
+    first file, so every file listed of a save in flight has a lease that is read.
+    """
+    names = ckdir.list_files()
+    leases = read_leases(ckdir)
+    now = time.time()
+    live = {x.save_id for x in leases if x.is_live(now)} | {save_id}
+    dead_leases = {f"{LEASE_PREFIX}{x.save_id}" for x in leases if x.save_id not in live}
+    out = []
+    for name in names:
+        owner = shard_file_save_id(name)
+        if (owner is not None and name not in keep and owner not in live) or name in dead_leases:
+            out.append(name)
+    return out
 
 
 def remove_failed_save(ckdir: CheckpointDir, save_id: str, paths: Sequence[str] = ()) -> None:

@@ -1,4 +1,4 @@
-"""Look into checkpoints without a cluster: inspect, read, verify, plan reports, list, convert.
+"""Look into checkpoints without a cluster: inspect, read, verify, plan reports, list, convert, gc.
 
 One process, no process group, never Ray. Owns what the ``rayckpt`` command
 shows and the conversions to and from other formats. May import ``engine`` and
@@ -6,6 +6,7 @@ everything below it (``storage``, ``planning``, ``format``), and torch; never
 ``rayckpt.ray`` or ``rayckpt.train``.
 """
 
+from .gc import GcReport, gc
 from .inspection import CheckpointInfo, TensorSummary, inspect, tensor_summary
 from .listing import ls
 from .plan_report import ReshardPlan, plan
@@ -15,10 +16,12 @@ from .verification import VerifyReport, verify
 __all__ = [
     "CheckpointInfo",
     "CheckpointReader",
+    "GcReport",
     "ReshardPlan",
     "TensorSummary",
     "VerifyReport",
     "consolidate",
+    "gc",
     "inspect",
     "ls",
     "plan",

@@ -11,6 +11,7 @@ import ray
 import torch
 
 import rayckpt
+from rayckpt.engine import save as save_engine
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan as planner
 from rayckpt.ray import async_save, save_handle, staging
@@ -115,14 +116,24 @@ def test_second_save_waits_for_the_first_and_both_commit_in_order(ray_session, t
     assert committed_order("bp") == [h1.save_id, h2.save_id]
 
 
-def test_failed_save_is_never_silent(ray_session, tmp_path):
+def test_failed_save_is_never_silent(ray_session, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    handle = async_save.save_async(state(5), str(blocker / "ckpt"), run="bad", step=1)
+    # A location nothing can be written to fails at once: rank 0 cannot claim it (write its lease).
+    with pytest.raises(rayckpt.SaveFailedError, match=r"file/ckpt: cannot write the save's lease"):
+        async_save.save_async(state(5), str(blocker / "ckpt"), run="bad", step=1)
+    # A shard file the ShardWriter cannot write (a link into nowhere) fails the save at wait().
+    ids = ["20260101T000000-0badf001", "20260101T000000-0badf002"]
+    real_id = save_engine.new_save_id
+    monkeypatch.setattr(save_engine, "new_save_id", lambda: ids.pop(0) if ids else real_id())
+    for n, save_id in ((1, ids[0]), (2, ids[1])):
+        (tmp_path / f"ckpt{n}").mkdir()
+        os.symlink(tmp_path / "nowhere" / "x", tmp_path / f"ckpt{n}" / f"{save_id}-r00000-float.arrow")
+    handle = async_save.save_async(state(5), str(tmp_path / "ckpt1"), run="bad", step=1)
     with pytest.raises(rayckpt.SaveFailedError, match=r"(?s)step 1.*ShardWriter on node"):
         handle.wait()
     # not waiting does not hide it either: the next save raises it
-    async_save.save_async(state(5), str(blocker / "ckpt2"), run="bad", step=2)
+    async_save.save_async(state(5), str(tmp_path / "ckpt2"), run="bad", step=2)
     with pytest.raises(rayckpt.SaveFailedError, match="step 2"):
         async_save.save_async(state(6), str(tmp_path / "fine"), run="bad", step=3)
     async_save.wait_inflight()

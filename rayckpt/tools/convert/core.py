@@ -19,16 +19,21 @@ checkpoint with the engine's own shard writer and commit.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
+from ...errors import SaveFailedError
 from ...format.paths import Path, strip_prefix
 from ...format.shard_file import DEFAULT_BLOCK_SIZE
 from ...storage.checkpoint_dir import CheckpointDir
+from ...storage.lease import is_lease_file
 from ..reader import CheckpointReader, Progress, tensor_nbytes
 
 FORMATS = ("torch", "dcp", "safetensors")
@@ -73,7 +78,13 @@ def convert(
 
     ``prefix``: exports keep only keys starting with it and strip it (``"app.model."``
     gives a plain model state dict); imports prepend it to every key. ``dst`` must
-    not exist yet (an empty directory is fine).
+    not exist yet (an empty directory is fine). An import claims ``dst`` before
+    writing (``storage.lease``): of two imports into one new directory at once,
+    one commits and the other raises ``SaveFailedError`` naming the other save
+    (or ``ValueError``: the destination exists) and leaves nothing behind. An
+    export writes beside ``dst`` and publishes its output in one step
+    (``publish``): of two exports to one ``dst`` one wins, the other raises
+    ``SaveFailedError`` and removes its output.
     """
     # The format modules import this one (ConvertInfo, the helpers below), so they are
     # imported here rather than at the top; their functions are looked up on the module
@@ -92,7 +103,9 @@ def convert(
     if to is not None and not out.is_local:
         raise ValueError(f"--to {to} writes to a local path, not {dst}")
     kind = out.fs.get_file_info(out.fs_path).type
-    if kind != pafs.FileType.NotFound and (kind != pafs.FileType.Directory or out.list_files() or out.list_dirs()):
+    # Lease files alone do not make it exist: an import in flight there is named by the claim.
+    found = [n for n in out.list_files() if not is_lease_file(n)] if kind == pafs.FileType.Directory else []
+    if kind != pafs.FileType.NotFound and (kind != pafs.FileType.Directory or found or out.list_dirs()):
         raise ValueError(f"destination {out.location} already exists; remove it or choose a new path")
     if to is not None:
         export = {
@@ -101,11 +114,20 @@ def convert(
             "safetensors": safetensors_files.export_safetensors,
         }[to]
         reader = CheckpointReader(src)
+        # Written under the same name in a private directory beside dst (the name decides the
+        # layout, and torch's zip writer names its records after it), then published in one
+        # step that never replaces another writer's output.
+        parent, base = os.path.split(out.fs_path)
+        private = os.path.join(parent, f".rayckpt-tmp-{uuid.uuid4().hex[:8]}")
+        tmp = os.path.join(private, base)
         try:
-            return export(reader, out.fs_path, prefix, max_shard_bytes, on_progress)
-        except BaseException:
-            _remove_output(out.fs_path, keep_dir=kind == pafs.FileType.Directory)
-            raise
+            os.makedirs(private)
+            info = export(reader, tmp, prefix, max_shard_bytes, on_progress)
+            publish(tmp, out.fs_path)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+        files = tuple(out.fs_path if f == tmp else f for f in info.files)
+        return dataclasses.replace(info, dst=out.fs_path, files=files)
     source = {
         "torch": torch_file.torch_source,
         "dcp": dcp_dir.dcp_source,
@@ -114,16 +136,26 @@ def convert(
     return streaming.import_source(source, out, src, prefix, block_size, group_bytes, on_progress)
 
 
-def _remove_output(path: str, keep_dir: bool) -> None:
-    """Remove what a failed export wrote (the directory too, unless it was there before)."""
-    if os.path.isfile(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        if keep_dir:
-            for name in os.listdir(path):
-                _remove_output(os.path.join(path, name), keep_dir=False)
+def publish(tmp: str, dst: str) -> None:
+    """Move a finished export from ``tmp`` to ``dst`` atomically, failing if another writer got there
+    first: a file by a hard link (never replaces), a directory by a rename (replaces only an empty one)."""
+    try:
+        if os.path.isdir(tmp):
+            os.rename(tmp, dst)
         else:
-            shutil.rmtree(path, ignore_errors=True)
+            os.link(tmp, dst)
+    except (FileExistsError, IsADirectoryError, NotADirectoryError) as exc:
+        raise SaveFailedError(
+            f"{dst}: another writer created it while this conversion ran; this conversion's output was "
+            f"removed and {dst} left as that writer made it ({type(exc).__name__})"
+        ) from None
+    except OSError as exc:
+        if exc.errno != errno.ENOTEMPTY:
+            raise
+        raise SaveFailedError(
+            f"{dst}: another writer filled it while this conversion ran; this conversion's output was "
+            f"removed and {dst} left as that writer made it"
+        ) from None
 
 
 def selected(reader: CheckpointReader, prefix: str) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ import torch
 
 from ...engine.state import as_bytes
 from ...engine.writer import write_chunks
-from ...errors import InvalidStateError
+from ...errors import CheckpointExistsError, InvalidStateError
 from ...format.boxes import Box
 from ...format.manifest import itemsize
 from ...format.paths import Path, add_prefix
@@ -25,6 +25,7 @@ from ...format.values import encode_value
 from ...planning.save_plan import LocalShard, create_save_plans
 from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.commit import SaveSpec, commit_save, new_save_id, remove_failed_save
+from ...storage.lease import LeaseKeeper, claim_location, is_lease_file
 from ..reader import Progress
 from .core import ConvertInfo
 
@@ -131,11 +132,22 @@ def import_source(
     chunks = [_LazyChunk(i.key, tensors[i.key][0], i.box, stream) for i in plan.items]
     metadata = {"converted_from": {"format": source.format, "path": src}}
     key_paths = {prefix + k: add_prefix(prefix, p) for k, p in source.paths.items()}
-    spec = SaveSpec(new_save_id(), 1, block_size, tensors, values, metadata, key_paths)
+    save_id = new_save_id()
+    # Claim the destination before writing: a concurrent import into it is refused (or
+    # refuses this one), naming the other save; the commit refuses a checkpoint committed since.
+    try:
+        previous = claim_location(out, save_id, overwrite=False)
+    except CheckpointExistsError as exc:
+        raise ValueError(f"destination {out.location} already exists: {exc}") from None
+    spec = SaveSpec(save_id, 1, block_size, tensors, values, metadata, key_paths, previous)
     written_files: list[str] = []
     try:
-        shard = write_chunks(out, chunks, spec.save_id, 0, block_size, written_files)
-        commit_save(out, spec, [shard])
+        with LeaseKeeper(out, save_id):
+            others = [n for n in out.list_files() if not is_lease_file(n)] + out.list_dirs()
+            if others:
+                raise ValueError(f"destination {out.location} already exists (found {others[0]}); remove it")
+            shard = write_chunks(out, chunks, spec.save_id, 0, block_size, written_files)
+            commit_save(out, spec, [shard])
     except BaseException:
         remove_failed_save(out, spec.save_id, written_files)
         raise

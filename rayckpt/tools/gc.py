@@ -1,0 +1,122 @@
+"""``gc``: remove what crashed saves left behind, never a committed file or a live save's.
+
+A save that crashed (its process killed) leaves shard files no manifest names,
+its lease file, and perhaps a temporary file of an interrupted atomic write. The
+next commit at the same location sweeps them (``storage.commit.sweepable_files``);
+``gc`` does it for checkpoints nobody saves to again. The rule is the sweep's:
+a shard file goes only when the manifest does not name it and its save holds no
+live lease (FORMAT.md: Leases); a directory whose manifest cannot be read is left
+alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+from ..errors import CheckpointNotFoundError, RayckptError
+from ..format.manifest import MANIFEST_NAME
+from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.commit import read_manifest, shard_file_save_id, sweepable_files
+from ..storage.lease import LEASE_PREFIX, live_save_ids
+
+#: What ``CheckpointDir.write_atomic`` writes before renaming (``.<name>.tmp-<8 hex>``).
+_TEMP_FILE = re.compile(r"^\..+\.tmp-[0-9a-f]{8}$")
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedFile:
+    """A file ``gc`` removed (or, with ``dry_run``, would remove)."""
+
+    path: str
+    bytes: int
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    """What ``gc`` found and did under one path."""
+
+    path: str
+    dry_run: bool
+    #: Directories looked at (the path and its direct subdirectories that hold checkpoint files).
+    directories: int
+    removed: tuple[RemovedFile, ...]
+    #: Saves in flight (a live lease) whose files were kept.
+    live_saves: tuple[str, ...]
+    #: Directories left alone, with why ("<dir>: <reason>").
+    skipped: tuple[str, ...]
+
+    @property
+    def bytes_removed(self) -> int:
+        return sum(f.bytes for f in self.removed)
+
+
+def gc(path: str | os.PathLike[str], *, dry_run: bool = False, filesystem: pafs.FileSystem | None = None) -> GcReport:
+    """Remove orphaned files under ``path``: a checkpoint directory or a run directory of them.
+
+    Looks at ``path`` and its direct subdirectories. Removes shard files that no
+    manifest names and no live save owns, dead lease files and, in a directory
+    no save is writing to, leftover temporary files; then a directory left empty
+    that holds no checkpoint. ``dry_run``: remove nothing, report what would go.
+    """
+    root = CheckpointDir.resolve(path, filesystem)
+    kind = root.fs.get_file_info(root.fs_path).type
+    if kind != pafs.FileType.Directory:
+        what = "no such directory" if kind == pafs.FileType.NotFound else "not a directory"
+        raise CheckpointNotFoundError(f"{root.location}: {what}")
+    removed: list[RemovedFile] = []
+    live: list[str] = []
+    skipped: list[str] = []
+    dirs = [d for d in [root] + [root.child(name) for name in root.list_dirs()] if _holds_checkpoint_files(d)]
+    for ckdir in dirs:
+        going, why_skipped = _orphans(ckdir, live)
+        if why_skipped:
+            skipped.append(f"{ckdir.location}: {why_skipped}")
+        removed += going
+        if not dry_run and going:
+            for f in going:
+                ckdir.delete(f.path.rsplit("/", 1)[1])
+            if not ckdir.exists(MANIFEST_NAME):
+                ckdir.delete_dir_if_empty()  # what a crashed save into a new directory left
+    return GcReport(root.location, dry_run, len(dirs), tuple(removed), tuple(sorted(set(live))), tuple(skipped))
+
+
+def _holds_checkpoint_files(ckdir: CheckpointDir) -> bool:
+    return any(
+        n == MANIFEST_NAME or n.startswith(LEASE_PREFIX) or shard_file_save_id(n) is not None
+        for n in ckdir.list_files()
+    )
+
+
+def _orphans(ckdir: CheckpointDir, live: list[str]) -> tuple[list[RemovedFile], str]:
+    """``ckdir``'s orphaned files, and why it was skipped ("" if it was not); adds its live saves to ``live``."""
+    # Files, then leases, then the manifest: a save that commits and drops its lease between
+    # these looks is then named by the manifest read last, so its files are never taken.
+    names = ckdir.list_files()
+    going = sweepable_files(ckdir, set())  # lists again, then reads the leases
+    keep: set[str] = set()
+    if ckdir.exists(MANIFEST_NAME):
+        try:
+            keep = {f.path for f in read_manifest(ckdir).files}
+        except RayckptError as exc:
+            return [], f"manifest unreadable, nothing removed ({str(exc).splitlines()[0]})"
+    going = [n for n in going if n not in keep]
+    in_flight = live_save_ids(ckdir)
+    live.extend(in_flight)
+    if not in_flight:
+        going += [n for n in names if _TEMP_FILE.match(n) and n not in going]
+    removed = []
+    for name in going:
+        owner = shard_file_save_id(name)
+        if owner is not None:
+            why = f"shard file of save {owner}: no manifest names it and the save holds no live lease"
+        elif name.startswith(LEASE_PREFIX):
+            why = "lease of a save that is no longer live"
+        else:
+            why = "temporary file of an interrupted write"
+        removed.append(RemovedFile(f"{ckdir.location.rstrip('/')}/{name}", ckdir.size(name) or 0, why))
+    return removed, ""
