@@ -30,7 +30,7 @@ from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
-from ..storage.catalog import CatalogEntry, checkpoint_dir_name
+from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +107,11 @@ class Checkpointer:
         """The run's latest committed checkpoint, from the MetadataActor's catalog.
 
         The catalog is re-read from storage, so this holds after the actor was
-        killed and recreated.
+        killed and recreated. A checkpoint whose manifest is damaged is listed as
+        corrupt and passed over: the newest good one is returned.
         """
         entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
-        committed = [e for e in entries if e.status == "committed"]
-        return committed[-1] if committed else None
+        return latest_committed(entries)
 
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the latest committed checkpoint into ``state`` (collective; any worker count).

@@ -101,6 +101,7 @@ def convert(
             "safetensors": safetensors_files.export_safetensors,
         }[to]
         reader = CheckpointReader(src)
+        reader.check_stored(prefix)  # before the destination is touched
         try:
             return export(reader, out.fs_path, prefix, max_shard_bytes, on_progress)
         except BaseException:
