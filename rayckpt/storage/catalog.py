@@ -8,6 +8,7 @@ but no manifest (a save that crashed), "corrupt" when its manifest is unreadable
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -100,6 +101,16 @@ def latest_committed(entries: Iterable[CatalogEntry]) -> CatalogEntry | None:
     """The newest committed entry (by ``entry_order``); corrupt, incomplete and pending ones are passed over."""
     committed = sorted((e for e in entries if e.status == "committed"), key=entry_order)
     return committed[-1] if committed else None
+
+
+def listed_corrupt(entries: Iterable[CatalogEntry], path: str) -> CatalogEntry | None:
+    """The entry of the checkpoint at ``path`` if the catalog lists it corrupt (paths compared normalized).
+
+    The Ray Train ``Checkpointer`` asks it of the checkpoint Ray Train reports as
+    latest, and resumes from ``latest_committed`` instead when it is.
+    """
+    norm = posixpath.normpath(path)
+    return next((e for e in entries if e.status == "corrupt" and posixpath.normpath(e.path) == norm), None)
 
 
 def entry_order(e: CatalogEntry) -> tuple:
