@@ -8,7 +8,7 @@ import os
 import shutil
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import rayckpt
@@ -268,11 +268,13 @@ def _text(doc) -> str:
     return text
 
 
-def _only_rayckpt_errors(fn, *args):
+def _only_rayckpt_errors(fn, *args) -> str:
+    """Call ``fn``; any exception but a rayckpt error fails the test. Says how it ended."""
     try:
         fn(*args)
-    except RayckptError:
-        pass
+    except RayckptError as exc:
+        return type(exc).__name__
+    return "ok"
 
 
 @settings(
@@ -291,11 +293,12 @@ def test_fuzzed_manifests_raise_only_rayckpt_errors(run, victim, data):
     with open(os.path.join(path, "manifest.json"), "w") as f:
         f.write(text)
     ckdir = CheckpointDir.resolve(path)
-    _only_rayckpt_errors(read_manifest, ckdir)
+    event(f"read_manifest: {_only_rayckpt_errors(read_manifest, ckdir)}")  # --hypothesis-show-statistics
     _only_rayckpt_errors(rayckpt.verify, path)
     _only_rayckpt_errors(rayckpt.load, empty_like(state), path)
     _only_rayckpt_errors(rayckpt.inspect, path)
     _only_rayckpt_errors(rayckpt.consolidate, path)
+    _only_rayckpt_errors(rayckpt.plan, path, 3)
     # The fast per-chunk checks accept nothing the declared schema refuses.
     try:
         decode_manifest(text.encode())
