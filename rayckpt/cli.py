@@ -7,6 +7,9 @@ returned dataclasses (``docs/CLI.md``). Errors are one line on stderr:
 - exit 0: success (``verify``: every check passed);
 - exit 1: the checkpoint is corrupt, ``verify`` found problems, or a conversion failed;
 - exit 2: bad arguments, a missing path, a path that is not a checkpoint, an unknown key.
+
+Any other exception (a bug) is one line too, exit 1; ``--debug`` prints the
+traceback of any error.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 import re
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -124,7 +128,10 @@ def _print_json(obj: Any) -> None:
 
 
 def _when(created: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created)) if created else "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created)) if created else "-"
+    except (OverflowError, OSError, ValueError):  # a time no calendar shows (a damaged manifest)
+        return f"{created:g} s"
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -314,9 +321,11 @@ def _parser() -> _Parser:
     parser = _Parser(
         prog="rayckpt",
         description="Look into, verify, plan and convert rayckpt checkpoints (no cluster needed).",
-        epilog="Exit status: 0 ok, 1 corrupt checkpoint / verify problems / failed conversion, 2 usage error.",
+        epilog="Exit status: 0 ok, 1 corrupt checkpoint / verify problems / failed conversion / internal error, "
+        "2 usage error.",
     )
     parser.add_argument("--version", action="version", version=f"rayckpt {__version__}")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("ls", help="list the checkpoints under a storage path")
@@ -360,6 +369,8 @@ def _parser() -> _Parser:
     p.add_argument("--dry-run", action="store_true", help="remove nothing; print what would be removed")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_gc)
+    for p in sub.choices.values():  # also after the command: `rayckpt verify CKPT --debug`
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -374,6 +385,8 @@ def _one_line(message: object) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``rayckpt`` command; return its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    caught: BaseException
     try:
         args = _parser().parse_args(argv)
         return args.func(args)
@@ -385,10 +398,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return EXIT_OK
     except (UsageError, CheckpointNotFoundError, ValueError) as exc:
-        error, status = exc, EXIT_USAGE
+        caught, error, status = exc, exc, EXIT_USAGE
     except FileNotFoundError as exc:
-        error, status = f"{exc.filename or exc}: no such file or directory", EXIT_USAGE
+        caught, error, status = exc, f"{exc.filename or exc}: no such file or directory", EXIT_USAGE
     except (RayckptError, OSError) as exc:
-        error, status = exc, EXIT_FAILED
+        caught, error, status = exc, exc, EXIT_FAILED
+    except Exception as exc:  # noqa: BLE001 - a bug: still one line, the traceback with --debug
+        caught, status = exc, EXIT_FAILED
+        error = f"internal error ({type(exc).__name__}: {exc}); run again with --debug for the traceback"
+    if "--debug" in argv:
+        traceback.print_exception(caught, file=sys.stderr)
     print(f"rayckpt: error: {_one_line(error)}", file=sys.stderr)
     return status

@@ -49,12 +49,18 @@ def read_into(
     blocks: Blocks,
     file_sizes: Mapping[str, int],
     values: Mapping[str, Any],
+    reader: ShardReader | None = None,
 ) -> LoadInfo:
     """Carry out ``plan``: verified ranged reads copied straight into the targets.
 
-    ``values`` maps value keys to their stored (tagged JSON) form.
+    ``values`` maps value keys to their stored (tagged JSON) form. Before the
+    first read, every file the plan reads is checked on storage (exists, has
+    its recorded size, holds the ranges), so a mismatch fails with nothing
+    written into the targets. ``reader``: one to reuse (the tools read many
+    tensors with one, which stats each file once); it is closed, not dropped.
     """
-    reader = ShardReader(ckdir, blocks, dict(file_sizes))
+    reader = reader or ShardReader(ckdir, blocks, dict(file_sizes))
+    reader.check_ranges((fr.file, fr.offset, fr.length) for fr in plan.reads)
     direct: list[DirectRead] = []
     rest: list[FileRead] = []
     for fr in plan.reads:

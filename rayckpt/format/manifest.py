@@ -17,7 +17,19 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, FormatVersionError, InvalidStateError
 from .boxes import Box, find_coverage_problem
+from .manifest_schema import (
+    CHECKSUM_LIMIT,
+    INT_LIMIT,
+    Checked,
+    SchemaError,
+    field_path,
+    item_path,
+    key_path,
+    manifest_schema,
+    show,
+)
 from .paths import Path, decode_path, encode_path
+from .values import check_value
 
 FORMAT_NAME = "rayckpt"
 FORMAT_VERSION = 3
@@ -210,86 +222,160 @@ def _decode(data: bytes, where: str) -> Manifest:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where}: not a rayckpt manifest (JSON nested too deeply)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a rayckpt manifest (no 'format': 'rayckpt')")
     version = doc.get("version")
     if type(version) is not int or version not in READ_VERSIONS:
         raise FormatVersionError(
-            f"{where}: format version {version!r} is not supported by this rayckpt "
+            f"{where}: format version {show(version)} is not supported by this rayckpt "
             f"(reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade rayckpt to read it"
         )
     checksum = doc.get("checksum", "crc32")
     if checksum not in CHECKSUMS or (version == 1 and checksum != "crc32"):
         raise CorruptCheckpointError(
-            f"{where}: checksum {checksum!r} is not supported by format version {version} "
+            f"{where}: checksum {show(checksum)} is not supported by format version {version} "
             f"(known: {', '.join(CHECKSUMS)})"
         )
-    sums = "crc32" if version == 1 else "checksums"
     try:
-        files = tuple(FileEntry(_safe_path(f["path"], where), int(f["size"]), int(f["rank"])) for f in doc["files"])
-        known = {f.path for f in files}
-        safe: dict[Any, str] = {}  # file name as written -> checked path (a few files, millions of chunks)
-        entries: dict[str, Entry] = {}
-        for key, e in doc["entries"].items():
-            path = decode_path(e["path"], key, where) if "path" in e and version >= 3 else None
-            if e["kind"] == "value":
-                entries[key] = ValueEntry(e["value"], path)
-                continue
-            if e["kind"] != "tensor":
-                raise CorruptCheckpointError(f"{where}: key {key!r} has unknown kind {e['kind']!r}")
-            chunks = []
-            for c in e["chunks"]:
-                file = safe.get(c["file"]) if isinstance(c["file"], str) else None
-                if file is None:
-                    file = safe[c["file"]] = _safe_path(c["file"], where)
-                if file not in known:
-                    raise CorruptCheckpointError(f"{where}: key {key!r} names file {file!r} missing from 'files'")
-                what = f"{where}: key {key!r} chunk"
-                chunks.append(
-                    ChunkEntry(
-                        Box(_ints(c["offsets"], f"{what} offsets"), _ints(c["sizes"], f"{what} sizes")),
-                        file,
-                        int(c["byte_offset"]),
-                        int(c["byte_length"]),
-                        _ints(c[sums], f"{what} {sums}"),
-                    )
-                )
-            entries[key] = TensorEntry(e["dtype"], tuple(e["shape"]), tuple(chunks), path)
-        block_size = doc["block_size"]
-        if type(block_size) is not int or block_size <= 0:
-            raise CorruptCheckpointError(f"{where}: block_size {block_size!r} is not a positive integer")
-        return Manifest(
-            save_id=str(doc["save_id"]),
-            world_size=int(doc["world_size"]),
-            block_size=block_size,
-            entries=entries,
-            files=files,
-            created=float(doc.get("created", 0.0)),
-            version=version,
-            checksum=checksum,
-            user_metadata=dict(doc.get("user_metadata") or {}),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+        return _decode_document(doc, version, checksum)
+    except (SchemaError, CorruptCheckpointError) as exc:
+        # CorruptCheckpointError: a key's path (``decode_path``) names its JSON path, not the file.
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
 
 
-def _ints(values: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(values, list) or any(type(v) is not int for v in values):
-        raise CorruptCheckpointError(f"{what} must be a list of integers, got {values!r}"[:300])
-    return tuple(values)
+#: The schema of each chunk checksum field name ("crc32" in version 1).
+_SCHEMAS = {
+    sums: manifest_schema(tuple(DTYPES), CHECKSUMS, sums, Checked(check_value, "a stored value"))
+    for sums in ("crc32", "checksums")
+}
 
 
-def _safe_path(path: Any, where: str) -> str:
+def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manifest:
+    """The manifest of a document whose format and version are known; raises ``SchemaError``."""
+    sums = "crc32" if version == 1 else "checksums"
+    schema = _SCHEMAS[sums]
+    # Everything but the entries through the schema (a few objects); the entries below.
+    schema.check(doc, "", skip=("entries",))
+    files = tuple(
+        FileEntry(_safe_path(f["path"], f"files[{i}].path"), f["size"], f["rank"]) for i, f in enumerate(doc["files"])
+    )
+    known = {f.path for f in files}
+    if len(known) != len(files):
+        dup = next(i for i, f in enumerate(files) if f.path in {g.path for g in files[:i]})
+        raise SchemaError(f"files[{dup}].path", f"{files[dup].path!r} is listed twice")
+    entry_docs = doc["entries"]
+    entry_schema = schema.fields["entries"]
+    if type(entry_docs) is not dict:
+        entry_schema.check(entry_docs, "entries")
+    tagged = entry_schema.item  # type: ignore[attr-defined]
+    tensor_schema, value_schema = tagged.kinds["tensor"], tagged.kinds["value"]
+    chunk_schema = tensor_schema.fields["chunks"].item
+    safe: dict[str, str] = {}  # file name as written -> checked path (a few files, millions of chunks)
+    entries: dict[str, Entry] = {}
+    for key, e in entry_docs.items():
+        at = key_path("entries", key)
+        kind = e.get("kind") if type(e) is dict else None
+        if kind == "value":
+            value_schema.check(e, at)
+        elif kind != "tensor":
+            tagged.check(e, at)
+        path = decode_path(e["path"], key, field_path(at, "path")) if "path" in e and version >= 3 else None
+        if kind == "value":
+            entries[key] = ValueEntry(e["value"], path)
+            continue
+        dtype, shape, chunk_docs = e.get("dtype"), e.get("shape"), e.get("chunks")
+        if (
+            type(dtype) is not str
+            or dtype not in DTYPES
+            or type(shape) is not list
+            or not _sizes_ok(shape)
+            or type(chunk_docs) is not list
+        ):
+            tensor_schema.check(e, at)
+        ndim = len(shape)
+        chunks = []
+        for i, c in enumerate(chunk_docs):
+            try:
+                offsets, sizes, name = c["offsets"], c["sizes"], c["file"]
+                byte_offset, byte_length, block_sums = c["byte_offset"], c["byte_length"], c[sums]
+            except (KeyError, TypeError):
+                raise _chunk_problem(chunk_schema, c, item_path(field_path(at, "chunks"), i), shape) from None
+            if not (
+                type(byte_offset) is int
+                and type(byte_length) is int
+                and 0 <= byte_offset < INT_LIMIT
+                and 0 <= byte_length < INT_LIMIT
+                and type(offsets) is list
+                and type(sizes) is list
+                and len(offsets) == ndim
+                and len(sizes) == ndim
+                and _sizes_ok(offsets)
+                and _sizes_ok(sizes)
+                and type(block_sums) is list
+                and _checksums_ok(block_sums)
+                and type(name) is str
+            ):
+                raise _chunk_problem(chunk_schema, c, item_path(field_path(at, "chunks"), i), shape)
+            file = safe.get(name)
+            if file is None:
+                file = safe[name] = _safe_path(name, f"{item_path(field_path(at, 'chunks'), i)}.file")
+            if file not in known:
+                raise SchemaError(f"{item_path(field_path(at, 'chunks'), i)}.file", f"{file!r} is missing from 'files'")
+            chunks.append(
+                ChunkEntry(Box(tuple(offsets), tuple(sizes)), file, byte_offset, byte_length, tuple(block_sums))
+            )
+        entries[key] = TensorEntry(dtype, tuple(shape), tuple(chunks), path)
+    return Manifest(
+        save_id=doc["save_id"],
+        world_size=doc["world_size"],
+        block_size=doc["block_size"],
+        entries=entries,
+        files=files,
+        created=float(doc.get("created", 0.0)),
+        version=version,
+        checksum=checksum,
+        user_metadata=dict(doc.get("user_metadata", {})),
+    )
+
+
+def _sizes_ok(values: list[Any]) -> bool:
+    for v in values:
+        if type(v) is not int or not 0 <= v < INT_LIMIT:
+            return False
+    return True
+
+
+def _checksums_ok(values: list[Any]) -> bool:
+    for v in values:
+        if type(v) is not int or not 0 <= v < CHECKSUM_LIMIT:
+            return False
+    return True
+
+
+def _chunk_problem(schema: Any, chunk: Any, at: str, shape: list[int]) -> SchemaError:
+    """What is wrong with a chunk the fast check refused: the schema's finding, else a rank mismatch."""
+    try:
+        schema.check(chunk, at)
+    except SchemaError as exc:
+        return exc
+    for name in ("offsets", "sizes"):
+        if len(chunk[name]) != len(shape):
+            return SchemaError(
+                field_path(at, name),
+                f"expected {len(shape)} integer(s), one per dimension of the shape {shape}, got {len(chunk[name])}",
+            )
+    return SchemaError(at, "not a valid chunk")  # pragma: no cover - the fast check and the schema agree
+
+
+def _safe_path(path: Any, at: str) -> str:
     """Manifest paths are relative and stay inside the checkpoint directory."""
     if not isinstance(path, str) or not path:
-        raise CorruptCheckpointError(f"{where}: file path {path!r} is not a non-empty string")
+        raise SchemaError(at, f"expected a non-empty string, got {show(path)}")
     norm = posixpath.normpath(path)
     if path.startswith(("/", "\\")) or "\\" in path or ":" in path or norm == ".." or norm.startswith("../"):
-        raise CorruptCheckpointError(
-            f"{where}: file path {path!r} escapes the checkpoint directory; refusing to read it"
-        )
+        raise SchemaError(at, f"file path {path!r} escapes the checkpoint directory; refusing to read it")
     return norm
 
 

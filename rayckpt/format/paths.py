@@ -150,7 +150,10 @@ def decode_path(data: Any, key: str, where: str) -> Path:
         if isinstance(p, str) or (type(p) is int and p >= 0):
             parts.append(p)
         elif isinstance(p, dict) and set(p) == {"key"}:
-            part = DictKey(decode_value(p["key"]))
+            try:
+                part = DictKey(decode_value(p["key"]))
+            except (CorruptCheckpointError, ValueError, TypeError, RecursionError):
+                raise CorruptCheckpointError(f"{where}: key {key!r} has an undecodable dict key in its path") from None
             try:
                 hash(part)
             except TypeError:

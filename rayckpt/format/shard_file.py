@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,6 +47,10 @@ class ShardFiles(Protocol):
     def sync_file(self, rel: str) -> None: ...
 
     def open_input(self, rel: str) -> Any: ...
+
+    def size(self, rel: str) -> int | None: ...
+
+    def refuse_link(self, rel: str) -> None: ...
 
 
 DEFAULT_BLOCK_SIZE = 64 * 1024
@@ -177,6 +181,8 @@ class ShardReader:
         self._sizes = file_sizes
         self._open: dict[str, Any] = {}
         self._fds: dict[str, int] = {}
+        #: File -> its size on storage (None: missing), stat'ed once per reader by ``check_ranges``.
+        self._stored: dict[str, int | None] = {}
         self.bytes_read = 0
 
     @property
@@ -200,6 +206,26 @@ class ShardReader:
             f"shard file {rel!r}: bytes [{offset}, {offset + length}) are past its end ({size} bytes): truncated"
         )
 
+    def check_ranges(self, ranges: Iterable[tuple[str, int, int]]) -> None:
+        """Before reading anything: each file of ``(file, offset, length)`` ranges exists on
+        storage with its recorded size (one stat per file) and holds its ranges.
+
+        So a load fails before it writes a byte into its targets, and a tool
+        before it allocates, when the files do not match the manifest.
+        """
+        last: dict[str, tuple[int, int]] = {}  # file -> (end, offset) of its range that ends last
+        for rel, offset, length in ranges:
+            last[rel] = max(last.get(rel, (0, 0)), (offset + length, offset))
+        for rel, (end, offset) in last.items():
+            if rel not in self._stored:
+                self._stored[rel] = self.ckdir.size(rel)
+            actual = self._stored[rel]
+            if actual is None:
+                raise self._missing(rel)
+            self._check_size(rel, actual)
+            if end > actual:
+                raise self._truncated(rel, offset, end - offset, actual)
+
     def read(self, rel: str, offset: int, length: int) -> pa.Buffer:
         f = self._open.get(rel)
         if f is None:
@@ -220,8 +246,9 @@ class ShardReader:
         """Fill ``views`` (in order) from the file's bytes starting at ``offset``."""
         fd = self._fds.get(rel)
         if fd is None:
+            self.ckdir.refuse_link(rel)
             try:
-                fd = os.open(self.ckdir.path(rel), os.O_RDONLY)
+                fd = os.open(self.ckdir.path(rel), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
             except FileNotFoundError:
                 raise self._missing(rel) from None
             self._fds[rel] = fd

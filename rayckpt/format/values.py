@@ -68,6 +68,22 @@ def decode_value(data: Any) -> Any:
     return data
 
 
+def check_value(data: Any) -> None:
+    """Raise ``ValueError`` saying why ``data`` is not a stored value that ``decode_value`` restores.
+
+    The manifest's schema runs it on every stored value when a manifest is read,
+    so a bad tag (``{"__tuple__": 5}``, a float tag that is no float, bad base64,
+    an unhashable dict key) or a value nested past Python's recursion limit is
+    found there, not when the value is loaded.
+    """
+    try:
+        decode_value(data)
+    except RecursionError:
+        raise ValueError("a stored value nested too deeply to decode") from None
+    except (CorruptCheckpointError, ValueError, TypeError) as exc:
+        raise ValueError(f"not a valid stored value ({exc})"[:300]) from None
+
+
 def _b64(text: Any) -> bytes:
     try:
         return base64.b64decode(text, validate=True)

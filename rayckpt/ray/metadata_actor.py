@@ -36,7 +36,7 @@ from typing import Any
 import ray
 
 from ..planning.load_plan import TensorRequest
-from ..storage.catalog import CatalogEntry, entry_order, scan_run
+from ..storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard
 from . import metrics
@@ -117,8 +117,8 @@ class MetadataActor:
         return await asyncio.to_thread(self._scan, run)
 
     async def latest(self, run: str) -> CatalogEntry | None:
-        committed = [e for e in await self.checkpoints(run) if e.status == COMMITTED]
-        return committed[-1] if committed else None
+        """The run's newest committed checkpoint; a corrupt or incomplete one is passed over."""
+        return latest_committed(await self.checkpoints(run))
 
     # -- commit protocol -------------------------------------------------------
 

@@ -8,7 +8,9 @@ but no manifest (a save that crashed), "corrupt" when its manifest is unreadable
 
 from __future__ import annotations
 
+import posixpath
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import RayckptError
@@ -42,20 +44,35 @@ class CatalogEntry:
 
 
 def looks_like_checkpoint(ckdir: CheckpointDir) -> bool:
-    files = ckdir.list_files()
+    """Whether ``ckdir`` holds a manifest or shard files (one the OS will not list: yes, ``describe`` says why)."""
+    try:
+        files = ckdir.list_files()
+    except OSError:
+        return True
     return MANIFEST_NAME in files or any(f.endswith(".arrow") for f in files)
 
 
 def describe(ckdir: CheckpointDir, run: str) -> CatalogEntry | None:
-    """The catalog entry of one directory, or ``None`` when it holds no checkpoint."""
-    files = ckdir.list_files()
+    """The catalog entry of one directory, or ``None`` when it holds no checkpoint.
+
+    Never raises for what is in the directory: a manifest that cannot be read or
+    is invalid (every such problem is a ``RayckptError``), or a directory or
+    file the OS will not read (``OSError``), makes a "corrupt" entry with the
+    reason, so one damaged checkpoint leaves the rest of the run usable.
+    """
     match = _STEP_DIR.search(ckdir.fs_path)
     step = int(match.group(1)) if match else None
+    try:
+        return _describe(ckdir, run, step)
+    except (RayckptError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return CatalogEntry(run, step, ckdir.location, "corrupt", 0.0, 0, 0, "", reason)
+
+
+def _describe(ckdir: CheckpointDir, run: str, step: int | None) -> CatalogEntry | None:
+    files = ckdir.list_files()
     if MANIFEST_NAME in files:
-        try:
-            m = read_manifest(ckdir)
-        except RayckptError as exc:
-            return CatalogEntry(run, step, ckdir.location, "corrupt", 0.0, 0, 0, "", str(exc).splitlines()[0])
+        m = read_manifest(ckdir)
         meta_step = m.user_metadata.get("step")
         return CatalogEntry(
             str(m.user_metadata.get("run") or run),
@@ -78,6 +95,22 @@ def scan_run(run_dir: CheckpointDir, run: str) -> list[CatalogEntry]:
     """Every checkpoint directly under ``run_dir``, oldest step first."""
     found = [e for name in run_dir.list_dirs() if (e := describe(run_dir.child(name), run)) is not None]
     return sorted(found, key=entry_order)
+
+
+def latest_committed(entries: Iterable[CatalogEntry]) -> CatalogEntry | None:
+    """The newest committed entry (by ``entry_order``); corrupt, incomplete and pending ones are passed over."""
+    committed = sorted((e for e in entries if e.status == "committed"), key=entry_order)
+    return committed[-1] if committed else None
+
+
+def listed_corrupt(entries: Iterable[CatalogEntry], path: str) -> CatalogEntry | None:
+    """The entry of the checkpoint at ``path`` if the catalog lists it corrupt (paths compared normalized).
+
+    The Ray Train ``Checkpointer`` asks it of the checkpoint Ray Train reports as
+    latest, and resumes from ``latest_committed`` instead when it is.
+    """
+    norm = posixpath.normpath(path)
+    return next((e for e in entries if e.status == "corrupt" and posixpath.normpath(e.path) == norm), None)
 
 
 def entry_order(e: CatalogEntry) -> tuple:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 import uuid
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from ..errors import CheckpointNotFoundError, RayckptError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
 
 
 class CheckpointDir:
@@ -120,11 +121,36 @@ class CheckpointDir:
     def exists(self, rel: str) -> bool:
         return self.fs.get_file_info(self.path(rel)).type == pafs.FileType.File
 
+    def refuse_link(self, rel: str) -> None:
+        """Raise ``CorruptCheckpointError`` when ``rel`` or a directory on its way is a symbolic link.
+
+        Local filesystems only (object stores have no links). A link inside a
+        checkpoint could point anywhere; rayckpt reads only what is in the
+        directory, as it refuses ``..`` paths. The directory itself may be a link.
+        """
+        if not self.is_local:
+            return
+        path = self.fs_path
+        for part in rel.split("/"):
+            path = posixpath.join(path, part)
+            try:
+                mode = os.lstat(path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return  # missing: the caller says so
+            if stat.S_ISLNK(mode):
+                raise CorruptCheckpointError(
+                    f"{self.location}/{rel} is a symbolic link ({path} -> {os.readlink(path)}); rayckpt does not "
+                    "follow links inside a checkpoint: replace it with the file itself"
+                )
+
     def size(self, rel: str) -> int | None:
+        """The size of file ``rel`` on storage (None when missing); refuses links (``refuse_link``)."""
+        self.refuse_link(rel)
         info = self.fs.get_file_info(self.path(rel))
         return info.size if info.type == pafs.FileType.File else None
 
     def read_bytes(self, rel: str) -> bytes:
+        self.refuse_link(rel)
         try:
             with self.fs.open_input_stream(self.path(rel)) as f:
                 return f.read()
@@ -134,6 +160,7 @@ class CheckpointDir:
     def open_input(self, rel: str) -> Any:
         """A random-access file; memory-mapped for local files (zero-copy reads)."""
         path = self.path(rel)
+        self.refuse_link(rel)
         if self.is_local:
             return pa.memory_map(path, "r")
         return self.fs.open_input_file(path)

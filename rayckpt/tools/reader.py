@@ -20,10 +20,11 @@ import torch
 
 from ..engine.reader import read_into
 from ..engine.state import FlatState, Piece, TensorLeaf, torch_dtype
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.boxes import Box
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry, itemsize
 from ..format.paths import nest, strip_prefix
+from ..format.shard_file import ShardReader
 from ..format.values import decode_value
 from ..planning.load_plan import ChunkIndex, TensorRequest, create_load_plan
 from ..storage.checkpoint_dir import CheckpointDir
@@ -78,20 +79,54 @@ class CheckpointReader:
         self.ckdir, self.manifest = open_checkpoint(ckpt)
         self._index = ChunkIndex(self.manifest)
         self._sizes = {f.path: f.size for f in self.manifest.files}
+        # One reader for every tensor: each file is stat'ed once (``check_stored``).
+        self._reader = ShardReader(self.ckdir, self.manifest.blocks, self._sizes)
+
+    def check_stored(self, prefix: str = "") -> None:
+        """Refuse, before anything is allocated, a tensor under ``prefix`` that the files on storage cannot hold.
+
+        Its chunks' files must exist with their recorded sizes and hold its
+        chunks' byte ranges, and its bytes must fit in those files (chunks of
+        one tensor never share bytes). A manifest that describes a 4 TiB tensor
+        over a few small files fails here, naming the tensor and the bytes.
+        """
+        for key, entry in self.manifest.entries.items():
+            if key.startswith(prefix) and isinstance(entry, TensorEntry):
+                self._check_stored(key, entry)
+
+    def _check_stored(self, key: str, entry: TensorEntry) -> None:
+        need = tensor_nbytes(entry)
+        files = sorted({c.file for c in entry.chunks})
+        try:
+            self._reader.check_ranges((c.file, c.byte_offset, c.byte_length) for c in entry.chunks)
+            held = sum(self._sizes[f] for f in files)
+            if need > held:
+                raise CorruptCheckpointError(
+                    f"its shard files ({', '.join(map(repr, files))}) hold only {held} bytes: its chunks share bytes"
+                )
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"{self.ckdir.location}: tensor {key!r} ({entry.dtype} {list(entry.shape)}) would need {need} bytes "
+                f"({need / 2**30:.1f} GiB); refusing to allocate it: {exc}"
+            ) from None
 
     def read_tensor(self, key: str) -> torch.Tensor:
-        """The full tensor ``key``, every byte verified against its checksum."""
+        """The full tensor ``key``, every byte verified against its checksum.
+
+        Checked against the files on storage (``check_stored``) before it is allocated.
+        """
         entry = self.manifest.entries.get(key)
         if not isinstance(entry, TensorEntry):
             if isinstance(entry, ValueEntry):
                 raise ValueError(f"key {key!r} holds a plain value ({decode_value(entry.value)!r}), not a tensor")
             raise _no_such_key(self.manifest, key, "tensor")
+        self._check_stored(key, entry)
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         box = Box.full(entry.shape)
         flat = FlatState(tensors={key: TensorLeaf(key, (Piece(box, target),), entry.shape, entry.dtype)})
         request = TensorRequest(key, entry.dtype, entry.shape, box)
         plan = create_load_plan(self.manifest, [request], index=self._index)
-        read_into(self.ckdir, plan, flat, self.manifest.blocks, self._sizes, {})
+        read_into(self.ckdir, plan, flat, self.manifest.blocks, self._sizes, {}, self._reader)
         return target
 
     def items(self, prefix: str = "", on_progress: Progress | None = None) -> Iterator[tuple[str, Any]]:
@@ -139,6 +174,7 @@ def consolidate(
     selection in memory, by design.
     """
     reader = CheckpointReader(ckpt)
+    reader.check_stored(prefix)
     items = reader.items(prefix, on_progress)
     if flat:
         return {key[len(prefix) :]: value for key, value in items}

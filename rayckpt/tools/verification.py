@@ -29,7 +29,7 @@ VERIFY_WINDOW_BYTES = 64 * 2**20
 class Problem:
     """One thing wrong with a checkpoint."""
 
-    #: "manifest", "missing", "size", "truncated", "checksum" or "arrow".
+    #: "manifest", "missing", "link" (a symbolic link, not followed), "size", "truncated", "checksum" or "arrow".
     kind: str
     message: str
     file: str | None = None
@@ -53,8 +53,8 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
     """Check a checkpoint end to end; collect every problem instead of stopping at the first.
 
     Checks: the manifest parses and is consistent (dtypes, sizes, checksum counts,
-    chunks tile each tensor exactly once); every file it names exists with the
-    recorded size and is a readable Arrow IPC file holding the chunks the manifest
+    chunks tile each tensor exactly once); every file it names exists, is not a
+    symbolic link, has the recorded size and is a readable Arrow IPC file holding the chunks the manifest
     says; every byte of every chunk matches its block's checksum (the manifest's
     ``checksum``: XXH3-64, or CRC-32 in version-1 checkpoints).
     """
@@ -72,8 +72,12 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
                 by_file[c.file].append((key, c))
     actual: dict[str, int] = {}
     for f in m.files:
-        size = ckdir.size(f.path)
         keys = sorted({k for k, _ in by_file[f.path]})
+        try:
+            size = ckdir.size(f.path)
+        except CorruptCheckpointError as exc:  # a symbolic link: not followed, not read
+            problems.append(Problem("link", f"{exc}; it holds {_some(keys)}", file=f.path))
+            continue
         if size is None:
             problems.append(
                 Problem(

@@ -30,7 +30,7 @@ from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
-from ..storage.catalog import CatalogEntry, checkpoint_dir_name
+from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed, listed_corrupt
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,10 @@ class Checkpointer:
         self.staging_bytes = 0
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
         self.last_load: LoadInfo | None = None
-        ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
+        #: The run's checkpoints when this worker started (``restore`` checks Ray Train's latest against it).
+        self._found: list[CatalogEntry] = ray.get(
+            get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem)
+        )
 
     def path(self, step: int) -> str:
         return posixpath.join(self.run_root, checkpoint_dir_name(step))
@@ -107,17 +110,18 @@ class Checkpointer:
         """The run's latest committed checkpoint, from the MetadataActor's catalog.
 
         The catalog is re-read from storage, so this holds after the actor was
-        killed and recreated.
+        killed and recreated. A checkpoint whose manifest is damaged is listed as
+        corrupt and passed over: the newest good one is returned.
         """
         entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
-        committed = [e for e in entries if e.status == "committed"]
-        return committed[-1] if committed else None
+        return latest_committed(entries)
 
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the latest committed checkpoint into ``state`` (collective; any worker count).
 
-        Uses Ray Train's latest reported checkpoint if it has one, else the
-        catalog's latest committed one. Returns its step, or ``None`` when the run
+        Uses Ray Train's latest reported checkpoint if it has one (unless the
+        run's catalog lists it corrupt: a damaged manifest), else the catalog's
+        latest committed one. Returns its step, or ``None`` when the run
         has no checkpoint (``state`` untouched). Either way it then makes this
         worker's staging buffer (``prepare_staging``), so the first save's copy
         finds it ready.
@@ -128,7 +132,14 @@ class Checkpointer:
 
     def _load_latest(self, state: dict[str, Any]) -> int | None:
         ray_ckpt = ray.train.get_checkpoint()
-        if ray_ckpt is not None:
+        damaged = listed_corrupt(self._found, ray_ckpt.path) if ray_ckpt is not None else None
+        if damaged is not None:
+            logger.warning(
+                "rayckpt: Ray Train's latest checkpoint %s is corrupt (%s); resuming from the newest good one",
+                damaged.path,
+                damaged.error,
+            )
+        if ray_ckpt is not None and damaged is None:
             path, filesystem = ray_ckpt.path, ray_ckpt.filesystem
         else:
             entry = self.latest()

@@ -86,7 +86,7 @@ class BrokenCollective:
         if self.rank == 0:
             return [obj]
         assert self.calls == 1, "rank 1's fake rank 0 only takes part in collecting the state"
-        return [(True, ([], {}, "20260101T000000-0badc0de", "", {})), obj]
+        return [(True, ([], {}, ("20260101T000000-0badc0de", None), "", {})), obj]
 
     def claim(self, key: str, value: str) -> str | None:
         self.claims.append((key, value))

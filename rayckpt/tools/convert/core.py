@@ -114,6 +114,7 @@ def convert(
             "safetensors": safetensors_files.export_safetensors,
         }[to]
         reader = CheckpointReader(src)
+        reader.check_stored(prefix)  # before the destination is touched
         # Written under the same name in a private directory beside dst (the name decides the
         # layout, and torch's zip writer names its records after it), then published in one
         # step that never replaces another writer's output.
