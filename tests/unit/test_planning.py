@@ -77,6 +77,7 @@ def test_planning_modules_import_no_torch_ray_or_pyarrow():
 PURE_MODULES = (
     "format/boxes",
     "format/manifest",
+    "format/manifest_schema",
     "format/paths",
     "format/values",
     "planning/load_plan",
