@@ -43,7 +43,7 @@ def new_save_id() -> str:
 
     Shard files start with it, so a failed save's files can be found by prefix.
     """
-    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
 
 
 def shard_file_name(save_id: str, rank: int, storage_type: str) -> str:

@@ -494,3 +494,21 @@ def test_tensors_with_dcps_checkpoint_protocol_are_refused_by_key_and_type(tmp_p
     with pytest.raises(rayckpt.InvalidStateError, match=r"key 'm\.w': _DCPCheckpointable .*__create_write_items__"):
         rayckpt.save({"m": {"w": weird, "b": torch.ones(2)}}, str(path))
     assert not path.exists()  # refused before anything was written
+
+
+def test_save_ids_are_utc_so_they_order_saves_across_hosts(monkeypatch):
+    # The lease rule orders rival saves by save id: hosts in other time zones must agree.
+    import datetime
+    import time
+
+    from rayckpt.storage.commit import new_save_id
+
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # UTC+05:30: a local-time id would be 5.5 h off
+    time.tzset()
+    try:
+        stamp = datetime.datetime.strptime(new_save_id().split("-")[0], "%Y%m%dT%H%M%S")
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    now = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
+    assert abs((now - stamp).total_seconds()) < 600
