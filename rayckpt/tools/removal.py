@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import pyarrow.fs as pafs
+
 from ..errors import CheckpointNotFoundError, RayckptError, SaveFailedError
 from ..format.manifest import MANIFEST_NAME
 from ..storage.checkpoint_dir import CheckpointDir
@@ -48,17 +50,17 @@ def remove(ckpt: str | os.PathLike[str] | CheckpointDir, *, dry_run: bool = Fals
     remove nothing.
     """
     ckdir = resolve_checkpoint(ckpt)
-    subdirs = ckdir.list_dirs()
+    infos = ckdir.fs.get_file_info(pafs.FileSelector(ckdir.fs_path))  # one listing, before the leases are read
+    subdirs = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
     if subdirs:
         raise CheckpointNotFoundError(
-            f"{ckdir.location} holds directories ({', '.join(map(repr, sorted(subdirs)))}), which a rayckpt "
+            f"{ckdir.location} holds directories ({', '.join(map(repr, subdirs))}), which a rayckpt "
             "checkpoint never does: nothing removed; `rayckpt rm` takes one checkpoint directory"
         )
-    names = sorted(ckdir.list_files(), key=lambda n: (n != MANIFEST_NAME, n))  # before the leases are read
+    sizes = {i.base_name: i.size or 0 for i in infos if i.type == pafs.FileType.File}
+    names = sorted(sizes, key=lambda n: (n != MANIFEST_NAME, n))
     _refuse_live_saves(ckdir)
-    report = RemoveReport(
-        ckdir.location, committed_save_id(ckdir), dry_run, tuple(names), sum(ckdir.size(n) or 0 for n in names)
-    )
+    report = RemoveReport(ckdir.location, committed_save_id(ckdir), dry_run, tuple(names), sum(sizes.values()))
     if dry_run:
         return report
     claim = new_save_id()

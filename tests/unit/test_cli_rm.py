@@ -48,7 +48,7 @@ def run(capsys, *argv: str) -> tuple[int, str, list[str]]:
 def test_rm_yes_removes_the_checkpoint_directory(tmp_path, capsys):
     ckpt = saved(tmp_path / "run" / "rayckpt-step-00000003")
     files = sorted(os.listdir(ckpt))
-    save_id = rayckpt.read_manifest(ckpt).save_id
+    save_id = rayckpt.inspect(ckpt).save_id
     status, out, err = run(capsys, "rm", ckpt, "--yes")
     assert status == 0 and err == []
     assert out.startswith(f"removed {ckpt}: save {save_id}, {len(files)} files (")
