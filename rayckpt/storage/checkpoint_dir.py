@@ -19,6 +19,29 @@ import pyarrow.fs as pafs
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
 
 
+def _split_query(location: str) -> tuple[str, str]:
+    """(path part, ``?query`` or "") of a URI; a local path has no query (``?`` is a file-name character)."""
+    if "://" not in location:
+        return location, ""
+    base, sep, query = location.partition("?")
+    return base, sep + query
+
+
+def join_location(location: str, rel: str) -> str:
+    """``location/rel``, keeping a URI's query string at the end: a URI a user can paste back.
+
+    ``s3://b/run?endpoint_override=h:9000`` and ``step-1`` give ``s3://b/run/step-1?endpoint_override=h:9000``.
+    """
+    base, query = _split_query(location)
+    return posixpath.join(base, rel) + query
+
+
+def parent_location(location: str) -> str:
+    """The directory holding ``location``, a URI's query string kept at the end."""
+    base, query = _split_query(location)
+    return posixpath.dirname(base.rstrip("/")) + query
+
+
 class CheckpointDir:
     """One checkpoint directory. Paths given to methods are relative to it."""
 
@@ -52,7 +75,10 @@ class CheckpointDir:
         return posixpath.join(self.fs_path, rel)
 
     def child(self, rel: str) -> CheckpointDir:
-        return CheckpointDir(self.fs, self.path(rel), posixpath.join(self.location, rel))
+        return CheckpointDir(self.fs, self.path(rel), join_location(self.location, rel))
+
+    def parent(self) -> CheckpointDir:
+        return CheckpointDir(self.fs, posixpath.dirname(self.fs_path), parent_location(self.location))
 
     # -- write side -------------------------------------------------------
 

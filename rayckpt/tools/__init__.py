@@ -1,23 +1,38 @@
-"""Look into checkpoints without a cluster: inspect, read, verify, plan reports, list, convert, gc.
+"""Look into checkpoints without a cluster: inspect, read, verify, plan reports, list, convert, gc, rm.
 
 One process, no process group, never Ray. Owns what the ``rayckpt`` command
 shows and the conversions to and from other formats. May import ``engine`` and
 everything below it (``storage``, ``planning``, ``format``), and torch; never
 ``rayckpt.ray`` or ``rayckpt.train``.
+
+Only reading tensors needs torch: the reader's names (``CheckpointReader``,
+``consolidate``, ``read_tensor``) are imported on first use, so ``ls``,
+``inspect``, ``plan``, ``verify``, ``gc`` and ``remove`` (and the ``rayckpt`` command for
+them) start without importing torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from .gc import GcReport, gc
 from .inspection import CheckpointInfo, TensorSummary, inspect, tensor_summary
 from .listing import ls
 from .plan_report import ReshardPlan, plan
-from .reader import CheckpointReader, consolidate, read_tensor
+from .removal import RemoveReport, SaveInFlightError, remove
 from .verification import VerifyReport, verify
+
+#: Names that need torch -> the module that defines them (imported on first use).
+_LAZY = {"CheckpointReader": "reader", "consolidate": "reader", "read_tensor": "reader"}
 
 __all__ = [
     "CheckpointInfo",
     "CheckpointReader",
     "GcReport",
+    "RemoveReport",
     "ReshardPlan",
+    "SaveInFlightError",
     "TensorSummary",
     "VerifyReport",
     "consolidate",
@@ -26,6 +41,20 @@ __all__ = [
     "ls",
     "plan",
     "read_tensor",
+    "remove",
     "tensor_summary",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rayckpt.tools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

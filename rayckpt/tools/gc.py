@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 
 from ..errors import CheckpointNotFoundError, RayckptError
 from ..format.manifest import MANIFEST_NAME
-from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.checkpoint_dir import CheckpointDir, join_location
 from ..storage.commit import read_manifest, shard_file_save_id, sweepable_files
 from ..storage.lease import LEASE_PREFIX, live_save_ids
 
@@ -118,5 +118,5 @@ def _orphans(ckdir: CheckpointDir, live: list[str]) -> tuple[list[RemovedFile], 
             why = "lease of a save that is no longer live"
         else:
             why = "temporary file of an interrupted write"
-        removed.append(RemovedFile(f"{ckdir.location.rstrip('/')}/{name}", ckdir.size(name) or 0, why))
+        removed.append(RemovedFile(join_location(ckdir.location, name), ckdir.size(name) or 0, why))
     return removed, ""

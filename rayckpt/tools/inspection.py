@@ -1,6 +1,8 @@
 """``inspect`` and ``tensor_summary``: what a checkpoint holds, from its manifest (and one tensor's values).
 
 Frozen dataclasses; the ``rayckpt inspect`` command prints them as text or JSON.
+``inspect`` reads the manifest alone and never imports torch; ``tensor_summary``
+does, on first call.
 """
 
 from __future__ import annotations
@@ -10,13 +12,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from ..engine.state import dtype_name
 from ..format.manifest import FileEntry, TensorEntry
 from ..format.values import decode_value
 from ..storage.checkpoint_dir import CheckpointDir
-from .reader import open_checkpoint, read_tensor, tensor_nbytes
+from .opening import open_checkpoint, tensor_nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +114,11 @@ _STATS_SLICE = 1 << 20
 
 def tensor_summary(ckpt: str | os.PathLike[str] | CheckpointDir, key: str, *, first: int = 8) -> TensorSummary:
     """Assemble ``key`` from its shards and summarize it (shape, dtype, min/max/mean/norm, first values)."""
+    import torch  # here, not at the top: ``inspect`` and the CLI's other commands start without torch
+
+    from ..engine.state import dtype_name
+    from .reader import read_tensor
+
     t = read_tensor(ckpt, key)
     flat = t.reshape(-1)
     if flat.is_complex():

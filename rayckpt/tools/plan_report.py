@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..format.manifest import TensorEntry
 from ..planning.load_plan import TensorRequest, create_load_plans, dim0_boxes
 from ..storage.checkpoint_dir import CheckpointDir
-from .reader import open_checkpoint
+from .opening import open_checkpoint
 
 
 @dataclass(frozen=True, slots=True)

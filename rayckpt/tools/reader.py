@@ -1,6 +1,5 @@
 """Whole tensors out of a checkpoint, one at a time, with no cluster: the reader the other tools share.
 
-``resolve_checkpoint`` says what a path holds when it is not a checkpoint;
 ``CheckpointReader`` assembles full tensors from verified ranged reads (the
 engine's reader) so memory stays about the largest tensor; ``consolidate`` is
 DCP's full-state-dict equivalent in one process.
@@ -9,61 +8,26 @@ DCP's full-state-dict equivalent in one process.
 from __future__ import annotations
 
 import difflib
-import math
 import os
-import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import pyarrow.fs as pafs
 import torch
 
 from ..engine.reader import read_into
 from ..engine.state import FlatState, Piece, TensorLeaf, torch_dtype
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ..format.boxes import Box
-from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry, ValueEntry, itemsize
+from ..format.manifest import Manifest, TensorEntry, ValueEntry
 from ..format.paths import nest, strip_prefix
 from ..format.shard_file import ShardReader
 from ..format.values import decode_value
 from ..planning.load_plan import ChunkIndex, TensorRequest, create_load_plan
 from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import read_manifest
+from .opening import Progress, open_checkpoint, tensor_nbytes
 
-#: Called with (bytes done, bytes in all) as long operations advance.
-Progress = Callable[[int, int], None]
-
-
-def resolve_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointDir:
-    """The checkpoint directory at ``ckpt``, or ``CheckpointNotFoundError`` saying what is there instead.
-
-    ``ckpt`` is a local path, a ``pyarrow.fs`` URI, or the ``manifest.json`` inside one.
-    """
-    ckdir = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir.resolve(ckpt)
-    kind = ckdir.fs.get_file_info(ckdir.fs_path).type
-    if kind == pafs.FileType.File and posixpath.basename(ckdir.fs_path) == MANIFEST_NAME:
-        parent = posixpath.dirname(ckdir.fs_path)
-        ckdir = CheckpointDir(ckdir.fs, parent, posixpath.dirname(ckdir.location.rstrip("/")))
-        kind = pafs.FileType.Directory
-    if kind == pafs.FileType.NotFound:
-        raise CheckpointNotFoundError(f"{ckdir.location}: no such file or directory")
-    if kind != pafs.FileType.Directory:
-        raise CheckpointNotFoundError(f"{ckdir.location} is a file, not a rayckpt checkpoint directory")
-    if not ckdir.exists(MANIFEST_NAME):
-        files = ckdir.list_files()
-        why = (
-            "shard files but no manifest.json: a save that never committed"
-            if any(f.endswith(".arrow") for f in files)
-            else "no manifest.json"
-        )
-        raise CheckpointNotFoundError(f"{ckdir.location} is not a rayckpt checkpoint ({why})")
-    return ckdir
-
-
-def open_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> tuple[CheckpointDir, Manifest]:
-    """The directory and validated manifest of a committed checkpoint."""
-    ckdir = resolve_checkpoint(ckpt)
-    return ckdir, read_manifest(ckdir)
+#: ``Progress``, ``open_checkpoint`` and ``tensor_nbytes`` live in ``opening`` (no torch); named here too.
+__all__ = ["CheckpointReader", "Progress", "consolidate", "open_checkpoint", "read_tensor", "tensor_nbytes"]
 
 
 def _no_such_key(manifest: Manifest, key: str, kind: str = "key") -> ValueError:
@@ -144,11 +108,6 @@ class CheckpointReader:
                     on_progress(done, total)
             else:
                 yield key, decode_value(entry.value)
-
-
-def tensor_nbytes(entry: TensorEntry) -> int:
-    """Bytes of the whole tensor."""
-    return math.prod(entry.shape) * itemsize(entry.dtype)
 
 
 def read_tensor(ckpt: str | os.PathLike[str] | CheckpointDir, key: str) -> torch.Tensor:

@@ -17,8 +17,8 @@ import pyarrow as pa
 from ..errors import CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry, decode_manifest, find_manifest_problems
 from ..format.shard_file import ShardReader
-from ..storage.checkpoint_dir import CheckpointDir
-from .reader import Progress, resolve_checkpoint
+from ..storage.checkpoint_dir import CheckpointDir, join_location
+from .opening import Progress, resolve_checkpoint
 
 #: Verification reads chunks in windows of this many bytes (a multiple of any block size
 #: up to 64 MiB), so a remote chunk is never held whole in memory.
@@ -59,7 +59,7 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
     ``checksum``: XXH3-64, or CRC-32 in version-1 checkpoints).
     """
     ckdir = resolve_checkpoint(ckpt)
-    where = f"{ckdir.location}/{MANIFEST_NAME}"
+    where = join_location(ckdir.location, MANIFEST_NAME)
     try:
         m = decode_manifest(ckdir.read_bytes(MANIFEST_NAME), where=where)
     except CorruptCheckpointError as exc:
