@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..engine.app_state import AppState
 from .gpt import GPT, GPTConfig, shard_model, synthetic_batch
-from .job_checks import JobConfigError, check_resources, check_resume, worker_resources
+from .job_checks import JobConfigError, check_flags, check_resources, check_resume, worker_resources
 
 __all__ = ["main", "parse_args", "run", "train", "train_config", "warmup_cosine", "worker_resources"]
 
@@ -130,26 +130,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if "://" not in args.storage_path:
         args.storage_path = os.path.abspath(args.storage_path)
     return args
-
-
-def check_flags(args: argparse.Namespace) -> None:
-    """Every flag combination that cannot work, refused before any Ray or training work."""
-    positive = ("num_workers", "steps", "checkpoint_every", "global_batch", "schedule_steps", "d_ff")
-    for flag in positive + ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise JobConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    for flag in ("lr", "cpus_per_worker"):
-        value = getattr(args, flag)
-        if value is not None and not value > 0:
-            raise JobConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    if args.global_batch % args.num_workers:
-        raise JobConfigError(
-            f"--global-batch {args.global_batch} is not divisible by --num-workers {args.num_workers}: "
-            "every worker needs the same number of samples"
-        )
-    if args.d_model % args.n_heads:
-        raise JobConfigError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
 
 
 def train_config(args: argparse.Namespace) -> dict[str, Any]:

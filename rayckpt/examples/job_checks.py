@@ -1,4 +1,4 @@
-"""Up-front checks of the training job's request: the run to resume and the resources asked for.
+"""Up-front checks of the training job's request: the flags, the run to resume, the resources asked for.
 
 They run before any training or submission work and fail with a ``JobConfigError``
 whose message is one line: what was asked, what is there, which flag to change.
@@ -14,11 +14,45 @@ import os
 from ..storage.catalog import latest_committed, scan_run
 from ..storage.checkpoint_dir import CheckpointDir
 
-__all__ = ["JobConfigError", "check_resources", "check_resume", "describe_runs", "worker_resources"]
+__all__ = ["JobConfigError", "check_flags", "check_resources", "check_resume", "describe_runs", "worker_resources"]
+
+#: Flags that count something (``None``: left to a default).
+_AT_LEAST_ONE = (
+    "num_workers",
+    "steps",
+    "schedule_steps",
+    "checkpoint_every",
+    "global_batch",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "seq_len",
+    "vocab_size",
+)
 
 
 class JobConfigError(ValueError):
     """The job's flags ask for something that cannot work; the message says which flag to change."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse every flag value and combination that cannot work (``parse_args`` calls it)."""
+    for flag in _AT_LEAST_ONE:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise JobConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for flag in ("lr", "cpus_per_worker"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise JobConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.global_batch % args.num_workers:
+        raise JobConfigError(
+            f"--global-batch {args.global_batch} is not divisible by --num-workers {args.num_workers}: "
+            "every worker needs the same number of samples"
+        )
+    if args.d_model % args.n_heads:
+        raise JobConfigError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
 
 
 def describe_runs(storage_path: str | os.PathLike[str]) -> str:
