@@ -55,12 +55,19 @@ class CheckpointerLike(Protocol):
     def wait(self) -> None: ...
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in ``--help``; a flag defaulting to ``None`` says in its help what it means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The job's flags; ``--help`` shows each one's default."""
     defaults = GPTConfig()
     p = argparse.ArgumentParser(
         description="Train a small GPT with FSDP2 on Ray Train, checkpointed by rayckpt.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--num-workers", type=int, default=4, help="Ray Train workers (ranks)")
     p.add_argument("--steps", type=int, default=20, help="total steps to reach (a resumed run continues to it)")

@@ -120,14 +120,17 @@ def test_bad_flags_are_refused_naming_the_flag(argv, fragment, capsys):
     assert fragment in capsys.readouterr().err
 
 
-def test_help_shows_every_flag_with_help_and_default(capsys):
+def test_help_shows_every_flag_with_help_and_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping
     for action in build_parser()._actions:
         assert action.help, f"{action.option_strings} has no help text"
     with pytest.raises(SystemExit):
         parse_args(["--help"])
-    out = " ".join(capsys.readouterr().out.split())
+    out = capsys.readouterr().out
     for fragment in ("Ray Train workers (ranks) (default: 4)", "(default: 20)", "(default: ./checkpoints)"):
         assert fragment in out
+    assert "(default: None)" not in out  # those flags say in their help what leaving them out means
+    assert "default: RAY_ADDRESS" in out and "(default: --steps of the run's first launch" in out
 
 
 @pytest.mark.parametrize("address", [None, "10.0.0.7:6379", "local"])
