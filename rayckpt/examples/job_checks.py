@@ -121,7 +121,11 @@ def check_resources(args: argparse.Namespace, cluster: dict[str, float]) -> dict
     autoscaling cluster may grow past it: ``--skip-resource-check`` skips this.
     """
     per_worker = worker_resources(args, cluster.get("CPU", 0.0))
-    need = per_worker or ({"GPU": 1.0} if args.gpus else {"CPU": 1.0})
+    # What Ray Train reserves per worker (ScalingConfig's rule): the given resources, else 1 CPU;
+    # with use_gpu, 1 GPU unless given and no CPU unless given.
+    need = dict(per_worker) if per_worker else ({} if args.gpus else {"CPU": 1.0})
+    if args.gpus:
+        need.setdefault("GPU", 1.0)
     n = args.num_workers
     for resource, amount in need.items():
         total, have = amount * n, cluster.get(resource, 0.0)

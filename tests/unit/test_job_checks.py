@@ -82,6 +82,11 @@ def request(*argv: str) -> argparse.Namespace:
             ["--gpus with --num-workers 2 needs 2 GPUs, but the Ray cluster has 1", "drop --gpus"],
         ),
         (["--num-workers", "2"], {}, ["needs 2 CPUs, but the Ray cluster has 0", "--skip-resource-check"]),
+        (
+            ["--num-workers", "2", "--gpus", "--cpus-per-worker", "4"],
+            {"CPU": 16.0},
+            ["--gpus with --num-workers 2 needs 2 GPUs, but the Ray cluster has 0"],
+        ),
     ],
 )
 def test_requests_the_cluster_cannot_hold_are_refused(argv, cluster, fragments):
