@@ -113,6 +113,7 @@ def submit(cluster, *args: str) -> dict:
             break
         time.sleep(3)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "Reporting training result" not in proc.stdout + proc.stderr, "Ray Train's per-rank report lines"
     summaries = []
     for line in proc.stdout.splitlines():
         try:
