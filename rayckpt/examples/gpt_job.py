@@ -1,10 +1,13 @@
 """The main job: a small GPT trained with FSDP2 on a Ray ``TorchTrainer``, checkpointed by rayckpt.
 
-``python jobs/train.py`` starts a local Ray; under ``ray job submit`` the same
-script joins the cluster (``ray.init()`` picks up ``RAY_ADDRESS``). ``--resume``
-continues the run's latest committed checkpoint with any ``--num-workers``: the
-global batch of a step is fixed and split evenly across workers, so a resumed
-run follows the same trajectory as one that never stopped.
+``python jobs/train.py`` joins the Ray cluster ``--address`` names (default: Ray's
+own resolution: ``RAY_ADDRESS``, else the cluster last started on this machine
+with ``ray start``, else a new local Ray). ``--resume`` continues the run's latest
+committed checkpoint with any ``--num-workers``: the global batch of a step is
+fixed and split evenly across workers, and the LR schedule's horizon is stored in
+the checkpoint, so a resumed run follows the same trajectory as one that never
+stopped. Flags, the run to resume and the cluster's resources are checked
+(``job_checks``) before anything starts.
 
 The loop itself (``train``) needs only a process group, so tests run it on plain
 gloo processes with a stand-in checkpointer; ``train_loop_per_worker`` is the Ray
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -26,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from ..engine.app_state import AppState
-from ..storage.checkpoint_dir import CheckpointDir
 from .gpt import GPT, GPTConfig, shard_model, synthetic_batch
+from .job_checks import JobConfigError, check_flags, check_resources, check_resume, worker_resources
+
+__all__ = ["main", "parse_args", "run", "train", "train_config", "warmup_cosine", "worker_resources"]
 
 #: The fraction of the steps spent warming the learning rate up, and the floor of the cosine decay.
 WARMUP_FRACTION = 0.1
@@ -37,23 +43,61 @@ MIN_LR_RATIO = 0.1
 class CheckpointerLike(Protocol):
     """What the loop needs of ``rayckpt.train.Checkpointer`` (tests pass a stand-in)."""
 
+    #: The user metadata of the checkpoint the last ``restore`` loaded (``{}`` when none).
+    restored_metadata: dict[str, Any]
+
     def restore(self, state: dict[str, Any]) -> int | None: ...
 
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any]) -> Any: ...
+    def save(
+        self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None = None
+    ) -> Any: ...
 
     def wait(self) -> None: ...
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in ``--help``; a flag defaulting to ``None`` says in its help what it means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The job's flags; ``--help`` shows each one's default."""
     defaults = GPTConfig()
-    p = argparse.ArgumentParser(description="Train a small GPT with FSDP2 on Ray Train, checkpointed by rayckpt.")
+    p = argparse.ArgumentParser(
+        description="Train a small GPT with FSDP2 on Ray Train, checkpointed by rayckpt.",
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("--num-workers", type=int, default=4, help="Ray Train workers (ranks)")
     p.add_argument("--steps", type=int, default=20, help="total steps to reach (a resumed run continues to it)")
+    p.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=None,
+        help="length of the warmup + cosine LR schedule (default: --steps of the run's first launch; a resumed "
+        "run keeps the stored one unless this is given)",
+    )
     p.add_argument("--checkpoint-every", type=int, default=5, help="save every K steps and at the last step")
     p.add_argument("--storage-path", default="./checkpoints", help="run storage: a directory or a URI (s3://...)")
-    p.add_argument("--run-name", default="gpt-demo")
+    p.add_argument("--run-name", default="gpt-demo", help="the run: a directory under --storage-path")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run's latest committed checkpoint, with any worker count; fails if it has none",
+    )
+    resume.add_argument(
+        "--resume-if-exists",
+        action="store_true",
+        help="continue the run's latest committed checkpoint if there is one, else start fresh",
+    )
     p.add_argument(
-        "--resume", action="store_true", help="continue the run's latest committed checkpoint, with any worker count"
+        "--address",
+        default=None,
+        help="Ray cluster to join, as ray.init(address=...): HOST:PORT, 'auto' (a running cluster or fail), "
+        "'local' (always a new one); default: RAY_ADDRESS, else the cluster last started on this machine with "
+        "'ray start', else a new local Ray",
     )
     p.add_argument("--gpus", action="store_true", help="one GPU per worker with nccl (default: CPU with gloo)")
     p.add_argument(
@@ -63,26 +107,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="CPUs each worker reserves (default: 1 for CPU training, less when the cluster has fewer CPUs than "
         "workers; none with --gpus)",
     )
-    p.add_argument("--d-model", type=int, default=defaults.d_model)
-    p.add_argument("--n-layers", type=int, default=defaults.n_layers)
-    p.add_argument("--n-heads", type=int, default=defaults.n_heads)
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    p.add_argument(
+        "--skip-resource-check",
+        action="store_true",
+        help="submit even when the cluster's resources now cannot hold the workers (an autoscaling cluster)",
+    )
+    p.add_argument("--d-model", type=int, default=defaults.d_model, help="model width")
+    p.add_argument("--n-layers", type=int, default=defaults.n_layers, help="transformer blocks")
+    p.add_argument("--n-heads", type=int, default=defaults.n_heads, help="attention heads (must divide --d-model)")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sample")
+    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="vocabulary size")
     p.add_argument("--d-ff", type=int, default=None, help="MLP width (default: 4 * d-model)")
     p.add_argument(
         "--global-batch", type=int, default=12, help="samples per step over all workers; a multiple of --num-workers"
     )
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup, cosine decay)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check every flag (``SystemExit`` with one line naming the flag when one is wrong)."""
+    p = build_parser()
     args = p.parse_args(argv)
-    for flag in ("num_workers", "steps", "checkpoint_every", "global_batch"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.global_batch % args.num_workers:
-        p.error(
-            f"--global-batch {args.global_batch} is not divisible by --num-workers {args.num_workers}: "
-            "every worker needs the same number of samples"
-        )
+    try:
+        check_flags(args)
+    except JobConfigError as exc:
+        p.error(str(exc))
     if "://" not in args.storage_path:
         args.storage_path = os.path.abspath(args.storage_path)
     return args
@@ -100,6 +151,7 @@ def train_config(args: argparse.Namespace) -> dict[str, Any]:
             "d_ff": args.d_ff or 4 * args.d_model,
         },
         "steps": args.steps,
+        "schedule_steps": args.schedule_steps,
         "checkpoint_every": args.checkpoint_every,
         "global_batch": args.global_batch,
         "lr": args.lr,
@@ -109,24 +161,12 @@ def train_config(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def worker_resources(args: argparse.Namespace, cluster_cpus: float) -> dict[str, float] | None:
-    """``ScalingConfig.resources_per_worker``: ``None`` keeps Ray's default (1 CPU, or 1 GPU with ``--gpus``).
-
-    CPU training with more workers than the cluster has CPUs (4 workers on a
-    2-core laptop) shares the CPUs instead of waiting forever for more.
-    """
-    if args.cpus_per_worker is not None:
-        return {"CPU": args.cpus_per_worker}
-    if not args.gpus and 0 < cluster_cpus < args.num_workers:
-        return {"CPU": cluster_cpus / args.num_workers}
-    return None
-
-
 def warmup_cosine(total_steps: int) -> Callable[[int], float]:
     """LR factor for ``LambdaLR``: linear warmup, then cosine decay to ``MIN_LR_RATIO``.
 
     A plain function, not a callable object, so the scheduler's state dict does not
-    carry it: a resumed run with a new ``--steps`` gets the schedule for the new total.
+    carry it: the horizon is stored in the checkpoint's user metadata instead (``train``).
+    Past ``total_steps`` the factor stays at ``MIN_LR_RATIO``.
     """
     warmup = max(1, round(WARMUP_FRACTION * total_steps))
 
@@ -139,6 +179,18 @@ def warmup_cosine(total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def run_hparams(config: dict[str, Any], schedule_steps: int) -> dict[str, Any]:
+    """What a checkpoint stores of the run (user metadata ``"hparams"``): the schedule and the run's shape."""
+    return {
+        "schedule_steps": schedule_steps,
+        "warmup_steps": max(1, round(WARMUP_FRACTION * schedule_steps)),
+        "lr": config["lr"],
+        "global_batch": config["global_batch"],
+        "seed": config["seed"],
+        "model": dict(config["model"]),
+    }
+
+
 def train(
     config: dict[str, Any],
     rank: int,
@@ -148,9 +200,12 @@ def train(
 ) -> list[dict[str, float]]:
     """Run on every rank of an initialized process group: build, shard, restore, train, save.
 
-    Trains from the restored step (0 on a fresh run) to ``config["steps"]``. Returns
-    the history ``[{"step", "loss", "seconds"}]`` of the steps run here; ``loss`` is the
-    global batch's mean, the same on every rank.
+    Trains from the restored step (0 on a fresh run) to ``config["steps"]``. Each save
+    stores the run's hyperparameters (``run_hparams``) in the checkpoint's user
+    metadata under ``"hparams"``; a resumed run keeps the stored LR schedule horizon
+    unless ``config["schedule_steps"]`` is set. Returns the history ``[{"step",
+    "loss", "lr", "seconds"}]`` of the steps run here (``lr``: the LR that step
+    used); ``loss`` is the global batch's mean, the same on every rank.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -161,25 +216,40 @@ def train(
     torch.manual_seed(seed)  # the same initial weights on every rank, whatever the world size
     model = shard_model(GPT(cfg).to(device), init_device_mesh(device.type, (world_size,)))
     optim = torch.optim.AdamW(model.parameters(), lr=config["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    lr_factor = warmup_cosine(total)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_factor)
+    horizon = config.get("schedule_steps") or total
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, warmup_cosine(horizon))
     app = AppState(model, optim, scheduler=sched, step=0)
     state = {"app": app}
 
     resumed_from = checkpointer.restore(state) if config["resume"] else None
     start = resumed_from or 0
+    stored: dict[str, Any] = {}
     if resumed_from is not None:
-        # The restored LR follows the saved run's schedule; a new --steps changes it from here on.
+        stored = checkpointer.restored_metadata.get("hparams") or {}
+        # The schedule belongs to the run: keep the stored horizon unless --schedule-steps is given
+        # (checkpoints from before it was stored: this launch's --steps).
+        horizon = config.get("schedule_steps") or stored.get("schedule_steps") or total
+        sched.lr_lambdas = [warmup_cosine(horizon)]
         for group, base_lr in zip(optim.param_groups, sched.base_lrs):
-            group["lr"] = base_lr * lr_factor(sched.last_epoch)
+            group["lr"] = base_lr * sched.lr_lambdas[0](sched.last_epoch)
+    requested = run_hparams(config, horizon)
+    # The peak LR in effect: a resumed scheduler keeps the run's base LR whatever --lr says.
+    hparams = {**requested, "lr": sched.base_lrs[0]}
     if rank == 0:
         where = f"resumed from step {resumed_from}" if resumed_from is not None else "fresh start"
-        log(f"GPT with {model_size(model):,} parameters on {world_size} rank(s), {where}")
+        log(f"GPT with {model_size(model):,} parameters on {world_size} rank(s), {where}, {horizon}-step LR schedule")
+        changed = {k: (stored[k], v) for k, v in requested.items() if k in stored and stored[k] != v}
+        if changed:
+            log(
+                f"flags differ from the checkpoint's hyperparameters (stored, asked): {changed}; the LR stays "
+                "the stored one, the schedule follows --schedule-steps if given"
+            )
 
     history: list[dict[str, float]] = []
     pending: list[float] = []
     for step in range(start, total):
         began = time.perf_counter()
+        lr = optim.param_groups[0]["lr"]
         torch.manual_seed(seed + step)
         inputs, targets = synthetic_batch(step, config["global_batch"], cfg.seq_len, cfg.vocab_size, rank, world_size)
         loss = model.loss(inputs.to(device), targets.to(device))
@@ -189,7 +259,7 @@ def train(
         optim.zero_grad(set_to_none=True)
         global_loss = mean_across_ranks(loss.detach(), world_size)
         done = step + 1
-        history.append({"step": done, "loss": global_loss, "seconds": time.perf_counter() - began})
+        history.append({"step": done, "loss": global_loss, "lr": lr, "seconds": time.perf_counter() - began})
         pending.append(global_loss)
         if rank == 0:
             log(f"step {done}/{total} loss {global_loss:.4f} ({history[-1]['seconds']:.2f}s)")
@@ -198,7 +268,7 @@ def train(
             metrics: dict[str, Any] = {"loss": global_loss, "step": done, "losses": pending}
             if resumed_from is not None:
                 metrics["resumed_from"] = resumed_from
-            checkpointer.save(done, state, metrics=metrics)
+            checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams})
             pending = []
     checkpointer.wait()
     return history
@@ -211,6 +281,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> list[dict[str, float]]:
 
     from ..train.checkpointer import Checkpointer
 
+    quiet_ray_train_logs()
     context = ray.train.get_context()
     device = torch.device("cpu")
     if config["gpus"]:
@@ -223,11 +294,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> list[dict[str, float]]:
     )
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Fit the ``TorchTrainer`` (on the cluster in ``RAY_ADDRESS``, else a local Ray); return the summary.
+def quiet_ray_train_logs() -> None:
+    """Drop Ray Train's per-rank ``Reporting training result ... TrainingReport(...)`` INFO line of every save.
 
-    A fresh run refuses a run directory that already holds checkpoints, which Ray
-    would silently pick up: pass ``--resume`` or a new ``--run-name``.
+    It is logged by the worker-side train context (a logger named after its file)
+    once per rank per ``ray.train.report``; the job logs its own line per commit.
+    """
+    from ray.train.v2._internal.execution import context
+
+    context.logger.setLevel(logging.WARNING)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the request, fit the ``TorchTrainer`` on the cluster ``--address`` names; return the summary.
+
+    Before any Ray work, ``check_resume`` refuses a fresh run over an existing run
+    directory and a ``--resume`` of a run with no committed checkpoint; after
+    joining the cluster, ``check_resources`` refuses workers it can never hold.
+    Both raise ``JobConfigError``.
     """
     import ray
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
@@ -235,23 +319,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..train.callback import RayckptCallback
 
-    run_dir = CheckpointDir.resolve(args.storage_path).child(args.run_name)
-    if not args.resume and (run_dir.list_files() or run_dir.list_dirs()):
-        raise FileExistsError(
-            f"run {args.run_name!r} already exists at {run_dir.location}: pass --resume to continue it, "
-            "or choose another --run-name"
-        )
+    resume = check_resume(args.storage_path, args.run_name, resume=args.resume, resume_if_exists=args.resume_if_exists)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init()
+        ray.init(address=args.address)
     try:
+        cluster = ray.cluster_resources()
+        if args.skip_resource_check:
+            per_worker = worker_resources(args, cluster.get("CPU", 0.0))
+        else:
+            per_worker = check_resources(args, cluster)
+        quiet_ray_train_logs()
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config=train_config(args),
+            train_loop_config={**train_config(args), "resume": resume},
             scaling_config=ScalingConfig(
-                num_workers=args.num_workers,
-                use_gpu=args.gpus,
-                resources_per_worker=worker_resources(args, ray.cluster_resources().get("CPU", 0)),
+                num_workers=args.num_workers, use_gpu=args.gpus, resources_per_worker=per_worker
             ),
             torch_config=TorchConfig(backend="nccl" if args.gpus else "gloo"),
             run_config=RunConfig(
@@ -278,10 +361,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse, train, print the summary as one JSON object on the last line of stdout."""
+    """Parse, train, print the summary as one JSON object on the last line of stdout.
+
+    A ``JobConfigError`` (the run to resume, the cluster's resources) is one
+    ``error:`` line on stderr and exit status 2, like a bad flag.
+    """
     try:
         summary = run(parse_args(argv))
-    except FileExistsError as exc:
+    except JobConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary), flush=True)

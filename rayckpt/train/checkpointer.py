@@ -62,6 +62,8 @@ class Checkpointer:
         self.staging_bytes = 0
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
         self.last_load: LoadInfo | None = None
+        #: The user metadata of the checkpoint the last ``restore`` loaded (``{}``: none loaded).
+        self.restored_metadata: dict[str, Any] = {}
         #: The run's checkpoints when this worker started (``restore`` checks Ray Train's latest against it).
         self._found: list[CatalogEntry] = ray.get(
             get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem)
@@ -70,11 +72,20 @@ class Checkpointer:
     def path(self, step: int) -> str:
         return posixpath.join(self.run_root, checkpoint_dir_name(step))
 
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> SaveHandle:
         """Start saving ``state`` as step ``step`` (collective); return after staging.
 
         Once committed, the checkpoint is reported to Ray Train with ``metrics``
-        (plus ``step``). Waits first for this worker's previous save.
+        (plus ``step``). The manifest's user metadata holds ``step``, ``run``,
+        ``metrics`` and the JSON-able entries of ``metadata`` (run hyperparameters,
+        say; ``restore`` gives them back as ``restored_metadata``). Waits first for
+        this worker's previous save.
         """
         metrics = dict(metrics or {}, step=step)
         handle = save_async(
@@ -84,7 +95,7 @@ class Checkpointer:
             step=step,
             filesystem=self.filesystem,
             block_size=self.block_size,
-            metadata={"metrics": metrics},
+            metadata={**(metadata or {}), "metrics": metrics},
             commit_timeout_s=self.commit_timeout_s,
             local_is_shared=self.local_is_shared,
             staging=self.staging,
@@ -148,6 +159,7 @@ class Checkpointer:
             path, filesystem = entry.path, self.filesystem
         self.last_load = ray_load(state, path, run=self.run, filesystem=filesystem)
         metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
+        self.restored_metadata = metadata
         step = metadata.get("step")
         logger.info("rayckpt: rank %d restored step %s from %s", self.rank, step, path)
         return step

@@ -2,7 +2,8 @@
 
 Four workers train and checkpoint; a second job resumes with three. The job
 status comes back SUCCEEDED from the dashboard's REST API and the checkpoint
-metrics are on the Prometheus export port.
+metrics are on the Prometheus export port. Requests that cannot run (a mistyped
+run to resume, more CPUs than the cluster has) fail at once with one line.
 """
 
 from __future__ import annotations
@@ -77,7 +78,12 @@ def cluster(tmp_path_factory):
                 os.killpg(head.pid, signal.SIGKILL)
                 pytest.fail("ray start --head did not bring up the dashboard")
             time.sleep(1)
-    yield {"env": env, "dashboard": dashboard, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics"}
+    yield {
+        "env": env,
+        "dashboard": dashboard,
+        "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
+        "address": f"127.0.0.1:{ports['gcs']}",
+    }
     os.killpg(head.pid, signal.SIGTERM)
     try:
         head.wait(timeout=30)
@@ -107,6 +113,7 @@ def submit(cluster, *args: str) -> dict:
             break
         time.sleep(3)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "Reporting training result" not in proc.stdout + proc.stderr, "Ray Train's per-rank report lines"
     summaries = []
     for line in proc.stdout.splitlines():
         try:
@@ -131,6 +138,9 @@ def test_submit_train_then_resume_with_fewer_workers(cluster, tmp_path):
     assert second["resumed_from"] == 4 and second["num_workers"] == 3 and second["final_step"] == 6
     assert second["last_checkpoint"].endswith("rayckpt-step-00000006")
     assert second["final_loss"] < first["final_loss"] * 1.5  # training continued, it did not restart
+    with open(os.path.join(second["last_checkpoint"], "manifest.json")) as f:
+        hparams = json.load(f)["user_metadata"]["hparams"]
+    assert hparams["schedule_steps"] == 4, "the resumed run keeps the first launch's LR schedule"
 
     jobs = json.loads(get(f"{cluster['dashboard']}/api/jobs/"))
     statuses = [j["status"] for j in jobs if "jobs/train.py" in j.get("entrypoint", "")]
@@ -144,3 +154,44 @@ def test_submit_train_then_resume_with_fewer_workers(cluster, tmp_path):
             break
         assert time.time() < deadline, f"rayckpt metrics missing from the export port; have {sorted(names)}"
         time.sleep(3)
+
+
+def train_py(cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "jobs/train.py", *args],
+        cwd=ROOT,
+        env=dict(cluster["env"], OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    return errors[0]
+
+
+def test_requests_that_cannot_run_fail_at_once_with_one_line(cluster, tmp_path):
+    storage = str(tmp_path / "ckpts")
+    # A mistyped run to resume: refused before Ray is touched.
+    proc = train_py(cluster, "--storage-path", storage, "--run-name", "never-ran", "--resume", *TINY)
+    assert error_line(proc).startswith("error: --resume: run 'never-ran' has no committed")
+    # More CPUs than the 8-CPU cluster (joined with --address) has: refused before fit().
+    proc = train_py(
+        cluster,
+        "--address",
+        cluster["address"],
+        "--storage-path",
+        storage,
+        "--num-workers",
+        "12",
+        "--cpus-per-worker",
+        "1",
+        *TINY,
+    )
+    needs = "error: --num-workers 12 x 1 CPUs per worker needs 12 CPUs, but the Ray cluster has 8"
+    assert error_line(proc).startswith(needs)
+    assert not os.path.exists(os.path.join(storage, "gpt-demo")), "no run directory was made"

@@ -144,6 +144,7 @@ class LocalCheckpointer:
 
     def __init__(self, root: str) -> None:
         self.fs_path = root
+        self.restored_metadata: dict[str, Any] = {}
 
     def restore(self, state: dict[str, Any]) -> int | None:
         steps = sorted(
@@ -153,11 +154,19 @@ class LocalCheckpointer:
         )
         if not steps:
             return None
-        rayckpt.load(state, os.path.join(self.fs_path, f"step_{steps[-1]}"))
+        from rayckpt.storage.checkpoint_dir import CheckpointDir
+        from rayckpt.storage.commit import read_manifest
+
+        path = os.path.join(self.fs_path, f"step_{steps[-1]}")
+        rayckpt.load(state, path)
+        self.restored_metadata = dict(read_manifest(CheckpointDir.resolve(path)).user_metadata)
         return state["app"].extras["step"]
 
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any]) -> None:
-        rayckpt.save(state, os.path.join(self.fs_path, f"step_{step}"))
+    def save(
+        self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None = None
+    ) -> None:
+        path = os.path.join(self.fs_path, f"step_{step}")
+        rayckpt.save(state, path, metadata={**(metadata or {}), "metrics": metrics})
 
     def wait(self) -> None:
         pass

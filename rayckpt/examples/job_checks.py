@@ -1,0 +1,144 @@
+"""Up-front checks of the training job's request: the flags, the run to resume, the resources asked for.
+
+They run before any training or submission work and fail with a ``JobConfigError``
+whose message is one line: what was asked, what is there, which flag to change.
+Ray-free: the resource check takes the cluster's resource dict
+(``ray.cluster_resources()``), so tests feed it fake ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..storage.catalog import latest_committed, scan_run
+from ..storage.checkpoint_dir import CheckpointDir
+
+__all__ = ["JobConfigError", "check_flags", "check_resources", "check_resume", "describe_runs", "worker_resources"]
+
+#: Flags that count something (``None``: left to a default).
+_AT_LEAST_ONE = (
+    "num_workers",
+    "steps",
+    "schedule_steps",
+    "checkpoint_every",
+    "global_batch",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "seq_len",
+    "vocab_size",
+)
+
+
+class JobConfigError(ValueError):
+    """The job's flags ask for something that cannot work; the message says which flag to change."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse every flag value and combination that cannot work (``parse_args`` calls it)."""
+    for flag in _AT_LEAST_ONE:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise JobConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for flag in ("lr", "cpus_per_worker"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise JobConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.global_batch % args.num_workers:
+        raise JobConfigError(
+            f"--global-batch {args.global_batch} is not divisible by --num-workers {args.num_workers}: "
+            "every worker needs the same number of samples"
+        )
+    if args.d_model % args.n_heads:
+        raise JobConfigError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+
+
+def describe_runs(storage_path: str | os.PathLike[str]) -> str:
+    """The runs under ``storage_path`` with what they hold, e.g. ``'a' (2 committed, latest step 10)``."""
+    base = CheckpointDir.resolve(storage_path)
+    parts = []
+    for name in base.list_dirs():
+        entries = scan_run(base.child(name), name)
+        committed = [e for e in entries if e.status == "committed"]
+        latest = latest_committed(entries)
+        if latest is None:
+            parts.append(f"{name!r} (no committed checkpoint)")
+        else:
+            parts.append(f"{name!r} ({len(committed)} committed, latest step {latest.step})")
+    return ", ".join(parts) if parts else "none"
+
+
+def check_resume(storage_path: str, run_name: str, *, resume: bool, resume_if_exists: bool) -> bool:
+    """Whether the job restores a checkpoint; raises when the flags and the run directory disagree.
+
+    - neither flag: the run directory must not exist or be empty (Ray Train would
+      silently pick its checkpoints up);
+    - ``--resume``: the run must hold a committed checkpoint (a mistyped
+      ``--run-name`` must not start a fresh run);
+    - ``--resume-if-exists``: continue the latest committed checkpoint if there is
+      one, start fresh otherwise.
+    """
+    if resume_if_exists:
+        return True
+    base = CheckpointDir.resolve(storage_path)
+    run_dir = base.child(run_name)
+    if resume:
+        if latest_committed(scan_run(run_dir, run_name)) is None:
+            raise JobConfigError(
+                f"--resume: run {run_name!r} has no committed checkpoint under {base.location}"
+                f"; runs there: {describe_runs(storage_path)}. Check --run-name and --storage-path, or pass "
+                "--resume-if-exists to start fresh when there is nothing to resume"
+            )
+        return True
+    if run_dir.list_files() or run_dir.list_dirs():
+        raise JobConfigError(
+            f"run {run_name!r} already exists at {run_dir.location}: pass --resume (or --resume-if-exists) to "
+            "continue it, or choose another --run-name"
+        )
+    return False
+
+
+def worker_resources(args: argparse.Namespace, cluster_cpus: float) -> dict[str, float] | None:
+    """``ScalingConfig.resources_per_worker``: ``None`` keeps Ray's default (1 CPU, or 1 GPU with ``--gpus``).
+
+    CPU training with more workers than the cluster has CPUs (4 workers on a
+    2-core laptop) shares the CPUs instead of waiting forever for more.
+    """
+    if args.cpus_per_worker is not None:
+        return {"CPU": args.cpus_per_worker}
+    if not args.gpus and 0 < cluster_cpus < args.num_workers:
+        return {"CPU": cluster_cpus / args.num_workers}
+    return None
+
+
+def check_resources(args: argparse.Namespace, cluster: dict[str, float]) -> dict[str, float] | None:
+    """Refuse a request the cluster can never satisfy; return ``resources_per_worker`` for ``ScalingConfig``.
+
+    ``cluster`` is ``ray.cluster_resources()``: the nodes up now. Ray Train would
+    otherwise wait for the missing resources and retry ``fit()`` forever. An
+    autoscaling cluster may grow past it: ``--skip-resource-check`` skips this.
+    """
+    per_worker = worker_resources(args, cluster.get("CPU", 0.0))
+    # What Ray Train reserves per worker (ScalingConfig's rule): the given resources, else 1 CPU;
+    # with use_gpu, 1 GPU unless given and no CPU unless given.
+    need = dict(per_worker) if per_worker else ({} if args.gpus else {"CPU": 1.0})
+    if args.gpus:
+        need.setdefault("GPU", 1.0)
+    n = args.num_workers
+    for resource, amount in need.items():
+        total, have = amount * n, cluster.get(resource, 0.0)
+        if total <= have + 1e-9:
+            continue
+        if resource == "GPU":
+            fix = "lower --num-workers, or drop --gpus to train on CPUs"
+            asked = f"--gpus with --num-workers {n} needs {total:g} GPUs"
+        else:
+            fix = "lower --num-workers or --cpus-per-worker (unset, it shares the CPUs there are)"
+            asked = f"--num-workers {n} x {amount:g} CPUs per worker needs {total:g} CPUs"
+        raise JobConfigError(
+            f"{asked}, but the Ray cluster has {have:g}: {fix}; on an autoscaling cluster that will grow, "
+            "pass --skip-resource-check"
+        )
+    return per_worker

@@ -1,0 +1,169 @@
+"""The training job's up-front checks: the run to resume, the cluster's resources, every flag, ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+import torch
+
+import rayckpt
+from rayckpt.examples.gpt_job import build_parser, main, parse_args, quiet_ray_train_logs, run
+from rayckpt.examples.job_checks import JobConfigError, check_resources, check_resume, describe_runs
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    """Runs: 'gpt' with two committed checkpoints, 'crashed' with only a save that never committed."""
+    root = tmp_path_factory.mktemp("job") / "ckpts"
+    for step in (10, 20):
+        path = root / "gpt" / f"rayckpt-step-{step:08d}"
+        rayckpt.save({"w": torch.ones(4)}, str(path), metadata={"step": step, "run": "gpt"})
+    crashed = root / "crashed" / "rayckpt-step-00000005"
+    crashed.mkdir(parents=True)
+    (crashed / "rank0.arrow").write_bytes(b"partial")
+    return str(root)
+
+
+def test_describe_runs_says_what_each_run_holds(storage, tmp_path):
+    assert describe_runs(storage) == "'crashed' (no committed checkpoint), 'gpt' (2 committed, latest step 20)"
+    assert describe_runs(str(tmp_path / "nothing-here")) == "none"
+
+
+def test_resume_of_a_run_with_nothing_to_resume_fails_naming_the_runs_there(storage):
+    for run_name in ("gtp", "crashed"):
+        with pytest.raises(JobConfigError) as err:
+            check_resume(storage, run_name, resume=True, resume_if_exists=False)
+        message = str(err.value)
+        assert "\n" not in message
+        assert f"--resume: run {run_name!r} has no committed checkpoint under {storage}" in message
+        assert "'gpt' (2 committed, latest step 20)" in message and "'crashed' (no committed checkpoint)" in message
+        assert "--resume-if-exists" in message
+
+
+def test_resume_if_exists_and_fresh_runs(storage):
+    assert check_resume(storage, "gpt", resume=True, resume_if_exists=False) is True
+    # --resume-if-exists restores when there is something (the loop starts fresh when restore finds nothing).
+    assert check_resume(storage, "new-run", resume=False, resume_if_exists=True) is True
+    assert check_resume(storage, "gpt", resume=False, resume_if_exists=True) is True
+    assert check_resume(storage, "new-run", resume=False, resume_if_exists=False) is False
+    with pytest.raises(JobConfigError, match=r"run 'gpt' already exists at .*gpt: pass --resume"):
+        check_resume(storage, "gpt", resume=False, resume_if_exists=False)
+
+
+def test_main_refuses_a_mistyped_resume_before_starting_ray(storage, monkeypatch, capsys):
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    assert main(["--storage-path", storage, "--run-name", "never-ran", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --resume: run 'never-ran' has no committed checkpoint") and "\n" not in err
+
+
+def request(*argv: str) -> argparse.Namespace:
+    return parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, cluster, fragments",
+    [
+        (
+            ["--num-workers", "4", "--cpus-per-worker", "1"],
+            {"CPU": 2.0},
+            ["--num-workers 4 x 1 CPUs per worker needs 4 CPUs, but the Ray cluster has 2", "--cpus-per-worker"],
+        ),
+        (
+            ["--num-workers", "2", "--global-batch", "12", "--gpus"],
+            {"CPU": 16.0, "GPU": 1.0},
+            ["--gpus with --num-workers 2 needs 2 GPUs, but the Ray cluster has 1", "drop --gpus"],
+        ),
+        (["--num-workers", "2"], {}, ["needs 2 CPUs, but the Ray cluster has 0", "--skip-resource-check"]),
+        (
+            ["--num-workers", "2", "--gpus", "--cpus-per-worker", "4"],
+            {"CPU": 16.0},
+            ["--gpus with --num-workers 2 needs 2 GPUs, but the Ray cluster has 0"],
+        ),
+    ],
+)
+def test_requests_the_cluster_cannot_hold_are_refused(argv, cluster, fragments):
+    with pytest.raises(JobConfigError) as err:
+        check_resources(request(*argv), cluster)
+    assert "\n" not in str(err.value)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_requests_the_cluster_holds_pass():
+    assert check_resources(request("--num-workers", "4"), {"CPU": 2.0}) == {"CPU": 0.5}  # shared CPUs
+    assert check_resources(request("--num-workers", "4"), {"CPU": 4.0}) is None
+    assert check_resources(request("--num-workers", "2", "--cpus-per-worker", "2"), {"CPU": 4.0}) == {"CPU": 2.0}
+    assert check_resources(request("--num-workers", "4", "--gpus"), {"CPU": 1.0, "GPU": 4.0}) is None
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--num-workers", "0"], "--num-workers must be at least 1, got 0"),
+        (["--steps", "-3"], "--steps must be at least 1, got -3"),
+        (["--schedule-steps", "0"], "--schedule-steps must be at least 1"),
+        (["--d-model", "0"], "--d-model must be at least 1"),
+        (["--lr", "0"], "--lr must be positive, got 0.0"),
+        (["--cpus-per-worker", "-1"], "--cpus-per-worker must be positive"),
+        (["--num-workers", "5"], "--global-batch 12 is not divisible by --num-workers 5"),
+        (["--d-model", "100", "--n-heads", "3"], "--n-heads 3 does not divide --d-model 100"),
+        (["--resume", "--resume-if-exists"], "not allowed with argument"),
+    ],
+)
+def test_bad_flags_are_refused_naming_the_flag(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_help_shows_every_flag_with_help_and_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping
+    for action in build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    for fragment in ("Ray Train workers (ranks) (default: 4)", "(default: 20)", "(default: ./checkpoints)"):
+        assert fragment in out
+    assert "(default: None)" not in out  # those flags say in their help what leaving them out means
+    assert "default: RAY_ADDRESS" in out and "(default: --steps of the run's first launch" in out
+
+
+@pytest.mark.parametrize("address", [None, "10.0.0.7:6379", "local"])
+def test_address_goes_to_ray_init(address, tmp_path, monkeypatch):
+    import ray
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    argv = ["--storage-path", str(tmp_path)] + (["--address", address] if address else [])
+    with pytest.raises(Stop):
+        run(parse_args(argv))
+    assert seen == {"address": address}
+
+
+def test_ray_trains_per_rank_report_lines_are_silenced():
+    from ray.train.v2._internal.execution import context
+
+    context.logger.setLevel(logging.NOTSET)
+    quiet_ray_train_logs()
+    assert not context.logger.isEnabledFor(logging.INFO)
+    assert context.logger.isEnabledFor(logging.WARNING)
