@@ -60,6 +60,7 @@ class MetadataActor:
     """Catalog, commit protocol and reshard planning service (an async Ray actor)."""
 
     def __init__(self, commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
+        show_commits_in_log()
         #: This incarnation's id: a restart starts a new one, which knows none of the earlier one's saves.
         self._incarnation = uuid.uuid4().hex[:12]
         self._tracker = CommitTracker(commit_timeout_s)
@@ -258,9 +259,23 @@ class MetadataActor:
                 data = {"save_id": e.save_id, "step": e.step, "location": e.path, "writer_nodes": o.writer_nodes}
                 await self.record_event(e.run, "committed", data)
                 metrics.observe("rayckpt_commit_seconds", o.seconds, run=e.run)
+                logger.info(
+                    "committed step %s of run %r: %s (%d bytes from %d ranks, %.2f s after the save began)",
+                    e.step,
+                    e.run,
+                    e.path,
+                    e.bytes,
+                    e.world_size,
+                    o.seconds,
+                )
             else:
                 logger.warning(
-                    "save %s of run %r (step %s) to %s failed: %s", e.save_id, e.run, e.step, e.path, e.error
+                    "save %s of run %r (step %s) to %s failed and was rolled back (its files removed): %s",
+                    e.save_id,
+                    e.run,
+                    e.step,
+                    e.path,
+                    e.error,
                 )
                 metrics.inc("rayckpt_checkpoints_failed", run=e.run)
                 data = {"save_id": e.save_id, "step": e.step, "location": e.path, "error": e.error}
@@ -320,6 +335,22 @@ class MetadataActor:
 
     async def events(self, run: str) -> list[dict[str, Any]]:
         return list(self._events.get(run, []))
+
+
+def show_commits_in_log() -> None:
+    """Let the actor's commit (INFO) and rollback (WARNING) lines reach its log file.
+
+    Ray leaves an actor's Python logging unconfigured unless the job passes a
+    ``ray.LoggingConfig``; INFO lines would then be dropped. Without any handler
+    on the root logger, this logger writes to stderr: the actor's
+    ``worker-*.err`` file under ``<session>/logs``, shown by the dashboard's
+    Actors page. With one (a ``LoggingConfig``, pytest), its lines go there.
+    """
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s rayckpt.metadata_actor: %(message)s"))
+        logger.addHandler(handler)
 
 
 def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> Any:
