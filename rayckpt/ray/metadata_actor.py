@@ -54,6 +54,9 @@ DEFAULT_COMMIT_TIMEOUT_S = 600.0
 _EXPIRE_EVERY_S = 0.5
 #: Events kept per run.
 _EVENTS_KEPT = 100
+#: How often each run's last write throughput is set again: Ray's Prometheus export drops a
+#: gauge not set within two metrics report intervals (20 s by default), even between saves.
+_GAUGE_REFRESH_S = 5.0
 
 
 class MetadataActor:
@@ -72,6 +75,9 @@ class MetadataActor:
         self._watchdog: asyncio.Task | None = None
         #: run -> its last ``_EVENTS_KEPT`` events; the ``RUNS_KEPT`` most recently active runs.
         self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        #: run -> its last shard write's throughput (bytes/s), the ``RUNS_KEPT`` most recent runs.
+        self._throughput: OrderedDict[str, float] = OrderedDict()
+        self._gauge_refresher: asyncio.Task | None = None
 
     async def ping(self) -> str:
         return "ok"
@@ -164,7 +170,7 @@ class MetadataActor:
             metrics.observe("rayckpt_persist_seconds", seconds, run=known.run)
             metrics.inc("rayckpt_bytes_written", nbytes, run=known.run)
             if seconds > 0:
-                metrics.observe("rayckpt_write_throughput_bytes_per_second", nbytes / seconds, run=known.run)
+                self._set_throughput(known.run, nbytes / seconds)
         track = self._tracker.report_written
         where = (run, step, location, filesystem)
         settled = await asyncio.to_thread(track, save_id, shard, node, *where)
@@ -233,6 +239,22 @@ class MetadataActor:
                 if not waiters and self._waiters.get(save_id) is waiters:
                     del self._waiters[save_id]
         return self._tracker.entry(save_id)
+
+    def _set_throughput(self, run: str, bytes_per_second: float) -> None:
+        """Set ``run``'s write throughput gauge, and keep it set until a later write changes it."""
+        self._throughput[run] = bytes_per_second
+        self._throughput.move_to_end(run)
+        while len(self._throughput) > RUNS_KEPT:
+            self._throughput.popitem(last=False)
+        metrics.observe("rayckpt_write_throughput_bytes_per_second", bytes_per_second, run=run)
+        if self._gauge_refresher is None or self._gauge_refresher.done():
+            self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        while True:
+            await asyncio.sleep(_GAUGE_REFRESH_S)
+            for run, value in list(self._throughput.items()):
+                metrics.observe("rayckpt_write_throughput_bytes_per_second", value, run=run)
 
     def _restarted_since(self, incarnation: str | None) -> bool:
         """Whether a save begun when the actor was ``incarnation`` began under another incarnation."""

@@ -129,3 +129,29 @@ def test_train_sh_refuses_a_bad_keep_count_before_anything_else():
     )
     assert done.returncode == 2
     assert "RAYCKPT_KEEP_RUNS must be a whole number (0 keeps every run), got 'three'" in done.stderr
+
+
+def test_throughput_gauge_is_set_again_until_the_next_write(monkeypatch):
+    """Ray's export drops a gauge not set for two report intervals: the MetadataActor keeps
+    each run's last write throughput set (the most recent ``RUNS_KEPT`` runs)."""
+    import asyncio
+
+    from rayckpt.ray import metadata_actor
+
+    seen: list[tuple[str, float, str]] = []
+    monkeypatch.setattr(metadata_actor, "_GAUGE_REFRESH_S", 0.01)
+    monkeypatch.setattr(metadata_actor, "RUNS_KEPT", 2)
+    monkeypatch.setattr(metrics, "observe", lambda name, value, **tags: seen.append((name, value, tags["run"])))
+
+    async def scenario() -> None:
+        actor = metadata_actor.MetadataActor()
+        for run, value in (("a", 1.0), ("b", 2.0), ("a", 3.0), ("c", 4.0)):  # "b" falls out: 2 runs kept
+            actor._set_throughput(run, value)
+        seen.clear()
+        await asyncio.sleep(0.2)
+        actor._gauge_refresher.cancel()
+
+    asyncio.run(scenario())
+    assert {name for name, _, _ in seen} == {"rayckpt_write_throughput_bytes_per_second"}
+    assert {(run, value) for _, value, run in seen} == {("a", 3.0), ("c", 4.0)}
+    assert len(seen) >= 4  # set again and again, not once
