@@ -155,3 +155,33 @@ def test_throughput_gauge_is_set_again_until_the_next_write(monkeypatch):
     assert {name for name, _, _ in seen} == {"rayckpt_write_throughput_bytes_per_second"}
     assert {(run, value) for _, value, run in seen} == {("a", 3.0), ("c", 4.0)}
     assert len(seen) >= 4  # set again and again, not once
+
+
+def test_checkpointer_wait_announces_the_outcome_it_learns(monkeypatch):
+    """With ``report=False`` nobody waits in Ray Train's upload thread: ``wait()`` (also the
+    first thing ``save()`` does) announces the last save's outcome, whether it returns or raises."""
+    from types import SimpleNamespace
+
+    from rayckpt.errors import SaveFailedError
+    from rayckpt.train import checkpointer
+
+    out = io.StringIO()
+    ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only wait() is used
+    ckpt.announcer = SaveAnnouncer("gpt", 0, out)
+    ckpt._last = (SimpleNamespace(save_id="s-1", step=5), time.perf_counter())
+    monkeypatch.setattr(checkpointer, "wait_inflight", lambda: entry("committed"))
+    assert ckpt.wait().status == "committed"
+
+    def failing():
+        raise SaveFailedError("save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom")
+
+    ckpt._last = (SimpleNamespace(save_id="s-2", step=10), time.perf_counter())
+    monkeypatch.setattr(checkpointer, "wait_inflight", failing)
+    with pytest.raises(SaveFailedError, match="boom"):
+        ckpt.wait()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("rayckpt: gpt committed step 5 (3.0 MiB, ")
+    assert lines[1] == (
+        "rayckpt: gpt failed to save step 10, nothing committed: "
+        "save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom"
+    )
