@@ -19,8 +19,15 @@ for run in "$dir"/gpt-*; do
   fi
 done
 ((${#named[@]} > keep)) || exit 0
-mapfile -t newest_first < <(ls -td -- "${named[@]}")
-for run in "${newest_first[@]:keep}"; do
-  echo "scripts/train.sh: removing old run $run (keeping the most recent ones; RAYCKPT_KEEP_RUNS=0 keeps all)" >&2
-  rm -rf -- "$run"
+mtime() { stat -c %Y -- "$1" 2>/dev/null || stat -f %m -- "$1"; }  # GNU, else BSD stat
+seen=0
+# Newest first; runs used in the same second by name (their start time), newest first.
+for run in "${named[@]}"; do
+  printf '%s\t%s\n' "$(mtime "$run")" "$run"
+done | sort -t "$(printf '\t')" -k1,1nr -k2,2r | cut -f2- | while IFS= read -r run; do
+  seen=$((seen + 1))
+  if ((seen > keep)); then
+    echo "scripts/train.sh: removing old run $run (keeping the most recent ones; RAYCKPT_KEEP_RUNS=0 keeps all)" >&2
+    rm -rf -- "$run"
+  fi
 done

@@ -185,3 +185,12 @@ def test_checkpointer_wait_announces_the_outcome_it_learns(monkeypatch):
         "rayckpt: gpt failed to save step 10, nothing committed: "
         "save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom"
     )
+
+
+def test_prune_runs_breaks_ties_by_the_time_in_the_name(tmp_path):
+    names = ["gpt-20260101-000001", "gpt-20260101-000003", "gpt-20260101-000002"]
+    for name in names:
+        os.makedirs(tmp_path / name)
+        os.utime(tmp_path / name, (1e9, 1e9))  # the same second
+    assert prune(tmp_path, "1").returncode == 0
+    assert os.listdir(tmp_path) == ["gpt-20260101-000003"]
