@@ -1,4 +1,4 @@
-"""Save a sharded FSDP2 model with 4 processes, load it with 3, print whether outputs match."""
+"""Save a sharded FSDP2 model with 4 processes, load it with 3, print whether outputs match (``--help``)."""
 
 from rayckpt.examples.demo import main
 

@@ -1,7 +1,7 @@
-"""Save a sharded FSDP2 model with N processes, load it with M, check outputs match.
+"""``jobs/demo.py``: save a sharded FSDP2 model with N processes, load it with M, check outputs match.
 
-The seeds' check ("outputs MATCH after load"), on CPU with gloo. Also the worker
-functions the multi-process tests and benchmarks reuse.
+On CPU with gloo, without Ray (``DESCRIPTION`` is what ``--help`` tells the user).
+Also the worker functions the multi-process tests and benchmarks reuse.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -48,14 +49,40 @@ def load_worker(rank: int, world_size: int, path: str, dtype: str = "float32") -
     return {"state": full_state(app), "output": output, "step": app.extras["step"], "info": info}
 
 
+DESCRIPTION = """\
+Resharding on CPU, without Ray: a toy FSDP2 model trained a few steps and saved
+(with its AdamW state) by --save-ranks gloo processes, then loaded by
+--load-ranks processes into a freshly initialized model. Prints, per loading
+rank, whether the model's outputs match the saved model's ("Outputs MATCH") and
+whether the model and optimizer state is identical, then a JSON summary. The
+checkpoint goes to a temporary directory, removed at the end (also on error),
+unless --dir names one to keep.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--save-ranks", type=int, default=4)
-    parser.add_argument("--load-ranks", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
+    parser = argparse.ArgumentParser(
+        prog="python jobs/demo.py", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--save-ranks", type=int, default=4, help="processes that save the checkpoint (default 4)")
+    parser.add_argument("--load-ranks", type=int, default=3, help="processes that load it (default 3)")
+    parser.add_argument(
+        "--dir", default=None, help="checkpoint directory, kept afterwards (default: a temporary one, removed)"
+    )
     args = parser.parse_args(argv)
-    path = args.dir or os.path.join(tempfile.mkdtemp(prefix="rayckpt-demo-"), "ckpt")
-    print(f"saving a sharded FSDP2 model + AdamW state with {args.save_ranks} processes to {path}")
+    if args.dir is not None:
+        return _demo(args, args.dir)
+    temp = tempfile.mkdtemp(prefix="rayckpt-demo-")
+    try:
+        return _demo(args, os.path.join(temp, "ckpt"))
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _demo(args: argparse.Namespace, path: str) -> int:
+    """Save with ``args.save_ranks``, load with ``args.load_ranks``, print the verdicts."""
+    where = path if args.dir is not None else f"{path} (a temporary directory, removed at the end)"
+    print(f"saving a sharded FSDP2 model + AdamW state with {args.save_ranks} processes to {where}")
     saved = run_ranks(save_worker, args.save_ranks, path)
     manifest = rayckpt.read_manifest(CheckpointDir.resolve(path))
     print(f"committed: {len(manifest.files)} Arrow shard files, {manifest.total_bytes} bytes")
@@ -73,5 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{'identical' if same_state else 'DIFFERENT'}; read {result['info'].bytes_read} of "
             f"{result['info'].bytes_needed} needed bytes"
         )
-    print(json.dumps({"checkpoint": path, "saved_by": args.save_ranks, "loaded_by": args.load_ranks, "match": ok}))
+    kept = path if args.dir is not None else None
+    print(json.dumps({"checkpoint": kept, "saved_by": args.save_ranks, "loaded_by": args.load_ranks, "match": ok}))
     return 0 if ok else 1

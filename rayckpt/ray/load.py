@@ -58,5 +58,5 @@ def load(
         state_dict, checkpoint_id, strict=strict, coordinator=coord, filesystem=filesystem, plan_source=plan_source
     )
     metrics.observe("rayckpt_load_seconds", time.perf_counter() - start, run=run, rank=coord.rank)
-    metrics.inc("rayckpt_bytes_read", info.bytes_read, run=run)
+    metrics.inc("rayckpt_bytes_read", info.bytes_read, run=run, rank=coord.rank)
     return info

@@ -54,12 +54,16 @@ DEFAULT_COMMIT_TIMEOUT_S = 600.0
 _EXPIRE_EVERY_S = 0.5
 #: Events kept per run.
 _EVENTS_KEPT = 100
+#: How often each run's last write throughput is set again: Ray's Prometheus export drops a
+#: gauge not set within two metrics report intervals (20 s by default), even between saves.
+_GAUGE_REFRESH_S = 5.0
 
 
 class MetadataActor:
     """Catalog, commit protocol and reshard planning service (an async Ray actor)."""
 
     def __init__(self, commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
+        show_commits_in_log()
         #: This incarnation's id: a restart starts a new one, which knows none of the earlier one's saves.
         self._incarnation = uuid.uuid4().hex[:12]
         self._tracker = CommitTracker(commit_timeout_s)
@@ -71,6 +75,9 @@ class MetadataActor:
         self._watchdog: asyncio.Task | None = None
         #: run -> its last ``_EVENTS_KEPT`` events; the ``RUNS_KEPT`` most recently active runs.
         self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        #: run -> its last shard write's throughput (bytes/s), the ``RUNS_KEPT`` most recent runs.
+        self._throughput: OrderedDict[str, float] = OrderedDict()
+        self._gauge_refresher: asyncio.Task | None = None
 
     async def ping(self) -> str:
         return "ok"
@@ -163,7 +170,7 @@ class MetadataActor:
             metrics.observe("rayckpt_persist_seconds", seconds, run=known.run)
             metrics.inc("rayckpt_bytes_written", nbytes, run=known.run)
             if seconds > 0:
-                metrics.observe("rayckpt_write_throughput_bytes_per_second", nbytes / seconds, run=known.run)
+                self._set_throughput(known.run, nbytes / seconds)
         track = self._tracker.report_written
         where = (run, step, location, filesystem)
         settled = await asyncio.to_thread(track, save_id, shard, node, *where)
@@ -233,6 +240,22 @@ class MetadataActor:
                     del self._waiters[save_id]
         return self._tracker.entry(save_id)
 
+    def _set_throughput(self, run: str, bytes_per_second: float) -> None:
+        """Set ``run``'s write throughput gauge, and keep it set until a later write changes it."""
+        self._throughput[run] = bytes_per_second
+        self._throughput.move_to_end(run)
+        while len(self._throughput) > RUNS_KEPT:
+            self._throughput.popitem(last=False)
+        metrics.observe("rayckpt_write_throughput_bytes_per_second", bytes_per_second, run=run)
+        if self._gauge_refresher is None or self._gauge_refresher.done():
+            self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        while True:
+            await asyncio.sleep(_GAUGE_REFRESH_S)
+            for run, value in list(self._throughput.items()):
+                metrics.observe("rayckpt_write_throughput_bytes_per_second", value, run=run)
+
     def _restarted_since(self, incarnation: str | None) -> bool:
         """Whether a save begun when the actor was ``incarnation`` began under another incarnation."""
         return incarnation is not None and incarnation != self._incarnation
@@ -258,9 +281,23 @@ class MetadataActor:
                 data = {"save_id": e.save_id, "step": e.step, "location": e.path, "writer_nodes": o.writer_nodes}
                 await self.record_event(e.run, "committed", data)
                 metrics.observe("rayckpt_commit_seconds", o.seconds, run=e.run)
+                logger.info(
+                    "committed step %s of run %r: %s (%d bytes from %d ranks, %.2f s after the save began)",
+                    e.step,
+                    e.run,
+                    e.path,
+                    e.bytes,
+                    e.world_size,
+                    o.seconds,
+                )
             else:
                 logger.warning(
-                    "save %s of run %r (step %s) to %s failed: %s", e.save_id, e.run, e.step, e.path, e.error
+                    "save %s of run %r (step %s) to %s failed and was rolled back (its files removed): %s",
+                    e.save_id,
+                    e.run,
+                    e.step,
+                    e.path,
+                    e.error,
                 )
                 metrics.inc("rayckpt_checkpoints_failed", run=e.run)
                 data = {"save_id": e.save_id, "step": e.step, "location": e.path, "error": e.error}
@@ -320,6 +357,22 @@ class MetadataActor:
 
     async def events(self, run: str) -> list[dict[str, Any]]:
         return list(self._events.get(run, []))
+
+
+def show_commits_in_log() -> None:
+    """Let the actor's commit (INFO) and rollback (WARNING) lines reach its log file.
+
+    Ray leaves an actor's Python logging unconfigured unless the job passes a
+    ``ray.LoggingConfig``; INFO lines would then be dropped. Without any handler
+    on the root logger, this logger writes to stderr: the actor's
+    ``worker-*.err`` file under ``<session>/logs``, shown by the dashboard's
+    Actors page. With one (a ``LoggingConfig``, pytest), its lines go there.
+    """
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s rayckpt.metadata_actor: %(message)s"))
+        logger.addHandler(handler)
 
 
 def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> Any:

@@ -23,7 +23,7 @@ _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rayckpt_bytes_written": ("counter", "Shard bytes written", ("run",)),
     "rayckpt_write_throughput_bytes_per_second": ("gauge", "Last shard write throughput", ("run",)),
     "rayckpt_load_seconds": ("histogram", "Time a worker spends loading", ("run", "rank")),
-    "rayckpt_bytes_read": ("counter", "Shard bytes read by loads", ("run",)),
+    "rayckpt_bytes_read": ("counter", "Shard bytes read by loads", ("run", "rank")),
     "rayckpt_plan_seconds": ("histogram", "Time the MetadataActor spends computing a load plan", ("run",)),
     "rayckpt_checkpoints_committed": ("counter", "Checkpoints committed", ("run",)),
     "rayckpt_checkpoints_failed": ("counter", "Saves that failed and were rolled back", ("run",)),

@@ -1,8 +1,9 @@
 """``RayckptCallback``: the controller side of the TorchTrainer integration.
 
-Runs in Ray Train's controller: logs each committed checkpoint and, when the
+Runs in Ray Train's controller: records each reported checkpoint and, when the
 worker group fails, fails the run's in-flight saves at once (their partial files
-removed) instead of after the commit timeout.
+removed) instead of after the commit timeout, with a WARNING line naming them
+(Ray forwards it to the driver's output).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 class RayckptCallback(ray.train.UserCallback):
-    """Controller-side callback: logs committed checkpoints and rolls back saves of a failed run.
+    """Controller-side callback: records reported checkpoints and rolls back saves of a failed run.
 
     Add it to ``RunConfig(callbacks=[RayckptCallback()])``. After a worker
     exception it tells the MetadataActor to fail the run's in-flight saves, which
@@ -30,7 +31,8 @@ class RayckptCallback(ray.train.UserCallback):
         if checkpoint is not None:
             run = run_context.get_run_config().name
             step = metrics[0].get("step") if metrics else None
-            logger.info("rayckpt: run %s committed step %s at %s", run, step, checkpoint.path)
+            # Rank 0 of the workers prints the commit line (with its size and time); this is Ray Train's side.
+            logger.debug("rayckpt: run %s reported step %s at %s to Ray Train", run, step, checkpoint.path)
             get_metadata_actor().record_event.remote(run, "reported", {"step": step, "path": checkpoint.path})
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:

@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 import ray.train
 
 from ..engine.load import LoadInfo
+from ..errors import SaveFailedError
 from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed, listed_corrupt
+from .announce import SaveAnnouncer
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,10 @@ class Checkpointer:
         self.last_load: LoadInfo | None = None
         #: The user metadata of the checkpoint the last ``restore`` loaded (``{}``: none loaded).
         self.restored_metadata: dict[str, Any] = {}
+        #: Rank 0 prints ``rayckpt: <run> committed step N (...)`` (or a failure line) per save.
+        self.announcer = SaveAnnouncer(self.run, self.rank)
+        #: The last save begun here and when (``time.perf_counter()``): ``wait()`` announces its outcome.
+        self._last: tuple[SaveHandle, float] | None = None
         #: The run's checkpoints when this worker started (``restore`` checks Ray Train's latest against it).
         self._found: list[CatalogEntry] = ray.get(
             get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem)
@@ -85,9 +93,13 @@ class Checkpointer:
         (plus ``step``). The manifest's user metadata holds ``step``, ``run``,
         ``metrics`` and the JSON-able entries of ``metadata`` (run hyperparameters,
         say; ``restore`` gives them back as ``restored_metadata``). Waits first for
-        this worker's previous save.
+        this worker's previous save. Rank 0 prints ``rayckpt: <run> committed step N
+        (<bytes>, <seconds>)`` when it commits (a failure line when it fails), which
+        Ray forwards to the driver.
         """
         metrics = dict(metrics or {}, step=step)
+        self.wait()  # what ``save_async`` does first, here so the previous save's outcome is announced
+        began = time.perf_counter()
         handle = save_async(
             state,
             self.path(step),
@@ -100,11 +112,12 @@ class Checkpointer:
             local_is_shared=self.local_is_shared,
             staging=self.staging,
         )
+        self._last = (handle, began)
         if self.report:
             from ray.train import Checkpoint, CheckpointUploadMode
 
             def wait_for_commit(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
-                handle.wait()
+                self._announced_wait(handle, began, handle.wait)
                 return checkpoint
 
             ray.train.report(
@@ -166,4 +179,21 @@ class Checkpointer:
 
     def wait(self) -> CatalogEntry | None:
         """Block until this worker's in-flight save is committed (raises if it failed)."""
-        return wait_inflight()
+        if self._last is None:
+            return wait_inflight()
+        handle, began = self._last
+        return self._announced_wait(handle, began, wait_inflight)
+
+    def _announced_wait(
+        self, handle: SaveHandle, began: float, wait: Callable[[], CatalogEntry | None]
+    ) -> CatalogEntry | None:
+        """``wait()`` for ``handle``'s outcome (Ray Train's upload thread, or this worker's next
+        save or ``wait``), then announce it (rank 0, once per save)."""
+        try:
+            entry = wait()
+        except SaveFailedError as exc:
+            self.announcer.announce(handle.save_id, handle.step, began, error=str(exc))
+            raise
+        if entry is not None and entry.save_id == handle.save_id:
+            self.announcer.announce(handle.save_id, handle.step, began, entry)
+        return entry

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,7 +92,8 @@ def cluster(tmp_path_factory):
         os.killpg(head.pid, signal.SIGKILL)
 
 
-def submit(cluster, *args: str) -> dict:
+def submit(cluster, *args: str) -> tuple[dict, str]:
+    """Run ``jobs/train.py`` through ``ray job submit``; return its JSON summary and the job's output."""
     cmd = [
         f"{BIN}/ray",
         "job",
@@ -123,18 +125,20 @@ def submit(cluster, *args: str) -> dict:
         if isinstance(doc, dict) and "final_step" in doc:
             summaries.append(doc)
     assert summaries, proc.stdout[-4000:]
-    return summaries[-1]
+    return summaries[-1], proc.stdout + proc.stderr
 
 
 def test_submit_train_then_resume_with_fewer_workers(cluster, tmp_path):
     storage = str(tmp_path / "ckpts")
     common = ["--storage-path", storage, "--run-name", "e2e", "--checkpoint-every", "2", *TINY]
-    first = submit(cluster, "--num-workers", "4", "--steps", "4", *common)
+    first, logs = submit(cluster, "--num-workers", "4", "--steps", "4", *common)
     assert first["final_step"] == 4 and first["num_workers"] == 4 and first["resumed_from"] is None
     assert first["last_checkpoint"].endswith("rayckpt-step-00000004")
     assert os.path.exists(os.path.join(first["last_checkpoint"], "manifest.json"))
+    for step in (2, 4):  # the job's logs have rank 0's line per committed checkpoint
+        assert re.search(rf"rayckpt: e2e committed step {step} \(\d+\.\d MiB, \d+\.\d\d s\)", logs), logs[-4000:]
 
-    second = submit(cluster, "--num-workers", "3", "--steps", "6", "--resume", *common)
+    second, _ = submit(cluster, "--num-workers", "3", "--steps", "6", "--resume", *common)
     assert second["resumed_from"] == 4 and second["num_workers"] == 3 and second["final_step"] == 6
     assert second["last_checkpoint"].endswith("rayckpt-step-00000006")
     assert second["final_loss"] < first["final_loss"] * 1.5  # training continued, it did not restart
@@ -150,7 +154,12 @@ def test_submit_train_then_resume_with_fewer_workers(cluster, tmp_path):
     while True:
         text = get(cluster["metrics"])
         names = {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_rayckpt_")}
-        if {"ray_rayckpt_checkpoints_committed_total", "ray_rayckpt_save_stall_seconds_count"} <= names:
+        wanted = {
+            "ray_rayckpt_checkpoints_committed_total",
+            "ray_rayckpt_save_stall_seconds_count",
+            "ray_rayckpt_write_throughput_bytes_per_second",  # a gauge: set again between saves
+        }
+        if wanted <= names:
             break
         assert time.time() < deadline, f"rayckpt metrics missing from the export port; have {sorted(names)}"
         time.sleep(3)

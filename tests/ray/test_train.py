@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import time
 
 import pyarrow.fs as pafs
 import pytest
@@ -38,11 +41,43 @@ def fit(storage, out, workers, steps, save_at, name="toy", filesystem=None, **ex
     return trainer.fit()
 
 
-def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path):
+def driver_output(capfd, patterns: list[str], timeout: float = 60.0) -> str:
+    """This process's output (Ray forwards the workers' to it, asynchronously) once it
+    matches every regex of ``patterns``, or after ``timeout`` seconds."""
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while True:
+        out, err = capfd.readouterr()
+        seen += out + err
+        if all(re.search(p, seen) for p in patterns) or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.5)
+
+
+def metadata_actor_log() -> str:
+    """The MetadataActor's stderr file (``<session>/logs/worker-*-<pid>.err``)."""
+    pid = ray.get(get_metadata_actor().debug_stats.remote())["pid"]
+    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    paths = glob.glob(os.path.join(logs, f"worker-*-{pid}.err"))
+    assert paths, f"no log file of the MetadataActor (pid {pid}) in {logs}"
+    return "".join(open(p, encoding="utf-8", errors="replace").read() for p in paths)
+
+
+def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path, capfd):
     storage, out = tmp_path / "storage", tmp_path / "out"
     out.mkdir()
     result = fit(storage, out, 4, 3, {2, 3})
     assert result.checkpoint is not None
+    # rank 0's line per committed save reaches the driver; the MetadataActor's log has its own
+    lines = [rf"rayckpt: toy committed step {step} \(\d+\.\d MiB, \d+\.\d\d s\)" for step in (2, 3)]
+    seen = driver_output(capfd, lines)
+    assert all(re.search(p, seen) for p in lines), seen[-4000:]
+    assert "failed to save" not in seen
+    log = metadata_actor_log()
+    for step in (2, 3):
+        assert re.search(
+            rf"INFO rayckpt.metadata_actor: committed step {step} of run 'toy': \S+ \(\d+ bytes from 4 ranks", log
+        )
     assert os.path.basename(result.checkpoint.path) == "rayckpt-step-00000003"
     assert os.path.exists(os.path.join(result.checkpoint.path, "manifest.json"))
     final4 = torch.load(out / "final-4.pt", weights_only=False)
@@ -107,6 +142,11 @@ def test_worker_failing_mid_save_commits_nothing(ray_session, tmp_path, mode):
         assert "No space left on device (injected)" in failed[-1]["error"]
     else:
         assert "worker group failed" in failed[-1]["error"]
+    # the rollback is a WARNING in the MetadataActor's log
+    rolled_back = (
+        rf"WARNING rayckpt.metadata_actor: save \S+ of run '{name}' \(step 3\) to \S+ failed and was rolled back"
+    )
+    assert re.search(rolled_back, metadata_actor_log())
 
 
 def test_pyarrow_filesystem_storage(ray_session, tmp_path):

@@ -1,0 +1,196 @@
+"""What a user watching a run sees: rank 0's save lines, the README's metric table, the
+demo's and train.sh's cleanup of what they leave on disk."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from rayckpt.examples import demo
+from rayckpt.ray import metrics
+from rayckpt.storage.catalog import CatalogEntry
+from rayckpt.train.announce import SaveAnnouncer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def entry(status: str, nbytes: int = 3 * 2**20, error: str | None = None) -> CatalogEntry:
+    return CatalogEntry("gpt", 5, "/ckpts/gpt/rayckpt-step-00000005", status, 0.0, 4, nbytes, "s-1", error)
+
+
+def test_rank_0_announces_each_commit_once():
+    out = io.StringIO()
+    announcer = SaveAnnouncer("gpt", 0, out)
+    began = time.perf_counter()
+    announcer.announce("s-1", 5, began, entry("committed"))
+    announcer.announce("s-1", 5, began, entry("committed"))  # the upload thread and wait() both learned it
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1
+    assert re.fullmatch(r"rayckpt: gpt committed step 5 \(3\.0 MiB, \d+\.\d\d s\)", lines[0]), lines
+
+
+def test_failures_are_announced_with_their_error():
+    out = io.StringIO()
+    announcer = SaveAnnouncer("gpt", 0, out)
+    announcer.announce("s-1", 5, time.perf_counter(), entry("failed", error="rank 2: No space left on device"))
+    announcer.announce("s-2", 10, time.perf_counter(), error="save of step 10 failed; nothing was committed: boom")
+    assert out.getvalue().splitlines() == [
+        "rayckpt: gpt failed to save step 5, nothing committed: rank 2: No space left on device",
+        "rayckpt: gpt failed to save step 10, nothing committed: save of step 10 failed; nothing was committed: boom",
+    ]
+
+
+def test_other_ranks_stay_quiet():
+    out = io.StringIO()
+    SaveAnnouncer("gpt", 1, out).announce("s-1", 5, time.perf_counter(), entry("committed"))
+    assert out.getvalue() == ""
+
+
+def test_readme_metric_table_lists_every_metric_with_its_tags():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("### Watching it in the dashboard") :]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`rayckpt_"):
+            rows[cells[0].strip("`")] = tuple(t.strip("` ") for t in cells[1].split(","))
+    assert rows == {name: tags for name, (_kind, _desc, tags) in metrics._DEFS.items()}
+    assert metrics._DEFS["rayckpt_bytes_read"][2] == ("run", "rank")
+
+
+def test_demo_removes_its_temp_dir_on_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("rank 1 died")
+
+    monkeypatch.setattr(demo, "run_ranks", broken)
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        demo.main(["--save-ranks", "2", "--load-ranks", "1"])
+    assert os.listdir(tmp_path) == []
+
+
+def test_demo_help_tells_what_it_shows(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    text = capsys.readouterr().out
+    assert "Outputs MATCH" in text and "--save-ranks" in text and "removed" in text
+
+
+def make_runs(root, names: list[str]) -> None:
+    """Directories named ``names``, oldest first (modification times an hour apart)."""
+    now = time.time()
+    for i, name in enumerate(names):
+        os.makedirs(root / name)
+        t = now - 3600 * (len(names) - i)
+        os.utime(root / name, (t, t))
+
+
+def prune(root, keep: str) -> subprocess.CompletedProcess:
+    script = os.path.join(ROOT, "scripts", "prune_runs.sh")
+    return subprocess.run(["bash", script, str(root), keep], capture_output=True, text=True, check=False)
+
+
+def test_prune_runs_keeps_the_most_recent_auto_named_runs(tmp_path):
+    auto = ["gpt-20260101-000001", "gpt-20260101-000002", "gpt-20260101-000003", "gpt-20260101-000004"]
+    make_runs(tmp_path, ["my-run", auto[0], "gpt-old-style", *auto[1:]])
+    (tmp_path / "gpt-20260101-000000").write_text("a file, not a run")
+    recent = time.time()
+    os.utime(tmp_path / auto[0], (recent, recent))  # resumed lately: kept although named first
+    done = prune(tmp_path, "2")
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(["my-run", "gpt-old-style", auto[0], auto[3], "gpt-20260101-000000"])
+    assert done.stderr.count("removing old run") == 2
+
+
+def test_prune_runs_refuses_a_bad_count(tmp_path):
+    make_runs(tmp_path, ["gpt-20260101-000001"])
+    done = prune(tmp_path, "-1")
+    assert done.returncode == 2 and "KEEP must be a whole number, got '-1'" in done.stderr
+    assert os.listdir(tmp_path) == ["gpt-20260101-000001"]
+
+
+def test_train_sh_refuses_a_bad_keep_count_before_anything_else():
+    env = {**os.environ, "RAYCKPT_KEEP_RUNS": "three"}
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "train.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "RAYCKPT_KEEP_RUNS must be a whole number (0 keeps every run), got 'three'" in done.stderr
+
+
+def test_throughput_gauge_is_set_again_until_the_next_write(monkeypatch):
+    """Ray's export drops a gauge not set for two report intervals: the MetadataActor keeps
+    each run's last write throughput set (the most recent ``RUNS_KEPT`` runs)."""
+    import asyncio
+
+    from rayckpt.ray import metadata_actor
+
+    seen: list[tuple[str, float, str]] = []
+    monkeypatch.setattr(metadata_actor, "_GAUGE_REFRESH_S", 0.01)
+    monkeypatch.setattr(metadata_actor, "RUNS_KEPT", 2)
+    monkeypatch.setattr(metrics, "observe", lambda name, value, **tags: seen.append((name, value, tags["run"])))
+
+    async def scenario() -> None:
+        actor = metadata_actor.MetadataActor()
+        for run, value in (("a", 1.0), ("b", 2.0), ("a", 3.0), ("c", 4.0)):  # "b" falls out: 2 runs kept
+            actor._set_throughput(run, value)
+        seen.clear()
+        await asyncio.sleep(0.2)
+        actor._gauge_refresher.cancel()
+
+    asyncio.run(scenario())
+    assert {name for name, _, _ in seen} == {"rayckpt_write_throughput_bytes_per_second"}
+    assert {(run, value) for _, value, run in seen} == {("a", 3.0), ("c", 4.0)}
+    assert len(seen) >= 4  # set again and again, not once
+
+
+def test_checkpointer_wait_announces_the_outcome_it_learns(monkeypatch):
+    """With ``report=False`` nobody waits in Ray Train's upload thread: ``wait()`` (also the
+    first thing ``save()`` does) announces the last save's outcome, whether it returns or raises."""
+    from types import SimpleNamespace
+
+    from rayckpt.errors import SaveFailedError
+    from rayckpt.train import checkpointer
+
+    out = io.StringIO()
+    ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only wait() is used
+    ckpt.announcer = SaveAnnouncer("gpt", 0, out)
+    ckpt._last = (SimpleNamespace(save_id="s-1", step=5), time.perf_counter())
+    monkeypatch.setattr(checkpointer, "wait_inflight", lambda: entry("committed"))
+    assert ckpt.wait().status == "committed"
+
+    def failing():
+        raise SaveFailedError("save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom")
+
+    ckpt._last = (SimpleNamespace(save_id="s-2", step=10), time.perf_counter())
+    monkeypatch.setattr(checkpointer, "wait_inflight", failing)
+    with pytest.raises(SaveFailedError, match="boom"):
+        ckpt.wait()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("rayckpt: gpt committed step 5 (3.0 MiB, ")
+    assert lines[1] == (
+        "rayckpt: gpt failed to save step 10, nothing committed: "
+        "save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom"
+    )
+
+
+def test_prune_runs_breaks_ties_by_the_time_in_the_name(tmp_path):
+    names = ["gpt-20260101-000001", "gpt-20260101-000003", "gpt-20260101-000002"]
+    for name in names:
+        os.makedirs(tmp_path / name)
+        os.utime(tmp_path / name, (1e9, 1e9))  # the same second
+    assert prune(tmp_path, "1").returncode == 0
+    assert os.listdir(tmp_path) == ["gpt-20260101-000003"]
