@@ -20,7 +20,7 @@ from ..errors import SaveFailedError
 from ..format.manifest import FileEntry
 from ..format.shard_file import ChunkData, ChunkSpec, WrittenChunk, storage_type, write_shard_file
 from ..planning.save_plan import SavePlan
-from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.checkpoint_dir import CheckpointDir, join_location
 from ..storage.commit import WrittenShard, shard_file_name
 from .state import FlatState, Piece, TensorLeaf, as_bytes
 
@@ -74,7 +74,8 @@ def write_chunks(
         except OSError as exc:
             # pyarrow's message carries its own traceback; the errno says what happened.
             reason = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[-1]
-            raise SaveFailedError(f"rank {rank}: writing shard file {ckdir.location}/{rel} failed: {reason}") from exc
+            where = join_location(ckdir.location, rel)
+            raise SaveFailedError(f"rank {rank}: writing shard file {where} failed: {reason}") from exc
         written.extend(records)
         files.append(FileEntry(rel, size, rank))
     return WrittenShard(rank, tuple(written), tuple(files))

@@ -165,8 +165,8 @@ class CheckpointDir:
                 return  # missing: the caller says so
             if stat.S_ISLNK(mode):
                 raise CorruptCheckpointError(
-                    f"{self.location}/{rel} is a symbolic link ({path} -> {os.readlink(path)}); rayckpt does not "
-                    "follow links inside a checkpoint: replace it with the file itself"
+                    f"{join_location(self.location, rel)} is a symbolic link ({path} -> {os.readlink(path)}); "
+                    "rayckpt does not follow links inside a checkpoint: replace it with the file itself"
                 )
 
     def size(self, rel: str) -> int | None:

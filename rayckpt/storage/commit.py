@@ -32,7 +32,7 @@ from ..format.manifest import (
 )
 from ..format.paths import Path
 from ..format.shard_file import WrittenChunk
-from .checkpoint_dir import CheckpointDir
+from .checkpoint_dir import CheckpointDir, join_location
 from .lease import LEASE_PREFIX, check_commit, read_leases
 
 _SHARD_FILE = re.compile(r"^(.+)-r\d{5,}-[^-]+\.arrow$")
@@ -182,7 +182,7 @@ def remove_failed_save(ckdir: CheckpointDir, save_id: str, paths: Sequence[str] 
 
 def read_manifest(ckdir: CheckpointDir) -> Manifest:
     """Read and validate the committed manifest of ``ckdir``."""
-    where = f"{ckdir.location}/{MANIFEST_NAME}"
+    where = join_location(ckdir.location, MANIFEST_NAME)
     manifest = decode_manifest(ckdir.read_bytes(MANIFEST_NAME), where=where)
     problems = find_manifest_problems(manifest)
     if problems:
