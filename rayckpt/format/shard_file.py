@@ -261,15 +261,15 @@ class ShardReader:
         self._count(length, length)
         return buf
 
-    def fetch(self, rel: str, offset: int, length: int) -> pa.Buffer:
+    def fetch(self, rel: str, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` with one positional read (thread-safe: no shared file position).
 
         Counts the bytes as fetched, not read: the caller (``read_into``) knows
         which of them its ranges needed.
         """
         f = self._input(rel)
-        buf = f.read_at(length, offset)
-        if buf.size != length:
+        buf = f.read_at(length, offset)  # bytes: pyarrow has no positional read_buffer
+        if len(buf) != length:
             raise self._truncated(rel, offset, length, f.size())
         self._count(0, length)
         return buf
