@@ -14,8 +14,9 @@ from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.toy import build_fsdp, full_state
 from tests.helpers.counting_fs import counting_filesystem
 
-#: About 9 MB of float32 parameters: 1536 x 384 weights, so a 4 -> 3 reshard
-#: cuts chunks mid-way and the default 64 KiB blocks stay small next to them.
+#: About 9 MB of float32 parameters (28 MB with AdamW's two moments, which the
+#: app state holds from the start): 1536 x 384 weights, so a 4 -> 3 reshard cuts
+#: chunks mid-way and the default 64 KiB blocks stay small next to them.
 MODEL = {"dim": 384, "hidden": 1536, "layers": 2}
 
 
