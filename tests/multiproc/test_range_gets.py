@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rayckpt.planning.range_gets import GET_CONCURRENCY, MAX_GAP_FRACTION
 from rayckpt.testing.multiproc import run_ranks
 from tests.helpers.range_workers import counted_load_worker, save_worker
+
+pytestmark = pytest.mark.slow
 
 
 def test_fsdp_reshard_4_to_3_fetches_what_the_coalesced_plan_says(tmp_path):
