@@ -3,8 +3,11 @@
 Local files: each single-item range is one ``preadv`` into the target tensor's
 memory (partial checksum blocks at its ends into small scratch buffers), split
 into pieces on an I/O thread that runs ahead while this thread verifies the
-finished ones in order. Other reads (remote filesystems, strided targets) read
-the range, verify it and copy. ``LoadInfo`` is what a rank read.
+finished ones in order. Remote filesystems (object storage): neighbouring
+ranges are coalesced into ranged GETs (``planning.range_gets``), up to
+``GET_CONCURRENCY`` in flight per rank, each verified per block and copied into
+the targets on its thread. Other local reads (strided targets) read the range
+(a memory-map slice), verify it and copy. ``LoadInfo`` is what a rank read.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from ..format.boxes import row_major_strides
 from ..format.manifest import Blocks
 from ..format.shard_file import ShardReader
 from ..format.values import decode_value
+from ..planning import range_gets
 from ..planning.load_plan import FileRead, LoadPlan, ReadItem
+from ..planning.range_gets import RangeGet, create_range_gets
 from ..storage.checkpoint_dir import CheckpointDir
 from .state import FlatState, TensorLeaf, torch_dtype
 
@@ -32,14 +37,24 @@ class LoadInfo:
     """What ``load`` returns on every rank (figures are this rank's)."""
 
     path: str
+    #: Payload bytes this rank's targets needed.
     bytes_needed: int
+    #: Bytes of the plan's ranges (whole checksum blocks around the needed bytes).
     bytes_read: int
+    #: Ranges in the plan.
     num_reads: int
     missing_keys: tuple[str, ...]
+    #: Read requests made to storage: GETs on object storage (several ranges may
+    #: share one), ``preadv`` calls and memory-map reads on local files.
+    requests: int = 0
+    #: Bytes transferred from storage: ``bytes_read`` plus the gap bytes that
+    #: coalesced GETs fetched and discarded (equal to ``bytes_read`` on local files).
+    bytes_fetched: int = 0
 
     @property
     def read_amplification(self) -> float:
-        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+        """Bytes fetched from storage per byte needed (1.0 = nothing extra)."""
+        return self.bytes_fetched / self.bytes_needed if self.bytes_needed else 1.0
 
 
 def read_into(
@@ -60,6 +75,7 @@ def read_into(
     tensors with one, which stats each file once); it is closed, not dropped.
     """
     reader = reader or ShardReader(ckdir, blocks, dict(file_sizes))
+    fetched, requests = reader.bytes_fetched, reader.requests
     reader.check_ranges((fr.file, fr.offset, fr.length) for fr in plan.reads)
     direct: list[DirectRead] = []
     rest: list[FileRead] = []
@@ -74,17 +90,60 @@ def read_into(
         with warnings.catch_warnings():
             # Read-only (memory-mapped) buffers are only ever copied from.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for fr in rest:
-                buf = reader.read(fr.file, fr.offset, fr.length)
-                for item in fr.items:
-                    reader.verify([(fr.offset, memoryview(buf))], item.key, item.chunk, item.lo, item.hi)
-                    _copy_item(buf, fr.offset, item, flat.tensors[item.key])
+            if ckdir.is_local:
+                for fr in rest:
+                    buf = reader.read(fr.file, fr.offset, fr.length)
+                    _verify_and_copy(reader, buf, fr.offset, fr, flat)
+            else:
+                _read_gets(reader, create_range_gets(rest), flat)
     finally:
         reader.close()
     for key, leaf in flat.values.items():
         if key in values:
             leaf.assign(decode_value(values[key]))
-    return LoadInfo(ckdir.location, plan.needed_bytes, reader.bytes_read, len(plan.reads), plan.missing)
+    return LoadInfo(
+        ckdir.location,
+        plan.needed_bytes,
+        plan.read_bytes,
+        len(plan.reads),
+        plan.missing,
+        requests=reader.requests - requests,
+        bytes_fetched=reader.bytes_fetched - fetched,
+    )
+
+
+def _verify_and_copy(reader: ShardReader, buf: Any, buf_offset: int, fr: FileRead, flat: FlatState) -> None:
+    """Verify the blocks of each item of ``fr`` in ``buf`` (file bytes from ``buf_offset``), then copy it."""
+    for item in fr.items:
+        reader.verify([(buf_offset, memoryview(buf))], item.key, item.chunk, item.lo, item.hi)
+        _copy_item(buf, buf_offset, item, flat.tensors[item.key])
+
+
+def _read_gets(reader: ShardReader, gets: Sequence[RangeGet], flat: FlatState) -> None:
+    """Run ``gets`` on ``GET_CONCURRENCY`` threads; each verifies and copies its own ranges.
+
+    A thread holds one GET's bytes at a time, so memory stays bounded by the
+    pool size times ``MAX_GET_BYTES`` (or the largest single range). Targets
+    of different ranges never overlap, so the copies need no lock. On the
+    first error (in plan order) the queued GETs are cancelled.
+    """
+
+    def one(get: RangeGet) -> None:
+        buf = reader.fetch(get.file, get.offset, get.length)
+        for fr in get.reads:
+            _verify_and_copy(reader, buf, get.offset, fr, flat)
+
+    if not gets:
+        return
+    with ThreadPoolExecutor(max_workers=range_gets.GET_CONCURRENCY, thread_name_prefix="rayckpt-get") as pool:
+        futures = [pool.submit(one, g) for g in gets]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -171,7 +172,8 @@ class ShardReader:
     Two ways to read: ``read`` returns a buffer (a zero-copy slice of a memory map
     for local files, a ranged read elsewhere); ``read_direct`` (local files only)
     reads with one ``preadv`` straight into caller memory, e.g. the target tensor,
-    so no page faults and no intermediate copy.
+    so no page faults and no intermediate copy. ``fetch`` (any filesystem) is a
+    ranged read that may run on several threads at once: the remote path's GETs.
     """
 
     def __init__(self, ckdir: ShardFiles, blocks: Blocks, file_sizes: dict[str, int]) -> None:
@@ -183,7 +185,13 @@ class ShardReader:
         self._fds: dict[str, int] = {}
         #: File -> its size on storage (None: missing), stat'ed once per reader by ``check_ranges``.
         self._stored: dict[str, int | None] = {}
+        self._lock = threading.Lock()
+        #: Bytes of the ranges ``read`` and ``read_direct`` returned.
         self.bytes_read = 0
+        #: Bytes transferred from storage by every call (``fetch``'s gap bytes included).
+        self.bytes_fetched = 0
+        #: Read requests made to storage (one per call: a GET on object storage).
+        self.requests = 0
 
     @property
     def can_read_direct(self) -> bool:
@@ -226,20 +234,44 @@ class ShardReader:
             if end > actual:
                 raise self._truncated(rel, offset, end - offset, actual)
 
+    def _input(self, rel: str) -> Any:
+        with self._lock:
+            f = self._open.get(rel)
+            if f is None:
+                try:
+                    f = self.ckdir.open_input(rel)
+                except FileNotFoundError:
+                    raise self._missing(rel) from None
+                self._check_size(rel, f.size())
+                self._open[rel] = f
+            return f
+
+    def _count(self, read: int, fetched: int) -> None:
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_fetched += fetched
+            self.requests += 1
+
     def read(self, rel: str, offset: int, length: int) -> pa.Buffer:
-        f = self._open.get(rel)
-        if f is None:
-            try:
-                f = self.ckdir.open_input(rel)
-            except FileNotFoundError:
-                raise self._missing(rel) from None
-            self._check_size(rel, f.size())
-            self._open[rel] = f
+        f = self._input(rel)
         f.seek(offset)
         buf = f.read_buffer(length)  # zero-copy slice of the mapping for local files
         if buf.size != length:
             raise self._truncated(rel, offset, length, f.size())
-        self.bytes_read += length
+        self._count(length, length)
+        return buf
+
+    def fetch(self, rel: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` with one positional read (thread-safe: no shared file position).
+
+        Counts the bytes as fetched, not read: the caller (``read_into``) knows
+        which of them its ranges needed.
+        """
+        f = self._input(rel)
+        buf = f.read_at(length, offset)  # bytes: pyarrow has no positional read_buffer
+        if len(buf) != length:
+            raise self._truncated(rel, offset, length, f.size())
+        self._count(0, length)
         return buf
 
     def read_direct(self, rel: str, offset: int, views: list[memoryview]) -> None:
@@ -268,7 +300,7 @@ class ShardReader:
             if n == 0:
                 raise self._truncated(rel, offset, length, os.fstat(fd).st_size)
             done += n
-        self.bytes_read += length
+        self._count(length, length)
 
     def verify(self, segments: list[tuple[int, memoryview]], key: str, chunk: Any, lo: int, hi: int) -> None:
         """Check the blocks of ``chunk`` that overlap chunk bytes [lo, hi).

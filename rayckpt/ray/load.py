@@ -59,4 +59,7 @@ def load(
     )
     metrics.observe("rayckpt_load_seconds", time.perf_counter() - start, run=run, rank=coord.rank)
     metrics.inc("rayckpt_bytes_read", info.bytes_read, run=run, rank=coord.rank)
+    metrics.inc("rayckpt_bytes_needed", info.bytes_needed, run=run, rank=coord.rank)
+    metrics.inc("rayckpt_bytes_fetched", info.bytes_fetched, run=run, rank=coord.rank)
+    metrics.inc("rayckpt_read_requests", info.requests, run=run, rank=coord.rank)
     return info
