@@ -13,14 +13,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_torch_trainer_saves_with_2_and_resumes_with_3_on_s3(ray_session, s3_server, tmp_path):
-    fs = s3_server.filesystem()  # credentials inside: Ray's workers may predate the AWS variables
+    # Credentials inside the object: Ray's processes started before the S3 fixture set the AWS variables.
+    fs = s3_server.filesystem()
     storage = s3_server.fs_path("train")
     out = tmp_path / "out"
     out.mkdir()
-    result = fit(storage, out, 2, 2, {1, 2}, name="s3run", filesystem=fs)
+    result = fit(storage, out, 2, 2, {2}, name="s3run", filesystem=fs)
     assert result.checkpoint.path == f"{storage}/s3run/rayckpt-step-00000002"
     listed = ls(s3_server.uri("train"))
-    assert [(e.run, e.step, e.status) for e in listed] == [("s3run", 1, "committed"), ("s3run", 2, "committed")]
+    assert [(e.run, e.step, e.status, e.world_size) for e in listed] == [("s3run", 2, "committed", 2)]
     saved = torch.load(out / "final-2.pt", weights_only=False)
     fit(storage, out, 3, 2, set(), name="s3run", filesystem=fs)
     restored = torch.load(out / "restored-3.pt", weights_only=False)
