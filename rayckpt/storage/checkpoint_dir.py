@@ -3,8 +3,9 @@
 Local directories get what durability needs (fsync of files and directory, atomic
 rename, memory-mapped reads); other filesystems (S3, GCS, ...) get ranged reads
 and whole-object writes, which are atomic there. On object stores a directory is
-a key prefix: rayckpt writes no directory marker objects, and a small whole object
-(the manifest, a lease) goes up in one PUT.
+a key prefix: rayckpt creates no directory marker objects (pyarrow writes one when
+it deletes an object), and a small whole object (the manifest, a lease) goes up in
+one PUT.
 """
 
 from __future__ import annotations
