@@ -19,7 +19,9 @@ def test_delete_dir_if_empty_removes_only_an_empty_directory(tmp_path):
 
 
 def test_object_stores_get_no_directories_and_s3_writes_small_objects_in_one_put():
-    s3 = pafs.S3FileSystem(endpoint_override="127.0.0.1:1", scheme="http", access_key="a", secret_key="b")
+    s3 = pafs.S3FileSystem(
+        endpoint_override="127.0.0.1:1", scheme="http", access_key="a", secret_key="b", region="us-east-1"
+    )
     ckdir = CheckpointDir(s3, "bucket/run/step", "s3://bucket/run/step")
     assert ckdir.is_object_store and not CheckpointDir.resolve("/tmp").is_object_store
     ckdir.makedirs()  # no request at all (the endpoint does not exist)
