@@ -2,7 +2,10 @@
 
 Local directories get what durability needs (fsync of files and directory, atomic
 rename, memory-mapped reads); other filesystems (S3, GCS, ...) get ranged reads
-and whole-object writes, which are atomic there.
+and whole-object writes, which are atomic there. On object stores a directory is
+a key prefix: rayckpt creates no directory marker objects (pyarrow writes one when
+it deletes an object), and a small whole object (the manifest, a lease) goes up in
+one PUT.
 """
 
 from __future__ import annotations
@@ -42,6 +45,23 @@ def parent_location(location: str) -> str:
     return posixpath.dirname(base.rstrip("/")) + query
 
 
+#: ``FileSystem.type_name`` of object stores: a "directory" there is a key prefix, there while objects are.
+OBJECT_STORES = ("s3", "gcs")
+
+
+def _single_put_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
+    """``fs``, or for S3 its twin with ``allow_delayed_open``: an object smaller than one upload part then
+    goes up in one PutObject (one request, nothing half-uploaded left by a killed writer) instead of a
+    three-request multipart upload. Both are atomic: readers see the old object or the whole new one."""
+    if not isinstance(fs, pafs.S3FileSystem):
+        return fs
+    try:
+        rebuild, (options,) = fs.__reduce__()
+        return fs if options.get("allow_delayed_open") else rebuild({**options, "allow_delayed_open": True})
+    except Exception:  # noqa: BLE001 - pyarrow changed its pickling: multipart writes are atomic too
+        return fs
+
+
 class CheckpointDir:
     """One checkpoint directory. Paths given to methods are relative to it."""
 
@@ -51,6 +71,7 @@ class CheckpointDir:
         self.fs_path = fs_path.rstrip("/") or "/"
         #: What the user passed (for messages and for handing the location on).
         self.location = location
+        self._put_fs: pafs.FileSystem | None = None  # write_atomic's filesystem (see _single_put_filesystem)
 
     @staticmethod
     def resolve(checkpoint_id: str | os.PathLike[str], filesystem: pafs.FileSystem | None = None) -> CheckpointDir:
@@ -71,6 +92,10 @@ class CheckpointDir:
     def is_local(self) -> bool:
         return isinstance(self.fs, pafs.LocalFileSystem)
 
+    @property
+    def is_object_store(self) -> bool:
+        return self.fs.type_name in OBJECT_STORES
+
     def path(self, rel: str) -> str:
         return posixpath.join(self.fs_path, rel)
 
@@ -83,7 +108,10 @@ class CheckpointDir:
     # -- write side -------------------------------------------------------
 
     def makedirs(self) -> None:
-        self.fs.create_dir(self.fs_path, recursive=True)
+        """Create the directory and its parents; nothing on an object store (writing an object is enough,
+        and a marker per level would cost a PUT each on every lease refresh and outlive the checkpoint)."""
+        if not self.is_object_store:
+            self.fs.create_dir(self.fs_path, recursive=True)
 
     def open_output(self, rel: str) -> Any:
         return self.fs.open_output_stream(self.path(rel))
@@ -126,7 +154,9 @@ class CheckpointDir:
             if durable:
                 self.sync_dir()
         else:
-            with self.fs.open_output_stream(self.path(rel)) as out:
+            if self._put_fs is None:
+                self._put_fs = _single_put_filesystem(self.fs)
+            with self._put_fs.open_output_stream(self.path(rel)) as out:
                 out.write(data)
 
     def delete(self, rel: str) -> None:
@@ -136,10 +166,17 @@ class CheckpointDir:
             pass
 
     def delete_dir_if_empty(self) -> None:
+        """Remove the directory when nothing (no file, no subdirectory) is left in it.
+
+        On an object store the prefix is gone with its last object; what may be left is a
+        marker object (pyarrow writes one for the parent when it deletes a prefix's last object).
+        """
         try:
-            if not self.list_files():
+            if self.is_local:
+                os.rmdir(self.fs_path)  # removes only an empty directory, whoever writes into it meanwhile
+            elif not self.fs.get_file_info(pafs.FileSelector(self.fs_path, allow_not_found=True)):
                 self.fs.delete_dir(self.fs_path)
-        except (FileNotFoundError, OSError):
+        except OSError:
             pass
 
     # -- read side --------------------------------------------------------

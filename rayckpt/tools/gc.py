@@ -76,10 +76,10 @@ def gc(path: str | os.PathLike[str], *, dry_run: bool = False, filesystem: pafs.
         going, why_skipped = _orphans(ckdir, live)
         if why_skipped:
             skipped.append(f"{ckdir.location}: {why_skipped}")
-        removed += going
+        removed += [f for _, f in going]
         if not dry_run and going:
-            for f in going:
-                ckdir.delete(f.path.rsplit("/", 1)[1])
+            for name, _ in going:  # by name: a location's query string (s3://...?endpoint_override=) is no part of it
+                ckdir.delete(name)
             if not ckdir.exists(MANIFEST_NAME):
                 ckdir.delete_dir_if_empty()  # what a crashed save into a new directory left
     return GcReport(root.location, dry_run, len(dirs), tuple(removed), tuple(sorted(set(live))), tuple(skipped))
@@ -92,8 +92,9 @@ def _holds_checkpoint_files(ckdir: CheckpointDir) -> bool:
     )
 
 
-def _orphans(ckdir: CheckpointDir, live: list[str]) -> tuple[list[RemovedFile], str]:
-    """``ckdir``'s orphaned files, and why it was skipped ("" if it was not); adds its live saves to ``live``."""
+def _orphans(ckdir: CheckpointDir, live: list[str]) -> tuple[list[tuple[str, RemovedFile]], str]:
+    """``ckdir``'s orphaned files (name, record), and why it was skipped ("" if it was not); adds its live
+    saves to ``live``."""
     # Files, then leases, then the manifest: a save that commits and drops its lease between
     # these looks is then named by the manifest read last, so its files are never taken.
     names = ckdir.list_files()
@@ -118,5 +119,5 @@ def _orphans(ckdir: CheckpointDir, live: list[str]) -> tuple[list[RemovedFile], 
             why = "lease of a save that is no longer live"
         else:
             why = "temporary file of an interrupted write"
-        removed.append(RemovedFile(join_location(ckdir.location, name), ckdir.size(name) or 0, why))
+        removed.append((name, RemovedFile(join_location(ckdir.location, name), ckdir.size(name) or 0, why)))
     return removed, ""

@@ -11,34 +11,14 @@ import pyarrow.fs as pafs
 import pytest
 import ray
 import torch
-from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
 
 import rayckpt
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.toy import ToyModel
-from rayckpt.train.callback import RayckptCallback
-from tests.helpers import ray_workers
+from tests.helpers.ray_train import fit
 
 pytestmark = pytest.mark.slow
-
-
-def fit(storage, out, workers, steps, save_at, name="toy", filesystem=None, **extra):
-    trainer = TorchTrainer(
-        ray_workers.toy_train_loop,
-        train_loop_config={"steps": steps, "save_at": save_at, "out": str(out), **extra},
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
-        torch_config=TorchConfig(backend="gloo"),
-        run_config=RunConfig(
-            name=name,
-            storage_path=str(storage),
-            storage_filesystem=filesystem,
-            callbacks=[RayckptCallback()],
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-        ),
-    )
-    return trainer.fit()
 
 
 def driver_output(capfd, patterns: list[str], timeout: float = 60.0) -> str:
