@@ -2,7 +2,7 @@
 
 Nothing here measures: it turns the report ``bench_suite`` assembled (a dict, also
 written as ``bench_suite.json``) into the target rows of each size (``targets``),
-``BENCHMARKS.md`` (``markdown``, with ``benchmarks/NOTES.md`` appended) and a PNG of
+``BENCHMARKS.md`` (``markdown``, with ``benchmarks/S3.md`` and ``NOTES.md`` appended) and a PNG of
 the target ratios (matplotlib, or a bare hand-made PNG without it).
 """
 
@@ -23,6 +23,8 @@ MEM_BUFFER_BYTES = 64 * 2**20
 PLAN_TARGET_S = 1.0
 #: What was tried for the targets and what each change gained (appended to BENCHMARKS.md).
 NOTES = REPO_ROOT / "benchmarks" / "NOTES.md"
+#: The object-storage section ``bench_s3`` measured (kept across runs of this suite).
+S3_SECTION = REPO_ROOT / "benchmarks" / "S3.md"
 
 
 # ---------------------------------------------------------------------------
@@ -156,9 +158,10 @@ def markdown(report: dict[str, Any]) -> str:
     plan = report.get("plan")
     if plan:
         lines += plan_lines(plan)
-    if os.path.exists(NOTES):
-        with open(NOTES) as f:
-            lines += ["", f.read().rstrip()]
+    for extra in (S3_SECTION, NOTES):
+        if os.path.exists(extra):
+            with open(extra) as f:
+                lines += ["", f.read().rstrip()]
     return "\n".join(lines) + "\n"
 
 
