@@ -154,6 +154,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="bench_out_s3")
     parser.add_argument("--mem-interval-ms", type=float, default=5.0, help="RSS sampling period; 0: off")
+    parser.add_argument(
+        "--moto-ranges",
+        action="store_true",
+        help="serve ranged GETs through moto's own path, which reads the whole object per GET",
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of the first loads")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per group of ranks")
     args = parser.parse_args(argv)
@@ -183,12 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     server = start_moto_server(
-        os.path.join(out, "moto.log"), BUCKET, module="benchmarks.s3_counter", env={"PYTHONPATH": pythonpath}
+        os.path.join(out, "moto.log"),
+        BUCKET,
+        module="benchmarks.s3_counter",
+        env={"PYTHONPATH": pythonpath},
+        args=["--moto-ranges"] if args.moto_ranges else [],
     )
     report: dict[str, Any] = {
         "command": " ".join([".venv/bin/python", "-m", "benchmarks.bench_s3", *(argv or sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "config": {"sizes_mb": sizes, "repeats": args.repeats, "save_ranks": args.save_ranks},
+        "config": {
+            "sizes_mb": sizes,
+            "repeats": args.repeats,
+            "save_ranks": args.save_ranks,
+            "ranged_gets": "moto's own path" if args.moto_ranges else "in place (s3_counter.range_in_place)",
+        },
         "machine": {**machine_info(), **versions(), "ray": ray.__version__},
         "endpoint": server.endpoint.host_port,
         "sizes": {},

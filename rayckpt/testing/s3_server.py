@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -119,14 +120,15 @@ def start_moto_server(
     bucket: str,
     module: str = "moto.server",
     env: dict[str, str] | None = None,
+    args: Sequence[str] = (),
 ) -> MotoServer:
-    """Start ``python -m <module> -H 127.0.0.1 -p <free port>`` (``moto.server``, or a module that
-    serves moto's app the same way), wait until it answers, create ``bucket``; its output goes to
-    ``log_path``. ``env`` is added to this process's environment (``S3_ENV`` always is)."""
+    """Start ``python -m <module> -H 127.0.0.1 -p <free port> <args>`` (``moto.server``, or a module
+    that serves moto's app the same way), wait until it answers, create ``bucket``; its output goes
+    to ``log_path``. ``env`` is added to this process's environment (``S3_ENV`` always is)."""
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, "-H", "127.0.0.1", "-p", str(port)],
+            [sys.executable, "-m", module, "-H", "127.0.0.1", "-p", str(port), *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **S3_ENV, **(env or {})},
