@@ -8,9 +8,11 @@ GETs are answered from the range of the stored object (``range_in_place``; moto'
 own path reads the whole object per GET: ``--moto-ranges``). Every request
 is counted by kind (``GET_object`` / ``GET_list`` / ``HEAD`` / ``PUT`` / ``POST`` /
 ``DELETE``): requests, response body bytes the server wrote (``bytes_out``),
-responses cut short because the client hung up (``aborted``),
-request body bytes (``bytes_in``, from the headers), ranged GETs and the bodies'
-sizes by power of two. ``GET /_counts`` (not a valid bucket name, so never an S3 request) returns the
+responses cut short because the client hung up (``aborted``), the server's time
+from a request's arrival in the app to its last byte written (``service_us``),
+request body bytes (``bytes_in``, from the headers), ranged GETs (``ranged``; served
+in place: ``in_place``) and the bodies' sizes by power of two. ``GET /_counts`` (not
+a valid bucket name, so never an S3 request) returns the
 running totals as JSON; a benchmark diffs two snapshots around an operation, so
 both systems under test are counted by the server, the same way.
 """
@@ -20,11 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
 import urllib.request
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 COUNTS_PATH = "/_counts"
+COUNTERS = ("requests", "bytes_in", "bytes_out", "ranged", "in_place", "aborted", "service_us")
 #: How long a snapshot waits for the requests in flight to finish.
 SETTLE_TIMEOUT_S = 30.0
 
@@ -53,6 +57,7 @@ class CountingApp:
                 body = json.dumps(self.counts).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
+        started = time.perf_counter()
         with self.lock:
             self.in_flight += 1
         kind = request_kind(environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", ""))
@@ -63,16 +68,21 @@ class CountingApp:
             body = None
             if kind == "GET_object" and ranged and self.ranges_in_place:
                 body = range_in_place(environ, start_response)
+            in_place = body is not None
             if body is None:
                 body = self.app(environ, start_response)
         except BaseException:
-            self.record(kind, bytes_in, 0, ranged, aborted=True)
+            self.record(kind, bytes_in, 0, ranged, True, started, False)
             raise
-        return CountedBody(self, kind, bytes_in, ranged, body)
+        return CountedBody(self, kind, bytes_in, ranged, body, started, in_place)
 
-    def record(self, kind: str, bytes_in: int, bytes_out: int, ranged: bool, aborted: bool) -> None:
+    def record(
+        self, kind: str, bytes_in: int, bytes_out: int, ranged: bool, aborted: bool, started: float, in_place: bool
+    ) -> None:
         with self.lock:
-            c = self.counts.setdefault(kind, {"requests": 0, "bytes_in": 0, "bytes_out": 0, "ranged": 0, "aborted": 0})
+            c = self.counts.setdefault(kind, dict.fromkeys(COUNTERS, 0))
+            c["in_place"] += int(in_place)
+            c["service_us"] += int((time.perf_counter() - started) * 1e6)
             c["requests"] += 1
             c["bytes_in"] += bytes_in
             c["bytes_out"] += bytes_out
@@ -89,8 +99,18 @@ class CountedBody:
     """A response body that counts its bytes once the server has written them; recorded once, as aborted
     if the server stopped before the end (the client hung up: a timeout, then a retry)."""
 
-    def __init__(self, app: CountingApp, kind: str, bytes_in: int, ranged: bool, inner: Iterable[bytes]) -> None:
+    def __init__(
+        self,
+        app: CountingApp,
+        kind: str,
+        bytes_in: int,
+        ranged: bool,
+        inner: Iterable[bytes],
+        started: float,
+        in_place: bool,
+    ) -> None:
         self.app, self.kind, self.bytes_in, self.ranged, self.inner = app, kind, bytes_in, ranged, inner
+        self.started, self.in_place = started, in_place
         self.sent = 0
         self.complete = False
         self.done = False
@@ -115,13 +135,16 @@ class CountedBody:
     def _record(self) -> None:
         if not self.done:
             self.done = True
-            self.app.record(self.kind, self.bytes_in, self.sent, self.ranged, not self.complete)
+            self.app.record(
+                self.kind, self.bytes_in, self.sent, self.ranged, not self.complete, self.started, self.in_place
+            )
 
 
 def range_in_place(environ: dict[str, Any], start_response: Any) -> list[bytes] | None:
     """A plain ranged GetObject answered from the stored object's bytes in that range (206, with the headers
-    moto sends: ETag, Last-Modified, Content-Range); None where moto's own path must answer (a query string,
-    conditional or checksum headers, a suffix or unsatisfiable range, no such key)."""
+    moto sends for a part of an object: ETag, Last-Modified, Content-Range, no checksum); None where moto's
+    own path must answer (a query string, conditional headers, a suffix, unsatisfiable or whole-object
+    range, no such key)."""
     from urllib.parse import unquote
 
     from moto.core import DEFAULT_ACCOUNT_ID
@@ -130,7 +153,7 @@ def range_in_place(environ: dict[str, Any], start_response: Any) -> list[bytes] 
     spec = environ.get("HTTP_RANGE", "")
     if environ.get("QUERY_STRING") or not spec.startswith("bytes=") or "," in spec:
         return None
-    if any(k in environ for k in ("HTTP_IF_MATCH", "HTTP_IF_NONE_MATCH", "HTTP_X_AMZ_CHECKSUM_MODE")):
+    if any(k in environ for k in ("HTTP_IF_MATCH", "HTTP_IF_NONE_MATCH", "HTTP_IF_MODIFIED_SINCE")):
         return None
     first, _, last = spec[len("bytes=") :].partition("-")
     if not first.isdigit() or not (last.isdigit() or last == ""):
@@ -143,6 +166,8 @@ def range_in_place(environ: dict[str, Any], start_response: Any) -> list[bytes] 
     if key is None or int(first) >= key.size:
         return None
     begin, end = int(first), min(int(last) if last else key.size - 1, key.size - 1)
+    if begin == 0 and end == key.size - 1:
+        return None  # the whole object: moto's path sends its checksum, which clients asking for one check
     with key.lock:
         key._value_buffer.seek(begin)
         data = key._value_buffer.read(end - begin + 1)
@@ -200,9 +225,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--moto-ranges", action="store_true", help="ranged GETs through moto's own path (whole object per GET)"
     )
+    parser.add_argument("--nagle", action="store_true", help="leave Nagle's algorithm on (werkzeug's default)")
     args = parser.parse_args(argv)
     app = CountingApp(DomainDispatcherApplication(create_backend_app), ranges_in_place=not args.moto_ranges)
-    run_simple(args.host, args.port, app, threaded=True, request_handler=MotoRequestHandler)
+
+    class Handler(MotoRequestHandler):
+        # TCP_NODELAY: werkzeug writes a response's headers and body separately; with Nagle's algorithm
+        # the body waits for the client's delayed ACK (40 ms on Linux) on every request.
+        disable_nagle_algorithm = not args.nagle
+
+    run_simple(args.host, args.port, app, threaded=True, request_handler=Handler)
 
 
 if __name__ == "__main__":

@@ -171,8 +171,12 @@ def method_lines() -> list[str]:
         "- Loads: M fresh ranks (a differently seeded state) load the N-rank checkpoints of the last save "
         "repeat; the first load of each system goes into a zeroed state and is checked bit-exact against "
         "checksums of every saved param and moment. 2-rank checkpoints are saved by the 4->2 ranks.",
-        "- moto keeps every object in its process and serves a ranged GET by reading the whole object and "
-        "slicing it (its `FakeKey.value`), in Python, on a machine shared with the ranks: times are bounded "
-        "by the endpoint, not by a network, and a real store would be faster for both systems. The request "
-        "and byte counts do not depend on the endpoint's speed.",
+        "- The endpoint's own costs: moto stores each object in a spooled temporary file and its own "
+        "GetObject reads (and copies) the whole object for every ranged GET, so a GET would cost time in "
+        "proportion to its object, not its range; the middleware serves plain ranged GETs from the range of "
+        "the stored object instead (`range_in_place`: the same bytes and headers; `--moto-ranges` keeps "
+        "moto's path). The server is werkzeug's threaded development server (one TCP connection per request, "
+        "Python, one GIL) on the same 2 cores as the ranks: times are bounded by the endpoint and the CPU, "
+        "not by a network, and a real store serves many GETs in parallel. GET counts, bytes sent and read "
+        "amplification do not depend on the endpoint's speed.",
     ]

@@ -51,5 +51,6 @@ def test_the_counting_server_counts_each_get_and_its_body_bytes(counting_server)
     assert "GET_object" not in put
     gets = counts_delta(written, after)["GET_object"]
     assert (gets["requests"], gets["ranged"], gets["aborted"], gets["bytes_out"]) == (2, 2, 0, 1000 + 2**20 + 5)
+    assert gets["in_place"] == 2  # served from the range, not by moto's whole-object path
     assert largest_class(gets) == 2**21  # the larger body, 2^20 + 5 bytes, is below 2^21
     assert gets["out<2^10"] == 1 and gets["out<2^21"] == 1
