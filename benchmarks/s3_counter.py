@@ -143,8 +143,8 @@ class CountedBody:
 def range_in_place(environ: dict[str, Any], start_response: Any) -> list[bytes] | None:
     """A plain ranged GetObject answered from the stored object's bytes in that range (206, with the headers
     moto sends for a part of an object: ETag, Last-Modified, Content-Range, no checksum); None where moto's
-    own path must answer (a query string, conditional headers, a suffix, unsatisfiable or whole-object
-    range, no such key)."""
+    own path must answer (a query string, a condition other than a matching If-Match, a suffix,
+    unsatisfiable or whole-object range, no such key)."""
     from urllib.parse import unquote
 
     from moto.core import DEFAULT_ACCOUNT_ID
@@ -153,7 +153,7 @@ def range_in_place(environ: dict[str, Any], start_response: Any) -> list[bytes] 
     spec = environ.get("HTTP_RANGE", "")
     if environ.get("QUERY_STRING") or not spec.startswith("bytes=") or "," in spec:
         return None
-    if any(k in environ for k in ("HTTP_IF_MATCH", "HTTP_IF_NONE_MATCH", "HTTP_IF_MODIFIED_SINCE")):
+    if any(k in environ for k in ("HTTP_IF_NONE_MATCH", "HTTP_IF_MODIFIED_SINCE", "HTTP_IF_UNMODIFIED_SINCE")):
         return None
     first, _, last = spec[len("bytes=") :].partition("-")
     if not first.isdigit() or not (last.isdigit() or last == ""):
@@ -165,6 +165,8 @@ def range_in_place(environ: dict[str, Any], start_response: Any) -> list[bytes] 
         return None
     if key is None or int(first) >= key.size:
         return None
+    if environ.get("HTTP_IF_MATCH", key.etag) != key.etag:
+        return None  # moto answers 412
     begin, end = int(first), min(int(last) if last else key.size - 1, key.size - 1)
     if begin == 0 and end == key.size - 1:
         return None  # the whole object: moto's path sends its checksum, which clients asking for one check

@@ -54,3 +54,18 @@ def test_the_counting_server_counts_each_get_and_its_body_bytes(counting_server)
     assert gets["in_place"] == 2  # served from the range, not by moto's whole-object path
     assert largest_class(gets) == 2**21  # the larger body, 2^20 + 5 bytes, is below 2^21
     assert gets["out<2^10"] == 1 and gets["out<2^21"] == 1
+
+
+def test_the_counting_server_serves_s3fs_ranged_reads_in_place(counting_server):
+    """s3fs (DCP's fsspec reader) sends If-Match with the object's ETag on its ranged reads."""
+    s3fs = pytest.importorskip("s3fs")
+    data = os.urandom(2**20)
+    with counting_server.filesystem().open_output_stream(counting_server.fs_path("s3fs.bin")) as f:
+        f.write(data)
+    fs = s3fs.S3FileSystem(endpoint_url=f"http://{counting_server.host_port}", skip_instance_cache=True)
+    before = read_counts(counting_server.host_port)
+    with fs.open(counting_server.fs_path("s3fs.bin"), "rb", block_size=2**16) as f:
+        f.seek(1000)
+        assert f.read(5000) == data[1000:6000]
+    gets = counts_delta(before, read_counts(counting_server.host_port))["GET_object"]
+    assert gets["requests"] == gets["in_place"] >= 1
