@@ -115,26 +115,29 @@ def size_lines(key: str, size: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "Reshard loads. Time: median (min-max) over repeats, max over ranks. GETs and MiB sent: object GETs "
-        "counted by the server (all ranks; median over repeats); read amplification = MiB sent / MiB needed "
+        "counted by the server (all ranks; median over repeats; GETs < 4 KiB and the largest GET's size class: "
+        "first repeat); read amplification = MiB sent / MiB needed "
         "(the ranks' payload). rayckpt's own `LoadInfo` (sum over ranks of `requests` / `bytes_fetched`) is "
         "shown next to the server's count.",
         "",
-        "| reshard | system | time s | GB/s | GETs | MiB sent | MiB needed | read ampl. | largest GET | "
-        "LoadInfo GETs / MiB | verified |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| reshard | system | time s | GB/s | GETs | GETs < 4 KiB | MiB sent | MiB needed | read ampl. | "
+        "largest GET | LoadInfo GETs / MiB | verified |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, ld in size["load"].items():
         needed = sum(ld["bytes_needed_per_rank"])
         for system in S3_LOAD_SYSTEMS:
             e = ld[system]
             sv = e["server"]
-            largest = largest_class(sv["by_kind_first_repeat"].get("GET_object", {}))
+            gets = sv["by_kind_first_repeat"].get("GET_object", {})
+            largest = largest_class(gets)
+            small = sum(v for k, v in gets.items() if k.startswith("out<2^") and int(k[6:]) <= 12)
             info = e.get("loadinfo")
             own = f"{med(info['requests']):.0f} / {mib(med(info['bytes_fetched']))}" if info else ""
             verified = f"{e['verified_tensors']} tensors bit-exact" if e.get("verified_tensors") else "no"
             lines.append(
                 f"| {name} | {S3_LABELS[system]} | {fmt(e['wall_s'])} | {e['wall_s'].get('GBps_median', 0):.3f} | "
-                f"{med(sv['get_requests']):.0f} | {mib(med(sv['get_bytes']))} | {mib(needed)} | "
+                f"{med(sv['get_requests']):.0f} | {small} | {mib(med(sv['get_bytes']))} | {mib(needed)} | "
                 f"{med(e['read_amplification']):.3f} | < {mib(largest)} MiB | {own} | {verified} |"
             )
     lines += [
