@@ -29,11 +29,12 @@ from benchmarks.workload import build_state, checksums, local_bytes, state_bytes
 from rayckpt.testing.s3_server import S3Endpoint
 
 S3_SAVE_SYSTEMS = ("rayckpt", "rayckpt_ray", "dcp")
-S3_LOAD_SYSTEMS = ("rayckpt", "dcp")
+S3_LOAD_SYSTEMS = ("rayckpt", "dcp", "dcp_nocache")
 S3_LABELS = {
     "rayckpt": "rayckpt (pyarrow S3FileSystem)",
     "rayckpt_ray": "rayckpt Ray save_async",
     "dcp": "torch DCP (FsspecWriter/FsspecReader, s3fs)",
+    "dcp_nocache": "torch DCP, s3fs without read-ahead",
 }
 
 
@@ -128,8 +129,9 @@ def s3_save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str,
 
 
 def s3_load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    """One load rank of an N->M reshard: every repeat of rayckpt and DCP loads from S3 (the first of each
-    into a zeroed state, verified bit-exact); then, if asked, the M-rank checkpoints for a later M->K."""
+    """One load rank of an N->M reshard: every repeat of rayckpt and DCP loads from S3 (DCP also with s3fs's
+    read-ahead off; the first load of each into a zeroed state, verified bit-exact); then, if asked, the
+    M-rank checkpoints for a later M->K."""
     import_rayckpt()
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -157,11 +159,14 @@ def s3_load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str,
             "requests": info.requests,
         }
 
-    def op_dcp(t0: float) -> dict[str, Any]:
-        dcp.load(state, storage_reader=FsspecReader(dcp_url(endpoint, sources["dcp"]), **dcp_storage(endpoint)))
+    def op_dcp(t0: float, **options: Any) -> dict[str, Any]:
+        reader = FsspecReader(dcp_url(endpoint, sources["dcp"]), **dcp_storage(endpoint), **options)
+        dcp.load(state, storage_reader=reader)
         return {}
 
-    ops = {"rayckpt": op_rayckpt, "dcp": op_dcp}
+    # s3fs's default read-ahead cache fetches a block (50 MiB) past each read; "none" fetches what is read.
+    nocache = functools.partial(op_dcp, default_cache_type="none")
+    ops = {"rayckpt": op_rayckpt, "dcp": op_dcp, "dcp_nocache": nocache}
     for rep in range(cfg["repeats"]):
         for system in rotated(S3_LOAD_SYSTEMS, rep):
             if rep == 0 and cfg["verify"]:
