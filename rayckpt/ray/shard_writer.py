@@ -68,9 +68,9 @@ class ShardWriter:
         ``node``: the node its process runs on (asked of Ray, not the name it was given);
         ``staging_dir``: the directory it sweeps; ``writes``: one record per rank's share
         it wrote, oldest first: ``save_id``, ``run``, ``step``, ``rank``, ``node`` (the
-        node when it wrote), ``staged_node`` (the node the rank staged on), ``staging``
-        ("shm" or "object_store"), ``staged_dir`` (the directory the staging file was
-        created in, read from the open file itself; ``None`` for the object store),
+        node when it wrote), ``staging`` ("shm" or "object_store"), ``staged_node`` (the
+        node the rank staged on) and ``staged_dir`` (the directory the staging file was
+        created in, read from the open file itself), both ``None`` for the object store;
         ``bytes``, ``files``.
         """
         return {"node": self.node(), "pid": os.getpid(), "staging_dir": self.staging_dir, "writes": list(self.records)}
@@ -120,7 +120,7 @@ class ShardWriter:
     def _views(self, staged: list[Any] | StagedRegion, record: dict[str, Any]) -> Iterator[list[Any]]:
         """The staged arrays; what they were staged in goes into ``record``."""
         if not isinstance(staged, StagedRegion):
-            record.update(staging="object_store", staged_node=self.node_id, staged_dir=None)
+            record.update(staging="object_store", staged_node=None, staged_dir=None)  # Ray's to place
             yield staged
             return
         if staged.node_id != self.node_id:
