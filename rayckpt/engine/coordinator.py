@@ -1,6 +1,7 @@
 """How ranks agree: a tiny collective interface with an in-process implementation.
 
-The engine only needs ``all_gather`` of small picklable objects. With no process
+The engine needs ``all_gather`` of small picklable objects, and ``gather`` to rank 0
+plus ``scatter`` from it (``plan_at_root``: one rank plans, each gets its part). With no process
 group there is one rank and every call is local; with ``torch.distributed``
 initialized, calls go over the group (gloo or nccl). On Ray too the ranks agree
 through their process group (Ray Train sets one up); the MetadataActor only
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from .. import errors
 from ..errors import RayckptError
 
 T = TypeVar("T")
+L = TypeVar("L")
 
 
 class Coordinator(Protocol):
@@ -48,6 +50,13 @@ class LocalCoordinator:
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        assert objs is not None and len(objs) == 1
+        return objs[0]
+
     def claim(self, key: str, value: str) -> str | None:
         return value
 
@@ -67,6 +76,20 @@ class ProcessGroupCoordinator:
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
+
+    def _root(self) -> int:
+        """The global rank of the group's rank 0 (what ``gather_object`` / ``scatter_object_list`` take)."""
+        return 0 if self._group is None else self._dist.get_global_rank(self._group, 0)
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        self._dist.gather_object(obj, out, dst=self._root(), group=self._group)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        out: list[Any] = [None]
+        self._dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._root(), group=self._group)
+        return out[0]
 
     def claim(self, key: str, value: str) -> str | None:
         """First writer wins, through the group's store (which outlives a broken collective)."""
@@ -104,6 +127,79 @@ def claim(coord: Coordinator, key: str, value: str) -> str | None:
     return value if coord.world_size == 1 else None
 
 
+def gather(coord: Coordinator, obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on rank 0, ``None`` elsewhere. Called by every rank.
+
+    A coordinator without ``gather`` falls back to ``all_gather`` (every rank gets all).
+    """
+    own = getattr(coord, "gather", None)
+    if own is not None:
+        return own(obj)
+    out = coord.all_gather(obj)
+    return out if coord.rank == 0 else None
+
+
+def scatter(coord: Coordinator, objs: list[Any] | None) -> Any:
+    """Rank r's item of rank 0's ``objs`` (one per rank; ignored elsewhere). Called by every rank.
+
+    A coordinator without ``scatter`` falls back to ``all_gather`` of rank 0's list.
+    """
+    own = getattr(coord, "scatter", None)
+    if own is not None:
+        return own(objs)
+    return coord.all_gather(objs if coord.rank == 0 else None)[0][coord.rank]
+
+
+def plan_at_root(
+    coord: Coordinator,
+    phase: str,
+    local: Callable[[], L],
+    plan: Callable[[list[L]], list[T]],
+    error_type: type[RayckptError],
+    lost_type: type[RayckptError] | None = None,
+) -> T:
+    """Each rank sends ``local()`` to rank 0 (a gather), rank 0 runs ``plan`` on all of
+    them (one result per rank), and each rank receives only its own result (a scatter).
+
+    So what a rank sends grows with its own share and what it receives is its own
+    part, not everyone's. A failure anywhere (any rank's ``local``, rank 0's
+    ``plan``) is raised on every rank as ``gather_or_raise`` raises it; a broken
+    collective (a peer died) raises ``lost_type`` (default ``error_type``).
+    """
+    outcome, local_exc = _run(local)
+    try:
+        gathered = gather(coord, outcome)
+        results: list[tuple[bool, Any]] | None = None
+        if coord.rank == 0:
+            assert gathered is not None
+            failed = [(r, info) for r, (ok, info) in enumerate(gathered) if not ok]
+            if failed:
+                results = [(False, failed)] * coord.world_size
+            else:
+                (ok, planned), plan_exc = _run(lambda: plan([value for _, value in gathered]))
+                if ok and len(planned) != coord.world_size:  # pragma: no cover - a planner bug
+                    ok, planned = False, ("RuntimeError", f"{len(planned)} plans for {coord.world_size} ranks")
+                results = [(True, p) for p in planned] if ok else [(False, [(0, planned)])] * coord.world_size
+                local_exc = local_exc or plan_exc
+        ok, mine = scatter(coord, results)
+    except Exception as exc:  # noqa: BLE001 - gloo / nccl: RuntimeError, DistBackendError, timeouts
+        raise (lost_type or error_type)(_collective_failed(coord, phase, exc, local_exc, "gather/scatter")) from exc
+    if ok:
+        return mine
+    _raise_failures(coord, phase, mine, local_exc, error_type)
+
+
+def _run(fn: Callable[[], T]) -> tuple[tuple[bool, Any], BaseException | None]:
+    """``fn()`` as a shareable outcome: ``(True, result)`` or ``(False, (error type name, detail))``."""
+    try:
+        return (True, fn()), None
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+        detail = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, RayckptError):
+            detail += "\n" + "".join(traceback.format_exception(exc)[-3:]).rstrip()
+        return (False, (type(exc).__name__, detail)), exc
+
+
 def gather_or_raise(
     coord: Coordinator,
     phase: str,
@@ -118,15 +214,7 @@ def gather_or_raise(
     the all-gather itself fails (a peer died), ``lost_type`` (default
     ``error_type``) is raised, naming the phase, the collective and this rank.
     """
-    try:
-        outcome: tuple[bool, Any] = (True, fn())
-        local_exc: BaseException | None = None
-    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        local_exc = exc
-        detail = f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, RayckptError):
-            detail += "\n" + "".join(traceback.format_exception(exc)[-3:]).rstrip()
-        outcome = (False, (type(exc).__name__, detail))
+    outcome, local_exc = _run(fn)
     try:
         results = coord.all_gather(outcome)
     except Exception as exc:  # noqa: BLE001 - gloo / nccl: RuntimeError, DistBackendError, timeouts
@@ -134,6 +222,17 @@ def gather_or_raise(
     failed = [(r, info) for r, (ok, info) in enumerate(results) if not ok]
     if not failed:
         return [value for _, value in results]
+    _raise_failures(coord, phase, failed, local_exc, error_type)
+
+
+def _raise_failures(
+    coord: Coordinator,
+    phase: str,
+    failed: list[tuple[int, tuple[str, str]]],
+    local_exc: BaseException | None,
+    error_type: type[RayckptError],
+) -> NoReturn:
+    """Raise the error naming each failed rank (``(rank, (type name, detail))``) and its message."""
     if coord.world_size == 1 and isinstance(local_exc, RayckptError):
         raise local_exc
     # When every failed rank raised the same rayckpt error, keep its type so callers
@@ -148,10 +247,12 @@ def gather_or_raise(
     raise cls(f"{phase} failed on {len(failed)} of {coord.world_size} rank(s):\n{lines}") from local_exc
 
 
-def _collective_failed(coord: Coordinator, phase: str, exc: Exception, local_exc: BaseException | None) -> str:
+def _collective_failed(
+    coord: Coordinator, phase: str, exc: Exception, local_exc: BaseException | None, collective: str = "all_gather"
+) -> str:
     error = " ".join(str(exc).split())[:400]
     text = (
-        f"{phase} failed: the all_gather collective failed on rank {coord.rank} of {coord.world_size}: "
+        f"{phase} failed: the {collective} collective failed on rank {coord.rank} of {coord.world_size}: "
         f"{type(exc).__name__}: {error}. A peer rank that died or stopped answering makes it fail (which one "
         "is not known here); this process group cannot run collectives any more: destroy it and start a new one"
     )

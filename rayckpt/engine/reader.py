@@ -4,14 +4,16 @@ Local files: each single-item range is one ``preadv`` into the target tensor's
 memory (partial checksum blocks at its ends into small scratch buffers), split
 into pieces on an I/O thread that runs ahead while this thread verifies the
 finished ones in order. Remote filesystems (object storage): neighbouring
-ranges are coalesced into ranged GETs (``planning.range_gets``), up to
-``GET_CONCURRENCY`` in flight per rank, each verified per block and copied into
-the targets on its thread. Other local reads (strided targets) read the range
+ranges are coalesced into ranged GETs (``planning.range_gets``), each fetched as
+requests of at most ``GET_PART_BYTES``, up to ``GET_CONCURRENCY`` in flight per
+rank; a GET's ranges are verified per block and copied into the targets on the
+thread that brings its last part. Other local reads (strided targets) read the range
 (a memory-map slice), verify it and copy. ``LoadInfo`` is what a rank read.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +29,7 @@ from ..format.shard_file import ShardReader
 from ..format.values import decode_value
 from ..planning import range_gets
 from ..planning.load_plan import FileRead, LoadPlan, ReadItem
-from ..planning.range_gets import RangeGet, create_range_gets
+from ..planning.range_gets import RangeGet, create_range_gets, get_parts
 from ..storage.checkpoint_dir import CheckpointDir
 from .state import FlatState, TensorLeaf, torch_dtype
 
@@ -120,23 +122,32 @@ def _verify_and_copy(reader: ShardReader, buf: Any, buf_offset: int, fr: FileRea
 
 
 def _read_gets(reader: ShardReader, gets: Sequence[RangeGet], flat: FlatState) -> None:
-    """Run ``gets`` on ``GET_CONCURRENCY`` threads; each verifies and copies its own ranges.
+    """Run ``gets`` as their parts' requests on ``GET_CONCURRENCY`` threads.
 
-    A thread holds one GET's bytes at a time, so memory stays bounded by the
-    pool size times ``MAX_GET_BYTES`` (or the largest single range). Targets
-    of different ranges never overlap, so the copies need no lock. On the
-    first error (in plan order) the queued GETs are cancelled.
+    A GET's parts (``get_parts``) fill one buffer, allocated when its first
+    part arrives; the thread that brings the last part verifies and copies
+    the GET's ranges, then lets the buffer go. Requests are queued in plan
+    order, so only the few GETs whose parts are in flight hold buffers:
+    memory stays bounded by about the pool size times ``MAX_GET_BYTES`` (or
+    the largest single range). Targets of different ranges never overlap, so
+    the copies need no lock. On the first error (in plan order) the queued
+    requests are cancelled.
     """
 
-    def one(get: RangeGet) -> None:
-        buf = reader.fetch(get.file, get.offset, get.length)
-        for fr in get.reads:
-            _verify_and_copy(reader, buf, get.offset, fr, flat)
+    def one(asm: _Assembly, offset: int, length: int) -> None:
+        buf = asm.add(offset, reader.fetch(asm.get.file, offset, length))
+        if buf is not None:
+            for fr in asm.get.reads:
+                _verify_and_copy(reader, buf, asm.get.offset, fr, flat)
 
     if not gets:
         return
     with ThreadPoolExecutor(max_workers=range_gets.GET_CONCURRENCY, thread_name_prefix="rayckpt-get") as pool:
-        futures = [pool.submit(one, g) for g in gets]
+        futures = []
+        for get in gets:
+            parts = get_parts(get, range_gets.GET_PART_BYTES)
+            asm = _Assembly(get, len(parts))
+            futures += [pool.submit(one, asm, offset, length) for offset, length in parts]
         try:
             for fut in futures:
                 fut.result()
@@ -144,6 +155,32 @@ def _read_gets(reader: ShardReader, gets: Sequence[RangeGet], flat: FlatState) -
             for fut in futures:
                 fut.cancel()
             raise
+
+
+class _Assembly:
+    """The parts of one GET coming together; ``add`` returns its bytes once all are in."""
+
+    def __init__(self, get: RangeGet, parts: int) -> None:
+        self.get = get
+        self.parts = self.left = parts
+        self.buf: np.ndarray | None = None
+        self.lock = threading.Lock()
+
+    def add(self, offset: int, data: bytes) -> Any:
+        if self.parts == 1:
+            return data  # a GET of one part: its bytes as fetched, no copy
+        with self.lock:
+            if self.buf is None:
+                self.buf = np.empty(self.get.length, dtype=np.uint8)
+            buf = self.buf
+        start = offset - self.get.offset
+        buf[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        with self.lock:
+            self.left -= 1
+            if self.left:
+                return None
+            self.buf = None  # the caller holds the only reference now
+            return buf
 
 
 @dataclass(frozen=True, slots=True)

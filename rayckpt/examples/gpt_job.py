@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..engine.app_state import AppState
 from .gpt import GPT, GPTConfig, shard_model, synthetic_batch
-from .job_checks import JobConfigError, check_flags, check_resources, check_resume, worker_resources
+from .job_checks import JobConfigError, check_flags, check_resources, check_resume, check_storage, worker_resources
 
 __all__ = ["main", "parse_args", "run", "train", "train_config", "warmup_cosine", "worker_resources"]
 
@@ -308,10 +308,13 @@ def quiet_ray_train_logs() -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check the request, fit the ``TorchTrainer`` on the cluster ``--address`` names; return the summary.
 
-    Before any Ray work, ``check_resume`` refuses a fresh run over an existing run
-    directory and a ``--resume`` of a run with no committed checkpoint; after
-    joining the cluster, ``check_resources`` refuses workers it can never hold.
-    Both raise ``JobConfigError``.
+    Before any Ray work, ``check_storage`` refuses an object-store URI that cannot
+    be used (a bad URI, an endpoint that does not answer, a missing bucket) and
+    ``check_resume`` refuses a fresh run over an existing run directory and a
+    ``--resume`` of a run with no committed checkpoint; after joining the cluster,
+    ``check_resources`` refuses workers it can never hold. All raise
+    ``JobConfigError``. ``--storage-path`` goes to Ray Train as given: it resolves a
+    URI, query string and all, with ``pyarrow.fs.FileSystem.from_uri``, as rayckpt does.
     """
     import ray
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
@@ -319,6 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..train.callback import RayckptCallback
 
+    check_storage(args.storage_path)
     resume = check_resume(args.storage_path, args.run_name, resume=args.resume, resume_if_exists=args.resume_if_exists)
     started_ray = not ray.is_initialized()
     if started_ray:

@@ -3,7 +3,8 @@
 They run before any training or submission work and fail with a ``JobConfigError``
 whose message is one line: what was asked, what is there, which flag to change.
 Ray-free: the resource check takes the cluster's resource dict
-(``ray.cluster_resources()``), so tests feed it fake ones.
+(``ray.cluster_resources()``), so tests feed it fake ones. ``check_storage``
+asks an object store once whether the ``--storage-path`` bucket is there.
 """
 
 from __future__ import annotations
@@ -11,10 +12,21 @@ from __future__ import annotations
 import argparse
 import os
 
+import pyarrow.fs as pafs
+
+from ..errors import RayckptError
 from ..storage.catalog import latest_committed, scan_run
 from ..storage.checkpoint_dir import CheckpointDir
 
-__all__ = ["JobConfigError", "check_flags", "check_resources", "check_resume", "describe_runs", "worker_resources"]
+__all__ = [
+    "JobConfigError",
+    "check_flags",
+    "check_resources",
+    "check_resume",
+    "check_storage",
+    "describe_runs",
+    "worker_resources",
+]
 
 #: Flags that count something (``None``: left to a default).
 _AT_LEAST_ONE = (
@@ -53,6 +65,37 @@ def check_flags(args: argparse.Namespace) -> None:
         )
     if args.d_model % args.n_heads:
         raise JobConfigError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+
+
+def check_storage(storage_path: str) -> None:
+    """Refuse a ``--storage-path`` URI that cannot work, before Ray is touched (Ray Train would fail deep inside).
+
+    A URI pyarrow cannot parse (a mistyped query parameter), an object store that
+    does not answer (endpoint, credentials) or a bucket that is not there: one line
+    naming the URI. Local paths are left to Ray Train, which creates them.
+    """
+    if "://" not in storage_path:
+        return
+    try:
+        base = CheckpointDir.resolve(storage_path)
+    except RayckptError as exc:
+        raise JobConfigError(f"--storage-path: {exc}") from None
+    if not base.is_object_store:
+        return
+    bucket = base.fs_path.strip("/").split("/", 1)[0]
+    try:
+        found = base.fs.get_file_info(bucket).type == pafs.FileType.Directory
+    except OSError as exc:
+        reason = " ".join(str(exc).split())
+        raise JobConfigError(
+            f"--storage-path {storage_path}: cannot reach bucket {bucket!r}: {reason}; check the endpoint "
+            "(endpoint_override in the URI, or AWS_ENDPOINT_URL) and the credentials (the AWS variables)"
+        ) from None
+    if not found:
+        raise JobConfigError(
+            f"--storage-path {storage_path}: bucket {bucket!r} does not exist (or these credentials cannot see "
+            "it): create it, or fix the bucket name"
+        )
 
 
 def describe_runs(storage_path: str | os.PathLike[str]) -> str:

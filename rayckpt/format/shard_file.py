@@ -226,7 +226,9 @@ class ShardReader:
             last[rel] = max(last.get(rel, (0, 0)), (offset + length, offset))
         for rel, (end, offset) in last.items():
             if rel not in self._stored:
-                self._stored[rel] = self.ckdir.size(rel)
+                # On object storage opening the file is its one HEAD request (its size
+                # comes with it), and the file stays open for the reads that follow.
+                self._stored[rel] = self.ckdir.size(rel) if self.ckdir.is_local else self._input(rel).size()
             actual = self._stored[rel]
             if actual is None:
                 raise self._missing(rel)

@@ -4,7 +4,10 @@ On object storage each ranged read is one HTTP GET whose fixed cost (time to
 first byte, request price) dwarfs a small transfer, so neighbouring ranges of
 one file are fetched with one GET when the bytes between them are few. The
 bytes in the gaps are fetched and discarded; three limits keep that bounded.
-Local files do not use this: they read each range straight into its target.
+A large GET is in turn fetched as several ranged requests of at most
+``GET_PART_BYTES`` run in parallel (``get_parts``): one HTTP stream is slower
+than several. Local files do not use this: they read each range straight into
+its target.
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from .load_plan import FileRead
 #: (about what an object store transfers in one request's time to first byte).
 COALESCE_GAP_BYTES = 2**20
 #: A merged GET spans at most this many bytes (a single planned range longer than
-#: this stays one GET of its own: ranges are never split).
+#: this stays one GET of its own: ranges are never split across GETs).
 MAX_GET_BYTES = 64 * 2**20
+#: A GET is fetched as ranged requests of at most this many bytes, run in parallel
+#: (``get_parts``), so one large range is not one HTTP stream on one thread. 8 MiB is
+#: AWS's suggested size for byte-range fetches (8-16 MB): large enough that a
+#: request's fixed cost stays a few percent, small enough to spread a rank's share.
+GET_PART_BYTES = 8 * 2**20
 #: A merged GET's discarded gap bytes stay at most this fraction of its length,
 #: so coalescing never costs more than 5% extra transfer.
 MAX_GAP_FRACTION = 0.05
-#: GETs one rank has in flight at once (a thread each; ``read_into``).
+#: Ranged requests one rank has in flight at once (a thread each; ``read_into``).
 GET_CONCURRENCY = 8
 
 
@@ -69,3 +77,11 @@ def create_range_gets(
     if cur:
         out.append(RangeGet(cur[0].file, start, end - start, tuple(cur), gaps))
     return tuple(out)
+
+
+def get_parts(get: RangeGet, part_bytes: int = GET_PART_BYTES) -> tuple[tuple[int, int], ...]:
+    """The ``(offset, length)`` requests that fetch ``get``: in file order, each at most ``part_bytes``."""
+    end = get.offset + get.length
+    if get.length == 0:
+        return ((get.offset, 0),)
+    return tuple((o, min(part_bytes, end - o)) for o in range(get.offset, end, part_bytes))

@@ -4,11 +4,14 @@ Named ``rayckpt-writer-<node>``, detached, pinned to its node. It runs the
 engine's write step (``engine.writer.write_chunks``) on a rank's share read
 straight from the node's shared memory (the rank's staging buffer or Ray's
 object store), removes its files if writing fails, and reports the outcome to
-the MetadataActor.
+the MetadataActor. It keeps a record of its last writes (``debug_stats``): which
+rank's share of which save, on which node, staged in which directory.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +24,10 @@ from ..engine.writer import write_chunks
 from ..format.shard_file import ChunkSpec
 from ..storage.checkpoint_dir import CheckpointDir
 from .metadata_actor import NAMESPACE, get_metadata_actor
-from .staging import StagedRegion, StaleSweeper, open_region, sweep_stale
+from .staging import StagedRegion, StaleSweeper, created_in, open_region, staging_dir, sweep_stale
+
+#: How many writes a ShardWriter remembers for ``debug_stats``.
+RECORDS_KEPT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +52,28 @@ class ShardWriter:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        #: This node's staging directory (``RAYCKPT_SHM_DIR`` as the node's raylet passed it on).
+        self.staging_dir = staging_dir()
         #: Removes named staging files of processes that are gone: now, then every minute.
-        self.sweeper = StaleSweeper()
+        self.sweeper = StaleSweeper(self.staging_dir)
+        #: The last ``RECORDS_KEPT`` writes, oldest first (see ``debug_stats``).
+        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECORDS_KEPT)
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def debug_stats(self) -> dict[str, Any]:
+        """Where this writer runs and what it wrote (called by tests and operators).
+
+        ``node``: the node its process runs on (asked of Ray, not the name it was given);
+        ``staging_dir``: the directory it sweeps; ``writes``: one record per rank's share
+        it wrote, oldest first: ``save_id``, ``run``, ``step``, ``rank``, ``node`` (the
+        node when it wrote), ``staging`` ("shm" or "object_store"), ``staged_node`` (the
+        node the rank staged on) and ``staged_dir`` (the directory the staging file was
+        created in, read from the open file itself), both ``None`` for the object store;
+        ``bytes``, ``files``.
+        """
+        return {"node": self.node(), "pid": os.getpid(), "staging_dir": self.staging_dir, "writes": list(self.records)}
 
     def write(
         self, request: ShardWrite, staged: list[Any] | StagedRegion, incarnation: str | None = None
@@ -66,8 +89,9 @@ class ShardWriter:
         ckdir = CheckpointDir.resolve(request.location, request.filesystem)
         written_files: list[str] = []
         start = time.perf_counter()
+        record = {"save_id": request.save_id, "run": request.run, "step": request.step, "rank": request.rank}
         try:
-            with self._views(staged) as arrays:
+            with self._views(staged, record) as arrays:
                 chunks = [spec.with_data(a) for spec, a in zip(request.chunks, arrays)]
                 shard = write_chunks(ckdir, chunks, request.save_id, request.rank, request.block_size, written_files)
                 del chunks
@@ -82,23 +106,32 @@ class ShardWriter:
                 pass  # the actor is gone: the rank reports the failure it gets from this task
             raise
         seconds = time.perf_counter() - start
+        files = [f.path for f in shard.files]
+        self.records.append({**record, "node": self.node(), "bytes": shard.nbytes, "files": files})
         where = (request.run, request.step, request.location, request.filesystem)
         ray.get(
             get_metadata_actor().report_written.remote(
                 request.save_id, shard, seconds, self.node_id, incarnation, *where
             )
         )
-        return {"node": self.node_id, "files": [f.path for f in shard.files], "bytes": shard.nbytes, "seconds": seconds}
+        return {"node": self.node_id, "files": files, "bytes": shard.nbytes, "seconds": seconds}
 
     @contextmanager
-    def _views(self, staged: list[Any] | StagedRegion) -> Iterator[list[Any]]:
+    def _views(self, staged: list[Any] | StagedRegion, record: dict[str, Any]) -> Iterator[list[Any]]:
+        """The staged arrays; what they were staged in goes into ``record``."""
         if not isinstance(staged, StagedRegion):
+            record.update(staging="object_store", staged_node=None, staged_dir=None)  # Ray's to place
             yield staged
             return
         if staged.node_id != self.node_id:
             raise ValueError(f"staging file {staged.path} is on node {staged.node_id[:12]}, not on this writer's node")
-        sweep_stale()
+        sweep_stale(self.staging_dir)
         with open_region(staged) as views:
+            try:  # the file is mapped now: the rank leaves it alone while this write is in flight
+                where = created_in(staged.path)
+            except OSError:  # the rank exited since: the mapping still reads, only the record lacks it
+                where = None
+            record.update(staging="shm", staged_node=staged.node_id, staged_dir=where)
             yield views
 
 

@@ -4,8 +4,10 @@
 on. A fresh ``ray.put`` lands in object-store pages the kernel must map (and zero)
 first: on the benchmark machine that made the copy 3-6x slower than a ``memcpy``
 into memory already mapped. So each rank keeps one staging file in ``/dev/shm``
-(tmpfs, the memory the object store itself uses), sized to its share and reused
-from save to save; the node's ShardWriter maps the same file and writes from it.
+(tmpfs, the memory the object store itself uses; ``RAYCKPT_SHM_DIR`` names another
+directory, read in each process, so each node may have its own), sized to its share
+and reused from save to save; the node's ShardWriter maps the same file and writes
+from it.
 
 Lifetime: the file is unlinked the moment it is created, so it has no name to
 leak: it lives as long as the rank's descriptor of it (and a writer's mapping),
@@ -38,6 +40,8 @@ import torch
 from ..engine.state import as_bytes
 
 SHM_DIR = "/dev/shm"
+#: The staging directory of the processes that read it (ranks and the node's ShardWriter), default ``SHM_DIR``.
+SHM_DIR_ENV = "RAYCKPT_SHM_DIR"
 PREFIX = "rayckpt-stage-"
 _ALIGN = 64
 _GRANULE = 1 << 20
@@ -50,6 +54,16 @@ SWEEP_INTERVAL_S = 60.0
 
 class StagingUnavailable(RuntimeError):
     """The shared-memory directory cannot hold this save (missing, full, not writable)."""
+
+
+def staging_dir() -> str:
+    """This process's staging directory: ``RAYCKPT_SHM_DIR``, else ``/dev/shm``."""
+    return os.environ.get(SHM_DIR_ENV) or SHM_DIR
+
+
+def created_in(path: str) -> str:
+    """The directory the open file ``path`` (``/proc/<pid>/fd/<fd>``) was created in, named or not."""
+    return os.path.dirname(os.readlink(path).removesuffix(" (deleted)"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +95,9 @@ def layout(sizes: Sequence[int]) -> tuple[tuple[tuple[int, int], ...], int]:
 class StagingBuffer:
     """One rank's staging file in shared memory (unlinked: nameless), grown as needed and reused."""
 
-    def __init__(self, directory: str = SHM_DIR) -> None:
-        self.directory = directory
+    def __init__(self, directory: str | None = None) -> None:
+        #: Where the file is created: ``directory``, else ``staging_dir()`` (``RAYCKPT_SHM_DIR``, ``/dev/shm``).
+        self.directory = directory or staging_dir()
         #: The file's descriptor in this process; the file has no other hold on it but a writer's mapping.
         self.fd: int | None = None
         #: The name it was created under (gone since): what ``/proc/<pid>/fd/<fd>`` points at.
@@ -105,7 +120,10 @@ class StagingBuffer:
         try:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
-            raise StagingUnavailable(f"cannot create a staging file in {self.directory}: {exc}") from None
+            raise StagingUnavailable(
+                f"cannot create a staging file in {self.directory} (the staging directory: {SHM_DIR_ENV}, "
+                f"default {SHM_DIR}; it must exist and be writable): {exc}"
+            ) from None
         os.unlink(name)  # from here on nothing can leak: the kernel frees it with the last descriptor and mapping
         try:
             os.posix_fallocate(fd, 0, capacity)  # reserve the pages now: ENOSPC here, not SIGBUS later
@@ -113,7 +131,8 @@ class StagingBuffer:
         except OSError as exc:
             os.close(fd)
             raise StagingUnavailable(
-                f"cannot reserve {capacity} bytes of shared memory in {self.directory}: {exc}"
+                f"cannot reserve {capacity} bytes of shared memory in {self.directory} "
+                f"(the staging directory: {SHM_DIR_ENV}, default {SHM_DIR}): {exc}"
             ) from None
         # Closed only now, so the new descriptor's number differs from the old one's (a writer
         # of the old file may not have opened it yet; the inode check catches later reuse).
@@ -207,8 +226,9 @@ def open_region(region: StagedRegion) -> Iterator[list[memoryview]]:
             pass
 
 
-def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Remove staging files whose process is gone; return their names."""
+def sweep_stale(directory: str | None = None) -> list[str]:
+    """Remove staging files whose process is gone from ``directory`` (default ``staging_dir()``); return their names."""
+    directory = directory or staging_dir()
     removed = []
     try:
         names = os.listdir(directory)
@@ -235,13 +255,13 @@ class StaleSweeper:
     gone do not wait for the next save on the node to be removed.
     """
 
-    def __init__(self, directory: str = SHM_DIR, interval_s: float = SWEEP_INTERVAL_S) -> None:
-        self.directory = directory
+    def __init__(self, directory: str | None = None, interval_s: float = SWEEP_INTERVAL_S) -> None:
+        self.directory = directory or staging_dir()
         self.interval_s = interval_s
         #: Names removed so far, oldest first.
         self.removed: list[str] = []
         self._stop = threading.Event()
-        self.removed += sweep_stale(directory)
+        self.removed += sweep_stale(self.directory)
         self._thread = threading.Thread(target=self._run, name="rayckpt-stale-sweeper", daemon=True)
         self._thread.start()
 

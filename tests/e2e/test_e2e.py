@@ -11,121 +11,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 
+from tests.helpers.ray_head import TINY, error_line, get, ray_head, submit, train_py
+
 pytestmark = pytest.mark.slow
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.path.dirname(sys.executable)
-TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "64"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A head node started with `ray start --head --block`, stopped by signalling its process group."""
-    ports = {"gcs": free_port(), "dashboard": free_port(), "metrics": free_port()}
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", PATH=f"{BIN}:{env.get('PATH', '')}")
-    temp = tmp_path_factory.mktemp("ray")
-    head = subprocess.Popen(
-        [
-            f"{BIN}/ray",
-            "start",
-            "--head",
-            "--block",
-            "--port",
-            str(ports["gcs"]),
-            "--dashboard-host",
-            "127.0.0.1",
-            "--dashboard-port",
-            str(ports["dashboard"]),
-            "--metrics-export-port",
-            str(ports["metrics"]),
-            "--num-cpus",
-            "8",
-            "--temp-dir",
-            str(temp),
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    dashboard = f"http://127.0.0.1:{ports['dashboard']}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            get(f"{dashboard}/api/jobs/")
-            break
-        except OSError:
-            if time.time() > deadline or head.poll() is not None:
-                os.killpg(head.pid, signal.SIGKILL)
-                pytest.fail("ray start --head did not bring up the dashboard")
-            time.sleep(1)
-    yield {
-        "env": env,
-        "dashboard": dashboard,
-        "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
-        "address": f"127.0.0.1:{ports['gcs']}",
-    }
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-
-
-def submit(cluster, *args: str) -> tuple[dict, str]:
-    """Run ``jobs/train.py`` through ``ray job submit``; return its JSON summary and the job's output."""
-    cmd = [
-        f"{BIN}/ray",
-        "job",
-        "submit",
-        "--address",
-        cluster["dashboard"],
-        "--working-dir",
-        ".",
-        "--",
-        "python",
-        "jobs/train.py",
-        *args,
-    ]
-    deadline = time.time() + 300  # generous: a loaded 2-core machine starts the agent slowly
-    while True:
-        proc = subprocess.run(cmd, cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=400)
-        # The head's job agent comes up a little after the dashboard does.
-        if "No available agent to submit job" not in proc.stderr or time.time() > deadline:
-            break
-        time.sleep(3)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "Reporting training result" not in proc.stdout + proc.stderr, "Ray Train's per-rank report lines"
-    summaries = []
-    for line in proc.stdout.splitlines():
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "final_step" in doc:
-            summaries.append(doc)
-    assert summaries, proc.stdout[-4000:]
-    return summaries[-1], proc.stdout + proc.stderr
+    """A head node started with `ray start --head`, stopped by signalling its process group."""
+    with ray_head(str(tmp_path_factory.mktemp("ray"))) as head:
+        yield head
 
 
 def test_submit_train_then_resume_with_fewer_workers(cluster, tmp_path):
@@ -146,13 +45,13 @@ def test_submit_train_then_resume_with_fewer_workers(cluster, tmp_path):
         hparams = json.load(f)["user_metadata"]["hparams"]
     assert hparams["schedule_steps"] == 4, "the resumed run keeps the first launch's LR schedule"
 
-    jobs = json.loads(get(f"{cluster['dashboard']}/api/jobs/"))
+    jobs = json.loads(get(f"{cluster.dashboard}/api/jobs/"))
     statuses = [j["status"] for j in jobs if "jobs/train.py" in j.get("entrypoint", "")]
     assert statuses == ["SUCCEEDED", "SUCCEEDED"]
 
     deadline = time.time() + 60
     while True:
-        text = get(cluster["metrics"])
+        text = get(cluster.metrics)
         names = {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_rayckpt_")}
         wanted = {
             "ray_rayckpt_checkpoints_committed_total",
@@ -165,24 +64,6 @@ def test_submit_train_then_resume_with_fewer_workers(cluster, tmp_path):
         time.sleep(3)
 
 
-def train_py(cluster, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "jobs/train.py", *args],
-        cwd=ROOT,
-        env=dict(cluster["env"], OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, proc.stderr[-4000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr[-4000:]
-    return errors[0]
-
-
 def test_requests_that_cannot_run_fail_at_once_with_one_line(cluster, tmp_path):
     storage = str(tmp_path / "ckpts")
     # A mistyped run to resume: refused before Ray is touched.
@@ -192,7 +73,7 @@ def test_requests_that_cannot_run_fail_at_once_with_one_line(cluster, tmp_path):
     proc = train_py(
         cluster,
         "--address",
-        cluster["address"],
+        cluster.address,
         "--storage-path",
         storage,
         "--num-workers",

@@ -34,6 +34,7 @@ from tests.helpers.concurrent_workers import (
     go,
     group_save,
     manifest_of,
+    race_two_claims,
     ready,
     result,
     save_worker,
@@ -59,16 +60,8 @@ def test_a_save_in_flight_refuses_a_second_save_to_its_location_naming_it(tmp_pa
 
 def test_two_saves_claiming_at_once_let_exactly_one_through(tmp_path):
     path, sync = str(tmp_path / "ckpt"), str(tmp_path)
-    procs = {name: start(save_worker, path, value, sync, name, "claim") for name, value in (("a", 1), ("b", 2))}
-    ids = {name: ready(sync, name) for name in procs}  # both wrote a claiming lease, neither looked yet
-    for name in procs:
-        go(sync, name)
-    outcomes = {name: result(sync, name, p) for name, p in procs.items()}
-    winner = min(ids, key=ids.get)  # both saw each other: the larger save id gives way
-    loser = "b" if winner == "a" else "a"
-    assert outcomes[winner] == {"ok": True, "save_id": ids[winner]}
-    assert_refused_naming(outcomes[loser], path, ids[winner])
-    assert assert_one_whole_checkpoint(path, (1, 2)) == {"a": 1, "b": 2}[winner]
+    won = race_two_claims(lambda name, value: start(save_worker, path, value, sync, name, "claim"), path, sync)
+    assert assert_one_whole_checkpoint(path, (1, 2)) == won
 
 
 @pytest.mark.parametrize("round_", range(4))

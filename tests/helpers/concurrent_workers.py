@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -218,3 +219,22 @@ def ready(sync_dir: str, name: str) -> str:
             raise AssertionError(f"{name} did not pause: {open(done).read() if os.path.exists(done) else 'timeout'}")
         time.sleep(0.01)
     return wait_for(os.path.join(sync_dir, f"{name}.ready"))
+
+
+def race_two_claims(
+    start_save: Callable[[str, int], multiprocessing.process.BaseProcess], location: str, sync_dir: str
+) -> int:
+    """Saves "a" (value 1) and "b" (value 2), started by ``start_save(name, value)`` with the pause
+    "claim", both write their claiming lease before either looks; let go, exactly one goes on: the
+    smaller save id (each sees the other, the larger gives way) commits, the other is refused naming
+    it. Returns the winner's value."""
+    procs = {name: start_save(name, value) for name, value in (("a", 1), ("b", 2))}
+    ids = {name: ready(sync_dir, name) for name in procs}
+    for name in procs:
+        go(sync_dir, name)
+    outcomes = {name: result(sync_dir, name, p) for name, p in procs.items()}
+    winner = min(ids, key=ids.get)
+    loser = "b" if winner == "a" else "a"
+    assert outcomes[winner] == {"ok": True, "save_id": ids[winner]}
+    assert_refused_naming(outcomes[loser], location, ids[winner])
+    return {"a": 1, "b": 2}[winner]

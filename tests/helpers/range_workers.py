@@ -9,7 +9,7 @@ from rayckpt.engine.app_state import AppState
 from rayckpt.engine.load import tensor_requests
 from rayckpt.engine.state import flatten
 from rayckpt.planning.load_plan import create_load_plan
-from rayckpt.planning.range_gets import create_range_gets
+from rayckpt.planning.range_gets import create_range_gets, get_parts
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.toy import build_fsdp, full_state
 from tests.helpers.counting_fs import counting_filesystem
@@ -40,7 +40,7 @@ def counted_load_worker(rank: int, world_size: int, path: str) -> dict[str, Any]
     return {
         "state": full_state(app),
         "info": info,
-        "gets": len(gets),
+        "gets": sum(len(get_parts(g)) for g in gets),
         "get_bytes": sum(g.length for g in gets),
         "requests": stats.requests,
         "bytes": stats.bytes,

@@ -201,6 +201,12 @@ def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path)
     assert [h.staging for h in handles] == ["shm", "shm"]
     handles[-1].wait()
     assert ray.get(handles[-1]._write_ref)["seconds"] > 0
+    stats = ray.get(get_shard_writer().debug_stats.remote())  # the writer's own record of what it wrote
+    writes = [w for w in stats["writes"] if w["run"] == "shm"]
+    assert [(w["step"], w["rank"], w["staging"], w["staged_dir"]) for w in writes] == [
+        (s, 0, "shm", staging.SHM_DIR) for s in (1, 2)
+    ]
+    assert stats["staging_dir"] == staging.SHM_DIR and {w["node"] for w in writes} == {stats["node"]}
     assert not os.path.exists(stale)  # the node's writer removed it
     assert my_staging_files() == [] and os.path.exists(async_save.saver().buffer.path)  # one nameless file, reused
     for s in (1, 2):
@@ -233,6 +239,8 @@ def test_a_buffer_a_writer_may_still_read_is_not_reused(ray_session, tmp_path):
 def test_object_store_staging_and_the_fallback_when_shm_has_no_room(ray_session, tmp_path, monkeypatch):
     h = async_save.save_async(state(3), str(tmp_path / "os"), run="stg", step=1, staging="object_store")
     assert h.staging == "object_store" and h.wait().status == "committed"
+    (w,) = [w for w in ray.get(get_shard_writer().debug_stats.remote())["writes"] if w["save_id"] == h.save_id]
+    assert (w["staging"], w["staged_dir"]) == ("object_store", None)
     async_save.release_staging()
     monkeypatch.setattr(async_save.saver(), "buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))
     h = async_save.save_async(state(4), str(tmp_path / "auto"), run="stg", step=2)

@@ -19,7 +19,15 @@ from rayckpt.storage.lease import LEASE_PREFIX
 from rayckpt.tools import gc
 from rayckpt.tools.listing import ls
 from tests.helpers import s3_workers
-from tests.helpers.concurrent_workers import assert_refused_naming, go, manifest_of, ready, result, state_of
+from tests.helpers.concurrent_workers import (
+    assert_refused_naming,
+    go,
+    manifest_of,
+    race_two_claims,
+    ready,
+    result,
+    state_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -119,13 +127,5 @@ def test_a_save_in_flight_on_s3_refuses_a_second_save_naming_it(s3_server, s3_en
 def test_two_saves_claiming_one_s3_location_at_once_let_exactly_one_through(s3_server, s3_env, s3_prefix, tmp_path):
     rel, sync = f"{s3_prefix}/ckpt", str(tmp_path)
     uri = s3_server.uri(rel)
-    procs = {n: s3_workers.start(s3_env, "save_worker", uri, v, sync, n, "claim") for n, v in (("a", 1), ("b", 2))}
-    ids = {name: ready(sync, name) for name in procs}  # both wrote a claiming lease, neither looked yet
-    for name in procs:
-        go(sync, name)
-    outcomes = {name: result(sync, name, p) for name, p in procs.items()}
-    winner = min(ids, key=ids.get)  # both saw each other: the larger save id gives way
-    loser = "b" if winner == "a" else "a"
-    assert outcomes[winner] == {"ok": True, "save_id": ids[winner]}
-    assert_refused_naming(outcomes[loser], uri, ids[winner])
-    assert_holds(s3_server, rel, {"a": 1, "b": 2}[winner])
+    won = race_two_claims(lambda n, v: s3_workers.start(s3_env, "save_worker", uri, v, sync, n, "claim"), uri, sync)
+    assert_holds(s3_server, rel, won)

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 
 import rayckpt
 from rayckpt.examples.demo import load_worker, save_worker
 from rayckpt.format.manifest import MANIFEST_NAME
+from rayckpt.planning import range_gets
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.multiproc import run_ranks
 from rayckpt.testing.toy import ToyModel, fixed_input
 
 pytestmark = pytest.mark.slow
+
+
+def logged_requests(log, until, timeout_s: float = 30.0) -> list[tuple[str, str]]:
+    """(method, path) of the requests the server logs from ``log``'s position on, read until
+    ``until(requests)`` holds: the server logs a request once its response is sent, a moment
+    after the client has it."""
+    text, deadline = "", time.monotonic() + timeout_s
+    while True:
+        text += log.read()
+        requests = re.findall(r'"(?:\x1b\[[0-9;]*m)*(GET|HEAD|PUT|POST|DELETE) (/\S+) HTTP', text)  # 206s are coloured
+        if until(requests) or time.monotonic() > deadline:
+            return requests
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +76,23 @@ def test_a_pyarrow_s3_filesystem_object_works_like_the_uri(s3_server, saved_by_3
     rayckpt.load(out, s3_server.uri("fsdp/copy"))
     for name, p in model.state_dict().items():
         assert torch.equal(out["model"][name], p), name
+
+
+def test_a_load_makes_one_head_per_shard_file_and_the_gets_it_reports(s3_server, s3_prefix, monkeypatch):
+    """Seen by the server: opening a shard file is its only HEAD (its size comes with it), and the
+    ranged GETs of shard bytes are exactly ``LoadInfo.requests``, a large range in parallel parts."""
+    monkeypatch.setattr(range_gets, "GET_PART_BYTES", 100_000)
+    uri = s3_server.uri(f"{s3_prefix}/ckpt")
+    state = {"w": torch.arange(100_000, dtype=torch.float32), "b": torch.arange(10, dtype=torch.int64)}
+    rayckpt.save(state, uri)
+    files = [f.path for f in rayckpt.read_manifest(CheckpointDir.resolve(uri)).files]
+    out = {"w": torch.zeros(100_000), "b": torch.zeros(10, dtype=torch.int64)}
+    with open(s3_server.log_path) as log:
+        log.seek(0, 2)
+        info = rayckpt.load(out, uri)
+        requests = logged_requests(log, until=lambda reqs: sum(".arrow" in p for _, p in reqs) >= 2 + 5)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+    shard = [(m, p.split("?")[0].rsplit("/", 1)[1]) for m, p in requests if ".arrow" in p]
+    assert sorted(n for m, n in shard if m == "HEAD") == sorted(files)
+    gets = [n for m, n in shard if m == "GET"]
+    assert len(gets) == info.requests == 1 + 4  # "b": one GET; "w" (400,000 bytes): 4 parts

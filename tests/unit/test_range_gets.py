@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import rayckpt
 from rayckpt.engine import load as engine_load
+from rayckpt.engine import reader as reader_module
 from rayckpt.engine.state import flatten
+from rayckpt.format.shard_file import ShardReader
 from rayckpt.planning import load_plan, range_gets
 from rayckpt.planning.load_plan import FileRead
-from rayckpt.planning.range_gets import create_range_gets
+from rayckpt.planning.range_gets import RangeGet, create_range_gets, get_parts
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from tests.helpers.checkpoints import flip_byte, manifest_of
 from tests.helpers.counting_fs import counting_filesystem
@@ -60,6 +64,14 @@ def test_every_read_lies_in_exactly_one_get():
         assert g.length <= 300
         assert all(g.offset <= r.offset and r.offset + r.length <= g.offset + g.length for r in g.reads)
         assert g.gap_bytes == g.length - 7 * len(g.reads)
+
+
+def test_a_get_is_fetched_in_parts_of_at_most_the_part_size_in_order():
+    get = RangeGet("a", 100, 25, (), 0)
+    assert get_parts(get, part_bytes=10) == ((100, 10), (110, 10), (120, 5))
+    assert get_parts(get, part_bytes=25) == ((100, 25),)
+    assert get_parts(get, part_bytes=1000) == ((100, 25),)
+    assert get_parts(RangeGet("a", 7, 0, (), 0), part_bytes=10) == ((7, 0),)
 
 
 def small_tensors() -> dict:
@@ -147,3 +159,64 @@ def test_local_files_keep_direct_reads(tmp_path):
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     info = rayckpt.load(target, path)
     assert info.requests == info.num_reads == 5 and info.bytes_fetched == info.bytes_read
+
+
+def one_big_tensor() -> dict:
+    return {"w": torch.arange(60_000, dtype=torch.float32)}  # 240,000 bytes: one range, one GET
+
+
+def test_one_large_range_is_fetched_as_parallel_parts_bit_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(range_gets, "GET_PART_BYTES", 50_000)
+    path = str(tmp_path / "c")
+    state = one_big_tensor()
+    rayckpt.save(state, path, block_size=16_384)
+    fs, stats = counting_filesystem()
+    target = {"w": torch.zeros(60_000)}
+    info = rayckpt.load(target, path, filesystem=fs)
+    assert torch.equal(target["w"], state["w"])
+    _, gets = expected_gets(path, fs, target)
+    assert len(gets) == 1 and gets[0].length == info.bytes_read >= 240_000
+    parts = get_parts(gets[0], 50_000)
+    assert info.requests == stats.requests == len(parts) == 5
+    assert sorted(stats.sizes) == sorted(n for _, n in parts)
+    assert info.bytes_fetched == stats.bytes == gets[0].length
+
+
+class RendezvousReader(ShardReader):
+    """A shard reader whose first ``n`` fetches each wait until ``n`` have started (a unit fake:
+    the counting filesystem's ``PythonFile`` serializes reads of one file, pyarrow's S3 file does not)."""
+
+    def __init__(self, *args, n: int) -> None:
+        super().__init__(*args)
+        self.barrier = threading.Barrier(n, timeout=30)
+
+    def fetch(self, rel: str, offset: int, length: int) -> bytes:
+        self.barrier.wait()  # BrokenBarrierError if the parts ran one at a time
+        return super().fetch(rel, offset, length)
+
+
+def test_the_parts_of_one_get_are_in_flight_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(range_gets, "GET_PART_BYTES", 60_000)  # 4 parts of a 240,000-byte range
+    path = str(tmp_path / "c")
+    state = one_big_tensor()
+    rayckpt.save(state, path, block_size=16_384)
+    target = {"w": torch.zeros(60_000)}
+    _, gets = expected_gets(path, None, target)
+    m = rayckpt.read_manifest(CheckpointDir.resolve(path))
+    ckdir = CheckpointDir.resolve(path)
+    reader = RendezvousReader(ckdir, m.blocks, {f.path: f.size for f in m.files}, n=4)
+    reader_module._read_gets(reader, gets, flatten(target))
+    assert torch.equal(target["w"], state["w"]) and reader.requests == 4
+
+
+def test_flipped_byte_in_a_later_part_names_the_block(tmp_path, monkeypatch):
+    monkeypatch.setattr(range_gets, "GET_PART_BYTES", 50_000)
+    path = str(tmp_path / "c")
+    rayckpt.save(one_big_tensor(), path, block_size=16_384)
+    chunk = manifest_of(path)["entries"]["w"]["chunks"][0]
+    flip_byte(path, chunk["file"], chunk["byte_offset"] + 200_000)  # block 12: bytes [196608, 212992)
+    fs, _ = counting_filesystem()
+    with pytest.raises(rayckpt.CorruptCheckpointError) as err:
+        rayckpt.load({"w": torch.zeros(60_000)}, path, filesystem=fs)
+    start = chunk["byte_offset"] + 12 * 16_384
+    assert f"[{start}, {start + 16_384}) (block 12 of" in str(err.value) and "'w'" in str(err.value)

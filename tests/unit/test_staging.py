@@ -12,12 +12,17 @@ import torch
 
 from rayckpt.ray.staging import (
     PREFIX,
+    SHM_DIR,
+    SHM_DIR_ENV,
     StagedRegion,
     StagingBuffer,
     StagingUnavailable,
+    StaleSweeper,
+    created_in,
     layout,
     open_region,
     staged_size,
+    staging_dir,
     sweep_stale,
 )
 
@@ -103,8 +108,39 @@ def test_close_releases_the_file(tmp_path):
 
 def test_a_missing_directory_is_reported(tmp_path):
     b = StagingBuffer(str(tmp_path / "nope"))
-    with pytest.raises(StagingUnavailable, match=r"cannot create a staging file in .*nope"):
+    with pytest.raises(StagingUnavailable, match=r"staging file in .*nope \(the staging directory: RAYCKPT_SHM_DIR"):
         b.stage([torch.ones(4)], "n")
+
+
+def test_the_staging_directory_is_RAYCKPT_SHM_DIR(tmp_path, monkeypatch):
+    monkeypatch.delenv(SHM_DIR_ENV, raising=False)
+    assert staging_dir() == SHM_DIR == "/dev/shm" and StagingBuffer().directory == SHM_DIR
+    node = tmp_path / "node-a"
+    node.mkdir()
+    monkeypatch.setenv(SHM_DIR_ENV, str(node))
+    b = StagingBuffer()
+    region = b.stage([torch.ones(4)], "n")
+    assert b.directory == str(node) and created_in(region.path) == str(node)  # created there, nameless since
+    b.close()
+    dead = multiprocessing.get_context("spawn").Process(target=int)
+    dead.start()
+    dead.join()
+    (node / f"{PREFIX}{dead.pid}-abc").write_bytes(b"x")
+    sweeper = StaleSweeper(interval_s=3600)  # the writer's sweeper reads the variable too
+    sweeper.stop()
+    assert sweeper.directory == str(node) and sweeper.removed == [f"{PREFIX}{dead.pid}-abc"]
+    (node / f"{PREFIX}{dead.pid}-def").write_bytes(b"x")
+    assert sweep_stale() == [f"{PREFIX}{dead.pid}-def"]
+
+
+def test_a_staging_directory_that_is_not_one_is_reported_with_the_variable(tmp_path, monkeypatch):
+    (tmp_path / "file").write_bytes(b"")
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path / "file"))
+    with pytest.raises(StagingUnavailable) as err:
+        StagingBuffer().stage([torch.ones(4)], "n")
+    where = f"cannot create a staging file in {tmp_path / 'file'} (the staging directory: RAYCKPT_SHM_DIR"
+    assert where in str(err.value)
+    assert "Not a directory" in str(err.value)
 
 
 def test_no_room_is_an_error_at_staging_time_and_leaves_no_file(buffer, tmp_path):

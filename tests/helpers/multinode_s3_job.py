@@ -1,0 +1,111 @@
+"""Three Ray worker nodes on this machine saving to S3, then a resume on two; run as a subprocess.
+
+Usage: python -m tests.helpers.multinode_s3_job OUT_DIR HOST:PORT BUCKET PREFIX. Writes OUT_DIR/result.json.
+First a run on a node-local directory, which must be refused; then the S3 runs.
+
+A ``ray.cluster_utils.Cluster``: a head with 1 CPU and no ``slot`` (no training
+worker lands there) and three nodes with 1 CPU and 1 ``slot`` each, so a worker
+asking for a slot runs one per node. Each node's raylet gets its own
+``RAYCKPT_SHM_DIR`` (``Cluster.add_node(env_vars=...)``), which the processes it
+starts (training workers, the node's ShardWriter) inherit: each node stages in
+its own directory. They are plain directories under OUT_DIR, not tmpfs: the
+staging buffer needs only ``posix_fallocate`` and a shared ``mmap``, which any
+local filesystem gives, and the test needs distinct namespaces, not RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+from ray.cluster_utils import Cluster
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from rayckpt.ray.metadata_actor import NAMESPACE, get_metadata_actor
+from rayckpt.ray.shard_writer import writer_name
+from rayckpt.ray.staging import SHM_DIR_ENV
+
+from . import ray_workers
+
+RUN = "nodes"
+
+
+def fit(storage: str, fs: Any, out: str, workers: int, steps: int, save_at: set[int], name: str = RUN) -> None:
+    TorchTrainer(
+        ray_workers.toy_train_loop,
+        train_loop_config={"steps": steps, "save_at": save_at, "out": out},
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1, "slot": 1}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(name=name, storage_path=storage, storage_filesystem=fs),
+    ).fit()
+
+
+def writers(node_ids: list[str]) -> dict[str, dict]:
+    """Each node's ShardWriter's own record (``debug_stats``), by the node id it was looked up for."""
+    return {n: ray.get(ray.get_actor(writer_name(n), namespace=NAMESPACE).debug_stats.remote()) for n in node_ids}
+
+
+def committed_writer_nodes(step: int) -> dict[str, str]:
+    """The MetadataActor's ``committed`` event of ``step``: the node whose writer wrote each rank."""
+    events = ray.get(get_metadata_actor().events.remote(RUN))
+    (event,) = [e for e in events if e["kind"] == "committed" and e.get("step") == step]
+    return {str(k): v for k, v in event["writer_nodes"].items()}
+
+
+def rank_nodes(out: str, world: int) -> dict[str, str]:
+    """The node each rank of a ``world``-worker run trained on (written by ``toy_train_loop``)."""
+    return {str(r): open(os.path.join(out, f"node-{world}-{r}.txt")).read() for r in range(world)}
+
+
+def main(out: str, host_port: str, bucket: str, prefix: str) -> None:
+    fs = pafs.S3FileSystem(
+        endpoint_override=host_port,
+        scheme="http",
+        access_key=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        region=os.environ["AWS_REGION"],
+    )
+    storage = f"{bucket}/{prefix}"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    shm_dirs = [os.path.join(out, f"shm-{i}") for i in range(3)]
+    nodes = []
+    for d in shm_dirs:
+        os.makedirs(d)
+        nodes.append(cluster.add_node(num_cpus=1, resources={"slot": 1}, env_vars={SHM_DIR_ENV: d}))
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="rayckpt-multinode-s3")
+    ids = [n.node_id for n in nodes]
+    result: dict[str, Any] = {"shm_dirs": dict(zip(ids, shm_dirs)), "head": cluster.head_node.node_id}
+
+    try:  # a node-local directory is refused with ranks on several nodes (this machine's disk: not shared)
+        fit(os.path.join(out, "local"), None, out, 3, 2, {2}, name="local-refused")
+        result["refused"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        result["refused"] = str(exc)
+    fit(storage, fs, out, 3, 2, {2})  # one worker per node, saving step 2 on S3
+    result["save3"] = {
+        "writers": writers(ids),
+        "rank_nodes": rank_nodes(out, 3),
+        "committed": committed_writer_nodes(2),
+    }
+
+    cluster.remove_node(nodes[2])  # resume on two nodes, two workers: restore step 2, save step 3
+    fit(storage, fs, out, 2, 3, {3})
+    result["save2"] = {
+        "writers": writers(ids[:2]),
+        "rank_nodes": rank_nodes(out, 2),
+        "committed": committed_writer_nodes(3),
+    }
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(result, f)
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

@@ -1,0 +1,80 @@
+"""Three Ray nodes on one machine saving a TorchTrainer run to S3, each node's writer writing only its
+own node's ranks from its own staging directory; then a resume on two nodes with two workers. The same
+cluster first checks that node-local storage across nodes is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rayckpt
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def multinode(s3_server, tmp_path_factory):
+    out = tmp_path_factory.mktemp("multinode-s3")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the AWS variables of the S3 tier included
+    args = [str(out), s3_server.host_port, s3_server.bucket, "multinode"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.multinode_s3_job", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "result.json") as f:
+        return {**json.load(f), "out": out}
+
+
+def check_writers_wrote_only_their_nodes_ranks(save: dict, shm_dirs: dict[str, str], step: int) -> None:
+    """From each ShardWriter's own record: it ran on its node, wrote exactly the ranks whose
+    workers trained there, each from a staging file created in that node's directory."""
+    by_rank = save["rank_nodes"]
+    assert len(set(by_rank.values())) == len(by_rank)  # one worker per node
+    for node, stats in save["writers"].items():
+        assert stats["node"] == node and stats["staging_dir"] == shm_dirs[node]
+        writes = [w for w in stats["writes"] if w["step"] == step]
+        assert sorted(str(w["rank"]) for w in writes) == sorted(r for r, n in by_rank.items() if n == node)
+        for w in writes:
+            assert (w["node"], w["staged_node"], w["staging"]) == (node, node, "shm")
+            assert w["staged_dir"] == shm_dirs[node], (w, node)
+            assert w["bytes"] > 0 and w["files"] and all(f"-r{w['rank']:05d}-" in f for f in w["files"])
+    assert save["committed"] == by_rank  # the MetadataActor saw the same: rank -> its writer's node
+
+
+def test_three_nodes_each_write_their_own_ranks_to_s3(multinode):
+    shm_dirs = multinode["shm_dirs"]
+    assert len(set(shm_dirs.values())) == 3 and multinode["head"] not in shm_dirs
+    assert set(multinode["save3"]["rank_nodes"].values()) == set(shm_dirs)  # every worker node trained a rank
+    check_writers_wrote_only_their_nodes_ranks(multinode["save3"], shm_dirs, 2)
+
+
+def test_node_local_storage_across_nodes_is_refused(multinode):
+    msg = multinode["refused"]
+    assert msg is not None
+    assert "node-local storage but the ranks run on 3 nodes" in msg
+    assert "RAYCKPT_LOCAL_IS_SHARED=1" in msg
+
+
+def test_resume_on_two_nodes_restores_what_three_saved_and_saves_per_node(multinode, s3_server):
+    out = multinode["out"]
+    saved = torch.load(out / "final-3.pt", weights_only=False)
+    restored = torch.load(out / "restored-2.pt", weights_only=False)
+    assert restored["step"] == 2
+    for key, value in saved["state"].items():
+        assert torch.equal(restored["state"][key], value), key
+    save2 = multinode["save2"]
+    assert len(set(save2["rank_nodes"].values())) == 2
+    check_writers_wrote_only_their_nodes_ranks(save2, multinode["shm_dirs"], 3)
+    for step in (2, 3):
+        assert rayckpt.verify(s3_server.uri(f"multinode/nodes/rayckpt-step-{step:08d}")).ok
