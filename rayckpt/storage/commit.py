@@ -28,8 +28,8 @@ from ..format.manifest import (
     ValueEntry,
     decode_manifest,
     encode_manifest,
-    find_manifest_problems,
 )
+from ..format.manifest_checks import find_manifest_problems
 from ..format.paths import Path
 from ..format.shard_file import WrittenChunk
 from .checkpoint_dir import CheckpointDir, join_location

@@ -1,0 +1,215 @@
+"""Is a manifest consistent? Every chunk's bytes and checksums, every tensor's tiling. Pure: numpy, no I/O.
+
+``find_manifest_problems`` screens the chunk columns (``ChunkColumns``) with array
+operations and formats a message only for the chunks and keys that fail: a
+manifest with nothing wrong costs a few passes over its columns, not a string per
+chunk. What the screen cannot decide at once goes to the exact per-chunk and
+per-key checks, which write the messages:
+
+- a chunk is *suspect* when any check fails on it, or when its numbers are so large
+  that int64 arithmetic could wrap (then Python ints decide);
+- a key's chunks *certainly tile* it when its non-empty chunks are slabs along one
+  dim (every other dim whole), contiguous from 0 to the end of that dim, or one
+  chunk holding the whole tensor, or none for an empty tensor; any other layout
+  (2-D grids, overlaps, gaps) goes to ``boxes.find_coverage_problem``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .boxes import Box, find_coverage_problem
+from .chunk_columns import ChunkColumns
+from .manifest import DTYPES, Manifest, TensorEntry
+
+#: Numbers below this add and multiply (by an itemsize) without wrapping int64.
+_SAFE = 2**62
+
+
+def find_manifest_problems(m: Manifest, columns: ChunkColumns | None = None) -> list[str]:
+    """Structural checks: dtypes, chunk sizes, coverage, checksum counts. Pure.
+
+    The problems in manifest key order, and within a key in chunk order, its
+    coverage last. ``columns``: the manifest's chunk columns, when the caller has
+    them (else built here).
+    """
+    try:
+        cols = ChunkColumns.from_manifest(m) if columns is None else columns
+        file_size = _file_sizes(m, cols.files)
+    except OverflowError:  # only a manifest built in memory holds numbers past int64
+        return _object_problems(m)
+    suspect = _suspect_chunks(cols, file_size, m.block_size)
+    unsure = ~_tiled_keys(cols)
+    known = cols.key_itemsize > 0
+    flagged = ~known | unsure | (np.bincount(cols.key[suspect], minlength=len(cols.keys)) > 0)
+    problems: list[str] = []
+    for k in np.flatnonzero(flagged).tolist():
+        key = cols.keys[k]
+        if not known[k]:
+            problems.append(f"key {key!r}: unknown dtype {cols.dtypes[k]!r}")
+            continue
+        first, count = int(cols.first[k]), int(cols.counts[k])
+        for row in (first + np.flatnonzero(suspect[first : first + count])).tolist():
+            offsets, sizes = cols.box(row)
+            file = int(cols.file[row])
+            problems += _chunk_problems(
+                key,
+                offsets,
+                cols.files[file],
+                int(cols.byte_offset[row]),
+                int(cols.byte_length[row]),
+                math.prod(sizes),
+                int(cols.key_itemsize[k]),
+                int(file_size[file]),
+                int(cols.num_checksums[row]),
+                m.block_size,
+            )
+        if unsure[k]:
+            boxes = (Box(*map(tuple, cols.box(row))) for row in range(first, first + count))
+            problem = find_coverage_problem(cols.shapes[k], boxes)
+            if problem:
+                problems.append(f"key {key!r}: {problem}")
+    return problems
+
+
+def _chunk_problems(
+    key: str,
+    offsets: Sequence[int],
+    file: str,
+    byte_offset: int,
+    byte_length: int,
+    volume: int,
+    isz: int,
+    file_size: int,
+    num_checksums: int,
+    block_size: int,
+) -> list[str]:
+    """What is wrong with one chunk (Python ints: exact)."""
+    out = []
+    where = f"key {key!r} chunk {list(offsets)} in file {file!r}"
+    if byte_offset < 0:
+        out.append(f"{where}: negative byte_offset {byte_offset}")
+    if byte_length != volume * isz:
+        out.append(f"{where}: byte_length {byte_length} != {volume} elements x {isz} bytes")
+    if byte_offset + byte_length > file_size:
+        out.append(
+            f"{where}: bytes [{byte_offset}, {byte_offset + byte_length}) lie past the file's recorded size {file_size}"
+        )
+    want = -(-byte_length // block_size) if byte_length else 0
+    if num_checksums != want:
+        out.append(f"{where}: {num_checksums} checksums for {want} blocks")
+    return out
+
+
+def _object_problems(m: Manifest) -> list[str]:
+    """The same checks on the ``ChunkEntry`` objects, one by one."""
+    problems: list[str] = []
+    sizes = {f.path: f.size for f in m.files}
+    for key, e in m.entries.items():
+        if not isinstance(e, TensorEntry):
+            continue
+        if e.dtype not in DTYPES:
+            problems.append(f"key {key!r}: unknown dtype {e.dtype!r}")
+            continue
+        isz = DTYPES[e.dtype][0]
+        for c in e.chunks:
+            problems += _chunk_problems(
+                key,
+                c.box.offsets,
+                c.file,
+                c.byte_offset,
+                c.byte_length,
+                c.box.volume,
+                isz,
+                sizes.get(c.file, 0),
+                len(c.checksums),
+                m.block_size,
+            )
+        problem = find_coverage_problem(e.shape, (c.box for c in e.chunks))
+        if problem:
+            problems.append(f"key {key!r}: {problem}")
+    return problems
+
+
+def _file_sizes(m: Manifest, files: Sequence[str]) -> np.ndarray:
+    """The recorded size of each of ``files`` (0 for one the manifest does not list)."""
+    sizes = {f.path: f.size for f in m.files}
+    return np.array([sizes.get(name, 0) for name in files], np.int64)
+
+
+def _suspect_chunks(cols: ChunkColumns, file_size: np.ndarray, block_size: int) -> np.ndarray:
+    """Per chunk: might a check fail on it? (Exact where False.)"""
+    volume, approx = cols.volumes()
+    isz = cols.key_itemsize[cols.key]
+    bo, bl = cols.byte_offset, cols.byte_length
+    if not 0 < block_size < _SAFE:
+        return np.ones(cols.num_chunks, bool)
+    # Past _SAFE the int64 sums and products below could wrap: Python ints decide those chunks.
+    suspect = (approx * isz >= _SAFE) | (bo <= -_SAFE) | (bo >= _SAFE) | (bl <= -_SAFE) | (bl >= _SAFE)
+    suspect |= bo < 0
+    suspect |= bl != volume * isz
+    suspect |= bo + bl > file_size[cols.file]
+    suspect |= cols.num_checksums != -(-bl // block_size)
+    return suspect
+
+
+def _tiled_keys(cols: ChunkColumns) -> np.ndarray:
+    """Per key: do its non-empty chunks certainly tile its shape exactly once? (False: not sure.)"""
+    n, nkeys = cols.num_chunks, len(cols.keys)
+    key, key_ndim = cols.key, cols.key_ndim
+
+    def per_key(mask: np.ndarray) -> np.ndarray:
+        return np.bincount(key[mask], minlength=nkeys)
+
+    elem_chunk = np.repeat(np.arange(n), cols.ndim)
+    elem_dim = np.arange(len(cols.sizes)) - cols.flat_first[elem_chunk]
+    # An empty chunk covers nothing wherever it lies (find_coverage_problem ignores it too).
+    nonempty = np.bincount(elem_chunk[cols.sizes == 0], minlength=n) == 0
+    negative = np.bincount(elem_chunk[(cols.offsets < 0) | (cols.sizes < 0)], minlength=n) > 0
+    ndim_ok = cols.ndim == key_ndim[key]
+    shape_first = np.cumsum(key_ndim) - key_ndim
+    # Per dim of each chunk of the tensor's rank: does the chunk cover only part of the dim?
+    e = np.flatnonzero(ndim_ok[elem_chunk])
+    chunk_of, dim_of = elem_chunk[e], elem_dim[e]
+    extent = cols.key_shape[shape_first[key[chunk_of]] + dim_of]
+    part = (cols.offsets[e] != 0) | (cols.sizes[e] != extent)
+    num_partial = np.bincount(chunk_of[part], minlength=n)
+    axis = np.zeros(n, np.int64)
+    axis[chunk_of[part]] = dim_of[part]  # the partial dim of a chunk with exactly one
+
+    unsure = per_key(nonempty & (~ndim_ok | negative | (num_partial > 1))) > 0
+    count = per_key(nonempty)
+    whole = per_key(nonempty & ndim_ok & (num_partial == 0))
+    slabs = nonempty & ndim_ok & (num_partial == 1)
+    key_of_dim = np.repeat(np.arange(nkeys), key_ndim)
+    empty_key = np.bincount(key_of_dim[cols.key_shape == 0], minlength=nkeys) > 0
+    tiled = ((whole == 1) & (count == 1)) | ((count == 0) & empty_key)
+    tiled |= (whole == 0) & (count > 0) & _slabs_tile(cols, slabs, axis, shape_first)
+    return tiled & ~unsure
+
+
+def _slabs_tile(cols: ChunkColumns, slabs: np.ndarray, axis: np.ndarray, shape_first: np.ndarray) -> np.ndarray:
+    """Per key: are its ``slabs`` all along one dim, and contiguous from 0 to that dim's end?"""
+    nkeys = len(cols.keys)
+    rows = np.flatnonzero(slabs)
+    k, d = cols.key[rows], axis[rows]
+    lo = cols.offsets[cols.flat_first[rows] + d]
+    hi = lo + cols.sizes[cols.flat_first[rows] + d]  # no wrap can pass the checks: lo, sizes < 2**63
+    head = np.ones(len(rows), bool)
+    head[1:] = k[1:] != k[:-1]
+    key_axis = np.zeros(nkeys, np.int64)
+    key_axis[k[head]] = d[head]
+    bad = d != key_axis[k]
+    # A key's chunks are usually stored in order already; sort only when they are not.
+    if np.any(~head[1:] & (lo[1:] < lo[:-1])):
+        order = np.lexsort((lo, k))
+        k, lo, hi, bad = k[order], lo[order], hi[order], bad[order]
+    tail = np.ones(len(rows), bool)
+    tail[:-1] = head[1:]
+    bad |= head & (lo != 0)
+    bad[1:] |= ~head[1:] & (lo[1:] != hi[:-1])
+    bad |= tail & (hi != cols.key_shape[shape_first[k] + key_axis[k]])
+    return np.bincount(k[bad], minlength=nkeys) == 0
