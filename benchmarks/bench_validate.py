@@ -9,7 +9,8 @@ dim-0 by ``--saved-ranks`` ranks, a file per rank). Timed, median and min-max ov
 - ``decode_manifest`` and ``read_manifest`` (decode + validation) of its JSON in a
   temporary directory; their difference is what validating a read costs;
 - ``ChunkColumns.from_manifest`` (the column build the validation runs on), with its
-  peak memory (``tracemalloc``, which counts numpy's buffers too).
+  peak memory and that of ``find_manifest_problems`` (``tracemalloc``, which counts
+  numpy's buffers too).
 
     .venv/bin/python -m benchmarks.bench_validate --saved-ranks 1024 --tensors 2000 --out bench_out
 
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     assert step("find_manifest_problems", lambda: find_manifest_problems(manifest)) == []
+    results["find_manifest_problems_memory"] = peak_memory(lambda: find_manifest_problems(manifest))
+    print(f"[validate] find_manifest_problems memory: {results['find_manifest_problems_memory']}", flush=True)
     if ChunkColumns is not None:
         step("columns", lambda: ChunkColumns.from_manifest(manifest))
         results["columns_memory"] = peak_memory(lambda: ChunkColumns.from_manifest(manifest))

@@ -40,7 +40,8 @@ class ChunkColumns:
     num_checksums: np.ndarray
     #: Per chunk: number of dims of its box.
     ndim: np.ndarray
-    #: Every chunk's box offsets and sizes back to back, ``ndim`` values each (row ``i`` at ``flat_first[i]``).
+    #: Every chunk's box offsets and sizes back to back, ``ndim`` values each (row ``i`` at
+    #: ``flat_first[i]``); never negative, as in a ``Box`` (a reader of a stored table checks it).
     offsets: np.ndarray
     sizes: np.ndarray
 
@@ -125,16 +126,23 @@ class ChunkColumns:
         hi = lo + int(self.ndim[row])
         return self.offsets[lo:hi].tolist(), self.sizes[lo:hi].tolist()
 
+    def boxes_with_ndim(self, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows whose box has ``d`` dims, and their offsets and sizes as (rows, d) arrays."""
+        rows = np.flatnonzero(self.ndim == d)
+        if len(rows) == self.num_chunks:  # every box has d dims: views, no copy
+            return rows, self.offsets.reshape(len(rows), d), self.sizes.reshape(len(rows), d)
+        at = self.flat_first[rows][:, None] + np.arange(d)
+        return rows, self.offsets[at], self.sizes[at]
+
     def volumes(self) -> tuple[np.ndarray, np.ndarray]:
         """Per chunk: element count (int64; wraps past 2**63) and the same in float64 (never wraps)."""
-        has_dims = self.ndim > 0
-        at = self.flat_first[has_dims]
         volume = np.ones(self.num_chunks, np.int64)
         approx = np.ones(self.num_chunks, np.float64)
-        if len(at):
-            # Boxes of 0 dims hold no flat values, so the segments of the others are back to back.
-            volume[has_dims] = np.multiply.reduceat(self.sizes, at)
-            approx[has_dims] = np.multiply.reduceat(self.sizes.astype(np.float64), at)
+        for d in np.flatnonzero(np.bincount(self.ndim)).tolist():
+            if d:
+                rows, _, sizes = self.boxes_with_ndim(d)
+                volume[rows] = sizes.prod(axis=1)
+                approx[rows] = sizes.prod(axis=1, dtype=np.float64)
         return volume, approx
 
 

@@ -142,16 +142,22 @@ def _file_sizes(m: Manifest, files: Sequence[str]) -> np.ndarray:
 
 def _suspect_chunks(cols: ChunkColumns, file_size: np.ndarray, block_size: int) -> np.ndarray:
     """Per chunk: might a check fail on it? (Exact where False.)"""
-    volume, approx = cols.volumes()
-    isz = cols.key_itemsize[cols.key]
-    bo, bl = cols.byte_offset, cols.byte_length
     if not 0 < block_size < _SAFE:
         return np.ones(cols.num_chunks, bool)
+    bo, bl = cols.byte_offset, cols.byte_length
+    isz = cols.key_itemsize[cols.key]
+    volume, approx = cols.volumes()
     # Past _SAFE the int64 sums and products below could wrap: Python ints decide those chunks.
-    suspect = (approx * isz >= _SAFE) | (bo <= -_SAFE) | (bo >= _SAFE) | (bl <= -_SAFE) | (bl >= _SAFE)
-    suspect |= bo < 0
-    suspect |= bl != volume * isz
-    suspect |= bo + bl > file_size[cols.file]
+    approx *= isz
+    suspect = approx >= _SAFE
+    del approx
+    suspect |= (bo < 0) | (bo >= _SAFE) | (bl <= -_SAFE) | (bl >= _SAFE)
+    volume *= isz
+    suspect |= bl != volume
+    del volume, isz
+    end = bo + bl
+    suspect |= end > file_size[cols.file]
+    del end
     suspect |= cols.num_checksums != -(-bl // block_size)
     return suspect
 
@@ -160,45 +166,63 @@ def _tiled_keys(cols: ChunkColumns) -> np.ndarray:
     """Per key: do its non-empty chunks certainly tile its shape exactly once? (False: not sure.)"""
     n, nkeys = cols.num_chunks, len(cols.keys)
     key, key_ndim = cols.key, cols.key_ndim
+    shape_first = np.cumsum(key_ndim) - key_ndim
+    # Per chunk: non-empty (an empty one covers nothing wherever it lies, as in find_coverage_problem),
+    # odd (its ndim is not its tensor's, or a number is negative), its number of partial dims (dims
+    # it covers only part of), and for a chunk with one that dim and the range it covers along it.
+    nonempty = np.ones(n, bool)
+    odd = np.zeros(n, bool)
+    num_partial = np.zeros(n, np.int16)
+    axis = np.zeros(n, np.int16)
+    lo = np.zeros(n, np.int64)
+    hi = np.zeros(n, np.int64)
+    for d in np.flatnonzero(np.bincount(cols.ndim)).tolist():
+        rows, offsets, sizes = cols.boxes_with_ndim(d)
+        nonempty[rows] = sizes.all(axis=1)
+        k = key[rows]
+        odd[rows] = (key_ndim[k] != d) | (offsets < 0).any(axis=1) | (sizes < 0).any(axis=1)
+        if d == 0:
+            continue
+        if not np.all(key_ndim[k] == d):
+            fits = np.flatnonzero(key_ndim[k] == d)
+            rows, offsets, sizes, k = rows[fits], offsets[fits], sizes[fits], k[fits]
+        # The shape of each key of d dims (zeros for the others), and one dim at a time.
+        key_shape = np.zeros((nkeys, d), np.int64)
+        of_d = np.flatnonzero(key_ndim == d)
+        key_shape[of_d] = cols.key_shape[shape_first[of_d][:, None] + np.arange(d)]
+        count = np.zeros(len(rows), np.int16)
+        for j in range(d):
+            partial = (offsets[:, j] != 0) | (sizes[:, j] != key_shape[k, j])
+            count += partial
+            # The partial dim of a chunk with one (one with more is not a slab: undecided).
+            hit = np.flatnonzero(partial)
+            at = rows[hit]
+            axis[at] = j
+            lo[at] = offsets[hit, j]
+            hi[at] = lo[at] + sizes[hit, j]  # a wrap (past 2**63) passes no check below
+        num_partial[rows] = count
 
     def per_key(mask: np.ndarray) -> np.ndarray:
         return np.bincount(key[mask], minlength=nkeys)
 
-    elem_chunk = np.repeat(np.arange(n), cols.ndim)
-    elem_dim = np.arange(len(cols.sizes)) - cols.flat_first[elem_chunk]
-    # An empty chunk covers nothing wherever it lies (find_coverage_problem ignores it too).
-    nonempty = np.bincount(elem_chunk[cols.sizes == 0], minlength=n) == 0
-    negative = np.bincount(elem_chunk[(cols.offsets < 0) | (cols.sizes < 0)], minlength=n) > 0
-    ndim_ok = cols.ndim == key_ndim[key]
-    shape_first = np.cumsum(key_ndim) - key_ndim
-    # Per dim of each chunk of the tensor's rank: does the chunk cover only part of the dim?
-    e = np.flatnonzero(ndim_ok[elem_chunk])
-    chunk_of, dim_of = elem_chunk[e], elem_dim[e]
-    extent = cols.key_shape[shape_first[key[chunk_of]] + dim_of]
-    part = (cols.offsets[e] != 0) | (cols.sizes[e] != extent)
-    num_partial = np.bincount(chunk_of[part], minlength=n)
-    axis = np.zeros(n, np.int64)
-    axis[chunk_of[part]] = dim_of[part]  # the partial dim of a chunk with exactly one
-
-    unsure = per_key(nonempty & (~ndim_ok | negative | (num_partial > 1))) > 0
+    unsure = per_key(nonempty & (odd | (num_partial > 1))) > 0
     count = per_key(nonempty)
-    whole = per_key(nonempty & ndim_ok & (num_partial == 0))
-    slabs = nonempty & ndim_ok & (num_partial == 1)
+    whole = per_key(nonempty & ~odd & (num_partial == 0))
     key_of_dim = np.repeat(np.arange(nkeys), key_ndim)
     empty_key = np.bincount(key_of_dim[cols.key_shape == 0], minlength=nkeys) > 0
     tiled = ((whole == 1) & (count == 1)) | ((count == 0) & empty_key)
-    tiled |= (whole == 0) & (count > 0) & _slabs_tile(cols, slabs, axis, shape_first)
+    slabs = np.flatnonzero(nonempty & ~odd & (num_partial == 1))
+    tiled |= (whole == 0) & (count > 0) & _slabs_tile(cols, key[slabs], axis[slabs], lo[slabs], hi[slabs], shape_first)
     return tiled & ~unsure
 
 
-def _slabs_tile(cols: ChunkColumns, slabs: np.ndarray, axis: np.ndarray, shape_first: np.ndarray) -> np.ndarray:
-    """Per key: are its ``slabs`` all along one dim, and contiguous from 0 to that dim's end?"""
+def _slabs_tile(
+    cols: ChunkColumns, k: np.ndarray, d: np.ndarray, lo: np.ndarray, hi: np.ndarray, shape_first: np.ndarray
+) -> np.ndarray:
+    """Per key: are its slabs (key ``k``, along dim ``d``, covering ``[lo, hi)``; in key order) all
+    along one dim, and contiguous from 0 to that dim's end?"""
     nkeys = len(cols.keys)
-    rows = np.flatnonzero(slabs)
-    k, d = cols.key[rows], axis[rows]
-    lo = cols.offsets[cols.flat_first[rows] + d]
-    hi = lo + cols.sizes[cols.flat_first[rows] + d]  # no wrap can pass the checks: lo, sizes < 2**63
-    head = np.ones(len(rows), bool)
+    head = np.ones(len(k), bool)
     head[1:] = k[1:] != k[:-1]
     key_axis = np.zeros(nkeys, np.int64)
     key_axis[k[head]] = d[head]
@@ -207,7 +231,7 @@ def _slabs_tile(cols: ChunkColumns, slabs: np.ndarray, axis: np.ndarray, shape_f
     if np.any(~head[1:] & (lo[1:] < lo[:-1])):
         order = np.lexsort((lo, k))
         k, lo, hi, bad = k[order], lo[order], hi[order], bad[order]
-    tail = np.ones(len(rows), bool)
+    tail = np.ones(len(k), bool)
     tail[:-1] = head[1:]
     bad |= head & (lo != 0)
     bad[1:] |= ~head[1:] & (lo[1:] != hi[:-1])

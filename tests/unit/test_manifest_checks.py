@@ -229,6 +229,12 @@ def test_numbers_that_could_wrap_int64_are_checked_exactly(columns_only):
     assert len(problems) == 4 and "elements x 8 bytes" in problems[1]
 
 
+def test_a_block_size_past_int64_arithmetic_checks_every_chunk_exactly(columns_only):
+    w = [*slabs((6, 4), [3])[:1], {"box": B((3, 0), (3, 4)), "checksums": ()}]
+    m = build({"w": ("float32", (6, 4), w)}, block_size=2**62)
+    assert same_as_reference(m) == ["key 'w' chunk [3, 0] in file 'b.arrow': 0 checksums for 1 blocks"]
+
+
 # ---------------------------------------------------------------------------
 # Random small manifests: the same problems, in the same order, as the reference
 
