@@ -7,7 +7,8 @@ dim-0 by ``--saved-ranks`` ranks, a file per rank). Timed, median and min-max ov
 - ``find_manifest_problems`` on the in-memory manifest (no problem to report);
 - ``create_manifest`` from every rank's ``WrittenShard`` (builds and validates);
 - ``decode_manifest`` and ``read_manifest`` (decode + validation) of its JSON in a
-  temporary directory; their difference is what validating a read costs;
+  temporary directory, and ``find_manifest_problems`` alone on the decoded manifest
+  (what validating a read costs, without decode's noise);
 - ``ChunkColumns.from_manifest`` (the column build the validation runs on), with its
   peak memory and that of ``find_manifest_problems`` (``tracemalloc``, which counts
   numpy's buffers too).
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ckdir = CheckpointDir.resolve(tmp)
         step("decode_manifest", lambda: decode_manifest(ckdir.read_bytes("manifest.json")))
         step("read_manifest", lambda: read_manifest(ckdir))
+        decoded = decode_manifest(ckdir.read_bytes("manifest.json"))
+        step("find_manifest_problems_decoded", lambda: find_manifest_problems(decoded))
     return results
 
 
