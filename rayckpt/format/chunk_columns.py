@@ -46,13 +46,15 @@ class ChunkColumns:
     sizes: np.ndarray
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest) -> ChunkColumns:
-        """One pass over the chunks per column, at C speed (``np.fromiter`` over ``attrgetter``).
+    def from_manifest(cls, manifest: Manifest, keys: Sequence[str] | None = None) -> ChunkColumns:
+        """The columns of ``keys`` (tensor keys; default: all of them, in manifest order).
 
-        Raises ``OverflowError`` when a value does not fit in int64 (possible only
-        in a manifest built in memory: decoding refuses such values).
+        One pass over the chunks per column, at C speed (``np.fromiter`` over
+        ``attrgetter``). Raises ``OverflowError`` when a value does not fit in int64
+        (possible only in a manifest built in memory: decoding refuses such values).
         """
-        keys = [k for k, e in manifest.entries.items() if isinstance(e, TensorEntry)]
+        if keys is None:
+            keys = [k for k, e in manifest.entries.items() if isinstance(e, TensorEntry)]
         entries: list[TensorEntry] = [manifest.entries[k] for k in keys]  # type: ignore[misc]
         counts = np.fromiter(map(len, map(attrgetter("chunks"), entries)), np.int64, len(entries))
         n = int(counts.sum())
@@ -90,6 +92,27 @@ class ChunkColumns:
     @property
     def num_chunks(self) -> int:
         return len(self.file)
+
+    def select(self, start: int, stop: int) -> ChunkColumns:
+        """The columns of keys ``start`` to ``stop`` (their rows are contiguous: views, no copy)."""
+        lo = int(self.first[start]) if start < len(self.keys) else self.num_chunks
+        hi = lo + int(self.counts[start:stop].sum())
+        flo = int(self.flat_first[lo]) if lo < self.num_chunks else len(self.offsets)
+        fhi = flo + int(self.ndim[lo:hi].sum())
+        return ChunkColumns(
+            keys=self.keys[start:stop],
+            dtypes=self.dtypes[start:stop],
+            shapes=self.shapes[start:stop],
+            counts=self.counts[start:stop],
+            files=self.files,
+            file=self.file[lo:hi],
+            byte_offset=self.byte_offset[lo:hi],
+            byte_length=self.byte_length[lo:hi],
+            num_checksums=self.num_checksums[lo:hi],
+            ndim=self.ndim[lo:hi],
+            offsets=self.offsets[flo:fhi],
+            sizes=self.sizes[flo:fhi],
+        )
 
     @cached_property
     def key(self) -> np.ndarray:

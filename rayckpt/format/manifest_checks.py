@@ -34,13 +34,46 @@ def find_manifest_problems(m: Manifest, columns: ChunkColumns | None = None) -> 
 
     The problems in manifest key order, and within a key in chunk order, its
     coverage last. ``columns``: the manifest's chunk columns, when the caller has
-    them (else built here).
+    them (else built here, a batch of keys at a time, so that the memory the
+    checks take stays bounded however large the manifest).
     """
-    try:
-        cols = ChunkColumns.from_manifest(m) if columns is None else columns
-        file_size = _file_sizes(m, cols.files)
-    except OverflowError:  # only a manifest built in memory holds numbers past int64
-        return _object_problems(m)
+    if columns is None:
+        keys = [k for k, e in m.entries.items() if isinstance(e, TensorEntry)]
+        counts = [len(m.entries[k].chunks) for k in keys]  # type: ignore[union-attr]
+    else:
+        keys, counts = list(columns.keys), columns.counts.tolist()
+    problems: list[str] = []
+    for start, stop in _batches(counts, BATCH_CHUNKS):
+        try:
+            cols = ChunkColumns.from_manifest(m, keys[start:stop]) if columns is None else columns.select(start, stop)
+            file_size = _file_sizes(m, cols.files)
+        except OverflowError:  # only a manifest built in memory holds numbers past int64
+            problems += _object_problems(m, keys[start:stop])
+            continue
+        problems += _column_problems(m, cols, file_size)
+    return problems
+
+
+#: Chunks checked at once: bounds the memory of the checks (~200 bytes a chunk) for any manifest size.
+BATCH_CHUNKS = 1 << 18
+
+
+def _batches(counts: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive key ranges of at most ``limit`` chunks each (a larger key alone)."""
+    out = []
+    start, total = 0, 0
+    for i, n in enumerate(counts):
+        if total + n > limit and i > start:
+            out.append((start, i))
+            start, total = i, 0
+        total += n
+    if start < len(counts):
+        out.append((start, len(counts)))
+    return out
+
+
+def _column_problems(m: Manifest, cols: ChunkColumns, file_size: np.ndarray) -> list[str]:
+    """The problems of the keys of ``cols``: screened on the columns, written for what fails."""
     suspect = _suspect_chunks(cols, file_size, m.block_size)
     unsure = ~_tiled_keys(cols)
     known = cols.key_itemsize > 0
@@ -104,13 +137,12 @@ def _chunk_problems(
     return out
 
 
-def _object_problems(m: Manifest) -> list[str]:
-    """The same checks on the ``ChunkEntry`` objects, one by one."""
+def _object_problems(m: Manifest, keys: Sequence[str]) -> list[str]:
+    """The same checks on the ``ChunkEntry`` objects of tensor ``keys``, one by one."""
     problems: list[str] = []
     sizes = {f.path: f.size for f in m.files}
-    for key, e in m.entries.items():
-        if not isinstance(e, TensorEntry):
-            continue
+    for key in keys:
+        e = m.tensor(key)
         if e.dtype not in DTYPES:
             problems.append(f"key {key!r}: unknown dtype {e.dtype!r}")
             continue

@@ -86,9 +86,25 @@ def build(tensors: dict, block_size: int = BLOCK, sizes: dict | None = None, val
 
 
 def same_as_reference(m: Manifest) -> list[str]:
-    got = find_manifest_problems(m)
-    assert got == reference_problems(m)
-    return got
+    """The problems of ``m``, checked equal to the reference's: in one batch, in batches of 2 chunks
+    (keys split over batches, a larger key alone), and from given columns (sliced per batch)."""
+    want = reference_problems(m)
+    assert find_manifest_problems(m) == want
+    try:
+        cols = ChunkColumns.from_manifest(m)
+    except OverflowError:
+        cols = None
+    saved = manifest_checks.BATCH_CHUNKS
+    manifest_checks.BATCH_CHUNKS = 2
+    try:
+        assert find_manifest_problems(m) == want
+        if cols is not None:
+            assert find_manifest_problems(m, cols) == want
+    finally:
+        manifest_checks.BATCH_CHUNKS = saved
+    if cols is not None:
+        assert find_manifest_problems(m, cols) == want
+    return want
 
 
 @pytest.fixture
@@ -96,7 +112,7 @@ def columns_only(monkeypatch):
     """Fail if a check falls back to the ChunkEntry objects; count the per-key coverage fallbacks."""
     calls = []
 
-    def no_objects(m):  # pragma: no cover - a failure
+    def no_objects(*args):  # pragma: no cover - a failure
         raise AssertionError("the object path ran")
 
     def counted(shape, boxes):
@@ -202,6 +218,8 @@ def test_coverage_problems_go_to_the_fallback_in_key_order(columns_only):
         "key 'mixed axes': chunks offsets=[0, 0] sizes=[1, 2] and offsets=[0, 1] sizes=[2, 1] overlap",
     ]
     # Only the keys the screen could not decide went to find_coverage_problem: never "good".
+    columns_only.clear()
+    find_manifest_problems(m)
     assert (6,) not in columns_only and len(columns_only) == 11
 
 
@@ -227,6 +245,12 @@ def test_numbers_that_could_wrap_int64_are_checked_exactly(columns_only):
     )
     problems = same_as_reference(m)
     assert len(problems) == 4 and "elements x 8 bytes" in problems[1]
+
+
+def test_batches_of_keys_hold_at_most_the_limit_a_larger_key_alone():
+    assert manifest_checks._batches([3, 0, 1, 5, 1], 4) == [(0, 3), (3, 4), (4, 5)]
+    assert manifest_checks._batches([1, 1, 1], 4) == [(0, 3)]
+    assert manifest_checks._batches([], 4) == []
 
 
 def test_a_block_size_past_int64_arithmetic_checks_every_chunk_exactly(columns_only):
