@@ -46,11 +46,9 @@ def find_manifest_problems(m: Manifest, columns: ChunkColumns | None = None) -> 
     for start, stop in _batches(counts, BATCH_CHUNKS):
         try:
             cols = ChunkColumns.from_manifest(m, keys[start:stop]) if columns is None else columns.select(start, stop)
-            file_size = _file_sizes(m, cols.files)
-        except OverflowError:  # only a manifest built in memory holds numbers past int64
+            problems += _column_problems(m, cols, _file_sizes(m, cols.files))
+        except OverflowError:  # a number past int64 (in a shape, a chunk, a file size): only built in memory
             problems += _object_problems(m, keys[start:stop])
-            continue
-        problems += _column_problems(m, cols, file_size)
     return problems
 
 

@@ -230,6 +230,8 @@ def test_numbers_past_int64_take_the_object_path_with_the_same_text():
     assert same_as_reference(m) == [
         f"key 'w' chunk [0] in file 'a.arrow': bytes [{2**63}, {2**63 + 16}) lie past the file's recorded size 0"
     ]
+    huge = build({"w": ("float32", (4,), [B((0,), (4,))]), "v": ("float32", (2**64,), [])})
+    assert same_as_reference(huge) == [f"key 'v': chunks cover 0 of {2**64} elements: a gap"]
 
 
 def test_numbers_that_could_wrap_int64_are_checked_exactly(columns_only):
