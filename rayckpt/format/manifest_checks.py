@@ -217,12 +217,12 @@ def _tiled_keys(cols: ChunkColumns) -> np.ndarray:
             fits = np.flatnonzero(key_ndim[k] == d)
             rows, offsets, sizes, k = rows[fits], offsets[fits], sizes[fits], k[fits]
         # The shape of each key of d dims (zeros for the others), and one dim at a time.
-        key_shape = np.zeros((nkeys, d), np.int64)
+        shape = np.zeros((nkeys, d), np.int64)
         of_d = np.flatnonzero(key_ndim == d)
-        key_shape[of_d] = cols.key_shape[shape_first[of_d][:, None] + np.arange(d)]
+        shape[of_d] = cols.key_shape[shape_first[of_d][:, None] + np.arange(d)]
         count = np.zeros(len(rows), np.int16)
         for j in range(d):
-            partial = (offsets[:, j] != 0) | (sizes[:, j] != key_shape[k, j])
+            partial = (offsets[:, j] != 0) | (sizes[:, j] != shape[k, j])
             count += partial
             # The partial dim of a chunk with one (one with more is not a slab: undecided).
             hit = np.flatnonzero(partial)
