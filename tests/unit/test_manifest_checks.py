@@ -7,6 +7,8 @@ be the same, on hand-picked cases and on random small manifests.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -414,3 +416,11 @@ def test_create_and_read_report_problems_in_order_capped_at_20(tmp_path):
         read_manifest(ckdir)
     where = f"{tmp_path}/manifest.json"
     assert str(info.value) == f"{where}: inconsistent manifest (30 problem(s)):\n  " + "\n  ".join(expected[:20])
+    assert gc.isenabled()  # paused through decoding and validation, then back
+    gc.disable()
+    try:
+        assert read_manifest(CheckpointDir.resolve(str(tmp_path / "none"))) is None
+    except Exception:  # noqa: BLE001 - no manifest there: any error, the collector stays as it was
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
