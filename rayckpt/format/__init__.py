@@ -1,8 +1,9 @@
 """The checkpoint format: box math, the manifest, and Arrow IPC shard files.
 
 Owns what is on storage and what it means: ``boxes`` (n-d index boxes: intersect,
-split, coverage), ``manifest`` (the dataclasses, their JSON encoding and
-validation), ``values`` (plain values as tagged JSON), ``paths`` (where each key
+split, coverage), ``manifest`` (the dataclasses and their JSON encoding),
+``chunk_columns`` (a manifest's chunks as numpy columns), ``manifest_checks``
+(its validation, on those columns), ``values`` (plain values as tagged JSON), ``paths`` (where each key
 sits in the nested state dict) and ``shard_file`` (writing chunks into Arrow IPC
 files with block checksums; ranged, verified reads). May import the standard
 library, numpy, pyarrow and xxhash, and ``rayckpt.errors``; nothing else of

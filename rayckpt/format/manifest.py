@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, FormatVersionError, InvalidStateError
-from .boxes import Box, find_coverage_problem
+from .boxes import Box
 from .manifest_schema import (
     CHECKSUM_LIMIT,
     INT_LIMIT,
@@ -377,37 +377,6 @@ def _safe_path(path: Any, at: str) -> str:
     if path.startswith(("/", "\\")) or "\\" in path or ":" in path or norm == ".." or norm.startswith("../"):
         raise SchemaError(at, f"file path {path!r} escapes the checkpoint directory; refusing to read it")
     return norm
-
-
-def find_manifest_problems(m: Manifest) -> list[str]:
-    """Structural checks: dtypes, chunk sizes, coverage, checksum counts. Pure."""
-    problems: list[str] = []
-    sizes = {f.path: f.size for f in m.files}
-    for key, e in m.entries.items():
-        if not isinstance(e, TensorEntry):
-            continue
-        if e.dtype not in DTYPES:
-            problems.append(f"key {key!r}: unknown dtype {e.dtype!r}")
-            continue
-        isz = DTYPES[e.dtype][0]
-        for c in e.chunks:
-            where = f"key {key!r} chunk {list(c.box.offsets)} in file {c.file!r}"
-            if c.byte_offset < 0:
-                problems.append(f"{where}: negative byte_offset {c.byte_offset}")
-            if c.byte_length != c.box.volume * isz:
-                problems.append(f"{where}: byte_length {c.byte_length} != {c.box.volume} elements x {isz} bytes")
-            if c.byte_offset + c.byte_length > sizes.get(c.file, 0):
-                problems.append(
-                    f"{where}: bytes [{c.byte_offset}, {c.byte_offset + c.byte_length}) lie past the "
-                    f"file's recorded size {sizes.get(c.file, 0)}"
-                )
-            want = -(-c.byte_length // m.block_size) if c.byte_length else 0
-            if len(c.checksums) != want:
-                problems.append(f"{where}: {len(c.checksums)} checksums for {want} blocks")
-        problem = find_coverage_problem(e.shape, (c.box for c in e.chunks))
-        if problem:
-            problems.append(f"key {key!r}: {problem}")
-    return problems
 
 
 def manifest_values(manifest: Manifest, keys: Iterable[str]) -> dict[str, Any]:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
 
 import numpy as np
 
 from ..format.boxes import Box
-from ..format.manifest import DTYPES, ChunkEntry, Manifest, TensorEntry
+from ..format.chunk_columns import ChunkColumns
+from ..format.manifest import Manifest
 
 #: Key kinds. DIM0: the non-empty chunks are disjoint dim-0 slabs (whole trailing
 #: dims), planned vectorized. SCALAR: a 0-dim tensor, every rank reads every chunk.
@@ -29,7 +28,7 @@ SCALAR_BOX = Box((), ())
 class ChunkTable:
     """The tensor chunks of one manifest as numpy columns, rows sorted by (file, byte_offset).
 
-    Built once per manifest (``from_manifest`` walks every ``ChunkEntry``) and
+    Built once per manifest (``from_manifest``, from its ``ChunkColumns``) and
     reused for every plan of that manifest; the MetadataActor would cache it next
     to the manifest.
     """
@@ -68,30 +67,28 @@ class ChunkTable:
         return sum(getattr(self, f).nbytes for f in _COLUMNS)
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest) -> ChunkTable:
-        names = [k for k, e in manifest.entries.items() if isinstance(e, TensorEntry)]
-        entries: list[TensorEntry] = [manifest.entries[k] for k in names]  # type: ignore[misc]
-        counts = np.fromiter((len(e.chunks) for e in entries), np.int64, len(entries))
-        chunks = list(chain.from_iterable(e.chunks for e in entries))
-        key = np.repeat(np.arange(len(entries), dtype=np.int32), counts)
-        key_first = np.cumsum(counts) - counts
-        index = (np.arange(len(chunks)) - np.repeat(key_first, counts)).astype(np.int32)
-        kind, start, rows = _shape_columns(chunks, entries, key)
-        files, file, byte_offset, byte_length = _byte_columns(chunks)
-        del chunks
+    def from_manifest(cls, manifest: Manifest, columns: ChunkColumns | None = None) -> ChunkTable:
+        """The table of ``manifest``, from its chunk columns (built here unless given)."""
+        cols = ChunkColumns.from_manifest(manifest) if columns is None else columns
+        key = cols.key
+        key_first = cols.first
+        index = (np.arange(cols.num_chunks) - np.repeat(key_first, cols.counts)).astype(np.int32)
+        kind, start, rows = _shape_columns(cols)
+        files, file = _sorted_files(cols)
+        byte_offset, byte_length = cols.byte_offset, cols.byte_length
         # Rows in (file, byte_offset) order: a stable sort on the rank then puts each rank's items
         # in the order of its reads.
         order = np.lexsort((byte_offset, file))
         return cls(
             manifest=manifest,
-            keys=tuple(names),
+            keys=cols.keys,
             files=files,
             key_kind=kind,
-            key_rows=np.fromiter((e.shape[0] if e.shape else 1 for e in entries), np.int64, len(entries)),
+            key_rows=np.fromiter((s[0] if s else 1 for s in cols.shapes), np.int64, len(cols.shapes)),
             key_row_bytes=np.fromiter(
-                (math.prod(e.shape[1:]) * (DTYPES[e.dtype][0] if e.dtype in DTYPES else 0) for e in entries),
+                (math.prod(s[1:]) * int(isz) for s, isz in zip(cols.shapes, cols.key_itemsize)),
                 np.int64,
-                len(entries),
+                len(cols.shapes),
             ),
             key_first=key_first,
             key=key[order],
@@ -119,34 +116,24 @@ _COLUMNS = (
 )
 
 
-def _byte_columns(chunks: list[ChunkEntry]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
-    """Sorted file names, and per chunk: file id, byte offset, byte length."""
-    n = len(chunks)
-    # One C-level pass per attribute: 2M chunks take ~1 s this way, several in a Python loop.
-    names = list(map(attrgetter("file"), chunks))
-    files = tuple(sorted(set(names)))
-    ids = {f: i for i, f in enumerate(files)}
-    file = np.fromiter(map(ids.__getitem__, names), np.int32, n)
-    byte_offset = np.fromiter(map(attrgetter("byte_offset"), chunks), np.int64, n)
-    byte_length = np.fromiter(map(attrgetter("byte_length"), chunks), np.int64, n)
-    return files, file, byte_offset, byte_length
+def _sorted_files(cols: ChunkColumns) -> tuple[tuple[str, ...], np.ndarray]:
+    """The file names the chunks use, sorted, and each chunk's id among them."""
+    used = np.flatnonzero(np.bincount(cols.file, minlength=len(cols.files)))
+    names = [cols.files[i] for i in used.tolist()]
+    order = sorted(range(len(names)), key=names.__getitem__)
+    remap = np.zeros(len(cols.files), np.int32)
+    remap[used[order]] = np.arange(len(order), dtype=np.int32)
+    return tuple(names[i] for i in order), remap[cols.file]
 
 
-def _shape_columns(
-    chunks: list[ChunkEntry], entries: list[TensorEntry], key: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _shape_columns(cols: ChunkColumns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per key its kind; per chunk its first dim-0 row and dim-0 size."""
-    n, nkeys = len(chunks), len(entries)
-    boxes = list(map(attrgetter("box"), chunks))
-    sizes = list(map(attrgetter("sizes"), boxes))
-    ndim = np.fromiter(map(len, sizes), np.int64, n)
-    nflat = int(ndim.sum())
-    # Every chunk's offsets and sizes back to back; flat_chunk[i] is the chunk of element i.
-    flat_off = np.fromiter(chain.from_iterable(map(attrgetter("offsets"), boxes)), np.int64, nflat)
-    flat_size = np.fromiter(chain.from_iterable(sizes), np.int64, nflat)
-    del boxes, sizes
+    n, nkeys = cols.num_chunks, len(cols.keys)
+    key, ndim, flat_off, flat_size = cols.key, cols.ndim, cols.offsets, cols.sizes
+    nflat = len(flat_size)
+    # flat_chunk[i] is the chunk of flat element i.
     flat_chunk = np.repeat(np.arange(n), ndim)
-    flat_first = np.cumsum(ndim) - ndim
+    flat_first = cols.flat_first
     dim = np.arange(nflat) - flat_first[flat_chunk]
     has_dims = ndim > 0
     start = np.zeros(n, np.int64)
@@ -156,9 +143,9 @@ def _shape_columns(
     nonempty = np.bincount(flat_chunk[flat_size == 0], minlength=n) == 0
 
     # A dim-0 slab has offsets[1:] == 0 and sizes[1:] == shape[1:].
-    key_ndim = np.fromiter((len(e.shape) for e in entries), np.int64, nkeys)
+    key_ndim = cols.key_ndim
     ndim_ok = ndim == key_ndim[key]
-    shape_flat = np.fromiter(chain.from_iterable(e.shape for e in entries), np.int64, int(key_ndim.sum()))
+    shape_flat = cols.key_shape
     shape_first = np.cumsum(key_ndim) - key_ndim
     tail = np.flatnonzero(ndim_ok[flat_chunk] & (dim > 0))
     want = shape_flat[shape_first[key[flat_chunk[tail]]] + dim[tail]]

@@ -11,6 +11,7 @@ is undone by ``remove_failed_save``.
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 import uuid
@@ -28,8 +29,8 @@ from ..format.manifest import (
     ValueEntry,
     decode_manifest,
     encode_manifest,
-    find_manifest_problems,
 )
+from ..format.manifest_checks import find_manifest_problems
 from ..format.paths import Path
 from ..format.shard_file import WrittenChunk
 from .checkpoint_dir import CheckpointDir, join_location
@@ -181,10 +182,22 @@ def remove_failed_save(ckdir: CheckpointDir, save_id: str, paths: Sequence[str] 
 
 
 def read_manifest(ckdir: CheckpointDir) -> Manifest:
-    """Read and validate the committed manifest of ``ckdir``."""
+    """Read and validate the committed manifest of ``ckdir``.
+
+    The cyclic garbage collector stays paused through the validation too (as in
+    ``decode_manifest``): its first pass over the millions of new objects would
+    otherwise land there (0.7 s of 1.4 s at 1 M chunks).
+    """
     where = join_location(ckdir.location, MANIFEST_NAME)
-    manifest = decode_manifest(ckdir.read_bytes(MANIFEST_NAME), where=where)
-    problems = find_manifest_problems(manifest)
+    data = ckdir.read_bytes(MANIFEST_NAME)
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        manifest = decode_manifest(data, where=where)
+        problems = find_manifest_problems(manifest)
+    finally:
+        if paused:
+            gc.enable()
     if problems:
         shown = "\n  ".join(problems[:20])
         raise CorruptCheckpointError(f"{where}: inconsistent manifest ({len(problems)} problem(s)):\n  {shown}")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry, decode_manifest, find_manifest_problems
+from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry, decode_manifest
+from ..format.manifest_checks import find_manifest_problems
 from ..format.shard_file import ShardReader
 from ..storage.checkpoint_dir import CheckpointDir, join_location
 from .opening import Progress, resolve_checkpoint

@@ -12,9 +12,9 @@ from rayckpt.format.manifest import (
     Manifest,
     TensorEntry,
     ValueEntry,
-    find_manifest_problems,
     itemsize,
 )
+from rayckpt.format.manifest_checks import find_manifest_problems
 from rayckpt.format.values import encode_value
 
 #: Filler bytes at the start of every fake file (where an Arrow header would be).

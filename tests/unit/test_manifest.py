@@ -22,9 +22,9 @@ from rayckpt.format.manifest import (
     ValueEntry,
     decode_manifest,
     encode_manifest,
-    find_manifest_problems,
     itemsize,
 )
+from rayckpt.format.manifest_checks import find_manifest_problems
 from rayckpt.format.values import decode_value, encode_value
 
 
