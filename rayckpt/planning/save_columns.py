@@ -1,0 +1,202 @@
+"""Save planning on columns: which rank writes each distinct box, without a Python object per box.
+
+Each rank sends its shards as a ``ShardLayout`` (its tensor table once, its
+boxes as one numpy array); ``assign_writers`` (one rank, for all) sorts the
+(key, box, rank) rows once to find each box's holders and picks the writers
+as ``save_plan.create_save_plans`` always has: largest boxes first, each to its
+least-loaded holder, ties to the lower rank. Pure: numpy, no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidStateError
+from ..format.manifest import itemsize
+from .save_plan import MAX_CHUNK_BYTES, LocalShard, SavePlan, create_own_plan
+
+
+def create_save_plans(
+    shards_by_rank: Sequence[Sequence[LocalShard]], max_chunk_bytes: int = MAX_CHUNK_BYTES
+) -> list[SavePlan]:
+    """One plan per rank: each distinct (key, box) is written by exactly one holder.
+
+    Raises ``InvalidStateError`` when ranks disagree on a key's dtype or shape.
+    The work is ``assign_writers`` on the ranks' ``ShardLayout``s (columns), then
+    ``create_own_plan`` for each rank: what a save does across processes, here in one.
+    """
+    layouts = [ShardLayout.from_shards(shards) for shards in shards_by_rank]
+    written = assign_writers(layouts).written
+    return [create_own_plan(r, shards, written[r], max_chunk_bytes) for r, shards in enumerate(shards_by_rank)]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """One rank's shards as columns: what it sends to the planner (no Python object per shard).
+
+    ``table`` lists the (key, dtype, shape) the rank holds, in first-seen order,
+    as JSON; ranks with the same table (most: every FSDP rank holds every key)
+    are decoded once, found by ``table_hash``.
+    """
+
+    table: bytes
+    table_hash: bytes
+    #: Per shard: its entry in ``table``.
+    entry: np.ndarray
+    #: Per shard: its box's offsets then sizes, ``ndim`` columns each (``ndim``: the table's largest).
+    boxes: np.ndarray
+
+    @staticmethod
+    def from_shards(shards: Sequence[LocalShard]) -> ShardLayout:
+        entries: dict[tuple[str, str, tuple[int, ...]], int] = {}
+        index = [entries.setdefault((s.key, s.dtype, tuple(s.shape)), len(entries)) for s in shards]
+        ndim = max((len(e[2]) for e in entries), default=0)
+        ndim = max([ndim, *(s.box.ndim for s in shards)])
+        pad = [((0,) * (ndim - b.ndim), (1,) * (ndim - b.ndim)) for b in (s.box for s in shards)]
+        # Padded dims: offset 0, size 1 (the volume is unchanged).
+        rows = [(*s.box.offsets, *o, *s.box.sizes, *z) for s, (o, z) in zip(shards, pad)]
+        boxes = np.asarray(rows, dtype=np.int64).reshape(len(shards), 2 * ndim)
+        table = json.dumps([[k, d, list(shape)] for k, d, shape in entries], separators=(",", ":")).encode()
+        return ShardLayout(table, digest(table), np.asarray(index, dtype=np.int32), boxes)
+
+    @property
+    def ndim(self) -> int:
+        return self.boxes.shape[1] // 2
+
+    def digest(self) -> bytes:
+        """What identifies this layout (equal for equal shards, in order)."""
+        return digest(self.table_hash, self.entry.tobytes(), self.boxes.tobytes(), str(self.boxes.shape).encode())
+
+
+def digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """``assign_writers``'s answer: the tensors, and which of its shards each rank writes."""
+
+    #: Every key's (dtype, global shape), in the order ranks first report them.
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    #: Per rank: the indices of its shards it writes (ascending, into its ``ShardLayout``).
+    written: list[np.ndarray]
+
+
+def assign_writers(layouts: Sequence[ShardLayout]) -> Assignment:
+    """Pick one writer for each distinct (key, box): the least-loaded holder, largest boxes first.
+
+    On columns: rows (key, offsets, sizes, rank) are sorted once to find each
+    box's holders. When every box has one holder (FSDP's dim-0 shards) that is
+    the answer; otherwise the greedy balance loops over the replicated boxes
+    only, each holder's load from the single-holder boxes before it in the
+    greedy order coming from one cumulative sum.
+    """
+    tensors, entry_key, key_bytes = _tensors(layouts)
+    world = len(layouts)
+    ndim = max((lay.ndim for lay in layouts), default=0)
+    nrows = sum(len(lay.entry) for lay in layouts)
+    cols = np.empty((nrows, 2 * ndim + 3), dtype=np.int64)  # key id, offsets, sizes, rank, shard index
+    at = 0
+    for rank, lay in enumerate(layouts):
+        n, d = len(lay.entry), lay.ndim
+        part = cols[at : at + n]
+        part[:, 0] = entry_key[lay.table_hash][lay.entry]
+        part[:, 1 : 1 + ndim] = 0
+        part[:, 1 : 1 + d] = lay.boxes[:, :d]
+        part[:, 1 + ndim : 1 + 2 * ndim] = 1
+        part[:, 1 + ndim : 1 + ndim + d] = lay.boxes[:, d:]
+        part[:, -2] = rank
+        part[:, -1] = np.arange(n)
+        at += n
+    cols = cols[np.prod(cols[:, 1 + ndim : 1 + 2 * ndim], axis=1) > 0]  # empty boxes are not written
+    # Sort by (key, offsets, sizes, rank, shard): a box's holders are adjacent, ranks ascending.
+    cols = cols[np.lexsort(cols.T[::-1])]
+    box = cols[:, : 1 + 2 * ndim]
+    new_box = np.ones(len(cols), dtype=bool)
+    new_box[1:] = (box[1:] != box[:-1]).any(axis=1)
+    new_holder = new_box.copy()
+    new_holder[1:] |= cols[1:, -2] != cols[:-1, -2]
+    cols, new_box = cols[new_holder], new_box[new_holder]  # a rank holding a box twice holds it once
+    starts = np.flatnonzero(new_box)
+    if len(starts) == len(cols):  # every box has one holder: it writes it
+        writer_rows = cols
+    else:
+        writer_rows = cols[_balance(cols, starts, ndim, key_bytes, world)]
+    written: list[np.ndarray] = []
+    by_rank = writer_rows[np.lexsort((writer_rows[:, -1], writer_rows[:, -2]))]
+    bounds = np.searchsorted(by_rank[:, -2], np.arange(world + 1))
+    for rank in range(world):
+        written.append(by_rank[bounds[rank] : bounds[rank + 1], -1].astype(np.int64))
+    return Assignment(tensors, written)
+
+
+def _tensors(
+    layouts: Sequence[ShardLayout],
+) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[bytes, np.ndarray], np.ndarray]:
+    """Every key's dtype and shape (checked to agree); per table, its entries' key ids (keys in
+    sorted order); per key id, its item size in bytes."""
+    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    tables: dict[bytes, list[tuple[str, str, tuple[int, ...]]]] = {}
+    for rank, lay in enumerate(layouts):
+        if lay.table_hash in tables:
+            continue  # the same table as a lower rank's: checked there
+        entries = [(k, d, tuple(shape)) for k, d, shape in json.loads(lay.table)]
+        tables[lay.table_hash] = entries
+        for key, dtype, shape in entries:
+            seen = meta.setdefault(key, (dtype, shape, rank))
+            if seen[:2] != (dtype, shape):
+                raise InvalidStateError(
+                    f"key {key!r}: rank {seen[2]} has dtype {seen[0]} shape {list(seen[1])} but "
+                    f"rank {rank} has dtype {dtype} shape {list(shape)}; every rank must agree"
+                )
+    ids = {k: i for i, k in enumerate(sorted(meta))}  # key ids in key order: sorting ids sorts keys
+    entry_key = {h: np.asarray([ids[e[0]] for e in entries], dtype=np.int64) for h, entries in tables.items()}
+    key_bytes = np.asarray([itemsize(meta[k][0]) for k in sorted(meta)], dtype=np.int64)
+    return {k: (d, s) for k, (d, s, _) in meta.items()}, entry_key, key_bytes
+
+
+def _balance(cols: np.ndarray, starts: np.ndarray, ndim: int, key_bytes: np.ndarray, world: int) -> np.ndarray:
+    """The greedy balance: for each box (rows ``starts[g]`` on, one per holder), the row of its writer.
+
+    Boxes go largest first (then by key, offsets), each to its least-loaded
+    holder (then the lowest rank). Only replicated boxes need the loop.
+    """
+    nboxes = len(starts)
+    first = cols[starts]
+    nbytes = np.prod(first[:, 1 + ndim : 1 + 2 * ndim], axis=1) * key_bytes[first[:, 0]]
+    # Greedy order: bytes descending, then key, then offsets (the first key of lexsort is the last).
+    order = np.lexsort((*first[:, ndim:0:-1].T, first[:, 0], -nbytes))
+    pos = np.empty(nboxes, dtype=np.int64)
+    pos[order] = np.arange(nboxes)
+    counts = np.diff(np.append(starts, len(cols)))
+    box_of_row = np.repeat(np.arange(nboxes), counts)
+    rank = cols[:, -2]
+    single = counts == 1
+    # Load from single-holder boxes: for a (box, holder) row, the bytes of the holder's
+    # single-holder boxes that come before this box in the greedy order.
+    s_key = rank[starts[single]] * nboxes + pos[single]
+    s_order = np.argsort(s_key)
+    s_key, s_cum = s_key[s_order], np.concatenate(([0], np.cumsum(nbytes[single][s_order])))
+    multi_rows = np.flatnonzero(~single[box_of_row])
+    query = rank[multi_rows] * nboxes + pos[box_of_row[multi_rows]]
+    before = s_cum[np.searchsorted(s_key, query)] - s_cum[np.searchsorted(s_key, rank[multi_rows] * nboxes)]
+    writer = starts.copy()  # single-holder boxes: their one row
+    load = [0] * world
+    pre = dict(zip(multi_rows.tolist(), before.tolist()))
+    row_rank = rank.tolist()
+    start_list, count_list, bytes_list = starts.tolist(), counts.tolist(), nbytes.tolist()
+    for g in order[~single[order]].tolist():
+        s = start_list[g]
+        best = min(range(s, s + count_list[g]), key=lambda r: (pre[r] + load[row_rank[r]], row_rank[r]))
+        load[row_rank[best]] += bytes_list[g]
+        writer[g] = best
+    return writer
