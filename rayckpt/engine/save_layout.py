@@ -83,13 +83,21 @@ def clear_plan_cache() -> None:
 
 
 def _group_key(coord: Coordinator) -> tuple[Any, ...]:
-    """Which process group ``coord`` runs on (its identity, size and this rank)."""
-    group: Any = type(coord).__qualname__
+    """Which process group ``coord`` runs on, its size and this rank.
+
+    A ``ProcessGroupCoordinator``'s group; another coordinator's ``group``
+    attribute; else its type (``LocalCoordinator``: a world of one). An id reused
+    by a later group cannot mislead: a cached plan serves only the layouts it
+    was made for.
+    """
     if isinstance(coord, ProcessGroupCoordinator):
         import torch.distributed as dist
 
-        group = id(coord._group if coord._group is not None else dist.distributed_c10d._get_default_group())
-    return (group, coord.world_size, coord.rank)
+        group = coord._group if coord._group is not None else dist.distributed_c10d._get_default_group()
+    else:
+        group = getattr(coord, "group", None)
+    ident = id(group) if group is not None else type(coord).__qualname__
+    return (ident, coord.world_size, coord.rank)
 
 
 @dataclass(frozen=True, slots=True)
