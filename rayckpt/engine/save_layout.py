@@ -22,6 +22,7 @@ save to one location serves saves to any other.
 from __future__ import annotations
 
 import pickle
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,7 @@ class RankLayout:
     """What one rank sends to the planner when the plans are not cached."""
 
     shards: ShardLayout
-    #: pickle of (plain value keys, paths), decoded on rank 0 once per distinct ``names_hash``.
+    #: Compressed pickle of (plain value keys, paths), decoded on rank 0 once per distinct ``names_hash``.
     names: bytes
     names_hash: bytes
 
@@ -59,7 +60,7 @@ def rank_layout(flat: FlatState, shards: Sequence[LocalShard]) -> RankLayout:
     value_keys = tuple(flat.values)
     # repr, not pickle, identifies the names: a pickle's bytes depend on which equal strings are one object.
     names_hash = digest(repr((value_keys, tuple(flat.paths.items()))).encode())
-    names = pickle.dumps((value_keys, flat.paths), protocol=pickle.HIGHEST_PROTOCOL)
+    names = zlib.compress(pickle.dumps((value_keys, flat.paths), protocol=pickle.HIGHEST_PROTOCOL), 1)
     return RankLayout(ShardLayout.from_shards(shards), names, names_hash)
 
 
@@ -172,19 +173,31 @@ def agree_on_plan(
         values = _merge_values(root["values"], cached.tensors) if coord.rank == 0 else {}
         return AgreedPlan(save_id, previous, cached.plan, nodes, cached.tensors, values, cached.paths, True, flat)
 
-    def plan(layouts: list[RankLayout]) -> list[tuple[bytes, np.ndarray]]:
+    def plan(layouts: list[RankLayout]) -> list[tuple[bytes, bytes]]:
         assignment = assign_writers([lay.shards for lay in layouts])
         root.update(tensors=assignment.tensors, paths=_merge_paths(layouts))
         root["merged"] = _merge_values(root["values"], assignment.tensors)
-        return [(root["layouts"], written) for written in assignment.written]
+        # Each rank's part: which of its shards it writes, one bit per shard.
+        return [
+            (root["layouts"], _bits(written, len(lay.shards.entry)))
+            for written, lay in zip(assignment.written, layouts, strict=True)
+        ]
 
     phase = "save (planning)"
     layouts, written = plan_at_root(coord, phase, lambda: local["layout"], plan, SaveFailedError, PeerLostError)
-    own = create_own_plan(coord.rank, local["shards"], written.tolist(), save_plan.MAX_CHUNK_BYTES)
+    shards = local["shards"]
+    mine = np.flatnonzero(np.unpackbits(np.frombuffer(written, dtype=np.uint8), count=len(shards)))
+    own = create_own_plan(coord.rank, shards, mine.tolist(), save_plan.MAX_CHUNK_BYTES)
     tensors, paths = root.get("tensors", {}), root.get("paths", {})
     _CACHE[key] = CachedPlan(layouts, own, tensors, paths)
     PLAN_STATS["planned"] += 1
     return AgreedPlan(save_id, previous, own, nodes, tensors, root.get("merged", {}), paths, False, flat)
+
+
+def _bits(indices: np.ndarray, n: int) -> bytes:
+    mask = np.zeros(n, dtype=bool)
+    mask[indices] = True
+    return np.packbits(mask).tobytes()
 
 
 def _merge_values(per_rank: Sequence[dict[str, Any]], tensors: dict[str, Any]) -> dict[str, Any]:
@@ -204,7 +217,7 @@ def _merge_paths(layouts: Sequence[RankLayout]) -> dict[str, Path]:
     decoded: dict[bytes, dict[str, Path]] = {}
     for lay in layouts:  # ascending, each set at its lowest rank: setdefault keeps the lowest rank's path
         if lay.names_hash not in decoded:
-            decoded[lay.names_hash] = pickle.loads(lay.names)[1]
+            decoded[lay.names_hash] = pickle.loads(zlib.decompress(lay.names))[1]
     chosen: dict[str, Path] = {}
     for paths in decoded.values():
         for k, p in paths.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,11 +41,13 @@ class ShardLayout:
     """One rank's shards as columns: what it sends to the planner (no Python object per shard).
 
     ``table`` lists the (key, dtype, shape) the rank holds, in first-seen order,
-    as JSON; ranks with the same table (most: every FSDP rank holds every key)
-    are decoded once, found by ``table_hash``.
+    as compressed JSON; ranks with the same table (most: every FSDP rank holds
+    every key) are decoded once, found by ``table_hash``. The columns take the
+    smallest integer type that holds them.
     """
 
     table: bytes
+    #: Digest of the table's JSON.
     table_hash: bytes
     #: Per shard: its entry in ``table``.
     entry: np.ndarray
@@ -61,8 +64,11 @@ class ShardLayout:
         # Padded dims: offset 0, size 1 (the volume is unchanged).
         rows = [(*s.box.offsets, *o, *s.box.sizes, *z) for s, (o, z) in zip(shards, pad)]
         boxes = np.asarray(rows, dtype=np.int64).reshape(len(shards), 2 * ndim)
+        if not boxes.size or boxes.max() < 2**31:
+            boxes = boxes.astype(np.int32)
+        entry = np.asarray(index, dtype=np.uint16 if len(entries) <= 2**16 else np.int32)
         table = json.dumps([[k, d, list(shape)] for k, d, shape in entries], separators=(",", ":")).encode()
-        return ShardLayout(table, digest(table), np.asarray(index, dtype=np.int32), boxes)
+        return ShardLayout(zlib.compress(table, 1), digest(table), entry, boxes)
 
     @property
     def ndim(self) -> int:
@@ -70,7 +76,8 @@ class ShardLayout:
 
     def digest(self) -> bytes:
         """What identifies this layout (equal for equal shards, in order)."""
-        return digest(self.table_hash, self.entry.tobytes(), self.boxes.tobytes(), str(self.boxes.shape).encode())
+        shape = f"{self.entry.dtype} {self.boxes.dtype} {self.boxes.shape}".encode()
+        return digest(self.table_hash, self.entry.tobytes(), self.boxes.tobytes(), shape)
 
 
 def digest(*parts: bytes) -> bytes:
@@ -149,7 +156,7 @@ def _tensors(
     for rank, lay in enumerate(layouts):
         if lay.table_hash in tables:
             continue  # the same table as a lower rank's: checked there
-        entries = [(k, d, tuple(shape)) for k, d, shape in json.loads(lay.table)]
+        entries = [(k, d, tuple(shape)) for k, d, shape in json.loads(zlib.decompress(lay.table))]
         tables[lay.table_hash] = entries
         for key, dtype, shape in entries:
             seen = meta.setdefault(key, (dtype, shape, rank))
