@@ -171,7 +171,8 @@ def agree_on_plan(
     if hit is not None and cached is not None and cached.layouts == hit:
         PLAN_STATS["cached"] += 1
         values = _merge_values(root["values"], cached.tensors) if coord.rank == 0 else {}
-        return AgreedPlan(save_id, previous, cached.plan, nodes, cached.tensors, values, cached.paths, True, flat)
+        tensors, paths = dict(cached.tensors), dict(cached.paths)
+        return AgreedPlan(save_id, previous, cached.plan, nodes, tensors, values, paths, True, flat)
 
     def plan(layouts: list[RankLayout]) -> list[tuple[bytes, bytes]]:
         assignment = assign_writers([lay.shards for lay in layouts])

@@ -101,49 +101,60 @@ class Assignment:
 def assign_writers(layouts: Sequence[ShardLayout]) -> Assignment:
     """Pick one writer for each distinct (key, box): the least-loaded holder, largest boxes first.
 
-    On columns: rows (key, offsets, sizes, rank) are sorted once to find each
-    box's holders. When every box has one holder (FSDP's dim-0 shards) that is
-    the answer; otherwise the greedy balance loops over the replicated boxes
-    only, each holder's load from the single-holder boxes before it in the
-    greedy order coming from one cumulative sum.
+    On columns, one row per shard: (key id, offsets, sizes, rank, shard index).
+    When no two rows hold the same box (FSDP's dim-0 shards; seen from one sort
+    of a 64-bit hash of each row) every holder writes what it holds. Otherwise
+    the rows are sorted to find each box's holders and the greedy balance loops
+    over the replicated boxes only (``_balance``).
     """
     tensors, entry_key, key_bytes = _tensors(layouts)
     world = len(layouts)
     ndim = max((lay.ndim for lay in layouts), default=0)
     nrows = sum(len(lay.entry) for lay in layouts)
-    cols = np.empty((nrows, 2 * ndim + 3), dtype=np.int64)  # key id, offsets, sizes, rank, shard index
+    cols = np.empty((2 * ndim + 3, nrows), dtype=np.int64)  # a row per column: column-major
+    cols[1 : 1 + ndim] = 0  # dims a rank's boxes lack: offset 0, size 1
+    cols[1 + ndim : 1 + 2 * ndim] = 1
     at = 0
     for rank, lay in enumerate(layouts):
         n, d = len(lay.entry), lay.ndim
-        part = cols[at : at + n]
-        part[:, 0] = entry_key[lay.table_hash][lay.entry]
-        part[:, 1 : 1 + ndim] = 0
-        part[:, 1 : 1 + d] = lay.boxes[:, :d]
-        part[:, 1 + ndim : 1 + 2 * ndim] = 1
-        part[:, 1 + ndim : 1 + ndim + d] = lay.boxes[:, d:]
-        part[:, -2] = rank
-        part[:, -1] = np.arange(n)
+        cols[0, at : at + n] = entry_key[lay.table_hash][lay.entry]
+        cols[1 : 1 + d, at : at + n] = lay.boxes[:, :d].T
+        cols[1 + ndim : 1 + ndim + d, at : at + n] = lay.boxes[:, d:].T
+        cols[-2, at : at + n] = rank
+        cols[-1, at : at + n] = np.arange(n)
         at += n
-    cols = cols[np.prod(cols[:, 1 + ndim : 1 + 2 * ndim], axis=1) > 0]  # empty boxes are not written
-    # Sort by (key, offsets, sizes, rank, shard): a box's holders are adjacent, ranks ascending.
-    cols = cols[np.lexsort(cols.T[::-1])]
-    box = cols[:, : 1 + 2 * ndim]
-    new_box = np.ones(len(cols), dtype=bool)
-    new_box[1:] = (box[1:] != box[:-1]).any(axis=1)
-    new_holder = new_box.copy()
-    new_holder[1:] |= cols[1:, -2] != cols[:-1, -2]
-    cols, new_box = cols[new_holder], new_box[new_holder]  # a rank holding a box twice holds it once
-    starts = np.flatnonzero(new_box)
-    if len(starts) == len(cols):  # every box has one holder: it writes it
-        writer_rows = cols
+    nonempty = np.prod(cols[1 + ndim : 1 + 2 * ndim], axis=0) > 0  # empty boxes are not written
+    if not nonempty.all():
+        cols = cols[:, nonempty]
+    box = cols[: 1 + 2 * ndim]
+    if _all_distinct(box):
+        writer_rows = cols  # every box has one holder: it writes it (still in rank, shard order)
     else:
-        writer_rows = cols[_balance(cols, starts, ndim, key_bytes, world)]
-    written: list[np.ndarray] = []
-    by_rank = writer_rows[np.lexsort((writer_rows[:, -1], writer_rows[:, -2]))]
-    bounds = np.searchsorted(by_rank[:, -2], np.arange(world + 1))
-    for rank in range(world):
-        written.append(by_rank[bounds[rank] : bounds[rank + 1], -1].astype(np.int64))
+        # Sort by (key, offsets, sizes, rank, shard): a box's holders are adjacent, ranks ascending.
+        cols = cols[:, np.lexsort(cols[::-1])]
+        box = cols[: 1 + 2 * ndim]
+        new_box = np.ones(cols.shape[1], dtype=bool)
+        new_box[1:] = (box[:, 1:] != box[:, :-1]).any(axis=0)
+        new_holder = new_box.copy()
+        new_holder[1:] |= cols[-2, 1:] != cols[-2, :-1]
+        cols, new_box = cols[:, new_holder], new_box[new_holder]  # a rank holding a box twice holds it once
+        writer_rows = cols[:, _balance(cols, np.flatnonzero(new_box), ndim, key_bytes, world)]
+        writer_rows = writer_rows[:, np.lexsort((writer_rows[-1], writer_rows[-2]))]
+    bounds = np.searchsorted(writer_rows[-2], np.arange(world + 1))
+    written = [writer_rows[-1, bounds[r] : bounds[r + 1]] for r in range(world)]
     return Assignment(tensors, written)
+
+
+def _all_distinct(box: np.ndarray) -> bool:
+    """Whether no two columns of ``box`` are equal. Equal columns hash equal, so distinct hashes
+    prove it; a collision (about 2**-64 per pair) only sends the caller the long way round."""
+    h = np.full(box.shape[1], 0x9E3779B97F4A7C15, dtype=np.uint64)
+    for row in box:
+        h ^= row.astype(np.uint64)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(31)
+    h.sort()
+    return not (h[1:] == h[:-1]).any()
 
 
 def _tensors(
@@ -172,38 +183,39 @@ def _tensors(
 
 
 def _balance(cols: np.ndarray, starts: np.ndarray, ndim: int, key_bytes: np.ndarray, world: int) -> np.ndarray:
-    """The greedy balance: for each box (rows ``starts[g]`` on, one per holder), the row of its writer.
+    """The greedy balance: for each box (columns ``starts[g]`` on, one per holder), its writer's column.
 
     Boxes go largest first (then by key, offsets), each to its least-loaded
-    holder (then the lowest rank). Only replicated boxes need the loop.
+    holder (then the lowest rank). Only replicated boxes need the Python loop: a
+    holder's load from the single-holder boxes before a box in that order comes
+    from one cumulative sum.
     """
     nboxes = len(starts)
-    first = cols[starts]
-    nbytes = np.prod(first[:, 1 + ndim : 1 + 2 * ndim], axis=1) * key_bytes[first[:, 0]]
+    first = cols[:, starts]
+    nbytes = np.prod(first[1 + ndim : 1 + 2 * ndim], axis=0) * key_bytes[first[0]]
     # Greedy order: bytes descending, then key, then offsets (the first key of lexsort is the last).
-    order = np.lexsort((*first[:, ndim:0:-1].T, first[:, 0], -nbytes))
+    order = np.lexsort((*first[ndim:0:-1], first[0], -nbytes))
     pos = np.empty(nboxes, dtype=np.int64)
     pos[order] = np.arange(nboxes)
-    counts = np.diff(np.append(starts, len(cols)))
+    counts = np.diff(np.append(starts, cols.shape[1]))
     box_of_row = np.repeat(np.arange(nboxes), counts)
-    rank = cols[:, -2]
+    rank = cols[-2]
     single = counts == 1
-    # Load from single-holder boxes: for a (box, holder) row, the bytes of the holder's
-    # single-holder boxes that come before this box in the greedy order.
     s_key = rank[starts[single]] * nboxes + pos[single]
     s_order = np.argsort(s_key)
     s_key, s_cum = s_key[s_order], np.concatenate(([0], np.cumsum(nbytes[single][s_order])))
     multi_rows = np.flatnonzero(~single[box_of_row])
     query = rank[multi_rows] * nboxes + pos[box_of_row[multi_rows]]
     before = s_cum[np.searchsorted(s_key, query)] - s_cum[np.searchsorted(s_key, rank[multi_rows] * nboxes)]
-    writer = starts.copy()  # single-holder boxes: their one row
+    pre = np.zeros(cols.shape[1], dtype=np.int64)
+    pre[multi_rows] = before
+    writer = starts.copy()  # single-holder boxes: their one column
     load = [0] * world
-    pre = dict(zip(multi_rows.tolist(), before.tolist()))
-    row_rank = rank.tolist()
+    pre_list, row_rank = pre.tolist(), rank.tolist()
     start_list, count_list, bytes_list = starts.tolist(), counts.tolist(), nbytes.tolist()
     for g in order[~single[order]].tolist():
         s = start_list[g]
-        best = min(range(s, s + count_list[g]), key=lambda r: (pre[r] + load[row_rank[r]], row_rank[r]))
+        best = min(range(s, s + count_list[g]), key=lambda r: (pre_list[r] + load[row_rank[r]], row_rank[r]))
         load[row_rank[best]] += bytes_list[g]
         writer[g] = best
     return writer
