@@ -101,60 +101,60 @@ class Assignment:
 def assign_writers(layouts: Sequence[ShardLayout]) -> Assignment:
     """Pick one writer for each distinct (key, box): the least-loaded holder, largest boxes first.
 
-    On columns, one row per shard: (key id, offsets, sizes, rank, shard index).
-    When no two rows hold the same box (FSDP's dim-0 shards; seen from one sort
-    of a 64-bit hash of each row) every holder writes what it holds. Otherwise
-    the rows are sorted to find each box's holders and the greedy balance loops
-    over the replicated boxes only (``_balance``).
+    On columns, one row per shard: (key id, offsets, sizes), then rank and shard
+    index. When no two rows hold the same box (FSDP's dim-0 shards; seen from
+    one sort of a 64-bit hash of each row) every holder writes what it holds.
+    Otherwise the rows are sorted to find each box's holders and the greedy
+    balance loops over the replicated boxes only (``_balance``).
     """
     tensors, entry_key, key_bytes = _tensors(layouts)
     world = len(layouts)
     ndim = max((lay.ndim for lay in layouts), default=0)
-    nrows = sum(len(lay.entry) for lay in layouts)
-    cols = np.empty((2 * ndim + 3, nrows), dtype=np.int64)  # a row per column: column-major
-    cols[1 : 1 + ndim] = 0  # dims a rank's boxes lack: offset 0, size 1
-    cols[1 + ndim : 1 + 2 * ndim] = 1
-    at = 0
-    for rank, lay in enumerate(layouts):
-        n, d = len(lay.entry), lay.ndim
-        cols[0, at : at + n] = entry_key[lay.table_hash][lay.entry]
-        cols[1 : 1 + d, at : at + n] = lay.boxes[:, :d].T
-        cols[1 + ndim : 1 + ndim + d, at : at + n] = lay.boxes[:, d:].T
-        cols[-2, at : at + n] = rank
-        cols[-1, at : at + n] = np.arange(n)
-        at += n
-    nonempty = np.prod(cols[1 + ndim : 1 + 2 * ndim], axis=0) > 0  # empty boxes are not written
-    if not nonempty.all():
-        cols = cols[:, nonempty]
+    per_rank = [_box_columns(lay, entry_key[lay.table_hash], ndim) for lay in layouts]
+    nonempty = [np.prod(box[1 + ndim :], axis=0) > 0 for box in per_rank]  # empty boxes are not written
+    hashes = np.concatenate([_hash(box[:, keep]) for box, keep in zip(per_rank, nonempty)] or [np.empty(0, np.uint64)])
+    hashes.sort()
+    if not (hashes[1:] == hashes[:-1]).any():
+        # Every box has one holder, which writes it. (Equal boxes hash equal: distinct hashes prove it.)
+        return Assignment(tensors, [np.flatnonzero(keep) for keep in nonempty])
+    # Rows: key id, offsets, sizes, rank, shard index; a column per nonempty shard.
+    parts = [np.vstack((box, np.full(box.shape[1], r), np.arange(box.shape[1]))) for r, box in enumerate(per_rank)]
+    cols = np.concatenate([part[:, keep] for part, keep in zip(parts, nonempty)], axis=1)
+    del per_rank, parts
+    # Sort by (key, offsets, sizes, rank, shard): a box's holders are adjacent, ranks ascending.
+    cols = cols[:, np.lexsort(cols[::-1])]
     box = cols[: 1 + 2 * ndim]
-    if _all_distinct(box):
-        writer_rows = cols  # every box has one holder: it writes it (still in rank, shard order)
-    else:
-        # Sort by (key, offsets, sizes, rank, shard): a box's holders are adjacent, ranks ascending.
-        cols = cols[:, np.lexsort(cols[::-1])]
-        box = cols[: 1 + 2 * ndim]
-        new_box = np.ones(cols.shape[1], dtype=bool)
-        new_box[1:] = (box[:, 1:] != box[:, :-1]).any(axis=0)
-        new_holder = new_box.copy()
-        new_holder[1:] |= cols[-2, 1:] != cols[-2, :-1]
-        cols, new_box = cols[:, new_holder], new_box[new_holder]  # a rank holding a box twice holds it once
-        writer_rows = cols[:, _balance(cols, np.flatnonzero(new_box), ndim, key_bytes, world)]
-        writer_rows = writer_rows[:, np.lexsort((writer_rows[-1], writer_rows[-2]))]
-    bounds = np.searchsorted(writer_rows[-2], np.arange(world + 1))
-    written = [writer_rows[-1, bounds[r] : bounds[r + 1]] for r in range(world)]
-    return Assignment(tensors, written)
+    new_box = np.ones(cols.shape[1], dtype=bool)
+    new_box[1:] = (box[:, 1:] != box[:, :-1]).any(axis=0)
+    new_holder = new_box.copy()
+    new_holder[1:] |= cols[-2, 1:] != cols[-2, :-1]
+    cols, new_box = cols[:, new_holder], new_box[new_holder]  # a rank holding a box twice holds it once
+    writers = cols[:, _balance(cols, np.flatnonzero(new_box), ndim, key_bytes, world)]
+    writers = writers[:, np.lexsort((writers[-1], writers[-2]))]
+    bounds = np.searchsorted(writers[-2], np.arange(world + 1))
+    return Assignment(tensors, [writers[-1, bounds[r] : bounds[r + 1]] for r in range(world)])
 
 
-def _all_distinct(box: np.ndarray) -> bool:
-    """Whether no two columns of ``box`` are equal. Equal columns hash equal, so distinct hashes
-    prove it; a collision (about 2**-64 per pair) only sends the caller the long way round."""
+def _box_columns(lay: ShardLayout, entry_key: np.ndarray, ndim: int) -> np.ndarray:
+    """A rank's shards as columns of (key id, offsets, sizes), ``ndim`` dims (missing ones: offset 0, size 1)."""
+    n, d = len(lay.entry), lay.ndim
+    box = np.empty((1 + 2 * ndim, n), dtype=np.int64)
+    box[0] = entry_key[lay.entry]
+    box[1 : 1 + ndim] = 0
+    box[1 + ndim :] = 1
+    box[1 : 1 + d] = lay.boxes[:, :d].T
+    box[1 + ndim : 1 + ndim + d] = lay.boxes[:, d:].T
+    return box
+
+
+def _hash(box: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each column."""
     h = np.full(box.shape[1], 0x9E3779B97F4A7C15, dtype=np.uint64)
     for row in box:
         h ^= row.astype(np.uint64)
         h *= np.uint64(0xBF58476D1CE4E5B9)
         h ^= h >> np.uint64(31)
-    h.sort()
-    return not (h[1:] == h[:-1]).any()
+    return h
 
 
 def _tensors(
