@@ -1,10 +1,14 @@
 """Save planning on columns: which rank writes each distinct box, without a Python object per box.
 
 Each rank sends its shards as a ``ShardLayout`` (its tensor table once, its
-boxes as one numpy array); ``assign_writers`` (one rank, for all) sorts the
-(key, box, rank) rows once to find each box's holders and picks the writers
-as ``save_plan.create_save_plans`` always has: largest boxes first, each to its
-least-loaded holder, ties to the lower rank. Pure: numpy, no I/O.
+boxes as one numpy array); ``assign_writers`` (one rank, for all) finds each
+box's holders (a hash of every row shows when each box has one holder, as with
+FSDP's dim-0 shards: then no sort and no balancing) and picks the writers as the
+per-box planner before it did (``tests/helpers/save_plan_reference.py``):
+largest boxes first, each to its least-loaded holder, ties to the lower rank.
+The one tie that planner broke by input order (two boxes of a key at the same
+offsets, of different sizes and equal bytes: no sharding makes them) is broken
+by sizes here. Pure: numpy, no I/O.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class ShardLayout:
 
 
 def digest(*parts: bytes) -> bytes:
+    """A 16-byte digest of ``parts`` (each length-prefixed, so no two sequences run together)."""
     h = hashlib.blake2b(digest_size=16)
     for p in parts:
         h.update(len(p).to_bytes(8, "little"))
