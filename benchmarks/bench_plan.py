@@ -48,7 +48,8 @@ from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import ChunkTable
 from rayckpt.planning.load_plan import ChunkIndex, TensorRequest, create_load_plan, dim0_boxes
-from rayckpt.planning.save_plan import LocalShard, create_save_plans
+from rayckpt.planning.save_columns import create_save_plans
+from rayckpt.planning.save_plan import LocalShard
 
 DTYPE = "float32"
 ITEMSIZE = 4

@@ -2,9 +2,10 @@
 
 Roles: every rank calls ``save`` (collective when a process group is
 initialized); rank 0 commits. ``collect_state`` is the first step of every save,
-``rayckpt.save`` and the Ray async save alike: each rank flattens its state, one
-all-gather shares every rank's boxes and values, and every rank computes the
-same save plans and ``SaveSpec``. Then each rank writes its share
+``rayckpt.save`` and the Ray async save alike: each rank flattens its state,
+rank 0 gathers the ranks' layouts, plans every rank's writes and sends each
+rank its own plan, and holds the ``SaveSpec`` the committer needs (the plans
+are cached while the layouts repeat: ``save_layout``). Then each rank writes its share
 (``write_share`` here; on Ray the node's ShardWriter does, from shared memory)
 and the committer (rank 0 here; the MetadataActor on Ray) calls
 ``storage.commit.commit_save``. Each step ends in one all-gather that carries
@@ -13,7 +14,6 @@ failures, so an error on any rank is raised on every rank and nobody hangs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -21,12 +21,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from ..errors import InvalidStateError, PeerLostError, RayckptError, SaveFailedError
-from ..format.paths import Path
+from ..errors import PeerLostError, RayckptError, SaveFailedError
 from ..format.shard_file import DEFAULT_BLOCK_SIZE
-from ..format.values import encode_value
-from ..planning import save_plan
-from ..planning.save_plan import LocalShard, SavePlan, create_save_plans
+from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import (
     SaveSpec,
@@ -39,7 +36,8 @@ from ..storage.commit import (
 from ..storage.lease import LeaseKeeper, claim_location, release_lease
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .coordinator import claim as claim_decision
-from .state import FlatState, flatten
+from .save_layout import agree_on_plan
+from .state import FlatState
 from .writer import create_chunk_data, write_chunks
 
 
@@ -191,22 +189,20 @@ def _committed_id(ckdir: CheckpointDir) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class SaveContext:
-    """A save after its first step, on one rank: what every rank agreed on, and this rank's state."""
+    """A save after its first step, on one rank: what the ranks agreed on, and this rank's state."""
 
-    #: The save as the committer sees it; the same on every rank.
+    #: The save as the committer sees it, on rank 0. Other ranks hold the same ids, world
+    #: size, block size and metadata but no tensors, values or paths (only the committer needs them).
     spec: SaveSpec
     rank: int
-    #: Every rank's save plan, by rank.
-    plans: tuple[SavePlan, ...]
-    #: The node each rank runs on, by rank ("" when not on Ray).
+    #: This rank's share of the save.
+    plan: SavePlan
+    #: The nodes the ranks run on, each once ("" when not on Ray).
     nodes: tuple[str, ...]
     #: This rank's flattened state (its local tensors).
     flat: FlatState
-
-    @property
-    def plan(self) -> SavePlan:
-        """This rank's share of the save."""
-        return self.plans[self.rank]
+    #: Whether the plan came from this process's plan cache (``save_layout``).
+    cached: bool = False
 
 
 def collect_state(
@@ -219,9 +215,11 @@ def collect_state(
     claim: CheckpointDir | None = None,
     overwrite: bool = True,
 ) -> SaveContext:
-    """Save steps collect and plan (collective): flatten, share every rank's boxes, plan the writes.
+    """Save steps collect and plan (collective): flatten, agree on the save id, plan the writes.
 
-    ``node``: where this rank runs (the Ray node id), shared with every rank.
+    Rank 0 plans every rank's writes and each rank receives its own plan; the
+    plans are cached while every rank's layout repeats (``save_layout``).
+    ``node``: where this rank runs (the Ray node id), sent to rank 0.
     ``claim``: where the save goes; rank 0 claims it for the new save id before
     sharing the id, so before any rank writes (``lease.claim_location``, with
     ``overwrite``). When this step succeeds the lease is rank 0's to keep and
@@ -229,47 +227,27 @@ def collect_state(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    flat_holder: list[FlatState] = []
-
-    def collect() -> tuple[list[LocalShard], dict[str, Any], tuple[str | None, str | None], str, dict[str, Path]]:
-        flat = flatten(state_dict)
-        flat_holder.append(flat)
-        shards = [LocalShard(t.key, t.dtype, t.shape, box) for t in flat.tensors.values() for box in t.boxes()]
-        values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
-        save_id = previous = None
-        if coord.rank == 0:
-            save_id = new_save_id()
-            if claim is not None:
-                previous = claim_location(claim, save_id, overwrite=overwrite)
-                claimed.append(save_id)
-        return shards, values, (save_id, previous), node, flat.paths
-
     claimed: list[str] = []
+
+    def claim_ids() -> tuple[str, str | None]:
+        save_id = new_save_id()
+        previous = None
+        if claim is not None:
+            previous = claim_location(claim, save_id, overwrite=overwrite)
+            claimed.append(save_id)
+        return save_id, previous
+
     try:
-        gathered = gather_or_raise(coord, "save (collecting state)", collect, SaveFailedError, PeerLostError)
-        values = _merge_values([g[1] for g in gathered], {s.key for g in gathered for s in g[0]})
-        plans = create_save_plans([g[0] for g in gathered], save_plan.MAX_CHUNK_BYTES)
+        a = agree_on_plan(coord, state_dict, node, claim_ids)
     except BaseException:
         if claimed:
             release_lease(claim, claimed[0])
             remove_failed_save(claim, claimed[0])
         raise
-    tensors = {s.key: (s.dtype, s.shape) for g in gathered for s in g[0]}
-    paths = {k: p for g in reversed(gathered) for k, p in g[4].items()}  # the lowest rank's wins
-    save_id, previous = gathered[0][2]
-    spec = SaveSpec(save_id, coord.world_size, block_size, tensors, values, dict(metadata or {}), paths, previous)
-    return SaveContext(spec, coord.rank, tuple(plans), tuple(g[3] for g in gathered), flat_holder[0])
-
-
-def _merge_values(per_rank: Sequence[dict[str, Any]], tensor_keys: set[str]) -> dict[str, Any]:
-    """Replicated plain values: the lowest rank that has a key wins."""
-    merged: dict[str, Any] = {}
-    for values in per_rank:
-        for k, v in values.items():
-            if k in tensor_keys:
-                raise InvalidStateError(f"key {k!r} is a tensor on one rank and a plain value on another")
-            merged.setdefault(k, v)
-    return merged
+    spec = SaveSpec(
+        a.save_id, coord.world_size, block_size, a.tensors, a.values, dict(metadata or {}), a.paths, a.previous
+    )
+    return SaveContext(spec, coord.rank, a.plan, a.nodes, a.flat, a.cached)
 
 
 def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]) -> WrittenShard:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 
 import rayckpt
+from rayckpt.engine import save_layout
 from rayckpt.engine.coordinator import gather_or_raise
 from rayckpt.errors import PeerLostError, RayckptError, SaveFailedError
 from rayckpt.storage.checkpoint_dir import CheckpointDir
@@ -17,6 +19,10 @@ from rayckpt.testing.multiproc import RankFailure, run_ranks
 from tests.helpers import fault_workers
 
 GLOO_ERROR = "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+#: A save's all-gathers before it writes, with no plan cached: the headers, then the layouts
+#: (each a gather and a scatter, ``plan_at_root``). Writing shards is the next; the commit after.
+PLAN_CALLS = 4
+WRITE_CALL, COMMIT_CALL = PLAN_CALLS + 1, PLAN_CALLS + 2
 
 
 def load_full(path: str, world_size: int) -> dict:
@@ -78,6 +84,7 @@ class BrokenCollective:
         self.calls = 0
         self.claims: list[tuple[str, str]] = []
         self.held: dict[str, str] = {}
+        save_layout.clear_plan_cache()  # so a save's first PLAN_CALLS all-gathers agree on its plan
 
     def all_gather(self, obj):
         self.calls += 1
@@ -85,8 +92,14 @@ class BrokenCollective:
             raise RuntimeError(GLOO_ERROR)
         if self.rank == 0:
             return [obj]
-        assert self.calls == 1, "rank 1's fake rank 0 only takes part in collecting the state"
-        return [(True, ([], {}, ("20260101T000000-0badc0de", None), "", {})), obj]
+        # With no gather/scatter of its own each planning round is two all-gathers: the ranks'
+        # parts (rank 1 ignores rank 0's), then rank 0's answers (rank 1 takes its own).
+        assert self.calls <= PLAN_CALLS, "rank 1's fake rank 0 only takes part in agreeing on the plan"
+        if self.calls == 2:  # the save id, no cached plan, the nodes
+            return [[(True, ("20260101T000000-0badc0de", None, None, ("",)))] * 2, None]
+        if self.calls == 4:  # rank 0 holds nothing: rank 1 writes both its shards (a bit each)
+            return [[(True, (b"", np.packbits(np.ones(2, dtype=bool)).tobytes()))] * 2, None]
+        return [None, obj]
 
     def claim(self, key: str, value: str) -> str | None:
         self.claims.append((key, value))
@@ -113,14 +126,17 @@ def test_a_broken_collective_raises_the_callers_error_naming_phase_collective_an
         gather_or_raise(BrokenCollective(1), "save (x)", fails, SaveFailedError, PeerLostError)
 
 
-@pytest.mark.parametrize("phase, break_at", [("collecting state", 1), ("writing shards", 2)])
+@pytest.mark.parametrize(
+    "phase, break_at",
+    [("collecting state", 1), ("collecting state", 2), ("planning", 3), ("writing shards", WRITE_CALL)],
+)
 def test_a_save_whose_collective_breaks_before_the_commit_removes_its_files(tmp_path, phase, break_at):
     path = str(tmp_path / "ck")
     before = saved_once(path)
     coord = BrokenCollective(break_at)
     with pytest.raises(PeerLostError, match=rf"save \({phase}\) failed: .*Connection closed by peer") as err:
         rayckpt.save(fault_workers.peer_state(0, 1, 2), path, coordinator=coord)
-    if break_at == 2:
+    if phase == "writing shards":
         assert "rank 0 removed the files of save" in str(err.value)
     assert coord.claims == []  # rank 0, the committer, knows it did not commit
     assert sorted(os.listdir(path)) == before
@@ -130,7 +146,7 @@ def test_a_save_whose_collective_breaks_before_the_commit_removes_its_files(tmp_
 def test_a_rank_that_lost_the_save_before_rank_0_took_the_commit_removes_the_files(tmp_path):
     path = str(tmp_path / "ck")
     before = saved_once(path)
-    coord = BrokenCollective(2, rank=1)
+    coord = BrokenCollective(WRITE_CALL, rank=1)
     with pytest.raises(PeerLostError, match=r"rank 1 removed the files of save .*; nothing was committed"):
         rayckpt.save(fault_workers.peer_state(1, 2, 2), path, coordinator=coord)
     assert [v for _, v in coord.claims] == ["abort"]  # so rank 0 will not commit it
@@ -141,7 +157,7 @@ def test_a_rank_that_lost_the_save_before_rank_0_took_the_commit_removes_the_fil
 def test_a_collective_breaking_after_rank_0_committed_keeps_the_checkpoint(tmp_path):
     path = str(tmp_path / "ck")
     saved_once(path)
-    coord = BrokenCollective(3)  # the commit's all-gather
+    coord = BrokenCollective(COMMIT_CALL)
     info = rayckpt.save(fault_workers.peer_state(0, 1, 2), path, coordinator=coord)
     assert [v for _, v in coord.claims] == ["commit"] and info.num_files >= 1
     assert rayckpt.read_manifest(CheckpointDir.resolve(path)).save_id == info.save_id
@@ -154,7 +170,7 @@ def test_files_are_kept_when_rank_0_may_commit(tmp_path, decision):
     must not delete files a manifest may name."""
     path = str(tmp_path / "ck")
     before = saved_once(path)
-    coord = BrokenCollective(2, decision, rank=1)
+    coord = BrokenCollective(WRITE_CALL, decision, rank=1)
     with pytest.raises(PeerLostError) as err:
         rayckpt.save(fault_workers.peer_state(1, 2, 2), path, coordinator=coord)
     expected = "rank 0 had taken the commit" if decision == "commit" else "could not reach the process group's store"
@@ -172,11 +188,14 @@ def test_rank_0_does_not_commit_a_save_another_rank_gave_up_on(tmp_path):
 
 
 def test_any_other_exception_inside_save_becomes_save_failed_error(tmp_path, monkeypatch):
-    from rayckpt.engine import save as save_module
+    from rayckpt.engine import save_layout
 
     def broken_plans(*args, **kwargs):
         raise KeyError("planner bug")
 
-    monkeypatch.setattr(save_module, "create_save_plans", broken_plans)
-    with pytest.raises(SaveFailedError, match=r"save to .*ck failed on rank 0: KeyError: 'planner bug'"):
+    monkeypatch.setattr(save_layout, "assign_writers", broken_plans)
+    save_layout.clear_plan_cache()
+    with pytest.raises(
+        SaveFailedError, match=r"save \(planning\) failed on 1 of 1 rank\(s\):\n  rank 0: KeyError: 'planner bug'"
+    ):
         rayckpt.save(fault_workers.peer_state(0, 1, 1), str(tmp_path / "ck"))

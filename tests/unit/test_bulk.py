@@ -22,7 +22,8 @@ from rayckpt.planning import bulk as bulk_plan
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import DIM0, OTHER, SCALAR, ChunkTable
 from rayckpt.planning.load_plan import TensorRequest, create_load_plan, dim0_boxes
-from rayckpt.planning.save_plan import LocalShard, create_save_plans
+from rayckpt.planning.save_columns import create_save_plans
+from rayckpt.planning.save_plan import LocalShard
 from tests.helpers.planning import Tensor, build
 
 

@@ -22,7 +22,8 @@ from rayckpt.errors import IncompatibleStateError, InvalidStateError
 from rayckpt.format.boxes import Box, contiguous_runs, find_coverage_problem, row_major_strides
 from rayckpt.format.manifest import Manifest, itemsize
 from rayckpt.planning.load_plan import LoadPlan, TensorRequest, create_load_plan, create_load_plans, dim0_boxes
-from rayckpt.planning.save_plan import LocalShard, create_save_plans
+from rayckpt.planning.save_columns import create_save_plans
+from rayckpt.planning.save_plan import LocalShard
 from tests.helpers.planning import Tensor, build, value_at
 
 PKG_DIR = os.path.dirname(rayckpt.__file__)

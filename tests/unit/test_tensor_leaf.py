@@ -22,7 +22,8 @@ from rayckpt.engine.state import FlatState, Piece, TensorLeaf, flatten
 from rayckpt.errors import InvalidStateError
 from rayckpt.format.boxes import Box
 from rayckpt.planning.load_plan import TensorRequest, create_load_plan
-from rayckpt.planning.save_plan import LocalShard, create_save_plans
+from rayckpt.planning.save_columns import create_save_plans
+from rayckpt.planning.save_plan import LocalShard
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 
 

@@ -22,7 +22,8 @@ from ...format.manifest import itemsize
 from ...format.paths import Path, add_prefix
 from ...format.shard_file import ChunkData, storage_type
 from ...format.values import encode_value
-from ...planning.save_plan import LocalShard, create_save_plans
+from ...planning.save_columns import create_save_plans
+from ...planning.save_plan import LocalShard
 from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.commit import SaveSpec, commit_save, new_save_id, remove_failed_save
 from ...storage.lease import LeaseKeeper, claim_location, is_lease_file
