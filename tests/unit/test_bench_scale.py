@@ -16,6 +16,7 @@ import torch
 from benchmarks import bench_scale as bench
 from benchmarks import scale_dcp as dcp
 from benchmarks import scale_layout as lay
+from benchmarks.scale_plot import write_plot
 from benchmarks.scale_report import fit_exponent, markdown, targets
 from rayckpt.planning.load_plan import dim0_box
 
@@ -121,3 +122,8 @@ def test_report_marks_targets_and_renders(layout, tmp_path):
     assert report["fits"]["manifest_bytes_dcp"]["exponent"] > 0
     report["targets"] = list(rows.values())
     assert "| 8 |" in markdown(report)
+    write_plot(report, str(tmp_path / "plot.svg"))
+    svg = (tmp_path / "plot.svg").read_text()
+    assert (
+        svg.startswith("<svg") and svg.count("<polyline") >= 3
+    )  # sizes; a tiny step may take 0 CPU s, off the log scale
