@@ -86,6 +86,17 @@ def gpt_layout(tensors: int = 1992, **shape: int) -> Layout:
     return Layout(tuple(".".join(p) for p in paths), tuple(paths), tuple(shapes))
 
 
+def sampled(layout: Layout, stride: int) -> Layout:
+    """Every ``stride``-th tensor of each shape (a layout that keeps the shapes' mix, ~1/stride of the chunks)."""
+    return layout.subset(sorted(i for idx in layout.by_shape().values() for i in idx[::stride]))
+
+
+def chunk_count(layout: Layout, world_size: int) -> int:
+    """The non-empty dim-0 shards of the layout over ``world_size`` ranks (the manifest's chunks)."""
+    rows = {s: s[0] if s else 1 for s in set(layout.shapes)}
+    return sum(min(world_size, -(-rows[s] // max(1, -(-rows[s] // world_size)))) for s in layout.shapes)
+
+
 def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s first row and row count under FSDP2 (``dim0_box``)."""
     from rayckpt.planning.load_plan import dim0_box

@@ -31,38 +31,58 @@ def _sum(*values: Any) -> float | None:
     return None if any(v is None for v in values) else float(sum(values))
 
 
+def _scaled(step: Any, *path: Any) -> float | None:
+    """A figure of a step that sampled the tensors (``scale`` = full chunks / sampled chunks), scaled up."""
+    v = _get(step, *path)
+    return None if v is None else v * float(step.get("scale", 1.0))
+
+
+def _sampled(*steps: Any) -> bool:
+    return any(isinstance(s, dict) and s.get("scale", 1.0) > 1 for s in steps)
+
+
 def figures(r: dict[str, Any], n: int) -> dict[str, Any]:
-    """One rank count's figures, by name (CPU seconds, bytes); None where a step did not run."""
+    """One rank count's figures, by name (CPU seconds, bytes); None where a step did not run.
+
+    Steps that sampled the tensors to fit in memory are scaled by their chunk ratio
+    (``rayckpt_est`` / ``dcp_est`` say so).
+    """
     rc, rl, rs = r.get("rayckpt_commit", {}), r.get("rayckpt_load", {}), r.get("rayckpt_save_plan", {})
     dc, dl, ds = r.get("dcp_commit", {}), r.get("dcp_load", {}), r.get("dcp_save_plan", {})
     half, minus = max(1, n // 2), max(1, n - 1)
     f: dict[str, Any] = {
-        "rayckpt_bytes": _get(rc, "metadata_bytes"),
-        "dcp_bytes": _get(dc, "metadata_bytes"),
-        "rayckpt_chunks": _get(rc, "chunks"),
-        "dcp_chunks": _get(dc, "chunks"),
-        "rayckpt_create": _get(rc, "create_manifest", "cpu_s"),
-        "rayckpt_write": _get(rc, "commit", "cpu_s"),
-        "dcp_write": _get(dc, "write", "cpu_s"),
-        "rayckpt_read": _get(rl, "read", "cpu_s"),
-        "dcp_read": _get(dl, "read", "cpu_s"),
+        "rayckpt_est": _sampled(rc, rl),
+        "dcp_est": _sampled(dc, dl),
+        "rayckpt_bytes": _scaled(rc, "metadata_bytes"),
+        "dcp_bytes": _scaled(dc, "metadata_bytes"),
+        "rayckpt_chunks": _scaled(rc, "chunks"),
+        "dcp_chunks": _scaled(dc, "chunks"),
+        "rayckpt_create": _scaled(rc, "create_manifest", "cpu_s"),
+        "rayckpt_write": _scaled(rc, "commit", "cpu_s"),
+        "dcp_write": _scaled(dc, "write", "cpu_s"),
+        "rayckpt_read": _scaled(rl, "read", "cpu_s"),
+        "dcp_read": _scaled(dl, "read", "cpu_s"),
         "rayckpt_save_plan": _get(rs, "save_plan", "cpu_s"),
         "dcp_save_plan": _get(ds, "uncached", "cpu_s"),
         "dcp_save_plan_est": bool(_get(ds, "uncached", "estimated")),
         "dcp_save_plan_cached": _get(ds, "cached", "cpu_s"),
     }
     for tag, m in (("half", half), ("minus", minus)):
-        table = _get(rl, "chunk_table", "cpu_s")
-        f[f"rayckpt_job_{tag}"] = _sum(table, _get(rl, "targets", m, "bulk_plan", "cpu_s"))
-        f[f"rayckpt_rank_{tag}"] = _sum(f["rayckpt_read"], _get(rl, "targets", m, "rank_plan", "cpu_s"))
-        f[f"dcp_job_{tag}"] = _get(dl, "targets", m, "whole_job", "cpu_s")
-        f[f"dcp_job_{tag}_est"] = bool(_get(dl, "targets", m, "whole_job", "estimated"))
-        f[f"dcp_rank_{tag}"] = _sum(f["dcp_read"], _get(dl, "targets", m, "rank_plan", "cpu_s"))
-    mems = [_get(rc, "create_manifest", "extra_rss"), _get(rc, "commit", "extra_rss"), _get(rl, "read", "extra_rss")]
-    mems += [_get(rl, "chunk_table", "extra_rss"), _get(rs, "save_plan", "extra_rss")]
-    mems += [_get(rl, "targets", m, "bulk_plan", "extra_rss") for m in (half, minus)]
+        table = _scaled(rl, "chunk_table", "cpu_s")
+        f[f"rayckpt_job_{tag}"] = _sum(table, _scaled(rl, "targets", m, "bulk_plan", "cpu_s"))
+        f[f"rayckpt_rank_{tag}"] = _sum(f["rayckpt_read"], _scaled(rl, "targets", m, "rank_plan", "cpu_s"))
+        f[f"dcp_job_{tag}"] = _scaled(dl, "targets", m, "whole_job", "cpu_s")
+        f[f"dcp_job_{tag}_est"] = bool(_get(dl, "targets", m, "whole_job", "estimated")) or f["dcp_est"]
+        f[f"dcp_rank_{tag}"] = _sum(f["dcp_read"], _scaled(dl, "targets", m, "rank_plan", "cpu_s"))
+    mems = [_scaled(rc, "create_manifest", "extra_rss"), _scaled(rc, "commit", "extra_rss")]
+    mems += [
+        _scaled(rl, "read", "extra_rss"),
+        _scaled(rl, "chunk_table", "extra_rss"),
+        _get(rs, "save_plan", "extra_rss"),
+    ]
+    mems += [_scaled(rl, "targets", m, "bulk_plan", "extra_rss") for m in (half, minus)]
     f["rayckpt_peak_extra"] = max((m for m in mems if m is not None), default=None)
-    dmems = [_get(dc, "write", "extra_rss"), _get(dl, "read", "extra_rss"), _get(ds, "uncached", "extra_rss")]
+    dmems = [_scaled(dc, "write", "extra_rss"), _scaled(dl, "read", "extra_rss"), _get(ds, "uncached", "extra_rss")]
     f["dcp_peak_extra"] = max((m for m in dmems if m is not None), default=None)
     return f
 
@@ -150,12 +170,12 @@ def _s(v: float | None, est: bool = False) -> str:
     return text + (" (est.)" if est else "")
 
 
-def _n(v: int | None) -> str:
-    return "-" if v is None else f"{v:,}"
+def _n(v: float | None, est: bool = False) -> str:
+    return "-" if v is None else f"{v:,.0f}" + (" (est.)" if est else "")
 
 
-def _mb(v: float | None) -> str:
-    return "-" if v is None else f"{v / 1e6:,.1f}"
+def _mb(v: float | None, est: bool = False) -> str:
+    return "-" if v is None else f"{v / 1e6:,.1f}" + (" (est.)" if est else "")
 
 
 def _x(a: float | None, b: float | None) -> str:
@@ -176,11 +196,12 @@ def markdown(report: dict[str, Any]) -> str:
         "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for n, f in figs.items():
+        re, de = f["rayckpt_est"], f["dcp_est"]
         lines.append(
-            f"| {n:,} | {_n(f['rayckpt_chunks'])} / {_n(f['dcp_chunks'])} | {_mb(f['rayckpt_bytes'])} / "
-            f"{_mb(f['dcp_bytes'])} ({_x(f['rayckpt_bytes'], f['dcp_bytes'])}) | {_s(f['rayckpt_create'])} + "
-            f"{_s(f['rayckpt_write'])} / {_s(f['dcp_write'])} | {_s(f['rayckpt_read'])} / {_s(f['dcp_read'])} "
-            f"({_x(f['dcp_read'], f['rayckpt_read'])}) |"
+            f"| {n:,} | {_n(f['rayckpt_chunks'], re)} / {_n(f['dcp_chunks'], de)} | {_mb(f['rayckpt_bytes'], re)} / "
+            f"{_mb(f['dcp_bytes'], de)} ({_x(f['rayckpt_bytes'], f['dcp_bytes'])}) | {_s(f['rayckpt_create'], re)} + "
+            f"{_s(f['rayckpt_write'], re)} / {_s(f['dcp_write'], de)} | {_s(f['rayckpt_read'], re)} / "
+            f"{_s(f['dcp_read'], de)} ({_x(f['dcp_read'], f['rayckpt_read'])}) |"
         )
     lines += [
         "",
@@ -190,11 +211,15 @@ def markdown(report: dict[str, Any]) -> str:
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for n, f in figs.items():
+        re, de = f["rayckpt_est"], f["dcp_est"]
         job = " | ".join(
-            f"{_s(f[f'rayckpt_job_{t}'])} / {_s(f[f'dcp_job_{t}'], f[f'dcp_job_{t}_est'])}" for t in ("minus", "half")
+            f"{_s(f[f'rayckpt_job_{t}'], re)} / {_s(f[f'dcp_job_{t}'], f[f'dcp_job_{t}_est'])}"
+            for t in ("minus", "half")
         )
-        rank = " | ".join(f"{_s(f[f'rayckpt_rank_{t}'])} / {_s(f[f'dcp_rank_{t}'])}" for t in ("minus", "half"))
-        pk = " / ".join("-" if f[k] is None else f"{f[k] / GIB:.2f}" for k in ("rayckpt_peak_extra", "dcp_peak_extra"))
+        rank = " | ".join(f"{_s(f[f'rayckpt_rank_{t}'], re)} / {_s(f[f'dcp_rank_{t}'], de)}" for t in ("minus", "half"))
+        pk = " / ".join(
+            _s(None if f[k] is None else f[k] / GIB, e) for k, e in (("rayckpt_peak_extra", re), ("dcp_peak_extra", de))
+        )
         lines.append(
             f"| {n:,} | {_s(f['rayckpt_save_plan'])} / {_s(f['dcp_save_plan'], f['dcp_save_plan_est'])} / "
             f"{_s(f['dcp_save_plan_cached'])} | {job} | {rank} | {pk} |"
@@ -211,6 +236,14 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {t['target']} | {_s(t['measured'])} | {t['threshold']} | {met} | {t['how']} |")
     methods = []
     for n, r in sorted(report["results"].items(), key=lambda kv: int(kv[0])):
+        for system in ("rayckpt", "dcp"):
+            sampled = _get(r, f"{system}_commit", "sampled")
+            if sampled:
+                methods.append(
+                    f"- N={int(n):,}, {system}'s manifest steps: every {sampled['stride']}th tensor of each shape "
+                    f"({sampled['tensors']:,} tensors, {sampled['chunks']:,} of {sampled['full_chunks']:,} chunks) "
+                    "to fit in memory; bytes, seconds and memory x the chunk ratio."
+                )
         ds = r.get("dcp_save_plan", {})
         if _get(ds, "uncached", "estimated"):
             methods.append(f"- N={int(n):,}, DCP uncached save plan: {ds['uncached']['method']}.")

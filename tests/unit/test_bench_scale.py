@@ -127,3 +127,18 @@ def test_report_marks_targets_and_renders(layout, tmp_path):
     assert (
         svg.startswith("<svg") and svg.count("<polyline") >= 3
     )  # sizes; a tiny step may take 0 CPU s, off the log scale
+
+
+def test_sampling_keeps_each_shape_and_scales_by_chunks():
+    full = lay.gpt_layout()
+    half = lay.sampled(full, 2)
+    assert half.tensors == 1000 and set(half.shapes) == set(full.shapes)
+    assert lay.chunk_count(full, 4096) == sum(
+        dim0_box(s, 4096, r).volume > 0 for s in full.shapes[:3] for r in range(4096)
+    ) + lay.chunk_count(full.subset(list(range(3, full.tensors))), 4096)
+    assert lay.chunk_count(lay.gpt_layout(21, **SMALL).subset([0, 1, 2]), 4) == 4 + 2 + 4  # 16, 2, 8 rows
+    step = {"metadata_bytes": 100, "read": {"cpu_s": 2.0, "extra_rss": 10}, "scale": 2.5}
+    from benchmarks.scale_report import figures
+
+    f = figures({"rayckpt_commit": step, "rayckpt_load": step}, 8)
+    assert f["rayckpt_bytes"] == 250 and f["rayckpt_read"] == 5.0 and f["rayckpt_est"] and not f["dcp_est"]
