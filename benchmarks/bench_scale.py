@@ -27,7 +27,10 @@ in a fresh process (``--worker``), so its peak memory is its own:
 
 Seconds are CPU seconds of the step's process (wall seconds in the JSON); memory is
 the peak RSS above the RSS before the step (sampled every 20 ms). Growth exponents:
-least squares on log-log over the N points.
+least squares on log-log over the N points. A system's manifest steps whose process
+would not fit in ``--max-gib`` (or the memory available less 3 GiB), at
+``BYTES_PER_CHUNK``, run on every k-th tensor of each shape and scale their bytes,
+seconds and memory by the chunk ratio ("est."): the machine is shared.
 
     .venv/bin/python -m benchmarks.bench_scale --ranks 64,256,1024,4096 --tensors 1992 --out bench_out
 

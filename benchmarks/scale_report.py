@@ -224,6 +224,18 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {n:,} | {_s(f['rayckpt_save_plan'])} / {_s(f['dcp_save_plan'], f['dcp_save_plan_est'])} / "
             f"{_s(f['dcp_save_plan_cached'])} | {job} | {rank} | {pk} |"
         )
+    lines += [
+        "",
+        "One rank's plan alone (no read), N -> N/2: rayckpt `create_load_plan` / `BulkPlan.for_rank` (Ray) / DCP "
+        "`create_default_local_load_plan`, CPU s: "
+        + "; ".join(
+            f"{n:,}: {_s(_scaled(r.get('rayckpt_load', {}), 'targets', max(1, n // 2), 'rank_plan', 'cpu_s'))} / "
+            f"{_s(_get(r, 'rayckpt_load', 'targets', max(1, n // 2), 'for_rank', 'cpu_s'))} / "
+            f"{_s(_scaled(r.get('dcp_load', {}), 'targets', max(1, n // 2), 'rank_plan', 'cpu_s'))}"
+            for n, r in ((int(k), v) for k, v in sorted(report["results"].items(), key=lambda kv: int(kv[0])))
+        )
+        + ".",
+    ]
     lines += ["", "Growth exponents (value ~ N^k, fitted over the rank counts measured):", ""]
     lines += ["| series | k | points |", "| --- | ---: | ---: |"]
     for name, fit in report.get("fits", {}).items():
