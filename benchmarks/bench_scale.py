@@ -284,7 +284,7 @@ def tensor_stride(system: str, n: int, args: argparse.Namespace) -> int:
     """
     need = BYTES_PER_CHUNK[system] * lay.chunk_count(lay.gpt_layout(args.tensors), n)
     room = min(args.max_gib * GIB, mem_available() - 3 * GIB)
-    return max(1, -(-need // max(room, GIB)))
+    return max(1, int(-(-need // max(room, GIB))))
 
 
 def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:

@@ -252,7 +252,7 @@ def markdown(report: dict[str, Any]) -> str:
             sampled = _get(r, f"{system}_commit", "sampled")
             if sampled:
                 methods.append(
-                    f"- N={int(n):,}, {system}'s manifest steps: every {sampled['stride']}th tensor of each shape "
+                    f"- N={int(n):,}, {system}'s manifest steps: 1 tensor in {sampled['stride']} of each shape "
                     f"({sampled['tensors']:,} tensors, {sampled['chunks']:,} of {sampled['full_chunks']:,} chunks) "
                     "to fit in memory; bytes, seconds and memory x the chunk ratio."
                 )
