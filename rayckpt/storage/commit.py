@@ -60,7 +60,9 @@ def shard_file_save_id(name: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """What every rank agrees on before writing: the same on every rank, sent to the committer."""
+    """A save as its committer sees it (rank 0, then the MetadataActor on Ray): the ids, world size,
+    block size and metadata are the same on every rank; only rank 0 holds every tensor, value and path
+    (``engine.save_layout``: the others get empty ones)."""
 
     save_id: str
     world_size: int
