@@ -190,7 +190,10 @@ def rayckpt_read(directory: str) -> Any:
 def rayckpt_metadata_bytes(directory: str) -> dict[str, int]:
     from rayckpt.storage.commit import shard_file_save_id
 
-    return metadata_bytes(directory, lambda name: shard_file_save_id(name) is not None)
+    # A version-4 chunk table carries its save id in its name too, but it is metadata.
+    return metadata_bytes(
+        directory, lambda name: shard_file_save_id(name) is not None and not name.endswith("-chunks.arrow")
+    )
 
 
 def rayckpt_local_shards(layout: Layout, world_size: int) -> list[list[Any]]:

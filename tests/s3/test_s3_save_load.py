@@ -43,7 +43,9 @@ def test_three_ranks_save_to_s3_and_two_ranks_load_bit_exact(s3_server, saved_by
     names = s3_server.listing("fsdp/saved_by_3")
     manifest = rayckpt.read_manifest(CheckpointDir.resolve(uri))
     assert manifest.world_size == 3
-    assert names == sorted([MANIFEST_NAME] + [f.path for f in manifest.files])  # no lease, no temp file left
+    assert names == sorted(
+        [MANIFEST_NAME, *manifest.table_files] + [f.path for f in manifest.files]
+    )  # no lease, no temp file left
     for rank, result in enumerate(run_ranks(load_worker, 2, uri)):
         assert result["state"].keys() == reference["state"].keys()
         for key, value in result["state"].items():
