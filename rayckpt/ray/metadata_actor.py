@@ -8,6 +8,8 @@ parts, which it calls from worker threads (they do the storage I/O):
   reports failed, that its run gave up on or that times out; keeps each save's
   lease on its location fresh until then.
 - ``plan_cache.PlanCache``: manifests and the load plans made from them.
+- ``layout_cache.LayoutCache``: the save layouts (tensors and paths) it holds, so
+  a save whose layout repeats registers with only its digest.
 - ``storage.catalog``: the checkpoints of each registered run, re-read from
   storage, which stays the truth; the tracker adds the saves in flight.
 
@@ -35,12 +37,14 @@ from typing import Any
 
 import ray
 
+from ..errors import SaveFailedError
 from ..planning.load_plan import TensorRequest
 from ..storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard
 from . import metrics
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
+from .layout_cache import LayoutCache, LayoutRef, SpecLayout, join_spec
 from .plan_cache import LoadBundle, PlanCache
 from .save_history import RUNS_KEPT
 
@@ -68,6 +72,7 @@ class MetadataActor:
         self._incarnation = uuid.uuid4().hex[:12]
         self._tracker = CommitTracker(commit_timeout_s)
         self._plans = PlanCache()
+        self._layouts = LayoutCache()
         #: run -> (root directory of its checkpoints, filesystem), from ``register_run``.
         self._roots: dict[str, tuple[str, Any]] = {}
         #: save_id -> an event per ``wait_commit`` waiting for it, set once the save settled.
@@ -99,6 +104,7 @@ class MetadataActor:
             "event_runs": len(self._events),
             "events": sum(len(e) for e in self._events.values()),
             **self._plans.counts(),
+            **self._layouts.counts(),
         }
 
     # -- catalog ---------------------------------------------------------------
@@ -137,14 +143,38 @@ class MetadataActor:
         run: str,
         step: int | None,
         commit_timeout_s: float | None = None,
+        layout: LayoutRef | None = None,
     ) -> str:
         """Called by rank 0 once per save; returns this incarnation's id. A save not committed
-        within ``commit_timeout_s`` (default: the actor's) fails."""
+        within ``commit_timeout_s`` (default: the actor's) fails.
+
+        ``layout``: the save's layout, when ``spec`` comes without its tensors and paths
+        (``layout_cache``); fetched from rank 0's object store only if this actor lacks it.
+        """
+        if layout is not None:
+            spec = join_spec(spec, await self._layout(layout, spec, run, step))
         track = self._tracker.begin_save
         settled = await asyncio.to_thread(track, spec, location, filesystem, run, step, commit_timeout_s)
         self._watch()  # once the save is registered, so that the watchdog's first look sees it pending
         await self._settle(settled)
         return self._incarnation
+
+    async def _layout(self, layout: LayoutRef, spec: SaveSpec, run: str, step: int | None) -> SpecLayout:
+        """The layout of ``layout.digest``: held, else fetched (its first save here) and kept."""
+        held = self._layouts.get(layout.digest)
+        if held is None:
+            try:
+                held = await layout.ref
+            except Exception as exc:  # noqa: BLE001 - any failure to fetch fails this save, named
+                held = exc
+            if not isinstance(held, SpecLayout):
+                got = f"{type(held).__name__}: {held}" if isinstance(held, Exception) else type(held).__name__
+                raise SaveFailedError(
+                    f"save {spec.save_id} of run {run!r} (step {step}): this MetadataActor does not hold its "
+                    f"layout {layout.digest.hex()} and fetching it from rank 0 gave {got}"
+                )
+            self._layouts.add(layout.digest, held)
+        return held
 
     async def report_written(
         self,
