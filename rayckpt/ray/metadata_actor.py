@@ -37,14 +37,13 @@ from typing import Any
 
 import ray
 
-from ..errors import SaveFailedError
 from ..planning.load_plan import TensorRequest
 from ..storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard
 from . import metrics
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
-from .layout_cache import LayoutCache, LayoutRef, SpecLayout, join_spec
+from .layout_cache import LAYOUT_WANTED, LayoutRef, SaveLayouts, ShardReport, SpecLayout, join_shard, join_spec
 from .plan_cache import LoadBundle, PlanCache
 from .save_history import RUNS_KEPT
 
@@ -72,7 +71,7 @@ class MetadataActor:
         self._incarnation = uuid.uuid4().hex[:12]
         self._tracker = CommitTracker(commit_timeout_s)
         self._plans = PlanCache()
-        self._layouts = LayoutCache()
+        self._layouts = SaveLayouts()
         #: run -> (root directory of its checkpoints, filesystem), from ``register_run``.
         self._roots: dict[str, tuple[str, Any]] = {}
         #: save_id -> an event per ``wait_commit`` waiting for it, set once the save settled.
@@ -160,26 +159,20 @@ class MetadataActor:
         return self._incarnation
 
     async def _layout(self, layout: LayoutRef, spec: SaveSpec, run: str, step: int | None) -> SpecLayout:
-        """The layout of ``layout.digest``: held, else fetched (its first save here) and kept."""
-        held = self._layouts.get(layout.digest)
+        """The layout of ``layout.digest``: held, else fetched from rank 0 (its first save here) and kept."""
+        held = self._layouts.specs.get(layout.digest)
         if held is None:
             try:
-                held = await layout.ref
+                fetched = await layout.ref
             except Exception as exc:  # noqa: BLE001 - any failure to fetch fails this save, named
-                held = exc
-            if not isinstance(held, SpecLayout):
-                got = f"{type(held).__name__}: {held}" if isinstance(held, Exception) else type(held).__name__
-                raise SaveFailedError(
-                    f"save {spec.save_id} of run {run!r} (step {step}): this MetadataActor does not hold its "
-                    f"layout {layout.digest.hex()} and fetching it from rank 0 gave {got}"
-                )
-            self._layouts.add(layout.digest, held)
+                fetched = exc
+            held = self._layouts.add_spec(layout.digest, fetched, spec.save_id, run, step)
         return held
 
     async def report_written(
         self,
         save_id: str,
-        shard: WrittenShard,
+        shard: WrittenShard | ShardReport,
         seconds: float,
         node: str = "",
         incarnation: str | None = None,
@@ -187,13 +180,21 @@ class MetadataActor:
         step: int | None = None,
         location: str = "",
         filesystem: Any = None,
-    ) -> None:
+    ) -> str | None:
         """Called by a ShardWriter when a rank's shard files are durable.
 
+        ``shard``: what the rank wrote, or its ``ShardReport`` (``layout_cache``), which
+        is answered ``LAYOUT_WANTED`` (and not counted) when it comes without a chunk
+        layout this actor lacks: the writer sends it again with the layout.
         ``incarnation``: the id the rank heard when its save began; ``run``, ``step``,
         ``location``, ``filesystem``: whose save and where its files are, for a save
         this incarnation does not know (to name it, and to remove the files if it never commits).
         """
+        if isinstance(shard, ShardReport):
+            joined = await self._written_shard(shard)
+            if joined is None:
+                return LAYOUT_WANTED
+            shard = joined
         known = self._tracker.entry(save_id)
         if known.status != FAILED:  # a failed save's files are removed: not counted as written
             nbytes = shard.nbytes
@@ -209,6 +210,12 @@ class MetadataActor:
             settled += await asyncio.to_thread(lost, save_id, reason, shard.rank, *where)
         self._watch()  # a save nobody registered expires too
         await self._settle(settled)
+        return None
+
+    async def _written_shard(self, report: ShardReport) -> WrittenShard | None:
+        """The rank's ``WrittenShard`` from its report: ``None`` when its chunk layout is neither held nor sent."""
+        layout = self._layouts.chunk_layout(report)
+        return None if layout is None else await asyncio.to_thread(join_shard, report, layout)
 
     async def report_failed(
         self,

@@ -1,8 +1,10 @@
 """On a real local Ray: the MetadataActor receives a save's layout once per layout, not once per save.
 
-Saves of one layout register with its digest only; a changed model sends the new layout once; a
-restarted MetadataActor (a real kill, Ray restarts it) fetches the layout again from rank 0 and the
-save commits; a layout that cannot be fetched fails the registration, naming the save.
+Saves of one layout register with its digest only, and the ShardWriter reports the rank's chunks
+without their keys, boxes and files; a changed model sends the new layouts once; a restarted
+MetadataActor (a real kill, Ray restarts it) fetches the save layout again from rank 0, asks the
+writer for the chunk layout, and the save commits; a layout that cannot be fetched fails the
+registration, naming the save.
 The cache logic alone: tests/unit/test_layout_cache.py."""
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def state(seed: int, layers: int) -> dict:
 
 def layout_counts() -> dict[str, int]:
     stats = ray.get(get_metadata_actor().debug_stats.remote())
-    return {k: stats[k] for k in ("layout_saves", "layouts_received")}
+    names = ("layout_saves", "layouts_received", "chunk_layout_reports", "chunk_layouts_received")
+    return {k: stats[k] for k in names}
 
 
 def delta(before: dict[str, int]) -> dict[str, int]:
@@ -56,7 +59,12 @@ def assert_loads(path: str, step: int, layers: int) -> None:
 def test_the_actor_receives_each_layout_once_and_again_after_a_restart(ray_session, tmp_path):
     before = layout_counts()
     paths = [save(tmp_path, step, layers=5) for step in (1, 2, 3)]
-    assert delta(before) == {"layout_saves": 3, "layouts_received": 1}
+    assert delta(before) == {
+        "layout_saves": 3,
+        "layouts_received": 1,
+        "chunk_layout_reports": 3,
+        "chunk_layouts_received": 1,
+    }
     # the manifest committed from the digest alone describes the state as the first save's does
     first, last = (read_manifest(CheckpointDir.resolve(p)) for p in (paths[0], paths[2]))
     assert last.entries.keys() == first.entries.keys() and last.user_metadata == {"step": 3, "run": "layouts"}
@@ -71,13 +79,21 @@ def test_the_actor_receives_each_layout_once_and_again_after_a_restart(ray_sessi
 
     save(tmp_path, 4, layers=6)  # another model: its layout goes once more
     save(tmp_path, 5, layers=6)
-    assert delta(before) == {"layout_saves": 5, "layouts_received": 2}
+    assert delta(before) == {
+        "layout_saves": 5,
+        "layouts_received": 2,
+        "chunk_layout_reports": 5,
+        "chunk_layouts_received": 2,
+    }
 
-    restart_metadata_actor()  # the new incarnation holds no layout: it fetches it from rank 0
+    restart_metadata_actor()  # the new incarnation holds no layout: it fetches rank 0's, asks the writer's
     path = save(tmp_path, 6, layers=6)
-    assert layout_counts() == {"layout_saves": 1, "layouts_received": 1}
+    # the writer's report without the chunk layout was answered LAYOUT_WANTED, then sent with it
+    expected = {"layout_saves": 1, "layouts_received": 1, "chunk_layout_reports": 2, "chunk_layouts_received": 1}
+    assert layout_counts() == expected
     save(tmp_path, 7, layers=6)
-    assert layout_counts() == {"layout_saves": 2, "layouts_received": 1}
+    expected = {"layout_saves": 2, "layouts_received": 1, "chunk_layout_reports": 3, "chunk_layouts_received": 1}
+    assert layout_counts() == expected
     assert_loads(path, 6, layers=6)
 
 
