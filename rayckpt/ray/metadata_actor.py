@@ -8,8 +8,8 @@ parts, which it calls from worker threads (they do the storage I/O):
   reports failed, that its run gave up on or that times out; keeps each save's
   lease on its location fresh until then.
 - ``plan_cache.PlanCache``: manifests and the load plans made from them.
-- ``layout_cache.LayoutCache``: the save layouts (tensors and paths) it holds, so
-  a save whose layout repeats registers with only its digest.
+- ``layout_cache.SaveLayouts``: the save layouts (tensors and paths) and the
+  ranks' chunk layouts it holds, so a save whose layout repeats sends digests.
 - ``storage.catalog``: the checkpoints of each registered run, re-read from
   storage, which stays the truth; the tracker adds the saves in flight.
 
@@ -184,7 +184,7 @@ class MetadataActor:
         """Called by a ShardWriter when a rank's shard files are durable.
 
         ``shard``: what the rank wrote, or its ``ShardReport`` (``layout_cache``), which
-        is answered ``LAYOUT_WANTED`` (and not counted) when it comes without a chunk
+        is answered ``LAYOUT_WANTED`` (nothing else done) when it comes without a chunk
         layout this actor lacks: the writer sends it again with the layout.
         ``incarnation``: the id the rank heard when its save began; ``run``, ``step``,
         ``location``, ``filesystem``: whose save and where its files are, for a save
