@@ -105,17 +105,13 @@ class BulkPlan:
         p0, p1 = int(self._item_first[rank]), int(self._item_first[rank + 1])
         rows = self._item_row[p0:p1]
         k = t.key[rows]
-        s = t.start[rows]
-        a = rank * self._per[k]
-        first = np.maximum(s, a)
-        last = np.minimum(s + t.rows[rows], np.minimum(a + self._step[k], t.key_rows[k]))
-        rb = t.key_row_bytes[k]
-        lo = (first - s) * rb
-        hi = (last - s) * rb
+        first, count, lo, hi = dim0_item_bounds(
+            rank, t.start[rows], t.rows[rows], t.key_rows[k], t.key_row_bytes[k], self._per[k], self._step[k]
+        )
         kinds = t.key_kind.tolist()
         entries = t.manifest.entries
         items: list[ReadItem] = []
-        columns = (rows, k, t.index[rows], first, last - first, lo, hi)
+        columns = (rows, k, t.index[rows], first, count, lo, hi)
         for row, kid, j, f, n, lo_, hi_ in zip(*(c.tolist() for c in columns)):
             kind = kinds[kid]
             if kind == OTHER:
@@ -134,6 +130,39 @@ class BulkPlan:
             offset, length = int(self._read_offset[q0 + q]), int(self._read_length[q0 + q])
             reads.append(FileRead(mine[0].chunk.file, offset, length, tuple(mine)))
         return LoadPlan(tuple(reads), int(self.needed_bytes[rank]), self.missing)
+
+    @property
+    def all_dim0(self) -> bool:
+        """Every item is of a DIM0 or SCALAR key (no per-rank planned item): ``rank_rows`` tells all."""
+        return self._plans is None and not self._other_items
+
+    def rank_rows(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Rank ``rank``'s items as table rows (plan order; ``dim0_item_bounds`` gives the rest), and its
+        reads: first item, offset, length. Numpy views, no per-item object. Only when ``all_dim0``."""
+        if not self.all_dim0:
+            raise ValueError("this plan has items planned per rank; use for_rank")
+        p0, p1 = int(self._item_first[rank]), int(self._item_first[rank + 1])
+        q0, q1 = int(self._read_of_rank[rank]), int(self._read_of_rank[rank + 1])
+        first = self._read_item[q0:q1] - p0
+        return self._item_row[p0:p1], first, self._read_offset[q0:q1], self._read_length[q0:q1]
+
+
+def dim0_item_bounds(
+    rank: int,
+    start: np.ndarray,
+    rows: np.ndarray,
+    key_rows: np.ndarray,
+    row_bytes: np.ndarray,
+    per: np.ndarray,
+    step: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What rank ``rank`` reads of chunks (dim-0 ``start``, ``rows``) of keys (``key_rows``,
+    ``row_bytes``, and ``per`` / ``step`` as in ``create_dim0_plans``): first row, row count,
+    and the byte range [lo, hi) from the chunk's first byte."""
+    a = rank * per
+    first = np.maximum(start, a)
+    last = np.minimum(start + rows, np.minimum(a + step, key_rows))
+    return first, last - first, (first - start) * row_bytes, (last - start) * row_bytes
 
 
 def create_dim0_plans(

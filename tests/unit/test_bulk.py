@@ -22,6 +22,7 @@ from rayckpt.planning import bulk as bulk_plan
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import DIM0, OTHER, SCALAR, ChunkTable
 from rayckpt.planning.load_plan import TensorRequest, create_load_plan, dim0_boxes
+from rayckpt.planning.rank_slice import create_rank_slices
 from rayckpt.planning.save_columns import create_save_plans
 from rayckpt.planning.save_plan import LocalShard
 from tests.helpers.planning import Tensor, build
@@ -41,6 +42,11 @@ def assert_same_plans(m: Manifest, specs, world_size: int, value_keys=(), strict
         assert bulk.read_bytes[r] == plan.read_bytes
         assert bulk.num_reads[r] == len(plan.reads)
         assert bulk.num_items[r] == sum(len(x.items) for x in plan.reads)
+    # A load without Ray sends each rank its slice of the same plan: it builds the same LoadPlan.
+    slices = create_rank_slices(m, specs, world_size, value_keys, strict)
+    assert (slices is None) == (not bulk.all_dim0)
+    for r, part in enumerate(slices or ()):
+        assert part.plan([tuple(s) for s in specs]) == bulk.for_rank(r), f"slice of rank {r} of {world_size}"
     return bulk
 
 
