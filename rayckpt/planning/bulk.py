@@ -22,7 +22,7 @@ import numpy as np
 
 from ..format.boxes import Box
 from ..format.manifest import Manifest, itemsize
-from .chunk_table import DIM0, OTHER, SCALAR, SCALAR_BOX, ChunkTable
+from .chunk_table import DIM0, OTHER, SCALAR, SCALAR_BOX, ChunkTable, dim0_item_bounds
 from .load_plan import (
     ChunkIndex,
     FileRead,
@@ -136,33 +136,15 @@ class BulkPlan:
         """Every item is of a DIM0 or SCALAR key (no per-rank planned item): ``rank_rows`` tells all."""
         return self._plans is None and not self._other_items
 
-    def rank_rows(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Rank ``rank``'s items as table rows (plan order; ``dim0_item_bounds`` gives the rest), and its
-        reads: first item, offset, length. Numpy views, no per-item object. Only when ``all_dim0``."""
+    def rank_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(item_row, item_first, read_item, read_offset, read_length, read_of_rank)``: every rank's items
+        as table rows (rank r's at ``item_first[r]:item_first[r + 1]``, in plan order; ``dim0_item_bounds``
+        gives the rest) and every read's first item, offset and length (rank r's at
+        ``read_of_rank[r]:read_of_rank[r + 1]``). No per-item object; only when ``all_dim0``."""
         if not self.all_dim0:
             raise ValueError("this plan has items planned per rank; use for_rank")
-        p0, p1 = int(self._item_first[rank]), int(self._item_first[rank + 1])
-        q0, q1 = int(self._read_of_rank[rank]), int(self._read_of_rank[rank + 1])
-        first = self._read_item[q0:q1] - p0
-        return self._item_row[p0:p1], first, self._read_offset[q0:q1], self._read_length[q0:q1]
-
-
-def dim0_item_bounds(
-    rank: int,
-    start: np.ndarray,
-    rows: np.ndarray,
-    key_rows: np.ndarray,
-    row_bytes: np.ndarray,
-    per: np.ndarray,
-    step: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """What rank ``rank`` reads of chunks (dim-0 ``start``, ``rows``) of keys (``key_rows``,
-    ``row_bytes``, and ``per`` / ``step`` as in ``create_dim0_plans``): first row, row count,
-    and the byte range [lo, hi) from the chunk's first byte."""
-    a = rank * per
-    first = np.maximum(start, a)
-    last = np.minimum(start + rows, np.minimum(a + step, key_rows))
-    return first, last - first, (first - start) * row_bytes, (last - start) * row_bytes
+        reads = (self._read_item, self._read_offset, self._read_length, self._read_of_rank)
+        return (self._item_row, self._item_first, *reads)
 
 
 def create_dim0_plans(
@@ -289,17 +271,25 @@ def _rank_ranges(t: ChunkTable, kind: np.ndarray, per: np.ndarray, world_size: i
     DIM0 and SCALAR keys only; the ranks of a chunk are consecutive.
     """
     row_kind = kind[t.key]
-    active = np.flatnonzero((row_kind == DIM0) | (row_kind == SCALAR))
-    k = t.key[active]
-    start = t.start[active]
-    end = np.minimum(start + t.rows[active], t.key_rows[k])
-    div = np.maximum(per[k], 1)
-    scalar = row_kind[active] == SCALAR
-    first = np.where(scalar, 0, start // div)
-    counts = np.zeros(t.num_chunks, np.int64)
-    counts[active] = np.where(scalar, world_size, np.where(end > start, (end - 1) // div - first + 1, 0))
-    first_rank = np.zeros(t.num_chunks, np.int64)
-    first_rank[active] = first
+    dim0 = row_kind == DIM0
+    every = bool(dim0.all())  # the usual case: no row to leave out, no copy to make
+    rows = slice(None) if every else np.flatnonzero(dim0)
+    start = t.start[rows]
+    k = t.key[rows]
+    div = np.maximum(per, 1)[k]
+    first = start // div
+    end = np.minimum(start + t.rows[rows], t.key_rows[k])
+    count = (end - 1) // div
+    count -= first - 1
+    count[end <= start] = 0
+    if every:
+        counts, first_rank = count, first
+    else:
+        counts = np.zeros(t.num_chunks, np.int64)
+        first_rank = np.zeros(t.num_chunks, np.int64)
+        counts[rows] = count
+        first_rank[rows] = first
+        counts[row_kind == SCALAR] = world_size
     return counts, first_rank
 
 
@@ -315,13 +305,14 @@ def _spans(
     def each(column: np.ndarray) -> np.ndarray:
         return np.repeat(column, counts)
 
-    # The rows the rank needs of the chunk, as bytes [lo, hi) from the chunk's first byte.
+    # The rows the rank needs of the chunk, as bytes [lo, hi) from the chunk's first byte: the
+    # rank's rows [a, a + step) within the chunk's [start, end) (end clamped to the key's rows).
     key = t.key
     start = each(t.start)
     a = rank * each(per[key])
-    lo = np.maximum(start, a)
-    hi = np.minimum(each(t.start + t.rows), np.minimum(a + each(step[key]), each(t.key_rows[key])))
-    del a
+    hi = a + each(step[key])
+    np.minimum(hi, each(np.minimum(t.start + t.rows, t.key_rows[key])), out=hi)
+    lo = np.maximum(start, a, out=a)
     row_bytes = each(t.key_row_bytes[key])
     lo -= start
     lo *= row_bytes
@@ -330,10 +321,15 @@ def _spans(
     del start, row_bytes
     # Widened to whole checksum blocks, never past the chunk's end: what create_load_plan reads.
     base = each(t.byte_offset)
-    span_start = base + lo // block_size * block_size
-    del lo
-    span_end = base + np.minimum(-(-hi // block_size) * block_size, each(t.byte_length))
-    return item_row, rank, span_start, span_end
+    lo //= block_size
+    lo *= block_size
+    lo += base
+    hi = -hi
+    hi //= block_size
+    hi *= -block_size
+    np.minimum(hi, each(t.byte_length), out=hi)
+    hi += base
+    return item_row, rank, lo, hi
 
 
 def _merge(

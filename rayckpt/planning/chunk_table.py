@@ -70,15 +70,12 @@ class ChunkTable:
     def from_manifest(cls, manifest: Manifest, columns: ChunkColumns | None = None) -> ChunkTable:
         """The table of ``manifest``, from its chunk columns (built here unless given)."""
         cols = ChunkColumns.from_manifest(manifest) if columns is None else columns
-        key = cols.key
-        key_first = cols.first
-        index = (np.arange(cols.num_chunks) - np.repeat(key_first, cols.counts)).astype(np.int32)
         kind, start, rows = _shape_columns(cols)
         files, file = _sorted_files(cols)
-        byte_offset, byte_length = cols.byte_offset, cols.byte_length
         # Rows in (file, byte_offset) order: a stable sort on the rank then puts each rank's items
         # in the order of its reads.
-        order = np.lexsort((byte_offset, file))
+        order, file, byte_offset = _file_order(file, cols.byte_offset, len(files))
+        key = cols.key[order]
         return cls(
             manifest=manifest,
             keys=cols.keys,
@@ -90,14 +87,14 @@ class ChunkTable:
                 np.int64,
                 len(cols.shapes),
             ),
-            key_first=key_first,
-            key=key[order],
-            index=index[order],
-            file=file[order],
+            key_first=cols.first,
+            key=key,
+            index=(order - cols.first[key]).astype(np.int32),
+            file=file,
             start=start[order],
             rows=rows[order],
-            byte_offset=byte_offset[order],
-            byte_length=byte_length[order],
+            byte_offset=byte_offset,
+            byte_length=cols.byte_length[order],
         )
 
 
@@ -126,34 +123,56 @@ def _sorted_files(cols: ChunkColumns) -> tuple[tuple[str, ...], np.ndarray]:
     return tuple(names[i] for i in order), remap[cols.file]
 
 
+def _file_order(file: np.ndarray, offset: np.ndarray, num_files: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows in (file, offset) order (stable), and the file and offset columns in it.
+
+    A file's chunks usually come in offset order already (each rank writes its
+    file front to back): then a stable counting sort on the file id gives that
+    order without comparing offsets; otherwise a lexsort does.
+    """
+    order = np.argsort(file.astype(np.uint16) if num_files <= 2**16 else file, kind="stable")
+    f, off = file[order], offset[order]
+    if np.all((f[1:] != f[:-1]) | (off[1:] >= off[:-1])):
+        return order, f, off
+    order = np.lexsort((offset, file))
+    return order, file[order], offset[order]
+
+
 def _shape_columns(cols: ChunkColumns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per key its kind; per chunk its first dim-0 row and dim-0 size."""
     n, nkeys = cols.num_chunks, len(cols.keys)
-    key, ndim, flat_off, flat_size = cols.key, cols.ndim, cols.offsets, cols.sizes
-    nflat = len(flat_size)
-    # flat_chunk[i] is the chunk of flat element i.
-    flat_chunk = np.repeat(np.arange(n), ndim)
-    flat_first = cols.flat_first
-    dim = np.arange(nflat) - flat_first[flat_chunk]
-    has_dims = ndim > 0
+    key, key_ndim = cols.key, cols.key_ndim
     start = np.zeros(n, np.int64)
     rows = np.ones(n, np.int64)
-    start[has_dims] = flat_off[flat_first[has_dims]]
-    rows[has_dims] = flat_size[flat_first[has_dims]]
-    nonempty = np.bincount(flat_chunk[flat_size == 0], minlength=n) == 0
-
-    # A dim-0 slab has offsets[1:] == 0 and sizes[1:] == shape[1:].
-    key_ndim = cols.key_ndim
-    ndim_ok = ndim == key_ndim[key]
-    shape_flat = cols.key_shape
+    nonempty = np.ones(n, bool)
+    not_slab = np.zeros(n, bool)
+    ndim_ok = cols.ndim == key_ndim[key]
     shape_first = np.cumsum(key_ndim) - key_ndim
-    tail = np.flatnonzero(ndim_ok[flat_chunk] & (dim > 0))
-    want = shape_flat[shape_first[key[flat_chunk[tail]]] + dim[tail]]
-    off_tail = tail[(flat_off[tail] != 0) | (flat_size[tail] != want)]
-    not_slab = np.bincount(flat_chunk[off_tail], minlength=n) > 0
+    # The chunks of each box rank d at once, as (chunks, d) arrays (views when all have d dims).
+    for d in np.flatnonzero(np.bincount(cols.ndim)).tolist():
+        if d == 0:
+            continue
+        at, off, size = cols.boxes_with_ndim(d)
+        every = len(at) == n
+        where = slice(None) if every else at
+        start[where] = off[:, 0]
+        rows[where] = size[:, 0]
+        nonempty[where] = (size > 0).all(axis=1)
+        if d > 1:
+            # A dim-0 slab has offsets[1:] == 0 and sizes[1:] == shape[1:] (of a key with d dims).
+            tail = np.zeros((nkeys, d - 1), np.int64)
+            has = np.flatnonzero(key_ndim == d)
+            tail[has] = cols.key_shape[shape_first[has][:, None] + np.arange(1, d)]
+            off_tail = (off[:, 1:] != 0).any(axis=1) | (size[:, 1:] != tail[key if every else key[at]]).any(axis=1)
+            not_slab[where] = off_tail & (ndim_ok if every else ndim_ok[at])
 
     def any_per_key(mask: np.ndarray) -> np.ndarray:
-        return np.bincount(key[mask], minlength=nkeys) > 0
+        # A key's rows are contiguous: reduce each key's run of the mask.
+        out = np.zeros(nkeys, bool)
+        has = np.flatnonzero(cols.counts)
+        if len(has):
+            out[has] = np.logical_or.reduceat(mask, cols.first[has])
+        return out
 
     bad_ndim = any_per_key(~ndim_ok)
     dim0 = (key_ndim > 0) & ~bad_ndim & ~any_per_key(nonempty & not_slab) & any_per_key(nonempty)
@@ -175,3 +194,21 @@ def _disjoint_rows(key: np.ndarray, start: np.ndarray, rows: np.ndarray, mask: n
         k, lo, hi = k[order], lo[order], hi[order]
     overlap = (k[1:] == k[:-1]) & (lo[1:] < hi[:-1])
     return np.bincount(k[1:][overlap], minlength=nkeys) == 0
+
+
+def dim0_item_bounds(
+    rank: int,
+    start: np.ndarray,
+    rows: np.ndarray,
+    key_rows: np.ndarray,
+    row_bytes: np.ndarray,
+    per: np.ndarray,
+    step: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What rank ``rank`` reads of chunks (dim-0 ``start``, ``rows``) of keys (``key_rows``,
+    ``row_bytes``, and ``per`` / ``step`` as in ``create_dim0_plans``): first row, row count,
+    and the byte range [lo, hi) from the chunk's first byte."""
+    a = rank * per
+    first = np.maximum(start, a)
+    last = np.minimum(start + rows, np.minimum(a + step, key_rows))
+    return first, last - first, (first - start) * row_bytes, (last - start) * row_bytes

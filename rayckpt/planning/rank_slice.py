@@ -30,8 +30,8 @@ import numpy as np
 from ..format.boxes import Box
 from ..format.chunk_columns import ChunkColumns
 from ..format.manifest import Blocks, ChunkEntry, Manifest, itemsize, manifest_values
-from .bulk import TensorSpec, create_dim0_plans, dim0_item_bounds
-from .chunk_table import SCALAR_BOX, ChunkTable
+from .bulk import BulkPlan, TensorSpec, create_dim0_plans
+from .chunk_table import SCALAR_BOX, ChunkTable, dim0_item_bounds
 from .load_plan import FileRead, LoadPlan, ReadItem, TensorRequest, is_dim0_layout
 
 
@@ -167,25 +167,45 @@ def create_rank_slices(
     cols = ChunkColumns.from_manifest(manifest) if columns is None else columns
     t = ChunkTable.from_manifest(manifest, cols) if table is None else table
     bulk = create_dim0_plans(manifest, specs, world_size, value_keys, strict, table=t)
+    return slice_plan(bulk, specs, value_keys, cols)
+
+
+def slice_plan(
+    bulk: BulkPlan, specs: Sequence[TensorSpec], value_keys: Iterable[str], columns: ChunkColumns
+) -> list[RankSlice] | None:
+    """Every rank's slice of ``bulk`` (planned for ``specs`` and ``value_keys`` from the manifest
+    whose chunk ``columns`` are given); ``None`` unless ``bulk.all_dim0``."""
     if not bulk.all_dim0:
         return None
+    t, cols, world_size = bulk.table, columns, bulk.world_size
+    manifest = t.manifest
     key_ids = {k: i for i, k in enumerate(t.keys)}
     spec_of_key = np.zeros(len(t.keys), np.int32)
     for i, (key, _, _) in enumerate(specs):
         if key in key_ids:
             spec_of_key[key_ids[key]] = i
+    item_row, item_first, read_item, read_offset, read_length, read_of_rank = bulk.rank_columns()
+    # Every rank's columns at once, in rank order; each slice holds views of its part.
+    key = t.key[item_row]
+    at = t.key_first[key] + t.index[item_row]  # the row of the columns (manifest order)
+    count = cols.num_checksums[at].astype(np.int32)
     sums, sums_first = _checksums(manifest, cols)
-    position = t.key_first[t.key] + t.index  # table row -> row of the columns (manifest order)
+    sums = sums[_ranges(sums_first[at], count)]
+    sums_end = np.zeros(len(count) + 1, np.int64)
+    np.cumsum(count, out=sums_end[1:])
+    del at
+    spec, file = spec_of_key[key], t.file[item_row]
+    start, rows = t.start[item_row], t.rows[item_row]
+    offset, length = t.byte_offset[item_row], t.byte_length[item_row]
     files = t.files
     path_size = {f.path: f.size for f in manifest.files}
     values = manifest_values(manifest, value_keys)
     out = []
-    for rank in range(world_size):
-        rows, read_first, read_offset, read_length = bulk.rank_rows(rank)
-        pos = position[rows]
-        file = t.file[rows]
-        used = np.unique(file)
-        count = cols.num_checksums[pos]
+    for rank, (p0, p1, q0, q1) in enumerate(
+        zip(item_first.tolist(), item_first[1:].tolist(), read_of_rank.tolist(), read_of_rank[1:].tolist())
+    ):
+        used, local = np.unique(file[p0:p1], return_inverse=True)
+        names = [files[i] for i in used.tolist()]
         out.append(
             RankSlice(
                 rank=rank,
@@ -194,19 +214,19 @@ def create_rank_slices(
                 missing=bulk.missing,
                 blocks=manifest.blocks,
                 values=values,
-                files=tuple(files[i] for i in used.tolist()),
-                sizes=tuple(path_size.get(files[i], 0) for i in used.tolist()),
-                spec=spec_of_key[t.key[rows]],
-                start=t.start[rows],
-                rows=t.rows[rows],
-                file=np.searchsorted(used, file).astype(np.int32),
-                byte_offset=t.byte_offset[rows],
-                byte_length=t.byte_length[rows],
-                num_checksums=count.astype(np.int32),
-                checksums=sums[_ranges(sums_first[pos], count)],
-                read_first=read_first,
-                read_offset=read_offset,
-                read_length=read_length,
+                files=tuple(names),
+                sizes=tuple(path_size.get(name, 0) for name in names),
+                spec=spec[p0:p1],
+                start=start[p0:p1],
+                rows=rows[p0:p1],
+                file=local.astype(np.int32),
+                byte_offset=offset[p0:p1],
+                byte_length=length[p0:p1],
+                num_checksums=count[p0:p1],
+                checksums=sums[sums_end[p0] : sums_end[p1]],
+                read_first=read_item[q0:q1] - p0,
+                read_offset=read_offset[q0:q1],
+                read_length=read_length[q0:q1],
             )
         )
     return out

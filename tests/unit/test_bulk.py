@@ -6,6 +6,7 @@ in fake files), from save plans of random N -> M reshards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -144,6 +145,23 @@ def test_unsorted_and_split_chunks():
     assert len(m.tensor("w").chunks) == 6
     assert ChunkTable.from_manifest(m).key_kind.tolist() == [DIM0]
     assert_same_plans(m, [("w", "int64", shape)], 4)
+
+
+@pytest.mark.parametrize("key_order", [True, False], ids=["files-in-key-order", "files-in-other-order"])
+def test_table_rows_are_in_file_and_offset_order(key_order):
+    # A writer lays a file out in key order (the manifest's): the table orders by file alone;
+    # laid out otherwise, it sorts by offset too. Either way: (file, byte_offset) order.
+    specs = [(k, "float32", (6, 2)) for k in ("a", "b", "c")]
+    m, _ = build(
+        {k: Tensor("float32", s, [(b, f"r{r}.arrow") for r, b in enumerate(dim0_boxes(s, 3))]) for k, _, s in specs}, 4
+    )
+    if not key_order:  # the manifest lists the keys in another order than the files hold them
+        m = dataclasses.replace(m, entries=dict(reversed(m.entries.items())))
+    t = ChunkTable.from_manifest(m)
+    pairs = list(zip(t.file.tolist(), t.byte_offset.tolist()))
+    assert pairs == sorted(pairs) and len(set(pairs)) == 9
+    assert [m.tensor(t.keys[k]).chunks[j].byte_offset for k, j in zip(t.key, t.index)] == t.byte_offset.tolist()
+    assert_same_plans(m, specs, 2)
 
 
 def test_overlapping_bytes_use_the_per_item_planner():
