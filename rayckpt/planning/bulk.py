@@ -190,11 +190,11 @@ def create_dim0_plans(
     per = np.where(kind == SCALAR, 0, -(-t.key_rows // m))
     step = np.where(kind == SCALAR, 1, per)
 
-    counts, first_rank = _rank_ranges(t, kind, per, m)
+    counts, first_rank, end = _rank_ranges(t, kind, per, m)
     other = _plan_other(t, wanted, kind, m)
     if other:
         np.add.at(counts, np.fromiter((row for row, _, _ in other), np.int64, len(other)), 1)
-    item_row, rank, span_start, span_end = _spans(t, counts, first_rank, per, step, manifest.block_size)
+    item_row, rank, span_start, span_end = _spans(t, counts, first_rank, end, per, step, manifest.block_size)
     other_items = _place_other(other, counts, rank, span_start, span_end)
 
     # A stable sort on the rank keeps each rank's items in table-row, (file, byte_offset), order.
@@ -265,36 +265,44 @@ def _place_other(
     return other_items
 
 
-def _rank_ranges(t: ChunkTable, kind: np.ndarray, per: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per table row: how many target ranks' boxes overlap the chunk, and the first of them.
+def _rank_ranges(
+    t: ChunkTable, kind: np.ndarray, per: np.ndarray, world_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per table row: how many target ranks' boxes overlap the chunk, the first of them, and the
+    chunk's end row (clamped to the key's rows).
 
     DIM0 and SCALAR keys only; the ranks of a chunk are consecutive.
     """
     row_kind = kind[t.key]
     dim0 = row_kind == DIM0
+    end = np.minimum(t.start + t.rows, t.key_rows[t.key])
     every = bool(dim0.all())  # the usual case: no row to leave out, no copy to make
     rows = slice(None) if every else np.flatnonzero(dim0)
-    start = t.start[rows]
-    k = t.key[rows]
-    div = np.maximum(per, 1)[k]
+    start, stop = t.start[rows], end[rows]
+    div = np.maximum(per, 1)[t.key[rows]]
     first = start // div
-    end = np.minimum(start + t.rows[rows], t.key_rows[k])
-    count = (end - 1) // div
+    count = stop - 1
+    count //= div
     count -= first - 1
-    count[end <= start] = 0
+    count[stop <= start] = 0
     if every:
-        counts, first_rank = count, first
-    else:
-        counts = np.zeros(t.num_chunks, np.int64)
-        first_rank = np.zeros(t.num_chunks, np.int64)
-        counts[rows] = count
-        first_rank[rows] = first
-        counts[row_kind == SCALAR] = world_size
-    return counts, first_rank
+        return count, first, end
+    counts = np.zeros(t.num_chunks, np.int64)
+    first_rank = np.zeros(t.num_chunks, np.int64)
+    counts[rows] = count
+    first_rank[rows] = first
+    counts[row_kind == SCALAR] = world_size
+    return counts, first_rank, end
 
 
 def _spans(
-    t: ChunkTable, counts: np.ndarray, first_rank: np.ndarray, per: np.ndarray, step: np.ndarray, block_size: int
+    t: ChunkTable,
+    counts: np.ndarray,
+    first_rank: np.ndarray,
+    end: np.ndarray,
+    per: np.ndarray,
+    step: np.ndarray,
+    block_size: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (chunk, rank) item in table-row order: its row, rank, and block-aligned byte span in the file."""
     ends = np.cumsum(counts)
@@ -306,12 +314,14 @@ def _spans(
         return np.repeat(column, counts)
 
     # The rows the rank needs of the chunk, as bytes [lo, hi) from the chunk's first byte: the
-    # rank's rows [a, a + step) within the chunk's [start, end) (end clamped to the key's rows).
+    # rank's rows [a, a + step) within the chunk's [start, end).
     key = t.key
+    per_item = each(per[key])
+    a = rank * per_item
+    hi = a + (per_item if np.array_equal(per, step) else each(step[key]))
+    del per_item
+    np.minimum(hi, each(end), out=hi)
     start = each(t.start)
-    a = rank * each(per[key])
-    hi = a + each(step[key])
-    np.minimum(hi, each(np.minimum(t.start + t.rows, t.key_rows[key])), out=hi)
     lo = np.maximum(start, a, out=a)
     row_bytes = each(t.key_row_bytes[key])
     lo -= start

@@ -141,30 +141,35 @@ def _file_order(file: np.ndarray, offset: np.ndarray, num_files: int) -> tuple[n
 def _shape_columns(cols: ChunkColumns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per key its kind; per chunk its first dim-0 row and dim-0 size."""
     n, nkeys = cols.num_chunks, len(cols.keys)
-    key, key_ndim = cols.key, cols.key_ndim
+    key, key_ndim, ndim = cols.key, cols.key_ndim, cols.ndim
+    flat_off, flat_size, flat_first = cols.offsets, cols.sizes, cols.flat_first
+    ndim_ok = ndim == key_ndim[key]
     start = np.zeros(n, np.int64)
     rows = np.ones(n, np.int64)
     nonempty = np.ones(n, bool)
     not_slab = np.zeros(n, bool)
-    ndim_ok = cols.ndim == key_ndim[key]
+    # One dim at a time over the chunks that have it (all of them, usually: no copy to make).
     shape_first = np.cumsum(key_ndim) - key_ndim
-    # The chunks of each box rank d at once, as (chunks, d) arrays (views when all have d dims).
-    for d in np.flatnonzero(np.bincount(cols.ndim)).tolist():
+    for d in range(int(ndim.max()) if n else 0):
+        has = ndim > d
+        every = bool(has.all())
+        at = flat_first if every else flat_first[has]
+        if d:
+            at = at + d
+        off, size = flat_off[at], flat_size[at]
+        where = slice(None) if every else has
         if d == 0:
+            start[where] = off
+            rows[where] = size
+            nonempty[where] = size > 0
             continue
-        at, off, size = cols.boxes_with_ndim(d)
-        every = len(at) == n
-        where = slice(None) if every else at
-        start[where] = off[:, 0]
-        rows[where] = size[:, 0]
-        nonempty[where] = (size > 0).all(axis=1)
-        if d > 1:
-            # A dim-0 slab has offsets[1:] == 0 and sizes[1:] == shape[1:] (of a key with d dims).
-            tail = np.zeros((nkeys, d - 1), np.int64)
-            has = np.flatnonzero(key_ndim == d)
-            tail[has] = cols.key_shape[shape_first[has][:, None] + np.arange(1, d)]
-            off_tail = (off[:, 1:] != 0).any(axis=1) | (size[:, 1:] != tail[key if every else key[at]]).any(axis=1)
-            not_slab[where] = off_tail & (ndim_ok if every else ndim_ok[at])
+        nonempty[where] &= size > 0
+        # A dim-0 slab has offsets[d] == 0 and sizes[d] == shape[d] (keys with more than d dims).
+        dim_d = np.full(nkeys, -1, np.int64)
+        long = np.flatnonzero(key_ndim > d)
+        dim_d[long] = cols.key_shape[shape_first[long] + d]
+        not_slab[where] |= (off != 0) | (size != dim_d[key if every else key[has]])
+    not_slab &= ndim_ok
 
     def any_per_key(mask: np.ndarray) -> np.ndarray:
         # A key's rows are contiguous: reduce each key's run of the mask.
@@ -185,13 +190,19 @@ def _shape_columns(cols: ChunkColumns) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def _disjoint_rows(key: np.ndarray, start: np.ndarray, rows: np.ndarray, mask: np.ndarray, nkeys: int) -> np.ndarray:
     """Per key: do the masked chunks' dim-0 ranges overlap nowhere?"""
-    idx = np.flatnonzero(mask)
-    k, lo = key[idx], start[idx]
-    hi = lo + rows[idx]
-    # Chunks are usually stored in dim-0 order already; sort only when they are not.
-    if np.any((k[1:] == k[:-1]) & (lo[1:] < hi[:-1])):
-        order = np.lexsort((lo, k))
-        k, lo, hi = k[order], lo[order], hi[order]
+    if mask.all():  # the usual case: no copy to make
+        k, lo, hi = key, start, start + rows
+    else:
+        idx = np.flatnonzero(mask)
+        k, lo = key[idx], start[idx]
+        hi = lo + rows[idx]
+    # Chunks are usually stored in dim-0 order already (no neighbour starting before its
+    # predecessor ends means sorted and disjoint); sort only when they are not.
+    overlap = (k[1:] == k[:-1]) & (lo[1:] < hi[:-1])
+    if not overlap.any():
+        return np.ones(nkeys, bool)
+    order = np.lexsort((lo, k))
+    k, lo, hi = k[order], lo[order], hi[order]
     overlap = (k[1:] == k[:-1]) & (lo[1:] < hi[:-1])
     return np.bincount(k[1:][overlap], minlength=nkeys) == 0
 
