@@ -265,14 +265,9 @@ def _place_other(
     return other_items
 
 
-def _rank_ranges(
-    t: ChunkTable, kind: np.ndarray, per: np.ndarray, world_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per table row: how many target ranks' boxes overlap the chunk, the first of them, and the
-    chunk's end row (clamped to the key's rows).
-
-    DIM0 and SCALAR keys only; the ranks of a chunk are consecutive.
-    """
+def _rank_ranges(t: ChunkTable, kind: np.ndarray, per: np.ndarray, m: int) -> tuple[np.ndarray, ...]:
+    """Per table row: how many target ranks' boxes overlap the chunk (consecutive ranks; DIM0 and
+    SCALAR keys only), the first of them, and the chunk's end row (clamped to the key's rows)."""
     row_kind = kind[t.key]
     dim0 = row_kind == DIM0
     end = np.minimum(t.start + t.rows, t.key_rows[t.key])
@@ -291,24 +286,18 @@ def _rank_ranges(
     first_rank = np.zeros(t.num_chunks, np.int64)
     counts[rows] = count
     first_rank[rows] = first
-    counts[row_kind == SCALAR] = world_size
+    counts[row_kind == SCALAR] = m
     return counts, first_rank, end
 
 
 def _spans(
-    t: ChunkTable,
-    counts: np.ndarray,
-    first_rank: np.ndarray,
-    end: np.ndarray,
-    per: np.ndarray,
-    step: np.ndarray,
-    block_size: int,
+    t: ChunkTable, counts: np.ndarray, first: np.ndarray, end: np.ndarray, per: np.ndarray, step: np.ndarray, bs: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (chunk, rank) item in table-row order: its row, rank, and block-aligned byte span in the file."""
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
     item_row = np.repeat(np.arange(t.num_chunks, dtype=np.int32), counts)
-    rank = np.arange(total) - np.repeat(ends - counts - first_rank, counts)
+    rank = np.arange(total) - np.repeat(ends - counts - first, counts)
 
     def each(column: np.ndarray) -> np.ndarray:
         return np.repeat(column, counts)
@@ -331,12 +320,12 @@ def _spans(
     del start, row_bytes
     # Widened to whole checksum blocks, never past the chunk's end: what create_load_plan reads.
     base = each(t.byte_offset)
-    lo //= block_size
-    lo *= block_size
+    lo //= bs
+    lo *= bs
     lo += base
     hi = -hi
-    hi //= block_size
-    hi *= -block_size
+    hi //= bs
+    hi *= -bs
     np.minimum(hi, each(t.byte_length), out=hi)
     hi += base
     return item_row, rank, lo, hi
