@@ -121,8 +121,17 @@ def rayckpt_save_plan(layout: lay.Layout, n: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     shards = lay.rayckpt_local_shards(layout, n)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
-    out["save_plan"], plans = measured(lambda: lay.rayckpt_save_plans(shards))
-    out["write_items"] = sum(len(p.items) for p in plans)
+    layouts = lay.rayckpt_shard_layouts(shards)  # made on each rank, in parallel
+    out["save_plan"], assignment = measured(lambda: lay.rayckpt_global_save_plan(layouts))
+    out["write_items"] = sum(len(w) for w in assignment.written)
+    rank, mine = n // 2, assignment.written[n // 2]
+    out["rank_save_plan"], _ = measured(lambda: lay.rayckpt_rank_save_plan(shards[rank], rank, mine))
+    # The next save of the same layout: each rank hashes its own layout, rank 0 compares the digest.
+    out["rank_layout_hash"], _ = measured(lambda: lay.rayckpt_layout_hashes(shards[:1]))
+    hashes = lay.rayckpt_layout_hashes(shards)
+    cached = lay.rayckpt_plan_digest(hashes)  # what the first save cached
+    out["cached_save_plan"], hit = measured(lambda: lay.rayckpt_cached_save_plan(hashes, cached))
+    assert hit
     return out
 
 

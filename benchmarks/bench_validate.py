@@ -6,7 +6,7 @@ dim-0 by ``--saved-ranks`` ranks, a file per rank). Timed, median and min-max ov
 
 - ``find_manifest_problems`` on the in-memory manifest (no problem to report);
 - ``create_manifest`` from every rank's ``WrittenShard`` (builds and validates);
-- ``decode_manifest`` and ``read_manifest`` (decode + validation) of its JSON in a
+- decoding (``manifest_from_bytes``) and ``read_manifest`` (decode + validation) of its files in a
   temporary directory, and ``find_manifest_problems`` alone on the decoded manifest
   (what validating a read costs, without decode's noise);
 - ``ChunkColumns.from_manifest`` (the column build the validation runs on), with its
@@ -29,7 +29,8 @@ from collections import defaultdict
 from typing import Any
 
 from benchmarks.bench_plan import build_manifest, peak_memory, timed
-from rayckpt.format.manifest import TensorEntry, decode_manifest, encode_manifest
+from rayckpt.format.manifest import TensorEntry
+from rayckpt.format.manifest_files import manifest_file_bytes, manifest_from_bytes
 from rayckpt.format.shard_file import WrittenChunk
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec, WrittenShard, create_manifest, read_manifest
@@ -85,12 +86,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec, shards = written_shards(manifest)
     step("create_manifest", lambda: create_manifest(spec, shards))
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        with open(os.path.join(tmp, "manifest.json"), "wb") as f:
-            f.write(encode_manifest(manifest))
+        stored = manifest_file_bytes(manifest)
+        for name, data in stored.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
         ckdir = CheckpointDir.resolve(tmp)
-        step("decode_manifest", lambda: decode_manifest(ckdir.read_bytes("manifest.json")))
+        step("decode_manifest", lambda: manifest_from_bytes({n: ckdir.read_bytes(n) for n in stored}))
         step("read_manifest", lambda: read_manifest(ckdir))
-        decoded = decode_manifest(ckdir.read_bytes("manifest.json"))
+        decoded = manifest_from_bytes(stored)
         step("find_manifest_problems_decoded", lambda: find_manifest_problems(decoded))
     return results
 

@@ -191,7 +191,10 @@ def rayckpt_read(directory: str) -> Any:
 def rayckpt_metadata_bytes(directory: str) -> dict[str, int]:
     from rayckpt.storage.commit import shard_file_save_id
 
-    return metadata_bytes(directory, lambda name: shard_file_save_id(name) is not None)
+    # A version-4 chunk table carries its save id in its name too, but it is metadata.
+    return metadata_bytes(
+        directory, lambda name: shard_file_save_id(name) is not None and not name.endswith("-chunks.arrow")
+    )
 
 
 def rayckpt_local_shards(layout: Layout, world_size: int) -> list[list[Any]]:
@@ -206,10 +209,47 @@ def rayckpt_local_shards(layout: Layout, world_size: int) -> list[list[Any]]:
     ]
 
 
-def rayckpt_save_plans(shards_by_rank: list[list[Any]]) -> Any:
-    from rayckpt.planning.save_columns import create_save_plans
+def rayckpt_shard_layouts(shards_by_rank: list[list[Any]]) -> list[Any]:
+    """What each rank sends rank 0 to plan a save: its shards as columns (``ShardLayout``), made on each rank."""
+    from rayckpt.planning.save_columns import ShardLayout
 
-    return create_save_plans(shards_by_rank)
+    return [ShardLayout.from_shards(shards) for shards in shards_by_rank]
+
+
+def rayckpt_global_save_plan(layouts: list[Any]) -> Any:
+    """Rank 0's part of an uncached save plan: which rank writes each distinct (key, box)."""
+    from rayckpt.planning.save_columns import assign_writers
+
+    return assign_writers(layouts)
+
+
+def rayckpt_rank_save_plan(shards: list[Any], rank: int, written: Any) -> Any:
+    """One rank's own part: its layout, then its plan from the shards rank 0 says it writes."""
+    from rayckpt.planning.save_columns import ShardLayout
+    from rayckpt.planning.save_plan import create_own_plan
+
+    ShardLayout.from_shards(shards)
+    return create_own_plan(rank, shards, written)
+
+
+def rayckpt_layout_hashes(shards_by_rank: list[list[Any]]) -> list[bytes]:
+    """Each rank's layout hash (``ShardLayout.digest``): each rank hashes its own, at once, on every save."""
+    from rayckpt.planning.save_columns import ShardLayout
+
+    return [ShardLayout.from_shards(shards).digest() for shards in shards_by_rank]
+
+
+def rayckpt_plan_digest(hashes: list[bytes]) -> bytes:
+    """The digest of every rank's layout hash, in rank order: what the plan cache is keyed by."""
+    from rayckpt.planning.save_columns import digest
+
+    return digest(*hashes)
+
+
+def rayckpt_cached_save_plan(hashes: list[bytes], cached: bytes) -> bool:
+    """Rank 0 on a save whose layout repeats (``engine.save_layout``): the digest of every rank's
+    gathered hash against the cached one; a hit reuses the cached plan (each rank keeps its own part)."""
+    return rayckpt_plan_digest(hashes) == cached
 
 
 def rayckpt_chunk_table(manifest: Any) -> Any:

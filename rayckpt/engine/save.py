@@ -203,6 +203,9 @@ class SaveContext:
     flat: FlatState
     #: Whether the plan came from this process's plan cache (``save_layout``).
     cached: bool = False
+    #: Digest of every rank's layout (``save_layout``): saves with equal digests have equal
+    #: ``spec.tensors`` and ``spec.paths`` (the MetadataActor keeps them per digest).
+    layout: bytes = b""
 
 
 def collect_state(
@@ -247,7 +250,7 @@ def collect_state(
     spec = SaveSpec(
         a.save_id, coord.world_size, block_size, a.tensors, a.values, dict(metadata or {}), a.paths, a.previous
     )
-    return SaveContext(spec, coord.rank, a.plan, a.nodes, a.flat, a.cached)
+    return SaveContext(spec, coord.rank, a.plan, a.nodes, a.flat, a.cached, a.layouts)
 
 
 def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]) -> WrittenShard:

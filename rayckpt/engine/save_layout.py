@@ -128,6 +128,8 @@ class AgreedPlan:
     #: Whether the cached plan was used.
     cached: bool
     flat: FlatState
+    #: Digest of every rank's layout hash, in rank order: equal digests, equal tensors and paths.
+    layouts: bytes = b""
 
 
 def agree_on_plan(
@@ -172,7 +174,7 @@ def agree_on_plan(
         PLAN_STATS["cached"] += 1
         values = _merge_values(root["values"], cached.tensors) if coord.rank == 0 else {}
         tensors, paths = dict(cached.tensors), dict(cached.paths)
-        return AgreedPlan(save_id, previous, cached.plan, nodes, tensors, values, paths, True, flat)
+        return AgreedPlan(save_id, previous, cached.plan, nodes, tensors, values, paths, True, flat, hit)
 
     def plan(layouts: list[RankLayout]) -> list[tuple[bytes, bytes]]:
         assignment = assign_writers([lay.shards for lay in layouts])
@@ -192,7 +194,8 @@ def agree_on_plan(
     tensors, paths = root.get("tensors", {}), root.get("paths", {})
     _CACHE[key] = CachedPlan(layouts, own, tensors, paths)
     PLAN_STATS["planned"] += 1
-    return AgreedPlan(save_id, previous, own, nodes, tensors, root.get("merged", {}), paths, False, flat)
+    merged = root.get("merged", {})
+    return AgreedPlan(save_id, previous, own, nodes, tensors, merged, paths, False, flat, layouts)
 
 
 def _bits(indices: np.ndarray, n: int) -> bytes:

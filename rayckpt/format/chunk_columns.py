@@ -10,15 +10,20 @@ reader of such a table can build them without any per-chunk Python object.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .manifest import DTYPES, Manifest, TensorEntry
+from .boxes import Box
+from .manifest import DTYPES, ChunkEntry, Manifest, TensorEntry
+
+if TYPE_CHECKING:
+    from .shard_file import WrittenChunk
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,49 +49,75 @@ class ChunkColumns:
     #: ``flat_first[i]``); never negative, as in a ``Box`` (a reader of a stored table checks it).
     offsets: np.ndarray
     sizes: np.ndarray
+    #: Every chunk's block checksums back to back (uint64; row ``i``'s at ``checksum_first[i]``).
+    #: ``None`` where not needed (columns built only to check a manifest).
+    checksums: np.ndarray | None = None
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest, keys: Sequence[str] | None = None) -> ChunkColumns:
+    def from_manifest(
+        cls, manifest: Manifest, keys: Sequence[str] | None = None, checksums: bool = False
+    ) -> ChunkColumns:
         """The columns of ``keys`` (tensor keys; default: all of them, in manifest order).
 
-        One pass over the chunks per column, at C speed (``np.fromiter`` over
-        ``attrgetter``). Raises ``OverflowError`` when a value does not fit in int64
-        (possible only in a manifest built in memory: decoding refuses such values).
+        A manifest read from a chunk table (version 4) has them already: returned
+        as they are when every key is asked for. Otherwise one pass over the chunks
+        per column, at C speed (``np.fromiter`` over ``attrgetter``); ``checksums``
+        also gathers the block checksums. Raises ``OverflowError`` when a value does
+        not fit in int64 (possible only in a manifest built in memory: decoding
+        refuses such values).
         """
+        if keys is None and manifest.columns is not None:
+            return manifest.columns  # type: ignore[no-any-return]
         if keys is None:
             keys = [k for k, e in manifest.entries.items() if isinstance(e, TensorEntry)]
         entries: list[TensorEntry] = [manifest.entries[k] for k in keys]  # type: ignore[misc]
         counts = np.fromiter(map(len, map(attrgetter("chunks"), entries)), np.int64, len(entries))
-        n = int(counts.sum())
-
-        def column(field: str) -> np.ndarray:
-            chunks = chain.from_iterable(map(attrgetter("chunks"), entries))
-            return np.fromiter(map(attrgetter(field), chunks), np.int64, n)
-
-        def lengths(field: str) -> np.ndarray:
-            chunks = chain.from_iterable(map(attrgetter("chunks"), entries))
-            return np.fromiter(map(len, map(attrgetter(field), chunks)), np.int64, n)
-
-        def flat(field: str, count: int) -> np.ndarray:
-            chunks = chain.from_iterable(map(attrgetter("chunks"), entries))
-            return np.fromiter(chain.from_iterable(map(attrgetter(field), chunks)), np.int64, count)
-
-        files, file = _file_ids([f.path for f in manifest.files], entries, n)
-        ndim = lengths("box.sizes")
-        nflat = int(ndim.sum())
+        fields = _chunk_fields(
+            [f.path for f in manifest.files],
+            lambda: chain.from_iterable(map(attrgetter("chunks"), entries)),
+            int(counts.sum()),
+            checksums,
+        )
         return cls(
             keys=tuple(keys),
             dtypes=tuple(e.dtype for e in entries),
             shapes=tuple(e.shape for e in entries),
             counts=counts,
-            files=files,
-            file=file,
-            byte_offset=column("byte_offset"),
-            byte_length=column("byte_length"),
-            num_checksums=lengths("checksums"),
-            ndim=ndim,
-            offsets=flat("box.offsets", nflat),
-            sizes=flat("box.sizes", nflat),
+            **fields,
+        )
+
+    @classmethod
+    def from_chunks(
+        cls,
+        keys: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        files: Sequence[str],
+        chunks: Sequence[WrittenChunk],
+    ) -> ChunkColumns:
+        """The columns (with checksums) of ``chunks`` as ranks report them, in any order: the rows of a
+        key together in ``keys`` order, a key's rows by box offsets (stable), as ``create_manifest`` orders
+        them. ``files`` first in the file names. Raises ``KeyError`` naming a key not in ``keys``."""
+        ids = {k: i for i, k in enumerate(keys)}
+        n = len(chunks)
+        key = np.fromiter(map(ids.__getitem__, map(attrgetter("key"), chunks)), np.int32, n)
+        fields = _chunk_fields(files, lambda: iter(chunks), n, True)
+        ndim, offsets, num_checksums = fields["ndim"], fields["offsets"], fields["num_checksums"]
+        width = int(ndim.max(initial=0))
+        padded = np.full((n, width), -1, np.int64)  # shorter boxes sort first, as shorter tuples do
+        rows = np.repeat(np.arange(n), ndim)
+        padded[rows, np.arange(len(offsets)) - np.repeat(np.cumsum(ndim) - ndim, ndim)] = offsets
+        order = np.lexsort([padded[:, d] for d in reversed(range(width))] + [key])
+        for name in ("file", "byte_offset", "byte_length", "num_checksums", "ndim"):
+            fields[name] = fields[name][order]
+        fields["offsets"], fields["sizes"] = (_gather(ndim, order, fields[f]) for f in ("offsets", "sizes"))
+        fields["checksums"] = _gather(num_checksums, order, fields["checksums"])
+        return cls(
+            keys=tuple(keys),
+            dtypes=tuple(dtypes),
+            shapes=tuple(shapes),
+            counts=np.bincount(key, minlength=len(keys)).astype(np.int64),
+            **fields,
         )
 
     @property
@@ -112,6 +143,25 @@ class ChunkColumns:
             ndim=self.ndim[lo:hi],
             offsets=self.offsets[flo:fhi],
             sizes=self.sizes[flo:fhi],
+            checksums=None if self.checksums is None else self.checksums[self._checksum_range(lo, hi)],
+        )
+
+    def _checksum_range(self, lo: int, hi: int) -> slice:
+        start = int(self.checksum_first[lo]) if lo < self.num_chunks else len(self.checksums)  # type: ignore[arg-type]
+        return slice(start, start + int(self.num_checksums[lo:hi].sum()))
+
+    def chunk(self, row: int) -> ChunkEntry:
+        """Row ``row`` as a ``ChunkEntry`` (a manifest read from a chunk table builds its chunks here)."""
+        if self.checksums is None:
+            raise ValueError("these chunk columns hold no checksums")
+        offsets, sizes = self.box(row)
+        lo = int(self.checksum_first[row])
+        return ChunkEntry(
+            Box(tuple(offsets), tuple(sizes)),
+            self.files[int(self.file[row])],
+            int(self.byte_offset[row]),
+            int(self.byte_length[row]),
+            tuple(self.checksums[lo : lo + int(self.num_checksums[row])].tolist()),
         )
 
     @cached_property
@@ -123,6 +173,11 @@ class ChunkColumns:
     def first(self) -> np.ndarray:
         """Per key: its first row."""
         return np.cumsum(self.counts) - self.counts
+
+    @cached_property
+    def checksum_first(self) -> np.ndarray:
+        """Per chunk: where its block checksums start in ``checksums``."""
+        return np.cumsum(self.num_checksums) - self.num_checksums
 
     @cached_property
     def flat_first(self) -> np.ndarray:
@@ -169,12 +224,46 @@ class ChunkColumns:
         return volume, approx
 
 
-def _file_ids(known: Sequence[str], entries: list[TensorEntry], n: int) -> tuple[tuple[str, ...], np.ndarray]:
+def _chunk_fields(known: Sequence[str], chunks: Callable[[], Iterator[Any]], n: int, checksums: bool) -> dict[str, Any]:
+    """The per-chunk columns of ``n`` chunks (``ChunkEntry`` or ``WrittenChunk``: ``chunks()`` iterates
+    them afresh), one pass per column at C speed (``np.fromiter`` over ``attrgetter``)."""
+
+    def column(field: str) -> np.ndarray:
+        return np.fromiter(map(attrgetter(field), chunks()), np.int64, n)
+
+    def lengths(field: str) -> np.ndarray:
+        return np.fromiter(map(len, map(attrgetter(field), chunks())), np.int64, n)
+
+    def flat(field: str, count: int, dtype: type = np.int64) -> np.ndarray:
+        return np.fromiter(chain.from_iterable(map(attrgetter(field), chunks())), dtype, count)
+
+    files, file = _file_ids(known, lambda: map(attrgetter("file"), chunks()), n)
+    ndim = lengths("box.sizes")
+    num_checksums = lengths("checksums")
+    return {
+        "files": files,
+        "file": file,
+        "byte_offset": column("byte_offset"),
+        "byte_length": column("byte_length"),
+        "num_checksums": num_checksums,
+        "ndim": ndim,
+        "offsets": flat("box.offsets", int(ndim.sum())),
+        "sizes": flat("box.sizes", int(ndim.sum())),
+        "checksums": flat("checksums", int(num_checksums.sum()), np.uint64) if checksums else None,
+    }
+
+
+def _gather(lengths: np.ndarray, order: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The variable-length rows of ``values`` (row ``i`` holds ``lengths[i]``) in row order ``order``."""
+    first = np.cumsum(lengths) - lengths
+    taken = lengths[order]
+    starts = np.repeat(first[order] - (np.cumsum(taken) - taken), taken)
+    return values[starts + np.arange(int(taken.sum()))]
+
+
+def _file_ids(known: Sequence[str], names: Callable[[], Iterator[str]], n: int) -> tuple[tuple[str, ...], np.ndarray]:
     """The file names (``known``, then any other a chunk names, by first use) and each chunk's file id."""
     ids = {name: i for i, name in enumerate(dict.fromkeys(known))}
-
-    def names() -> Iterator[str]:
-        return map(attrgetter("file"), chain.from_iterable(map(attrgetter("chunks"), entries)))
 
     try:
         file = np.fromiter(map(ids.__getitem__, names()), np.int32, n)

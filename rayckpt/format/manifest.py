@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +32,14 @@ from .paths import Path, decode_path, encode_path
 from .values import check_value
 
 FORMAT_NAME = "rayckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
-#: Versions this rayckpt reads: 1 (CRC-32 blocks), 2 (the checksum is named) and
-#: 3 (each key's path; bytes values).
-READ_VERSIONS = (1, 2, 3)
+#: Versions this rayckpt reads: 1 (CRC-32 blocks), 2 (the checksum is named),
+#: 3 (each key's path; bytes values) and 4 (the chunks in a columnar chunk table).
+READ_VERSIONS = (1, 2, 3, 4)
+#: The first version whose chunks live in the chunk table (an Arrow IPC file) instead of the JSON.
+CHUNK_TABLE_VERSION = 4
 #: Block checksum algorithms: XXH3-64 (the default, ~3x faster than zlib's CRC-32
 #: here) and CRC-32 (what version 1 wrote).
 CHECKSUMS = ("xxh3_64", "crc32")
@@ -93,7 +95,8 @@ class ChunkEntry:
 class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[ChunkEntry, ...]
+    #: A tuple, or for a version-4 manifest read from storage its rows of the chunk table (``ChunkRows``).
+    chunks: Sequence[ChunkEntry]
     #: Where the key sits in the nested state dict (None before format version 3).
     path: Path | None = None
 
@@ -137,6 +140,10 @@ class Manifest:
     user_metadata: dict[str, Any] = field(default_factory=dict)
     #: Algorithm of every chunk's block checksums (one of ``CHECKSUMS``).
     checksum: str = DEFAULT_CHECKSUM
+    #: Read from storage (version 4): the chunk table's file name and its columns
+    #: (``chunk_columns.ChunkColumns``, which the tensor entries' ``chunk_rows.ChunkRows`` index).
+    chunk_table: str | None = field(default=None, compare=False)
+    columns: Any = field(default=None, compare=False, repr=False)
 
     @property
     def blocks(self) -> Blocks:
@@ -145,6 +152,13 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def table_files(self) -> tuple[str, ...]:
+        """Files of the checkpoint besides the shard files and ``manifest.json``: its chunk table (version 4)."""
+        if self.version < CHUNK_TABLE_VERSION:
+            return ()
+        return (self.chunk_table or chunk_table_name(self.save_id),)
 
     def path(self, key: str) -> Path:
         """Where ``key`` sits in the saved state dict (the key itself before format version 3)."""
@@ -157,7 +171,25 @@ class Manifest:
         return entry
 
 
-def encode_manifest(m: Manifest) -> bytes:
+#: Attaches a version-4 manifest's chunk table: (the manifest, its tensor entries still without
+#: chunks; the JSON's ``chunk_table`` object) -> the whole manifest (``manifest_files``).
+TableLoader = Callable[["Manifest", dict[str, Any]], "Manifest"]
+
+
+def chunk_table_name(save_id: str) -> str:
+    """The chunk table file of a version-4 save (FORMAT.md: file naming)."""
+    return f"{save_id}-chunks.arrow"
+
+
+def encode_manifest(m: Manifest, table: dict[str, Any] | None = None) -> bytes:
+    """The manifest's JSON. Version 4 names its chunk table (``table``: the ``chunk_table`` object)
+    and lists no chunk itself; ``manifest_files.encode_manifest_files`` writes both."""
+    by_table = m.version >= CHUNK_TABLE_VERSION
+    if by_table and table is None:
+        raise InvalidStateError(
+            f"a version-{m.version} manifest lists its chunks in a chunk table: "
+            "encode it with manifest_files.encode_manifest_files"
+        )
     # Version 1 has no algorithm field per chunk: its list is called "crc32".
     sums = "crc32" if m.version == 1 else "checksums"
     entries: dict[str, Any] = {}
@@ -168,7 +200,9 @@ def encode_manifest(m: Manifest) -> bytes:
                 **_path_field(m.version, e.path),
                 "dtype": e.dtype,
                 "shape": list(e.shape),
-                "chunks": [
+            }
+            if not by_table:
+                entries[key]["chunks"] = [
                     {
                         "offsets": list(c.box.offsets),
                         "sizes": list(c.box.sizes),
@@ -178,8 +212,7 @@ def encode_manifest(m: Manifest) -> bytes:
                         sums: list(c.checksums),
                     }
                     for c in e.chunks
-                ],
-            }
+                ]
         else:
             entries[key] = {"kind": "value", **_path_field(m.version, e.path), "value": e.value}
     doc = {
@@ -192,8 +225,10 @@ def encode_manifest(m: Manifest) -> bytes:
         "checksum": m.checksum,
         "user_metadata": m.user_metadata,
         "files": [{"path": f.path, "size": f.size, "rank": f.rank} for f in m.files],
-        "entries": entries,
     }
+    if table is not None and by_table:
+        doc["chunk_table"] = table
+    doc["entries"] = entries
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -201,8 +236,11 @@ def _path_field(version: int, path: Path | None) -> dict[str, Any]:
     return {"path": encode_path(path)} if version >= 3 and path is not None else {}
 
 
-def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
+def decode_manifest(data: bytes, where: str = "manifest", table: TableLoader | None = None) -> Manifest:
     """Parse and validate a manifest; ``where`` names it in errors.
+
+    A version-4 manifest's chunks come from its chunk table, through ``table``
+    (``manifest_files.decode_manifest_files`` passes one that reads the file).
 
     The cyclic garbage collector is paused meanwhile: a large manifest creates
     millions of objects (none cyclic) and each collection would rescan them all,
@@ -211,13 +249,13 @@ def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _decode(data, where)
+        return _decode(data, where, table)
     finally:
         if paused:
             gc.enable()
 
 
-def _decode(data: bytes, where: str) -> Manifest:
+def _decode(data: bytes, where: str, table: TableLoader | None) -> Manifest:
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -238,24 +276,38 @@ def _decode(data: bytes, where: str) -> Manifest:
             f"{where}: checksum {show(checksum)} is not supported by format version {version} "
             f"(known: {', '.join(CHECKSUMS)})"
         )
+    if version >= CHUNK_TABLE_VERSION and table is None:
+        raise InvalidStateError(
+            f"{where}: a version-{version} manifest lists its chunks in a chunk table: "
+            "read it with manifest_files.decode_manifest_files"
+        )
     try:
-        return _decode_document(doc, version, checksum)
+        manifest = _decode_document(doc, version, checksum)
     except (SchemaError, CorruptCheckpointError) as exc:
         # CorruptCheckpointError: a key's path (``decode_path``) names its JSON path, not the file.
         raise CorruptCheckpointError(f"{where}: {exc}") from None
+    if table is None or version < CHUNK_TABLE_VERSION:
+        return manifest
+    ref = dict(doc["chunk_table"])
+    try:
+        ref["path"] = _safe_path(ref["path"], "chunk_table.path")
+    except SchemaError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
+    return table(manifest, ref)
 
 
-#: The schema of each chunk checksum field name ("crc32" in version 1).
+#: The schema of each chunk checksum field name ("crc32" in version 1), and of version 4 ("table").
 _SCHEMAS = {
-    sums: manifest_schema(tuple(DTYPES), CHECKSUMS, sums, Checked(check_value, "a stored value"))
-    for sums in ("crc32", "checksums")
+    sums: manifest_schema(tuple(DTYPES), CHECKSUMS, sums, Checked(check_value, "a stored value"), sums == "table")
+    for sums in ("crc32", "checksums", "table")
 }
 
 
 def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manifest:
     """The manifest of a document whose format and version are known; raises ``SchemaError``."""
     sums = "crc32" if version == 1 else "checksums"
-    schema = _SCHEMAS[sums]
+    by_table = version >= CHUNK_TABLE_VERSION
+    schema = _SCHEMAS["table" if by_table else sums]
     # Everything but the entries through the schema (a few objects); the entries below.
     schema.check(doc, "", skip=("entries",))
     files = tuple(
@@ -271,7 +323,7 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
         entry_schema.check(entry_docs, "entries")
     tagged = entry_schema.item  # type: ignore[attr-defined]
     tensor_schema, value_schema = tagged.kinds["tensor"], tagged.kinds["value"]
-    chunk_schema = tensor_schema.fields["chunks"].item
+    chunk_schema = None if by_table else tensor_schema.fields["chunks"].item
     safe: dict[str, str] = {}  # file name as written -> checked path (a few files, millions of chunks)
     entries: dict[str, Entry] = {}
     for key, e in entry_docs.items():
@@ -285,7 +337,7 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
         if kind == "value":
             entries[key] = ValueEntry(e["value"], path)
             continue
-        dtype, shape, chunk_docs = e.get("dtype"), e.get("shape"), e.get("chunks")
+        dtype, shape, chunk_docs = e.get("dtype"), e.get("shape"), [] if by_table else e.get("chunks")
         if (
             type(dtype) is not str
             or dtype not in DTYPES

@@ -38,6 +38,8 @@ def find_manifest_problems(m: Manifest, columns: ChunkColumns | None = None) -> 
     checks take stays bounded however large the manifest).
     """
     if columns is None:
+        columns = m.columns  # read from a chunk table (version 4); else built below
+    if columns is None:
         keys = [k for k, e in m.entries.items() if isinstance(e, TensorEntry)]
         counts = [len(m.entries[k].chunks) for k in keys]  # type: ignore[union-attr]
     else:

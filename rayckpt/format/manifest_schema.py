@@ -251,27 +251,30 @@ def chunk_schema(checksums: str) -> Obj:
 PATH = AnyJSON()
 
 
-def tensor_schema(dtypes: tuple[str, ...], checksums: str) -> Obj:
-    return Obj(
-        {
-            "path": PATH,
-            "dtype": OneOf(dtypes),
-            "shape": INTS,
-            "chunks": ListOf(chunk_schema(checksums), "chunks"),
-        },
-        optional=frozenset({"path"}),
-    )
+def tensor_schema(dtypes: tuple[str, ...], checksums: str, table: bool = False) -> Obj:
+    """A tensor entry; with ``table`` (version 4) its chunks are in the chunk table, not here."""
+    fields: dict[str, Node] = {"path": PATH, "dtype": OneOf(dtypes), "shape": INTS}
+    if not table:
+        fields["chunks"] = ListOf(chunk_schema(checksums), "chunks")
+    return Obj(fields, optional=frozenset({"path"}))
 
 
-def manifest_schema(dtypes: tuple[str, ...], checksums: tuple[str, ...], sums: str, value: Node) -> Obj:
+#: Version 4's ``chunk_table``: the chunk table file, its size, row count and XXH3-64 digest.
+CHUNK_TABLE = Obj({"path": Str(), "size": SIZE, "rows": SIZE, "xxh3_64": Int(high=CHECKSUM_LIMIT)})
+
+
+def manifest_schema(
+    dtypes: tuple[str, ...], checksums: tuple[str, ...], sums: str, value: Node, table: bool = False
+) -> Obj:
     """The whole document of one format version (``format`` and ``version`` are checked before).
 
-    ``sums``: the chunks' checksum field name; ``value``: how a stored value is checked.
+    ``sums``: the chunks' checksum field name; ``value``: how a stored value is checked;
+    ``table``: the chunks are in a chunk table the document names (version 4).
     """
     entry = Tagged(
         "kind",
         {
-            "tensor": tensor_schema(dtypes, sums),
+            "tensor": tensor_schema(dtypes, sums, table),
             "value": Obj({"path": PATH, "value": value}, optional=frozenset({"path"})),
         },
     )
@@ -284,6 +287,7 @@ def manifest_schema(dtypes: tuple[str, ...], checksums: tuple[str, ...], sums: s
             "checksum": OneOf(checksums),
             "user_metadata": MapOf(AnyJSON()),
             "files": ListOf(Obj({"path": Str(), "size": SIZE, "rank": SIZE}), "files"),
+            **({"chunk_table": CHUNK_TABLE} if table else {}),
             "entries": MapOf(entry),
         },
         optional=frozenset({"created", "checksum", "user_metadata"}),

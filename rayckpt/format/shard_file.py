@@ -54,7 +54,12 @@ class ShardFiles(Protocol):
     def refuse_link(self, rel: str) -> None: ...
 
 
-DEFAULT_BLOCK_SIZE = 64 * 1024
+#: Bytes per block checksum. 128 KiB (64 KiB before format version 4): a ranged read covers
+#: whole blocks, so larger blocks read more around a reshard's cut (1 GB suite 4->3: 1.006x
+#: read for 1.003x at 64 KiB), while each block costs 8 bytes of manifest, the largest part of
+#: it at small rank counts (64 ranks x 11.3 B params: 10.2 MB, under half DCP's 20.7 MB
+#: ``.metadata``; 18.5 MB at 64 KiB). BENCHMARKS.md "Thousands of ranks" has the numbers.
+DEFAULT_BLOCK_SIZE = 128 * 1024
 _ARROW_TYPES = {
     "double": pa.float64(),
     "float": pa.float32(),

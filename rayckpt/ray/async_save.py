@@ -33,6 +33,7 @@ from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import remove_failed_save
 from ..storage.lease import release_lease
 from . import metrics
+from .layout_cache import LayoutRef, SpecLayout, split_spec
 from .metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from .save_handle import SaveHandle, actor_location, report_failed
 from .shard_writer import ShardWrite, get_shard_writer
@@ -64,6 +65,9 @@ class AsyncSaver:
         self.inflight: SaveHandle | None = None
         #: The reusable staging buffer in ``/dev/shm``, made on first use.
         self.buffer: StagingBuffer | None = None
+        #: Rank 0: the layout of its last save, put in the object store (and the Ray job that
+        #: owns the reference): every registration sends it, the actor reads it only when it lacks it.
+        self.layout: tuple[LayoutRef, str] | None = None
 
     def save(
         self,
@@ -149,23 +153,34 @@ class AsyncSaver:
         if self.inflight is handle:
             self.inflight = None
 
-    @staticmethod
     def _register(
-        ctx: SaveContext, ckdir: CheckpointDir, filesystem: Any, run: str, step: int | None, timeout: float
+        self, ctx: SaveContext, ckdir: CheckpointDir, filesystem: Any, run: str, step: int | None, timeout: float
     ) -> Any:
         """Rank 0: register the save with the MetadataActor (sent, not waited for, no collective).
 
         The actor commits a save only once it is registered; ``wait()`` on rank 0
         checks that it was, and a registration that cannot even be sent fails the
-        save for every rank.
+        save for every rank. The spec goes without its tensors and paths, with a
+        reference to them put in the object store once per layout (``layout_cache``).
         """
         location = actor_location(ckdir, filesystem)
         try:
-            return get_metadata_actor().begin_save.remote(ctx.spec, location, filesystem, run, step, timeout)
+            spec, ref = ctx.spec, None
+            if ctx.layout:
+                spec, layout = split_spec(ctx.spec)
+                ref = self._layout_ref(ctx.layout, layout)
+            return get_metadata_actor().begin_save.remote(spec, location, filesystem, run, step, timeout, ref)
         except Exception as exc:
             failed = f"registering with the MetadataActor: {type(exc).__name__}: {exc}"
             report_failed(ctx.spec.save_id, ctx.rank, failed, run, step, ckdir, filesystem)
             raise SaveFailedError(f"save of step {step} to {ckdir.location}: {failed}") from exc
+
+    def _layout_ref(self, digest: bytes, layout: SpecLayout) -> LayoutRef:
+        """The reference to this save's layout: the last save's while its digest repeats (in this Ray job)."""
+        job = ray.get_runtime_context().get_job_id()
+        if self.layout is None or self.layout[0].digest != digest or self.layout[1] != job:
+            self.layout = (LayoutRef(digest, ray.put(layout)), job)
+        return self.layout[0]
 
     def stage_share(self, ctx: SaveContext, node_id: str, staging: str) -> Any:
         """Copy this rank's share into shared memory: a ``StagedRegion`` of the staging

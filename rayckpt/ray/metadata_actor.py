@@ -8,6 +8,8 @@ parts, which it calls from worker threads (they do the storage I/O):
   reports failed, that its run gave up on or that times out; keeps each save's
   lease on its location fresh until then.
 - ``plan_cache.PlanCache``: manifests and the load plans made from them.
+- ``layout_cache.SaveLayouts``: the save layouts (tensors and paths) and the
+  ranks' chunk layouts it holds, so a save whose layout repeats sends digests.
 - ``storage.catalog``: the checkpoints of each registered run, re-read from
   storage, which stays the truth; the tracker adds the saves in flight.
 
@@ -41,6 +43,7 @@ from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard
 from . import metrics
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
+from .layout_cache import LAYOUT_WANTED, LayoutRef, SaveLayouts, ShardReport, SpecLayout, join_shard, join_spec
 from .plan_cache import LoadBundle, PlanCache
 from .save_history import RUNS_KEPT
 
@@ -68,6 +71,7 @@ class MetadataActor:
         self._incarnation = uuid.uuid4().hex[:12]
         self._tracker = CommitTracker(commit_timeout_s)
         self._plans = PlanCache()
+        self._layouts = SaveLayouts()
         #: run -> (root directory of its checkpoints, filesystem), from ``register_run``.
         self._roots: dict[str, tuple[str, Any]] = {}
         #: save_id -> an event per ``wait_commit`` waiting for it, set once the save settled.
@@ -99,6 +103,7 @@ class MetadataActor:
             "event_runs": len(self._events),
             "events": sum(len(e) for e in self._events.values()),
             **self._plans.counts(),
+            **self._layouts.counts(),
         }
 
     # -- catalog ---------------------------------------------------------------
@@ -137,19 +142,37 @@ class MetadataActor:
         run: str,
         step: int | None,
         commit_timeout_s: float | None = None,
+        layout: LayoutRef | None = None,
     ) -> str:
         """Called by rank 0 once per save; returns this incarnation's id. A save not committed
-        within ``commit_timeout_s`` (default: the actor's) fails."""
+        within ``commit_timeout_s`` (default: the actor's) fails.
+
+        ``layout``: the save's layout, when ``spec`` comes without its tensors and paths
+        (``layout_cache``); fetched from rank 0's object store only if this actor lacks it.
+        """
+        if layout is not None:
+            spec = join_spec(spec, await self._layout(layout, spec, run, step))
         track = self._tracker.begin_save
         settled = await asyncio.to_thread(track, spec, location, filesystem, run, step, commit_timeout_s)
         self._watch()  # once the save is registered, so that the watchdog's first look sees it pending
         await self._settle(settled)
         return self._incarnation
 
+    async def _layout(self, layout: LayoutRef, spec: SaveSpec, run: str, step: int | None) -> SpecLayout:
+        """The layout of ``layout.digest``: held, else fetched from rank 0 (its first save here) and kept."""
+        held = self._layouts.specs.get(layout.digest)
+        if held is None:
+            try:
+                fetched = await layout.ref
+            except Exception as exc:  # noqa: BLE001 - any failure to fetch fails this save, named
+                fetched = exc
+            held = self._layouts.add_spec(layout.digest, fetched, spec.save_id, run, step)
+        return held
+
     async def report_written(
         self,
         save_id: str,
-        shard: WrittenShard,
+        shard: WrittenShard | ShardReport,
         seconds: float,
         node: str = "",
         incarnation: str | None = None,
@@ -157,13 +180,21 @@ class MetadataActor:
         step: int | None = None,
         location: str = "",
         filesystem: Any = None,
-    ) -> None:
+    ) -> str | None:
         """Called by a ShardWriter when a rank's shard files are durable.
 
+        ``shard``: what the rank wrote, or its ``ShardReport`` (``layout_cache``), which
+        is answered ``LAYOUT_WANTED`` (nothing else done) when it comes without a chunk
+        layout this actor lacks: the writer sends it again with the layout.
         ``incarnation``: the id the rank heard when its save began; ``run``, ``step``,
         ``location``, ``filesystem``: whose save and where its files are, for a save
         this incarnation does not know (to name it, and to remove the files if it never commits).
         """
+        if isinstance(shard, ShardReport):
+            joined = await self._written_shard(shard)
+            if joined is None:
+                return LAYOUT_WANTED
+            shard = joined
         known = self._tracker.entry(save_id)
         if known.status != FAILED:  # a failed save's files are removed: not counted as written
             nbytes = shard.nbytes
@@ -179,6 +210,12 @@ class MetadataActor:
             settled += await asyncio.to_thread(lost, save_id, reason, shard.rank, *where)
         self._watch()  # a save nobody registered expires too
         await self._settle(settled)
+        return None
+
+    async def _written_shard(self, report: ShardReport) -> WrittenShard | None:
+        """The rank's ``WrittenShard`` from its report: ``None`` when its chunk layout is neither held nor sent."""
+        layout = self._layouts.chunk_layout(report)
+        return None if layout is None else await asyncio.to_thread(join_shard, report, layout)
 
     async def report_failed(
         self,

@@ -4,14 +4,17 @@ Named ``rayckpt-writer-<node>``, detached, pinned to its node. It runs the
 engine's write step (``engine.writer.write_chunks``) on a rank's share read
 straight from the node's shared memory (the rank's staging buffer or Ray's
 object store), removes its files if writing fails, and reports the outcome to
-the MetadataActor. It keeps a record of its last writes (``debug_stats``): which
-rank's share of which save, on which node, staged in which directory.
+the MetadataActor: each rank's chunk layout only the first time
+(``layout_cache.ShardReport``), then only what changes per save. It keeps a
+record of its last writes (``debug_stats``): which rank's share of which save,
+on which node, staged in which directory.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,11 +26,15 @@ import ray
 from ..engine.writer import write_chunks
 from ..format.shard_file import ChunkSpec
 from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.commit import WrittenShard
+from .layout_cache import LAYOUT_WANTED, split_shard
 from .metadata_actor import NAMESPACE, get_metadata_actor
 from .staging import StagedRegion, StaleSweeper, created_in, open_region, staging_dir, sweep_stale
 
 #: How many writes a ShardWriter remembers for ``debug_stats``.
 RECORDS_KEPT = 256
+#: How many chunk layouts a ShardWriter remembers sending (16 bytes each): its ranks' recent ones.
+SENT_LAYOUTS_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,9 @@ class ShardWriter:
         self.sweeper = StaleSweeper(self.staging_dir)
         #: The last ``RECORDS_KEPT`` writes, oldest first (see ``debug_stats``).
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECORDS_KEPT)
+        #: Digests of the chunk layouts it sent the MetadataActor, most recent last.
+        self.sent_layouts: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._sent_lock = threading.Lock()
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -108,13 +118,25 @@ class ShardWriter:
         seconds = time.perf_counter() - start
         files = [f.path for f in shard.files]
         self.records.append({**record, "node": self.node(), "bytes": shard.nbytes, "files": files})
-        where = (request.run, request.step, request.location, request.filesystem)
-        ray.get(
-            get_metadata_actor().report_written.remote(
-                request.save_id, shard, seconds, self.node_id, incarnation, *where
-            )
-        )
+        self._report_written(request, shard, seconds, incarnation)
         return {"node": self.node_id, "files": files, "bytes": shard.nbytes, "seconds": seconds}
+
+    def _report_written(self, request: ShardWrite, shard: WrittenShard, seconds: float, incarnation: Any) -> None:
+        """Report the rank's durable files: its chunk layout only if not sent before, or if the actor wants it."""
+        report = split_shard(shard)
+        with self._sent_lock:
+            sent = report.layout in self.sent_layouts
+        where = (seconds, self.node_id, incarnation, request.run, request.step, request.location, request.filesystem)
+        actor = get_metadata_actor()
+        first = report.without_layout() if sent else report
+        answer = ray.get(actor.report_written.remote(request.save_id, first, *where))
+        if answer == LAYOUT_WANTED:  # the actor restarted, or dropped it
+            ray.get(actor.report_written.remote(request.save_id, report, *where))
+        with self._sent_lock:
+            self.sent_layouts[report.layout] = None
+            self.sent_layouts.move_to_end(report.layout)
+            while len(self.sent_layouts) > SENT_LAYOUTS_KEPT:
+                self.sent_layouts.popitem(last=False)
 
     @contextmanager
     def _views(self, staged: list[Any] | StagedRegion, record: dict[str, Any]) -> Iterator[list[Any]]:

@@ -17,26 +17,29 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..errors import CorruptCheckpointError, SaveFailedError
+from ..format.chunk_columns import ChunkColumns
+from ..format.chunk_rows import ChunkRows
 from ..format.manifest import (
     MANIFEST_NAME,
-    ChunkEntry,
     FileEntry,
     Manifest,
     TensorEntry,
     ValueEntry,
-    decode_manifest,
-    encode_manifest,
 )
 from ..format.manifest_checks import find_manifest_problems
+from ..format.manifest_files import decode_manifest_files, encode_manifest_files
 from ..format.paths import Path
 from ..format.shard_file import WrittenChunk
 from .checkpoint_dir import CheckpointDir, join_location
 from .lease import LEASE_PREFIX, check_commit, read_leases
 
 _SHARD_FILE = re.compile(r"^(.+)-r\d{5,}-[^-]+\.arrow$")
+#: A version-4 save's chunk table (``manifest.chunk_table_name``).
+_CHUNK_TABLE = re.compile(r"^(.+)-chunks\.arrow$")
 
 
 def new_save_id() -> str:
@@ -53,8 +56,8 @@ def shard_file_name(save_id: str, rank: int, storage_type: str) -> str:
 
 
 def shard_file_save_id(name: str) -> str | None:
-    """The save id a shard file's name starts with (``None``: not a shard file name)."""
-    match = _SHARD_FILE.match(name)
+    """The save id a shard file's or chunk table's name starts with (``None``: neither)."""
+    match = _SHARD_FILE.match(name) or _CHUNK_TABLE.match(name)
     return match.group(1) if match else None
 
 
@@ -97,22 +100,41 @@ class WrittenShard:
 def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
     """The validated manifest of a save from every rank's shard (files in rank order).
 
-    Raises ``SaveFailedError`` when the chunks do not tile every tensor exactly.
+    The chunks go straight into columns (``ChunkColumns.from_chunks``: a tensor's
+    chunks in box order), which the tensor entries index and the commit writes as
+    the chunk table: no object per chunk is built. Raises ``SaveFailedError`` when
+    the chunks do not tile every tensor exactly.
     """
     shards = sorted(shards, key=lambda s: s.rank)
-    chunks: dict[str, list[ChunkEntry]] = {k: [] for k in spec.tensors}
-    for w in (w for s in shards for w in s.chunks):
-        chunks[w.key].append(ChunkEntry(w.box, w.file, w.byte_offset, w.byte_length, w.checksums))
+    keys = sorted(spec.tensors)
+    files = tuple(f for s in shards for f in s.files)
+    try:
+        columns = ChunkColumns.from_chunks(
+            keys,
+            [spec.tensors[k][0] for k in keys],
+            [spec.tensors[k][1] for k in keys],
+            [f.path for f in files],
+            [w for s in shards for w in s.chunks],
+        )
+    except KeyError as exc:
+        raise SaveFailedError(f"a rank wrote chunks of {exc}, which is not a tensor of this save") from None
     entries: dict[str, TensorEntry | ValueEntry] = {}
-    for key in sorted(spec.tensors):
+    first = columns.first.tolist()
+    for i, key in enumerate(keys):
         dtype, shape = spec.tensors[key]
-        chunks_in_order = tuple(sorted(chunks[key], key=lambda c: c.box.offsets))
-        entries[key] = TensorEntry(dtype, shape, chunks_in_order, spec.paths.get(key, (key,)))
+        rows = ChunkRows(columns, first[i], first[i] + int(columns.counts[i]))
+        entries[key] = TensorEntry(dtype, shape, rows, spec.paths.get(key, (key,)))
     for key in sorted(spec.values):
         entries[key] = ValueEntry(spec.values[key], spec.paths.get(key, (key,)))
-    files = tuple(f for s in shards for f in s.files)
     manifest = Manifest(
-        spec.save_id, spec.world_size, spec.block_size, entries, files, time.time(), user_metadata=spec.metadata
+        spec.save_id,
+        spec.world_size,
+        spec.block_size,
+        entries,
+        files,
+        time.time(),
+        user_metadata=spec.metadata,
+        columns=columns,
     )
     problems = find_manifest_problems(manifest)
     if problems:
@@ -144,9 +166,15 @@ def commit_manifest(ckdir: CheckpointDir, manifest: Manifest) -> None:
     never touched. Dead leases go too.
     """
     ckdir.makedirs()
-    ckdir.write_atomic(MANIFEST_NAME, encode_manifest(manifest))
-    for name in sweepable_files(ckdir, {f.path for f in manifest.files}, manifest.save_id):
+    for name, data in encode_manifest_files(manifest):  # the chunk table (version 4), then the JSON
+        ckdir.write_atomic(name, data)
+    for name in sweepable_files(ckdir, checkpoint_files(manifest), manifest.save_id):
         ckdir.delete(name)
+
+
+def checkpoint_files(manifest: Manifest) -> set[str]:
+    """The files a committed checkpoint consists of besides ``manifest.json``: shard files, chunk table."""
+    return {f.path for f in manifest.files} | set(manifest.table_files)
 
 
 def sweepable_files(ckdir: CheckpointDir, keep: set[str], save_id: str = "") -> list[str]:
@@ -183,6 +211,14 @@ def remove_failed_save(ckdir: CheckpointDir, save_id: str, paths: Sequence[str] 
         ckdir.delete_dir_if_empty()
 
 
+def decode_stored_manifest(ckdir: CheckpointDir) -> Manifest:
+    """Read and decode the manifest of ``ckdir`` and its chunk table (version 4), without the
+    consistency checks ``read_manifest`` adds; a file that does not parse raises ``CorruptCheckpointError``."""
+    data = ckdir.read_bytes(MANIFEST_NAME)
+    where = join_location(ckdir.location, MANIFEST_NAME)
+    return decode_manifest_files(data, where, ckdir.read_bytes, partial(join_location, ckdir.location))
+
+
 def read_manifest(ckdir: CheckpointDir) -> Manifest:
     """Read and validate the committed manifest of ``ckdir``.
 
@@ -191,11 +227,10 @@ def read_manifest(ckdir: CheckpointDir) -> Manifest:
     otherwise land there (0.7 s of 1.4 s at 1 M chunks).
     """
     where = join_location(ckdir.location, MANIFEST_NAME)
-    data = ckdir.read_bytes(MANIFEST_NAME)
     paused = gc.isenabled()
     gc.disable()
     try:
-        manifest = decode_manifest(data, where=where)
+        manifest = decode_stored_manifest(ckdir)
         problems = find_manifest_problems(manifest)
     finally:
         if paused:

@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 from ..errors import CheckpointNotFoundError, RayckptError
 from ..format.manifest import MANIFEST_NAME
 from ..storage.checkpoint_dir import CheckpointDir, join_location
-from ..storage.commit import read_manifest, shard_file_save_id, sweepable_files
+from ..storage.commit import checkpoint_files, read_manifest, shard_file_save_id, sweepable_files
 from ..storage.lease import LEASE_PREFIX, live_save_ids
 
 #: What ``CheckpointDir.write_atomic`` writes before renaming (``.<name>.tmp-<8 hex>``).
@@ -102,7 +102,7 @@ def _orphans(ckdir: CheckpointDir, live: list[str]) -> tuple[list[tuple[str, Rem
     keep: set[str] = set()
     if ckdir.exists(MANIFEST_NAME):
         try:
-            keep = {f.path for f in read_manifest(ckdir).files}
+            keep = checkpoint_files(read_manifest(ckdir))
         except RayckptError as exc:
             return [], f"manifest unreadable, nothing removed ({str(exc).splitlines()[0]})"
     going = [n for n in going if n not in keep]

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry, decode_manifest
+from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry
 from ..format.manifest_checks import find_manifest_problems
 from ..format.shard_file import ShardReader
 from ..storage.checkpoint_dir import CheckpointDir, join_location
+from ..storage.commit import decode_stored_manifest
 from .opening import Progress, resolve_checkpoint
 
 #: Verification reads chunks in windows of this many bytes (a multiple of any block size
@@ -62,7 +63,7 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
     ckdir = resolve_checkpoint(ckpt)
     where = join_location(ckdir.location, MANIFEST_NAME)
     try:
-        m = decode_manifest(ckdir.read_bytes(MANIFEST_NAME), where=where)
+        m = decode_stored_manifest(ckdir)
     except CorruptCheckpointError as exc:
         return VerifyReport(ckdir.location, False, 0, 0, 0, (Problem("manifest", str(exc), file=MANIFEST_NAME),))
     problems = [Problem("manifest", f"{where}: {p}", file=MANIFEST_NAME) for p in find_manifest_problems(m)]

@@ -24,7 +24,8 @@ def listing(path: str) -> list[str]:
 
 
 def committed(path: str) -> list[str]:
-    return sorted([MANIFEST_NAME] + [f.path for f in manifest_of(path).files])
+    manifest = manifest_of(path)
+    return sorted([MANIFEST_NAME, *manifest.table_files] + [f.path for f in manifest.files])
 
 
 def test_gc_removes_what_crashed_saves_left_and_keeps_committed_and_live_files(tmp_path, capsys):

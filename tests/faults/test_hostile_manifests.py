@@ -45,8 +45,19 @@ def victim(run, tmp_path):
 
 
 def write_doc(path: str, doc) -> None:
+    """Write a damaged document. The faults here damage the JSON, chunks included: a version-4
+    document (its chunk table's rows inline, from ``manifest_of``) is written as version 3, the
+    form that holds chunks in its JSON. Faults of version 4's chunk table: ``test_a_damaged_chunk_table...``
+    below and ``tests/unit/test_manifest_files.py``."""
     with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(doc, f)
+        json.dump(as_version_3(doc), f)
+
+
+def as_version_3(doc):
+    if isinstance(doc, dict) and doc.get("version") == 4:
+        doc = {k: v for k, v in doc.items() if k != "chunk_table"}
+        doc["version"] = 3
+    return doc
 
 
 def tensor_key(doc) -> str:
@@ -143,6 +154,41 @@ def test_each_fault_is_a_corrupt_checkpoint_error_naming_file_and_field(victim, 
             else:
                 assert_one_line_error(err, "manifest.json: ", what)
 
+    assert_loads_bit_exact(*run[1])  # the previous committed checkpoint is untouched
+
+
+def _flip_middle(path: str, name: str) -> None:
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(os.path.getsize(os.path.join(path, name)) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize(
+    "damage, what",
+    [
+        (lambda path, name: os.remove(os.path.join(path, name)), "names is missing"),
+        (lambda path, name: os.truncate(os.path.join(path, name), 100), "bytes but the manifest recorded"),
+        (_flip_middle, "the chunk table is damaged or belongs to another save"),
+    ],
+)
+def test_a_damaged_chunk_table_is_refused_by_every_entry_point(victim, run, damage, what):
+    path, state = victim
+    name = manifest_of(path)["chunk_table"]["path"]
+    damage(path, name)
+    where = f"{path}/{name}: "
+    with pytest.raises(CorruptCheckpointError) as info:
+        rayckpt.load(empty_like(state), path)
+    assert str(info.value).startswith(where) and what in str(info.value)
+    for fn in (rayckpt.inspect, rayckpt.consolidate):
+        with pytest.raises(CorruptCheckpointError, match=what):
+            fn(path)
+    report = rayckpt.verify(path)
+    assert not report.ok and report.problems[0].kind == "manifest" and what in report.problems[0].message
+    status, out, err = run_cli("inspect", path)
+    assert status == 1
+    assert_one_line_error(err, where, what)
     assert_loads_bit_exact(*run[1])  # the previous committed checkpoint is untouched
 
 
@@ -286,7 +332,7 @@ def _only_rayckpt_errors(fn, *args) -> str:
 @given(data=st.data())
 def test_fuzzed_manifests_raise_only_rayckpt_errors(run, victim, data):
     path, state = victim
-    doc = manifest_of(run[2][0])  # the intact original of the victim
+    doc = as_version_3(manifest_of(run[2][0]))  # the intact original of the victim, its chunks in its JSON
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
         _mutate(doc, data)
     text = _text(doc)

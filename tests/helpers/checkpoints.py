@@ -6,9 +6,12 @@ import json
 import os
 import weakref
 
+import pyarrow as pa
 import torch
+import xxhash
 
 from rayckpt import tools
+from rayckpt.format.manifest_files import TABLE_SCHEMA
 
 
 def make_state(seed: int = 0) -> dict:
@@ -27,8 +30,70 @@ def make_state(seed: int = 0) -> dict:
 
 
 def manifest_of(path) -> dict:
+    """The manifest's JSON document; a version-4 one with its chunk table's rows put back inline as
+    ``chunks`` (the version-3 form), so tests read and edit one document whatever the version."""
     with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
+        doc = json.load(f)
+    if isinstance(doc, dict) and "chunk_table" in doc:
+        with open(os.path.join(path, doc["chunk_table"]["path"]), "rb") as f:
+            inline_chunks(doc, f.read())
+    return doc
+
+
+def inline_chunks(doc: dict, table: bytes) -> None:
+    """Put the rows of a version-4 chunk table into ``doc``'s tensor entries as ``chunks`` lists."""
+    rows = pa.ipc.open_file(pa.BufferReader(table)).read_all().to_pylist()
+    keys = [k for k, e in doc["entries"].items() if e.get("kind") == "tensor"]
+    for k in keys:
+        doc["entries"][k]["chunks"] = []
+    for row in rows:
+        doc["entries"][keys[row["key"]]]["chunks"].append(
+            {
+                "offsets": row["offsets"],
+                "sizes": row["sizes"],
+                "file": doc["files"][row["file"]]["path"],
+                "byte_offset": row["byte_offset"],
+                "byte_length": row["byte_length"],
+                "checksums": row["checksums"],
+            }
+        )
+
+
+def write_manifest_doc(path, doc: dict) -> None:
+    """Write ``doc`` (as ``manifest_of`` gives it, edited) back: a version-4 one as its chunk table
+    (rewritten from the inline ``chunks``, its reference updated) and the JSON without them."""
+    doc = json.loads(json.dumps(doc))
+    if doc.get("version", 0) < 4:  # turned into an older version: its chunks stay inline
+        doc.pop("chunk_table", None)
+    if "chunk_table" in doc:
+        table = table_of(doc)
+        doc["chunk_table"].update(size=len(table), rows=sum(len(e["chunks"]) for e in tensor_entries(doc)))
+        doc["chunk_table"]["xxh3_64"] = xxhash.xxh3_64_intdigest(table)
+        with open(os.path.join(path, doc["chunk_table"]["path"]), "wb") as f:
+            f.write(table)
+        for e in tensor_entries(doc):
+            del e["chunks"]
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def tensor_entries(doc: dict) -> list[dict]:
+    return [e for e in doc["entries"].values() if e.get("kind") == "tensor"]
+
+
+def table_of(doc: dict) -> bytes:
+    """The chunk table of a document's inline chunks (a file a test names that ``files`` lacks gets an id past them)."""
+    ids = {f["path"]: i for i, f in enumerate(doc["files"])}
+    rows = [
+        {**c, "key": k, "file": ids.get(c["file"], len(ids))}
+        for k, e in enumerate(tensor_entries(doc))
+        for c in e["chunks"]
+    ]
+    table = pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
 
 
 def flip_byte(path: str, name: str, offset: int) -> None:
@@ -42,8 +107,7 @@ def flip_byte(path: str, name: str, offset: int) -> None:
 def rewrite_manifest(path, edit) -> None:
     m = manifest_of(path)
     edit(m)
-    with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(m, f)
+    write_manifest_doc(path, m)
 
 
 def track_read_tensor(monkeypatch) -> dict[str, int]:

@@ -52,7 +52,7 @@ def assert_one_whole_checkpoint(path: str, values: tuple[int, ...]) -> int:
     report = rayckpt.verify(path)
     assert report.ok, report.problems
     manifest = manifest_of(path)
-    assert sorted(os.listdir(path)) == sorted([MANIFEST_NAME] + [f.path for f in manifest.files])
+    assert sorted(os.listdir(path)) == sorted([MANIFEST_NAME, *manifest.table_files] + [f.path for f in manifest.files])
     out = {"w": torch.zeros(256, 64), "b": torch.zeros(64, dtype=torch.int64), "step": -1}
     rayckpt.load(out, path)
     assert out["step"] in values

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tests.helpers.checkpoints import manifest_of
+
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "golden_save.json")
 #: The save id the golden checkpoint was written with.
 SAVE_ID = "20260101T000000-01234567"
@@ -34,13 +36,14 @@ def golden_state() -> dict[str, Any]:
 
 
 def describe(path: str) -> dict[str, Any]:
-    """What the golden file records of the checkpoint at ``path``."""
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
+    """What the golden file records of the checkpoint at ``path``: a version-4 manifest with its
+    chunk table's rows inline (``checkpoints.manifest_of``), and the shard files, not that table."""
+    manifest = manifest_of(path)
     manifest.pop("created")
+    manifest.pop("chunk_table", None)
     files = {}
     for name in sorted(os.listdir(path)):
-        if name.endswith(".arrow"):
+        if name.endswith(".arrow") and not name.endswith("-chunks.arrow"):
             with open(os.path.join(path, name), "rb") as f:
                 files[name] = hashlib.sha256(f.read()).hexdigest()
     return {"manifest": manifest, "files": files}

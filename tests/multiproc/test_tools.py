@@ -48,7 +48,7 @@ def fsdp(tmp_path_factory):
 def test_inspect_describes_keys_shapes_chunks_and_files(fsdp):
     path, state = fsdp
     info = rayckpt.inspect(path)
-    assert info.world_size == 3 and info.block_size == 16 and info.version == 3 and info.checksum == "xxh3_64"
+    assert info.world_size == 3 and info.block_size == 16 and info.version == 4 and info.checksum == "xxh3_64"
     tensors = {t.key: t for t in info.tensors}
     assert set(tensors) == set(state)
     w = tensors["app.model.blocks.0.0.weight"]

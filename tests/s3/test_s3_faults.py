@@ -37,7 +37,8 @@ def assert_holds(s3_server, rel: str, value: int) -> None:
     uri = s3_server.uri(rel)
     report = rayckpt.verify(uri)
     assert report.ok, report.problems
-    assert s3_server.listing(rel) == sorted([MANIFEST_NAME] + [f.path for f in manifest_of(uri).files])
+    manifest = manifest_of(uri)
+    assert s3_server.listing(rel) == sorted([MANIFEST_NAME, *manifest.table_files] + [f.path for f in manifest.files])
     out = {"w": torch.zeros(256, 64), "b": torch.zeros(64, dtype=torch.int64), "step": -1}
     rayckpt.load(out, uri)
     want = state_of(value)
@@ -67,6 +68,9 @@ def test_the_manifest_is_one_put_after_every_shard_file_and_no_directory_markers
     assert not [p for _, p in writes[:commit] if p.split("?")[0].endswith("/")], writes
     shard_writes = [i for i, (_, p) in enumerate(writes) if p.split("?")[0].endswith(".arrow")]
     assert shard_writes and max(shard_writes) < commit
+    # The chunk table (format version 4) is one of them: one PUT, before the manifest names it.
+    table = [i for i, (_, p) in enumerate(writes) if p.split("?")[0].endswith("-chunks.arrow")]
+    assert len(table) == 1 and writes[table[0]][0] == "PUT" and table[0] < commit
     assert_holds(s3_server, rel, 1)
 
 

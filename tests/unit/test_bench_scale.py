@@ -43,12 +43,16 @@ def test_rayckpt_steps_validate_the_manifest_and_plans_agree(layout, tmp_path):
     commit = bench.rayckpt_commit(layout, 4, str(tmp_path))
     nonempty = sum(dim0_box(s, 4, r).volume > 0 for s in layout.shapes for r in range(4))
     assert commit["chunks"] == nonempty
-    assert list(commit["files"]) == ["manifest.json"] and commit["metadata_bytes"] > 0
+    # The metadata: the chunk table and manifest.json (format version 4), not the shard files.
+    assert sorted(commit["files"]) == ["20261124T040000-0badcafe-chunks.arrow", "manifest.json"]
+    assert commit["metadata_bytes"] == sum(commit["files"].values()) > 0
     assert {"cpu_s", "wall_s", "extra_rss"} <= commit["create_manifest"].keys()
     load = bench.rayckpt_load(layout, 4, str(tmp_path))  # read_manifest validates what the commit wrote
     assert sorted(load["targets"]) == [2, 3]
     assert all(t["for_rank_equals_rank_plan"] for t in load["targets"].values())
-    assert bench.rayckpt_save_plan(layout, 4)["write_items"] == nonempty
+    plan = bench.rayckpt_save_plan(layout, 4)
+    assert plan["write_items"] == nonempty
+    assert {"save_plan", "rank_save_plan", "rank_layout_hash", "cached_save_plan"} <= plan.keys()
 
 
 def test_dcp_metadata_has_a_chunk_per_tensor_and_rank_with_fsdp2_offsets():

@@ -15,6 +15,7 @@ import torch
 
 import rayckpt
 from rayckpt import cli, tools
+from tests.helpers.checkpoints import manifest_of, write_manifest_doc
 
 # --json schemas: the fields scripts may rely on (docs/CLI.md).
 LISTING_FIELDS = ["run", "step", "path", "status", "created", "world_size", "bytes", "save_id", "error"]
@@ -87,7 +88,7 @@ def world(tmp_path_factory):
     ckpt = str(storage / "my-run" / "rayckpt-step-00000010")
     corrupt = str(root / "corrupt")
     shutil.copytree(ckpt, corrupt)
-    chunk = json.loads((root / "corrupt" / "manifest.json").read_text())["entries"]["app.model.w"]["chunks"][0]
+    chunk = manifest_of(root / "corrupt")["entries"]["app.model.w"]["chunks"][0]
     with open(os.path.join(corrupt, chunk["file"]), "r+b") as f:
         f.seek(chunk["byte_offset"] + 40)
         f.write(b"\xff")
@@ -314,11 +315,11 @@ def test_main_error_paths(capsys, world, argv, status, fragment):
 def test_a_multi_line_error_becomes_one_line(capsys, world, tmp_path):
     path = tmp_path / "c"
     shutil.copytree(world["ckpt"], path)
-    m = json.loads((path / "manifest.json").read_text())
+    m = manifest_of(path)
     for e in m["entries"].values():
         for c in e.get("chunks", []):
             c["byte_length"] += 4
-    (path / "manifest.json").write_text(json.dumps(m))
+    write_manifest_doc(path, m)
     code, _, err = main_lines(capsys, "inspect", str(path))
     assert code == 1 and len(err) == 1
     assert "inconsistent manifest (" in err[0] and "problem(s)): key 'app.model" in err[0] and "; key" in err[0]

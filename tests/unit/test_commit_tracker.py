@@ -48,7 +48,10 @@ def write_rank(path: str, save_id: str, rank: int, world_size: int = 2) -> Writt
 
 
 def shard_files(path: str) -> list[str]:
-    return sorted(n for n in os.listdir(path) if n.endswith(".arrow")) if os.path.isdir(path) else []
+    """The shard files at ``path`` (not the chunk table: ``loaded`` needs it, so it is checked there)."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path) if n.endswith(".arrow") and not n.endswith("-chunks.arrow"))
 
 
 def loaded(path: str) -> np.ndarray:

@@ -30,7 +30,8 @@ def zeros_like_state(state: dict) -> dict:
 
 
 def data_files(path) -> list[str]:
-    return sorted(f for f in os.listdir(path) if f.endswith(".arrow"))
+    """The shard files (not the version-4 chunk table)."""
+    return sorted(f for f in os.listdir(path) if f.endswith(".arrow") and not f.endswith("-chunks.arrow"))
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_shard_files_are_plain_arrow_ipc(saved):
     assert seen["model.ids"][0] == pa.int64()
     m = manifest_of(path)
     assert m["entries"]["model.b"]["dtype"] == "bfloat16"
-    assert m["format"] == "rayckpt" and m["version"] == 3 and m["checksum"] == "xxh3_64"
+    assert m["format"] == "rayckpt" and m["version"] == 4 and m["checksum"] == "xxh3_64"
 
 
 def test_manifest_is_json_without_pickle(saved):

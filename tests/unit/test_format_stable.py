@@ -4,7 +4,8 @@ The golden record is a format-version-2 save. Version 3 added each key's path to
 the manifest and nothing else for this state: the shard files are byte-identical
 but for the version stamp in their schema metadata, the manifest equals the
 golden one less the paths and the version, and the golden (version-2) manifest
-itself still loads.
+itself still loads. Version 4 moved the chunks into the chunk table: read back
+inline (``checkpoints.manifest_of``) they equal the golden ones.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def test_a_save_writes_the_golden_manifest_and_shard_files(tmp_path, monkeypatch
         for n in os.listdir(path)
         if n.endswith(".arrow")
     }
-    assert stamps == {b"3"}
+    assert stamps == {b"4"}  # the shard files and the chunk table
     # The same save with the shard files stamped as version 2, as the golden ones are.
     monkeypatch.setattr(shard_file, "FORMAT_VERSION", 2)
     rayckpt.save(golden.golden_state(), path, block_size=golden.BLOCK_SIZE, metadata={"run": "golden"})
@@ -38,7 +39,7 @@ def test_a_save_writes_the_golden_manifest_and_shard_files(tmp_path, monkeypatch
     assert sorted(got["files"]) == sorted(want["files"])  # file names: <save id>-r<rank>-<type>.arrow
     assert got["files"] == want["files"]  # every shard byte
     manifest = got["manifest"]
-    assert manifest.pop("version") == 3 and want["manifest"].pop("version") == 2
+    assert manifest.pop("version") == 4 and want["manifest"].pop("version") == 2
     paths = {key: entry.pop("path") for key, entry in manifest["entries"].items()}
     assert manifest == want["manifest"]  # every key and value but the creation time and the paths
     assert paths == {k: k.split(".") for k in want["manifest"]["entries"]}

@@ -32,8 +32,12 @@ def B(offsets, sizes) -> Box:
     return Box(tuple(offsets), tuple(sizes))
 
 
-def sample_manifest(block_size: int = 32) -> Manifest:
-    """(6, 4) float32 saved dim-0 by 2 ranks, a bfloat16 vector, a 0-dim step, and values."""
+def sample_manifest(block_size: int = 32, version: int = 3) -> Manifest:
+    """(6, 4) float32 saved dim-0 by 2 ranks, a bfloat16 vector, a 0-dim step, and values.
+
+    Version 3 by default: these tests are about the JSON with its chunks inline
+    (version 4's chunk table: ``test_manifest_files.py``).
+    """
 
     def chunk(box, file, off, isz):
         n = box.volume * isz
@@ -56,6 +60,7 @@ def sample_manifest(block_size: int = 32) -> Manifest:
         },
         files=(FileEntry("shard-0.arrow", 256, 0), FileEntry("shard-1.arrow", 256, 1)),
         created=1700000000.25,
+        version=version,
         user_metadata={"step": 100, "run": "demo", "metrics": {"loss": 1.5}},
     )
 
@@ -77,7 +82,7 @@ def test_manifest_round_trip_exact():
     data = encode_manifest(m)
     back = decode_manifest(data)
     assert back == m
-    assert back.version == FORMAT_VERSION
+    assert back.version == 3
     assert back.entries["model.w"].chunks[1].box == B((3, 0), (3, 4))
     assert back.entries["optim.step"].chunks[0].box == Box((), ())
     assert back.tensor("model.b").dtype == "bfloat16"
@@ -87,7 +92,7 @@ def test_manifest_round_trip_exact():
     # and it is plain JSON with the documented top-level fields
     doc = json.loads(data)
     assert doc["format"] == "rayckpt"
-    assert doc["version"] == FORMAT_VERSION
+    assert doc["version"] == 3
     assert doc["checksum"] == "xxh3_64"
     assert doc["entries"]["model.w"]["kind"] == "tensor"
     assert doc["entries"]["model.w"]["chunks"][0]["checksums"] == list(m.entries["model.w"].chunks[0].checksums)
@@ -165,7 +170,7 @@ def test_value_round_trip_exact(value):
 
 def test_values_round_trip_through_manifest():
     entries = {f"v{i}": ValueEntry(encode_value(v, f"v{i}")) for i, v in enumerate(VALUES)}
-    m = Manifest("s", 1, 16, entries, ())
+    m = Manifest("s", 1, 16, entries, (), version=3)
     back = decode_manifest(encode_manifest(m))
     for i, v in enumerate(VALUES):
         assert same(decode_value(back.entries[f"v{i}"].value), v)
@@ -252,7 +257,7 @@ def test_unknown_or_mismatched_checksum_is_refused(version, checksum):
         decode_manifest(raw(doc), where="m.json")
 
 
-@pytest.mark.parametrize("version", [4, 0, 999, "1", None])
+@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, 0, 999, "1", None])
 def test_decode_unknown_version(version):
     doc = doc_of(sample_manifest())
     if version is None:
@@ -518,9 +523,9 @@ def test_decode_pauses_the_garbage_collector_and_restores_its_state():
     seen = []
     real = manifest_module._decode
 
-    def spy(d, where):
+    def spy(d, where, table):
         seen.append(gc.isenabled())
-        return real(d, where)
+        return real(d, where, table)
 
     manifest_module._decode = spy
     try:

@@ -18,8 +18,9 @@ from rayckpt.errors import CorruptCheckpointError, SaveFailedError
 from rayckpt.format import manifest_checks
 from rayckpt.format.boxes import Box, find_coverage_problem
 from rayckpt.format.chunk_columns import ChunkColumns
-from rayckpt.format.manifest import DTYPES, ChunkEntry, FileEntry, Manifest, TensorEntry, ValueEntry, encode_manifest
+from rayckpt.format.manifest import DTYPES, ChunkEntry, FileEntry, Manifest, TensorEntry, ValueEntry
 from rayckpt.format.manifest_checks import find_manifest_problems
+from rayckpt.format.manifest_files import encode_manifest_files
 from rayckpt.format.shard_file import WrittenChunk
 from rayckpt.planning.chunk_table import ChunkTable
 from rayckpt.storage.checkpoint_dir import CheckpointDir
@@ -409,9 +410,11 @@ def test_create_and_read_report_problems_in_order_capped_at_20(tmp_path):
 
     ckdir = CheckpointDir.resolve(str(tmp_path))
     ckdir.makedirs()
-    ckdir.write_atomic("manifest.json", encode_manifest(good))
+    for name, data in encode_manifest_files(good):
+        ckdir.write_atomic(name, data)
     assert read_manifest(ckdir) == good
-    ckdir.write_atomic("manifest.json", encode_manifest(bad))
+    for name, data in encode_manifest_files(bad):
+        ckdir.write_atomic(name, data)
     with pytest.raises(CorruptCheckpointError) as info:
         read_manifest(ckdir)
     where = f"{tmp_path}/manifest.json"

@@ -9,7 +9,8 @@ import torch
 
 from rayckpt.engine.state import flatten
 from rayckpt.errors import CorruptCheckpointError
-from rayckpt.format.manifest import Manifest, TensorEntry, ValueEntry, decode_manifest, encode_manifest
+from rayckpt.format.manifest import FORMAT_VERSION, Manifest, TensorEntry, ValueEntry, decode_manifest, encode_manifest
+from rayckpt.format.manifest_files import manifest_file_bytes, manifest_from_bytes
 from rayckpt.format.paths import DictKey, add_prefix, dcp_path, join_path, nest, strip_prefix
 
 
@@ -79,8 +80,8 @@ def test_prefixes_strip_and_add_whole_parts():
     assert dcp_path(("optim", DictKey(0), 1)) == ("optim", "0", 1)
 
 
-def _manifest(entries) -> Manifest:
-    return Manifest("s", 1, 16, entries, ())
+def _manifest(entries, version: int = FORMAT_VERSION) -> Manifest:
+    return Manifest("s", 1, 16, entries, (), version=version)
 
 
 def test_paths_round_trip_through_the_manifest():
@@ -92,15 +93,16 @@ def test_paths_round_trip_through_the_manifest():
     }
     entries = {k: ValueEntry(1, p) for k, p in paths.items()}
     entries["t"] = TensorEntry("float32", (0,), (), ("t",))
-    back = decode_manifest(encode_manifest(_manifest(entries)))
+    files = manifest_file_bytes(_manifest(entries))
+    back = manifest_from_bytes(files)
     assert {k: back.path(k) for k in paths} == paths and back.path("t") == ("t",)
-    doc = json.loads(encode_manifest(_manifest(entries)))
-    assert doc["version"] == 3
+    doc = json.loads(files["manifest.json"])
+    assert doc["version"] == FORMAT_VERSION
     assert doc["entries"]["optim.state.0.step"]["path"] == ["optim", "state", {"key": 0}, "step"]
 
 
 def test_a_manifest_without_paths_gives_each_key_as_its_own_path():
-    doc = json.loads(encode_manifest(_manifest({"a.b": ValueEntry(1, ("a", "b"))})))
+    doc = json.loads(encode_manifest(_manifest({"a.b": ValueEntry(1, ("a", "b"))}, version=3)))
     doc["version"] = 2
     del doc["entries"]["a.b"]["path"]
     assert decode_manifest(json.dumps(doc).encode()).path("a.b") == ("a.b",)
@@ -120,8 +122,9 @@ def test_a_manifest_without_paths_gives_each_key_as_its_own_path():
     ],
 )
 def test_a_hand_edited_path_is_refused_naming_the_key(path, message):
-    doc = json.loads(encode_manifest(_manifest({"a.b": ValueEntry(1, ("a", "b"))})))
+    files = manifest_file_bytes(_manifest({"a.b": ValueEntry(1, ("a", "b"))}))
+    doc = json.loads(files["manifest.json"])
     doc["entries"]["a.b"]["path"] = path
     with pytest.raises(CorruptCheckpointError) as info:
-        decode_manifest(json.dumps(doc).encode(), where="ck/manifest.json")
+        manifest_from_bytes({**files, "manifest.json": json.dumps(doc).encode()}, where="ck/manifest.json")
     assert str(info.value).startswith("ck/manifest.json: ") and message in str(info.value)

@@ -112,7 +112,7 @@ def test_flipped_byte_in_a_coalesced_gets_middle_range_names_file_key_and_range(
     fs, stats = counting_filesystem()
     with pytest.raises(rayckpt.CorruptCheckpointError) as err:
         rayckpt.load({k: torch.zeros_like(v) for k, v in state.items()}, path, filesystem=fs)
-    start = chunk["byte_offset"]  # 8000-byte chunk, one 64 KiB block
+    start = chunk["byte_offset"]  # 8000-byte chunk, one block
     assert stats.requests == 1
     msg = str(err.value)
     assert chunk["file"] in msg and "'t2'" in msg and f"[{start}, {start + 8000})" in msg
