@@ -38,7 +38,7 @@ from rayckpt.format.chunk_columns import ChunkColumns
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import ChunkTable
 from rayckpt.planning.load_plan import TensorRequest, dim0_box
-from rayckpt.planning.rank_slice import LoadAsk, _checksums, slice_plan
+from rayckpt.planning.rank_slice import LoadAsk, slice_plan
 
 
 def cpu() -> float:
@@ -48,10 +48,7 @@ def cpu() -> float:
 def measure(manifest: Any, layout: S.Layout, world: int, rank: int, check: bool) -> dict[str, Any]:
     specs = [(k, S.DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)]
     t0 = cpu()
-    cols = ChunkColumns.from_manifest(manifest)
-    if getattr(cols, "checksums", None) is None:
-        # The block checksums as a column: what columns read from a stored chunk table hold.
-        object.__setattr__(cols, "checksums", _checksums(manifest, cols)[0])
+    cols = ChunkColumns.from_manifest(manifest, checksums=True)
     t1 = cpu()
     table = ChunkTable.from_manifest(manifest, cols)
     t2 = cpu()

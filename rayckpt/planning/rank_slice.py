@@ -21,8 +21,6 @@ import math
 import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -233,13 +231,11 @@ def slice_plan(
 
 
 def _checksums(manifest: Manifest, cols: ChunkColumns) -> tuple[np.ndarray, np.ndarray]:
-    """Every chunk's block checksums back to back (uint64, rows in manifest order), and where each row's start."""
-    sums = getattr(cols, "checksums", None)  # columns read from a stored chunk table hold them
-    if sums is None:
-        chunks = chain.from_iterable(manifest.entries[k].chunks for k in cols.keys)  # type: ignore[union-attr]
-        every = chain.from_iterable(map(attrgetter("checksums"), chunks))
-        sums = np.fromiter(every, np.uint64, int(cols.num_checksums.sum()))
-    return sums, np.cumsum(cols.num_checksums) - cols.num_checksums
+    """Every chunk's block checksums back to back (uint64, rows of ``cols``), and where each row's start."""
+    if cols.checksums is None:  # columns read from a stored chunk table hold them; others are built here
+        cols = ChunkColumns.from_manifest(manifest, list(cols.keys), checksums=True)
+    assert cols.checksums is not None
+    return cols.checksums, cols.checksum_first
 
 
 def _ranges(first: np.ndarray, count: np.ndarray) -> np.ndarray:

@@ -142,3 +142,19 @@ def test_bench_root_plan_smoke(tmp_path, capsys):
     assert [r.split(" | ")[0] for r in rows] == ["| 6 -> 4", "| 6 -> 5"]
     with open(f"{out}/bench_root_plan.json") as f:
         assert [r["target_ranks"] for r in json.load(f)["rows"]] == [4, 5]
+
+
+def test_a_checkpoint_read_from_storage_slices_from_its_stored_columns(tmp_path):
+    import torch
+
+    import rayckpt
+    from rayckpt.format.chunk_columns import ChunkColumns
+    from rayckpt.storage.checkpoint_dir import CheckpointDir
+
+    rayckpt.save({"w": torch.arange(40.0).reshape(10, 4), "b": torch.ones(3), "step": 3}, str(tmp_path))
+    m = rayckpt.read_manifest(CheckpointDir.resolve(str(tmp_path)))
+    assert ChunkColumns.from_manifest(m).checksums is not None  # what the chunk table holds
+    specs = [("b", "float32", (3,)), ("w", "float32", (10, 4))]
+    for rank, part in enumerate(create_rank_slices(m, specs, 3, ("step",))):
+        assert part.plan(specs) == create_load_plan(m, requests(rank, 3, specs), ("step",))
+        assert part.values == {"step": m.entries["step"].value}
