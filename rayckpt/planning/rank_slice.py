@@ -103,10 +103,7 @@ class RankSlice:
     @property
     def nbytes(self) -> int:
         """Bytes of the columns (what a rank receives, less a few names and values)."""
-        return sum(a.nbytes for a in (self.spec, self.start, self.rows, self.file, self.byte_offset) + self._more())
-
-    def _more(self) -> tuple[np.ndarray, ...]:
-        return (self.byte_length, self.num_checksums, self.checksums, self.read_first, self.read_offset)
+        return sum(getattr(self, name).nbytes for name in _ARRAYS)
 
     def plan(self, specs: Sequence[TensorSpec]) -> LoadPlan:
         """This rank's ``LoadPlan`` (``specs``: those the bulk plan was made for, as the rank asked)."""
@@ -143,6 +140,10 @@ class RankSlice:
             for i0, i1, offset, length in zip(bounds, bounds[1:], self.read_offset.tolist(), self.read_length.tolist())
         )
         return LoadPlan(reads, self.needed_bytes, self.missing)
+
+
+_ARRAYS = ("spec", "start", "rows", "file", "byte_offset", "byte_length", "num_checksums", "checksums")
+_ARRAYS += ("read_first", "read_offset", "read_length")
 
 
 def create_rank_slices(
