@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget_s": args.budget_s,
             "dcp_sample_ranks": args.dcp_sample_ranks,
             "max_gib": args.max_gib,
-            "block_size": lay.rayckpt_block_size(),
+            "block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)),
             "model": lay.GPT_SHAPE,
         },
         "machine": {**machine_info(), "load_average_1min_before": os.getloadavg()[0]},

@@ -19,6 +19,7 @@ library's default block size. Change these few functions when the entry points c
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -122,10 +123,11 @@ def metadata_bytes(directory: str, shard_file: Any = None) -> dict[str, int]:
 # rayckpt: the entry points measured, and what a save hands them
 
 
-def rayckpt_block_size() -> int:
-    from rayckpt.format.shard_file import DEFAULT_BLOCK_SIZE
+def rayckpt_block_size(layout: Layout) -> int:
+    """The block size a save of ``layout`` picks (``auto_block_size`` of the whole state)."""
+    from rayckpt.format.shard_file import auto_block_size
 
-    return DEFAULT_BLOCK_SIZE
+    return auto_block_size(sum(math.prod(s) * ITEMSIZE for s in layout.shapes))
 
 
 def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple[Any, list[Any]]:
@@ -135,7 +137,7 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple
     from rayckpt.planning.load_plan import dim0_boxes
     from rayckpt.storage.commit import SaveSpec, WrittenShard, shard_file_name
 
-    block = rayckpt_block_size()
+    block = rayckpt_block_size(layout)
     save_id = "20261124T040000-0badcafe"
     spec = SaveSpec(
         save_id,

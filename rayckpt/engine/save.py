@@ -22,7 +22,6 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ..errors import PeerLostError, RayckptError, SaveFailedError
-from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import (
@@ -59,7 +58,7 @@ def save(
     process_group: Any = None,
     coordinator: Coordinator | None = None,
     filesystem: pafs.FileSystem | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     metadata: dict[str, Any] | None = None,
     overwrite: bool = True,
 ) -> SaveInfo:
@@ -73,6 +72,9 @@ def save(
     checkpoint at the same location stays loadable. A peer that dies mid-save
     (the collective fails) gives ``PeerLostError`` on the ranks left; they remove
     this save's files unless rank 0 had already taken the commit.
+
+    ``block_size``: bytes per block checksum; None: 64 KiB, larger for states past
+    32 GiB (``shard_file.auto_block_size``), chosen by rank 0 for every rank.
 
     ``overwrite=False``: refuse (``CheckpointExistsError`` on every rank, before
     anything is written) when the location already holds a committed checkpoint;
@@ -99,7 +101,7 @@ def _save(
     coord: Coordinator,
     ckdir: CheckpointDir,
     state_dict: dict[str, Any],
-    block_size: int,
+    block_size: int | None,
     metadata: dict[str, Any] | None,
     overwrite: bool,
 ) -> SaveInfo:
@@ -212,7 +214,7 @@ def collect_state(
     coord: Coordinator,
     state_dict: dict[str, Any],
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     metadata: dict[str, Any] | None = None,
     node: str = "",
     claim: CheckpointDir | None = None,
@@ -228,7 +230,7 @@ def collect_state(
     ``overwrite``). When this step succeeds the lease is rank 0's to keep and
     release; when it fails, it is released here.
     """
-    if block_size <= 0:
+    if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     claimed: list[str] = []
 
@@ -241,14 +243,14 @@ def collect_state(
         return save_id, previous
 
     try:
-        a = agree_on_plan(coord, state_dict, node, claim_ids)
+        a = agree_on_plan(coord, state_dict, node, claim_ids, block_size)
     except BaseException:
         if claimed:
             release_lease(claim, claimed[0])
             remove_failed_save(claim, claimed[0])
         raise
     spec = SaveSpec(
-        a.save_id, coord.world_size, block_size, a.tensors, a.values, dict(metadata or {}), a.paths, a.previous
+        a.save_id, coord.world_size, a.block_size, a.tensors, a.values, dict(metadata or {}), a.paths, a.previous
     )
     return SaveContext(spec, coord.rank, a.plan, a.nodes, a.flat, a.cached, a.layouts)
 

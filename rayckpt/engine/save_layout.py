@@ -21,6 +21,7 @@ save to one location serves saves to any other.
 
 from __future__ import annotations
 
+import math
 import pickle
 import zlib
 from collections.abc import Callable, Sequence
@@ -30,7 +31,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidStateError, PeerLostError, SaveFailedError
+from ..format.manifest import itemsize
 from ..format.paths import Path
+from ..format.shard_file import DEFAULT_BLOCK_SIZE, auto_block_size
 from ..format.values import encode_value
 from ..planning import save_plan
 from ..planning.save_columns import ShardLayout, assign_writers, digest
@@ -110,6 +113,8 @@ class Header:
     cached: bytes | None
     node: str
     values: dict[str, Any]
+    #: Bytes of every tensor this rank holds a piece of, at its global shape (for the block size).
+    state_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +135,8 @@ class AgreedPlan:
     flat: FlatState
     #: Digest of every rank's layout hash, in rank order: equal digests, equal tensors and paths.
     layouts: bytes = b""
+    #: The save's checksum block size: the caller's, else rank 0's ``auto_block_size`` pick.
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 def agree_on_plan(
@@ -137,11 +144,14 @@ def agree_on_plan(
     state_dict: dict[str, Any],
     node: str,
     claim: Callable[[], tuple[str | None, str | None]],
+    block_size: int | None = None,
 ) -> AgreedPlan:
     """Flatten this rank's state and agree on the save's plan (collective; see the module).
 
     ``claim``: rank 0's new save id and the save it replaces (it claims the
-    location); called on rank 0 only, before anything is shared.
+    location); called on rank 0 only, before anything is shared. ``block_size``:
+    the checksum block size (rank 0's is used); None: rank 0 picks it from the
+    largest state any rank holds (``auto_block_size``), the same on every rank.
     """
     key = _group_key(coord)
     local: dict[str, Any] = {}
@@ -154,27 +164,30 @@ def agree_on_plan(
             local["ids"] = claim()
         cached = _CACHE.get(key)
         values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
-        return Header(local["layout"].hash, cached.layouts if cached else None, node, values)
+        nbytes = sum(math.prod(t.shape) * itemsize(t.dtype) for t in flat.tensors.values())
+        return Header(local["layout"].hash, cached.layouts if cached else None, node, values, nbytes)
 
     root: dict[str, Any] = {}  # rank 0: what it learns from the headers
 
-    def decide(headers: list[Header]) -> list[tuple[str, str | None, bytes | None, tuple[str, ...]]]:
+    def decide(headers: list[Header]) -> list[tuple[str, str | None, bytes | None, tuple[str, ...], int]]:
         layouts = digest(*(h.layout for h in headers))
         hit = all(h.cached == layouts for h in headers)
         root.update(layouts=layouts, values=[h.values for h in headers])
         save_id, previous = local["ids"]
         nodes = tuple(sorted({h.node for h in headers}))
-        return [(save_id, previous, layouts if hit else None, nodes)] * coord.world_size
+        block = block_size or auto_block_size(max(h.state_bytes for h in headers))
+        return [(save_id, previous, layouts if hit else None, nodes, block)] * coord.world_size
 
     phase = "save (collecting state)"
-    save_id, previous, hit, nodes = plan_at_root(coord, phase, header, decide, SaveFailedError, PeerLostError)
+    agreed = plan_at_root(coord, phase, header, decide, SaveFailedError, PeerLostError)
+    save_id, previous, hit, nodes, block = agreed
     flat: FlatState = local["flat"]
     cached = _CACHE.get(key)
     if hit is not None and cached is not None and cached.layouts == hit:
         PLAN_STATS["cached"] += 1
         values = _merge_values(root["values"], cached.tensors) if coord.rank == 0 else {}
         tensors, paths = dict(cached.tensors), dict(cached.paths)
-        return AgreedPlan(save_id, previous, cached.plan, nodes, tensors, values, paths, True, flat, hit)
+        return AgreedPlan(save_id, previous, cached.plan, nodes, tensors, values, paths, True, flat, hit, block)
 
     def plan(layouts: list[RankLayout]) -> list[tuple[bytes, bytes]]:
         assignment = assign_writers([lay.shards for lay in layouts])
@@ -195,7 +208,7 @@ def agree_on_plan(
     _CACHE[key] = CachedPlan(layouts, own, tensors, paths)
     PLAN_STATS["planned"] += 1
     merged = root.get("merged", {})
-    return AgreedPlan(save_id, previous, own, nodes, tensors, merged, paths, False, flat, layouts)
+    return AgreedPlan(save_id, previous, own, nodes, tensors, merged, paths, False, flat, layouts, block)
 
 
 def _bits(indices: np.ndarray, n: int) -> bytes:

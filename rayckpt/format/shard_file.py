@@ -54,12 +54,28 @@ class ShardFiles(Protocol):
     def refuse_link(self, rel: str) -> None: ...
 
 
-#: Bytes per block checksum. 128 KiB (64 KiB before format version 4): a ranged read covers
-#: whole blocks, so larger blocks read more around a reshard's cut (1 GB suite 4->3: 1.006x
-#: read for 1.003x at 64 KiB), while each block costs 8 bytes of manifest, the largest part of
-#: it at small rank counts (64 ranks x 11.3 B params: 10.2 MB, under half DCP's 20.7 MB
-#: ``.metadata``; 18.5 MB at 64 KiB). BENCHMARKS.md "Thousands of ranks" has the numbers.
-DEFAULT_BLOCK_SIZE = 128 * 1024
+#: Bytes per block checksum, the least a save picks by itself (``auto_block_size``).
+DEFAULT_BLOCK_SIZE = 64 * 1024
+#: The most block checksums ``auto_block_size`` gives a checkpoint: 2**19, 4 MiB of them.
+MAX_AUTO_BLOCKS = 1 << 19
+
+
+def auto_block_size(state_bytes: int) -> int:
+    """A save's block size when the caller names none: 64 KiB, doubled while the state would
+    have more than ``MAX_AUTO_BLOCKS`` blocks (states past 32 GiB).
+
+    A ranged read covers whole blocks, so a larger block reads more around a reshard's
+    cuts; each block costs 8 bytes of the manifest's chunk table, the largest part of it
+    at small rank counts. States up to 32 GiB keep 64 KiB (1 GB 4 -> 3: 1.003x read); an
+    11.3 B-parameter model with AdamW (136 GB) gets 256 KiB and 4 MB of checksums instead
+    of 17 MB (BENCHMARKS.md "Thousands of ranks").
+    """
+    size = DEFAULT_BLOCK_SIZE
+    while state_bytes > size * MAX_AUTO_BLOCKS:
+        size *= 2
+    return size
+
+
 _ARROW_TYPES = {
     "double": pa.float64(),
     "float": pa.float32(),

@@ -27,7 +27,6 @@ from ..engine.save import SaveContext, collect_state
 from ..engine.state import flatten
 from ..engine.writer import chunk_pieces, chunk_specs, create_chunk_data
 from ..errors import InvalidStateError, SaveFailedError
-from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..storage.catalog import CatalogEntry
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import remove_failed_save
@@ -78,7 +77,7 @@ class AsyncSaver:
         step: int | None,
         filesystem: pafs.FileSystem | None,
         coordinator: Coordinator,
-        block_size: int,
+        block_size: int | None,
         metadata: dict[str, Any] | None,
         commit_timeout_s: float,
         local_is_shared: bool | None,
@@ -263,7 +262,7 @@ def save_async(
     filesystem: pafs.FileSystem | None = None,
     process_group: Any = None,
     coordinator: Coordinator | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     metadata: dict[str, Any] | None = None,
     commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
     local_is_shared: bool | None = None,

@@ -29,7 +29,6 @@ import ray.train
 
 from ..engine.load import LoadInfo
 from ..errors import SaveFailedError
-from ..format.shard_file import DEFAULT_BLOCK_SIZE
 from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
@@ -45,7 +44,7 @@ class Checkpointer:
     def __init__(
         self,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         report: bool = True,
         commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
         local_is_shared: bool | None = None,

@@ -16,7 +16,7 @@ from tests.helpers.counting_fs import counting_filesystem
 
 #: About 9 MB of float32 parameters (28 MB with AdamW's two moments, which the
 #: app state holds from the start): 1536 x 384 weights, so a 4 -> 3 reshard cuts
-#: chunks mid-way and the default 128 KiB blocks stay small next to them.
+#: chunks mid-way and the default 64 KiB blocks stay small next to them.
 MODEL = {"dim": 384, "hidden": 1536, "layers": 2}
 
 

@@ -118,7 +118,7 @@ def test_report_marks_targets_and_renders(layout, tmp_path):
     args = type("Args", (), {"budget_s": 60.0, "dcp_sample_ranks": 2})()
     results = {str(n): {s: bench.run_step(s, layout, n, str(tmp_path), args) for s in bench.STEPS} for n in (4, 8)}
     report = {"command": "x", "date": "d", "machine": {}, "results": results}
-    report["config"] = {"tensors": 20, "model": SMALL, "block_size": lay.rayckpt_block_size()}
+    report["config"] = {"tensors": 20, "model": SMALL, "block_size": lay.rayckpt_block_size(lay.gpt_layout(20))}
     report["fits"] = bench.fit_exponents(report)
     rows = {t["target"]: t for t in targets(report)}
     assert rows["global save plan at 4,096 ranks (s)"]["met"] is None  # 4,096 not measured

@@ -236,7 +236,8 @@ def test_a_save_writes_version_4_and_a_later_save_sweeps_the_old_table(tmp_path)
     target = {"w": torch.zeros(4, 3), "step": 0}
     rayckpt.load(target, path)
     assert torch.equal(target["w"], state["w"]) and target["step"] == 3
-    assert rayckpt.inspect(path).version == 4 and rayckpt.verify(path).ok
+    info = rayckpt.inspect(path)
+    assert (info.version, info.block_size) == (4, 64 * 1024) and rayckpt.verify(path).ok
 
 
 def test_a_chunk_table_name_carries_its_save_id():

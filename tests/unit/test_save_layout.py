@@ -11,6 +11,7 @@ from rayckpt.engine import save_layout
 from rayckpt.engine.save import collect_state
 from rayckpt.engine.state import flatten
 from rayckpt.errors import InvalidStateError
+from rayckpt.format import shard_file
 from rayckpt.planning.save_columns import create_save_plans
 from rayckpt.planning.save_plan import LocalShard
 from tests.helpers.thread_ranks import ThreadGroup
@@ -143,3 +144,24 @@ def test_what_a_rank_receives_does_not_grow_with_the_world_and_what_it_sends_gro
     assert received_large <= received_small + 64  # its own plan, not everyone's
     assert sent_large == sent_small
     assert planning_bytes(2, 200)[0] < 12 * sent_small
+
+
+def test_rank_0_picks_the_block_size_from_the_largest_state_and_every_rank_uses_it(monkeypatch):
+    monkeypatch.setattr(shard_file, "MAX_AUTO_BLOCKS", 4)
+    states = [state(0, 1), state(1, 1, rows=30_000), state(2, 1)]
+    ctxs = save_plans(ThreadGroup(3), states)
+    assert [c.spec.block_size for c in ctxs] == [128 * 1024] * 3  # rank 1's 360 KB in at most 4 blocks
+    save_layout.clear_plan_cache()
+    group = ThreadGroup(3)
+    explicit = group.run(lambda coord: collect_state(coord, states[coord.rank], block_size=4096))
+    assert [c.spec.block_size for c in explicit] == [4096] * 3  # the caller's, as given
+
+
+def test_the_automatic_block_size_doubles_past_32_gib():
+    gib = 2**30
+    assert [shard_file.auto_block_size(n) for n in (0, 32 * gib, 32 * gib + 1, 136 * 10**9)] == [
+        64 * 1024,
+        64 * 1024,
+        128 * 1024,
+        256 * 1024,
+    ]

@@ -31,7 +31,6 @@ import pyarrow.fs as pafs
 
 from ...errors import SaveFailedError
 from ...format.paths import Path, strip_prefix
-from ...format.shard_file import DEFAULT_BLOCK_SIZE
 from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.lease import is_lease_file
 from ..reader import CheckpointReader, Progress, tensor_nbytes
@@ -66,7 +65,7 @@ def convert(
     from_: str | None = None,
     prefix: str = "",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     group_bytes: int = DEFAULT_GROUP_BYTES,
     on_progress: Progress | None = None,
 ) -> ConvertInfo:

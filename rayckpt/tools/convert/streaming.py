@@ -20,7 +20,7 @@ from ...errors import CheckpointExistsError, InvalidStateError
 from ...format.boxes import Box
 from ...format.manifest import itemsize
 from ...format.paths import Path, add_prefix
-from ...format.shard_file import ChunkData, storage_type
+from ...format.shard_file import ChunkData, auto_block_size, storage_type
 from ...format.values import encode_value
 from ...planning.save_columns import create_save_plans
 from ...planning.save_plan import LocalShard
@@ -108,16 +108,19 @@ def import_source(
     out: CheckpointDir,
     src: str,
     prefix: str,
-    block_size: int,
+    block_size: int | None,
     group_bytes: int,
     on_progress: Progress | None,
 ) -> ConvertInfo:
-    """Write ``source`` as a rayckpt checkpoint saved by one rank, then commit it."""
-    if block_size <= 0:
+    """Write ``source`` as a rayckpt checkpoint saved by one rank, then commit it.
+
+    ``block_size`` None: ``auto_block_size`` of the source's tensors, as a save picks it."""
+    if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     tensors = {prefix + k: v for k, v in source.tensors.items()}
     values = {prefix + k: encode_value(v, prefix + k) for k, v in source.values.items()}
     nbytes = {k: itemsize(dtype) * math.prod(shape) for k, (dtype, shape) in tensors.items()}
+    block_size = block_size or auto_block_size(sum(nbytes.values()))
     both = sorted(set(tensors) & set(values))
     if both:
         raise InvalidStateError(f"key {both[0]!r} is both a tensor and a value in {src}")
