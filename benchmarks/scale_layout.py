@@ -153,7 +153,8 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple
     shards = []
     for rank in range(world_size):
         file = shard_file_name(save_id, rank, storage_type(DTYPE))
-        mine = [(k, boxes[s][rank]) for k, s in zip(layout.keys, layout.shapes, strict=True) if boxes[s][rank].volume]
+        # In key order, as rayckpt's writers lay out a shard file (the manifest's order too).
+        mine = [(k, boxes[s][rank]) for k, s in sorted(zip(layout.keys, layout.shapes)) if boxes[s][rank].volume]
         lengths = [b.volume * ITEMSIZE for _, b in mine]
         blocks = [-(-n // block) for n in lengths]
         sums = rng.integers(0, 2**64, size=sum(blocks), dtype=np.uint64).tolist()

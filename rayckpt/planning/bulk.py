@@ -22,7 +22,7 @@ import numpy as np
 
 from ..format.boxes import Box
 from ..format.manifest import Manifest, itemsize
-from .chunk_table import DIM0, OTHER, SCALAR, SCALAR_BOX, ChunkTable
+from .chunk_table import DIM0, OTHER, SCALAR, SCALAR_BOX, ChunkTable, dim0_item_bounds
 from .load_plan import (
     ChunkIndex,
     FileRead,
@@ -105,17 +105,13 @@ class BulkPlan:
         p0, p1 = int(self._item_first[rank]), int(self._item_first[rank + 1])
         rows = self._item_row[p0:p1]
         k = t.key[rows]
-        s = t.start[rows]
-        a = rank * self._per[k]
-        first = np.maximum(s, a)
-        last = np.minimum(s + t.rows[rows], np.minimum(a + self._step[k], t.key_rows[k]))
-        rb = t.key_row_bytes[k]
-        lo = (first - s) * rb
-        hi = (last - s) * rb
+        first, count, lo, hi = dim0_item_bounds(
+            rank, t.start[rows], t.rows[rows], t.key_rows[k], t.key_row_bytes[k], self._per[k], self._step[k]
+        )
         kinds = t.key_kind.tolist()
         entries = t.manifest.entries
         items: list[ReadItem] = []
-        columns = (rows, k, t.index[rows], first, last - first, lo, hi)
+        columns = (rows, k, t.index[rows], first, count, lo, hi)
         for row, kid, j, f, n, lo_, hi_ in zip(*(c.tolist() for c in columns)):
             kind = kinds[kid]
             if kind == OTHER:
@@ -134,6 +130,21 @@ class BulkPlan:
             offset, length = int(self._read_offset[q0 + q]), int(self._read_length[q0 + q])
             reads.append(FileRead(mine[0].chunk.file, offset, length, tuple(mine)))
         return LoadPlan(tuple(reads), int(self.needed_bytes[rank]), self.missing)
+
+    @property
+    def all_dim0(self) -> bool:
+        """Every item is of a DIM0 or SCALAR key (no per-rank planned item): ``rank_rows`` tells all."""
+        return self._plans is None and not self._other_items
+
+    def rank_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(item_row, item_first, read_item, read_offset, read_length, read_of_rank)``: every rank's items
+        as table rows (rank r's at ``item_first[r]:item_first[r + 1]``, in plan order; ``dim0_item_bounds``
+        gives the rest) and every read's first item, offset and length (rank r's at
+        ``read_of_rank[r]:read_of_rank[r + 1]``). No per-item object; only when ``all_dim0``."""
+        if not self.all_dim0:
+            raise ValueError("this plan has items planned per rank; use for_rank")
+        reads = (self._read_item, self._read_offset, self._read_length, self._read_of_rank)
+        return (self._item_row, self._item_first, *reads)
 
 
 def create_dim0_plans(
@@ -179,11 +190,11 @@ def create_dim0_plans(
     per = np.where(kind == SCALAR, 0, -(-t.key_rows // m))
     step = np.where(kind == SCALAR, 1, per)
 
-    counts, first_rank = _rank_ranges(t, kind, per, m)
+    counts, first_rank, end = _rank_ranges(t, kind, per, m)
     other = _plan_other(t, wanted, kind, m)
     if other:
         np.add.at(counts, np.fromiter((row for row, _, _ in other), np.int64, len(other)), 1)
-    item_row, rank, span_start, span_end = _spans(t, counts, first_rank, per, step, manifest.block_size)
+    item_row, rank, span_start, span_end = _spans(t, counts, first_rank, end, per, step, manifest.block_size)
     other_items = _place_other(other, counts, rank, span_start, span_end)
 
     # A stable sort on the rank keeps each rank's items in table-row, (file, byte_offset), order.
@@ -254,45 +265,53 @@ def _place_other(
     return other_items
 
 
-def _rank_ranges(t: ChunkTable, kind: np.ndarray, per: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per table row: how many target ranks' boxes overlap the chunk, and the first of them.
-
-    DIM0 and SCALAR keys only; the ranks of a chunk are consecutive.
-    """
+def _rank_ranges(t: ChunkTable, kind: np.ndarray, per: np.ndarray, m: int) -> tuple[np.ndarray, ...]:
+    """Per table row: how many target ranks' boxes overlap the chunk (consecutive ranks; DIM0 and
+    SCALAR keys only), the first of them, and the chunk's end row (clamped to the key's rows)."""
     row_kind = kind[t.key]
-    active = np.flatnonzero((row_kind == DIM0) | (row_kind == SCALAR))
-    k = t.key[active]
-    start = t.start[active]
-    end = np.minimum(start + t.rows[active], t.key_rows[k])
-    div = np.maximum(per[k], 1)
-    scalar = row_kind[active] == SCALAR
-    first = np.where(scalar, 0, start // div)
+    dim0 = row_kind == DIM0
+    end = np.minimum(t.start + t.rows, t.key_rows[t.key])
+    every = bool(dim0.all())  # the usual case: no row to leave out, no copy to make
+    rows = slice(None) if every else np.flatnonzero(dim0)
+    start, stop = t.start[rows], end[rows]
+    div = np.maximum(per, 1)[t.key[rows]]
+    first = start // div
+    count = stop - 1
+    count //= div
+    count -= first - 1
+    count[stop <= start] = 0
+    if every:
+        return count, first, end
     counts = np.zeros(t.num_chunks, np.int64)
-    counts[active] = np.where(scalar, world_size, np.where(end > start, (end - 1) // div - first + 1, 0))
     first_rank = np.zeros(t.num_chunks, np.int64)
-    first_rank[active] = first
-    return counts, first_rank
+    counts[rows] = count
+    first_rank[rows] = first
+    counts[row_kind == SCALAR] = m
+    return counts, first_rank, end
 
 
 def _spans(
-    t: ChunkTable, counts: np.ndarray, first_rank: np.ndarray, per: np.ndarray, step: np.ndarray, block_size: int
+    t: ChunkTable, counts: np.ndarray, first: np.ndarray, end: np.ndarray, per: np.ndarray, step: np.ndarray, bs: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (chunk, rank) item in table-row order: its row, rank, and block-aligned byte span in the file."""
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
     item_row = np.repeat(np.arange(t.num_chunks, dtype=np.int32), counts)
-    rank = np.arange(total) - np.repeat(ends - counts - first_rank, counts)
+    rank = np.arange(total) - np.repeat(ends - counts - first, counts)
 
     def each(column: np.ndarray) -> np.ndarray:
         return np.repeat(column, counts)
 
-    # The rows the rank needs of the chunk, as bytes [lo, hi) from the chunk's first byte.
+    # The rows the rank needs of the chunk, as bytes [lo, hi) from the chunk's first byte: the
+    # rank's rows [a, a + step) within the chunk's [start, end).
     key = t.key
+    per_item = each(per[key])
+    a = rank * per_item
+    hi = a + (per_item if np.array_equal(per, step) else each(step[key]))
+    del per_item
+    np.minimum(hi, each(end), out=hi)
     start = each(t.start)
-    a = rank * each(per[key])
-    lo = np.maximum(start, a)
-    hi = np.minimum(each(t.start + t.rows), np.minimum(a + each(step[key]), each(t.key_rows[key])))
-    del a
+    lo = np.maximum(start, a, out=a)
     row_bytes = each(t.key_row_bytes[key])
     lo -= start
     lo *= row_bytes
@@ -301,10 +320,15 @@ def _spans(
     del start, row_bytes
     # Widened to whole checksum blocks, never past the chunk's end: what create_load_plan reads.
     base = each(t.byte_offset)
-    span_start = base + lo // block_size * block_size
-    del lo
-    span_end = base + np.minimum(-(-hi // block_size) * block_size, each(t.byte_length))
-    return item_row, rank, span_start, span_end
+    lo //= bs
+    lo *= bs
+    lo += base
+    hi = -hi
+    hi //= bs
+    hi *= -bs
+    np.minimum(hi, each(t.byte_length), out=hi)
+    hi += base
+    return item_row, rank, lo, hi
 
 
 def _merge(

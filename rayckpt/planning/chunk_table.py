@@ -70,15 +70,12 @@ class ChunkTable:
     def from_manifest(cls, manifest: Manifest, columns: ChunkColumns | None = None) -> ChunkTable:
         """The table of ``manifest``, from its chunk columns (built here unless given)."""
         cols = ChunkColumns.from_manifest(manifest) if columns is None else columns
-        key = cols.key
-        key_first = cols.first
-        index = (np.arange(cols.num_chunks) - np.repeat(key_first, cols.counts)).astype(np.int32)
         kind, start, rows = _shape_columns(cols)
         files, file = _sorted_files(cols)
-        byte_offset, byte_length = cols.byte_offset, cols.byte_length
         # Rows in (file, byte_offset) order: a stable sort on the rank then puts each rank's items
         # in the order of its reads.
-        order = np.lexsort((byte_offset, file))
+        order, file, byte_offset = _file_order(file, cols.byte_offset, len(files))
+        key = cols.key[order]
         return cls(
             manifest=manifest,
             keys=cols.keys,
@@ -90,14 +87,14 @@ class ChunkTable:
                 np.int64,
                 len(cols.shapes),
             ),
-            key_first=key_first,
-            key=key[order],
-            index=index[order],
-            file=file[order],
+            key_first=cols.first,
+            key=key,
+            index=(order - cols.first[key]).astype(np.int32),
+            file=file,
             start=start[order],
             rows=rows[order],
-            byte_offset=byte_offset[order],
-            byte_length=byte_length[order],
+            byte_offset=byte_offset,
+            byte_length=cols.byte_length[order],
         )
 
 
@@ -126,34 +123,61 @@ def _sorted_files(cols: ChunkColumns) -> tuple[tuple[str, ...], np.ndarray]:
     return tuple(names[i] for i in order), remap[cols.file]
 
 
+def _file_order(file: np.ndarray, offset: np.ndarray, num_files: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows in (file, offset) order (stable), and the file and offset columns in it.
+
+    A file's chunks usually come in offset order already (each rank writes its
+    file front to back): then a stable counting sort on the file id gives that
+    order without comparing offsets; otherwise a lexsort does.
+    """
+    order = np.argsort(file.astype(np.uint16) if num_files <= 2**16 else file, kind="stable")
+    f, off = file[order], offset[order]
+    if np.all((f[1:] != f[:-1]) | (off[1:] >= off[:-1])):
+        return order, f, off
+    order = np.lexsort((offset, file))
+    return order, file[order], offset[order]
+
+
 def _shape_columns(cols: ChunkColumns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per key its kind; per chunk its first dim-0 row and dim-0 size."""
     n, nkeys = cols.num_chunks, len(cols.keys)
-    key, ndim, flat_off, flat_size = cols.key, cols.ndim, cols.offsets, cols.sizes
-    nflat = len(flat_size)
-    # flat_chunk[i] is the chunk of flat element i.
-    flat_chunk = np.repeat(np.arange(n), ndim)
-    flat_first = cols.flat_first
-    dim = np.arange(nflat) - flat_first[flat_chunk]
-    has_dims = ndim > 0
+    key, key_ndim, ndim = cols.key, cols.key_ndim, cols.ndim
+    flat_off, flat_size, flat_first = cols.offsets, cols.sizes, cols.flat_first
+    ndim_ok = ndim == key_ndim[key]
     start = np.zeros(n, np.int64)
     rows = np.ones(n, np.int64)
-    start[has_dims] = flat_off[flat_first[has_dims]]
-    rows[has_dims] = flat_size[flat_first[has_dims]]
-    nonempty = np.bincount(flat_chunk[flat_size == 0], minlength=n) == 0
-
-    # A dim-0 slab has offsets[1:] == 0 and sizes[1:] == shape[1:].
-    key_ndim = cols.key_ndim
-    ndim_ok = ndim == key_ndim[key]
-    shape_flat = cols.key_shape
+    nonempty = np.ones(n, bool)
+    not_slab = np.zeros(n, bool)
+    # One dim at a time over the chunks that have it (all of them, usually: no copy to make).
     shape_first = np.cumsum(key_ndim) - key_ndim
-    tail = np.flatnonzero(ndim_ok[flat_chunk] & (dim > 0))
-    want = shape_flat[shape_first[key[flat_chunk[tail]]] + dim[tail]]
-    off_tail = tail[(flat_off[tail] != 0) | (flat_size[tail] != want)]
-    not_slab = np.bincount(flat_chunk[off_tail], minlength=n) > 0
+    for d in range(int(ndim.max()) if n else 0):
+        has = ndim > d
+        every = bool(has.all())
+        at = flat_first if every else flat_first[has]
+        if d:
+            at = at + d
+        off, size = flat_off[at], flat_size[at]
+        where = slice(None) if every else has
+        if d == 0:
+            start[where] = off
+            rows[where] = size
+            nonempty[where] = size > 0
+            continue
+        nonempty[where] &= size > 0
+        # A dim-0 slab has offsets[d] == 0 and sizes[d] == shape[d] (keys with more than d dims).
+        dim_d = np.full(nkeys, -1, np.int64)
+        long = np.flatnonzero(key_ndim > d)
+        dim_d[long] = cols.key_shape[shape_first[long] + d]
+        not_slab[where] |= (off != 0) | (size != dim_d[key if every else key[has]])
+    not_slab &= ndim_ok
 
     def any_per_key(mask: np.ndarray) -> np.ndarray:
-        return np.bincount(key[mask], minlength=nkeys) > 0
+        # A key's rows are contiguous: reduce each key's run of the mask.
+        out = np.zeros(nkeys, bool)
+        has = np.flatnonzero(cols.counts)
+        if len(has):
+            out[has] = np.logical_or.reduceat(mask, cols.first[has])
+        return out
 
     bad_ndim = any_per_key(~ndim_ok)
     dim0 = (key_ndim > 0) & ~bad_ndim & ~any_per_key(nonempty & not_slab) & any_per_key(nonempty)
@@ -166,12 +190,36 @@ def _shape_columns(cols: ChunkColumns) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def _disjoint_rows(key: np.ndarray, start: np.ndarray, rows: np.ndarray, mask: np.ndarray, nkeys: int) -> np.ndarray:
     """Per key: do the masked chunks' dim-0 ranges overlap nowhere?"""
-    idx = np.flatnonzero(mask)
-    k, lo = key[idx], start[idx]
-    hi = lo + rows[idx]
-    # Chunks are usually stored in dim-0 order already; sort only when they are not.
-    if np.any((k[1:] == k[:-1]) & (lo[1:] < hi[:-1])):
-        order = np.lexsort((lo, k))
-        k, lo, hi = k[order], lo[order], hi[order]
+    if mask.all():  # the usual case: no copy to make
+        k, lo, hi = key, start, start + rows
+    else:
+        idx = np.flatnonzero(mask)
+        k, lo = key[idx], start[idx]
+        hi = lo + rows[idx]
+    # Chunks are usually stored in dim-0 order already (no neighbour starting before its
+    # predecessor ends means sorted and disjoint); sort only when they are not.
+    overlap = (k[1:] == k[:-1]) & (lo[1:] < hi[:-1])
+    if not overlap.any():
+        return np.ones(nkeys, bool)
+    order = np.lexsort((lo, k))
+    k, lo, hi = k[order], lo[order], hi[order]
     overlap = (k[1:] == k[:-1]) & (lo[1:] < hi[:-1])
     return np.bincount(k[1:][overlap], minlength=nkeys) == 0
+
+
+def dim0_item_bounds(
+    rank: int,
+    start: np.ndarray,
+    rows: np.ndarray,
+    key_rows: np.ndarray,
+    row_bytes: np.ndarray,
+    per: np.ndarray,
+    step: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What rank ``rank`` reads of chunks (dim-0 ``start``, ``rows``) of keys (``key_rows``,
+    ``row_bytes``, and ``per`` / ``step`` as in ``create_dim0_plans``): first row, row count,
+    and the byte range [lo, hi) from the chunk's first byte."""
+    a = rank * per
+    first = np.maximum(start, a)
+    last = np.minimum(start + rows, np.minimum(a + step, key_rows))
+    return first, last - first, (first - start) * row_bytes, (last - start) * row_bytes

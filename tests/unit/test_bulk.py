@@ -6,6 +6,7 @@ in fake files), from save plans of random N -> M reshards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from rayckpt.planning import bulk as bulk_plan
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import DIM0, OTHER, SCALAR, ChunkTable
 from rayckpt.planning.load_plan import TensorRequest, create_load_plan, dim0_boxes
+from rayckpt.planning.rank_slice import create_rank_slices
 from rayckpt.planning.save_columns import create_save_plans
 from rayckpt.planning.save_plan import LocalShard
 from tests.helpers.planning import Tensor, build
@@ -41,6 +43,11 @@ def assert_same_plans(m: Manifest, specs, world_size: int, value_keys=(), strict
         assert bulk.read_bytes[r] == plan.read_bytes
         assert bulk.num_reads[r] == len(plan.reads)
         assert bulk.num_items[r] == sum(len(x.items) for x in plan.reads)
+    # A load without Ray sends each rank its slice of the same plan: it builds the same LoadPlan.
+    slices = create_rank_slices(m, specs, world_size, value_keys, strict)
+    assert (slices is None) == (not bulk.all_dim0)
+    for r, part in enumerate(slices or ()):
+        assert part.plan([tuple(s) for s in specs]) == bulk.for_rank(r), f"slice of rank {r} of {world_size}"
     return bulk
 
 
@@ -138,6 +145,23 @@ def test_unsorted_and_split_chunks():
     assert len(m.tensor("w").chunks) == 6
     assert ChunkTable.from_manifest(m).key_kind.tolist() == [DIM0]
     assert_same_plans(m, [("w", "int64", shape)], 4)
+
+
+@pytest.mark.parametrize("key_order", [True, False], ids=["files-in-key-order", "files-in-other-order"])
+def test_table_rows_are_in_file_and_offset_order(key_order):
+    # A writer lays a file out in key order (the manifest's): the table orders by file alone;
+    # laid out otherwise, it sorts by offset too. Either way: (file, byte_offset) order.
+    specs = [(k, "float32", (6, 2)) for k in ("a", "b", "c")]
+    m, _ = build(
+        {k: Tensor("float32", s, [(b, f"r{r}.arrow") for r, b in enumerate(dim0_boxes(s, 3))]) for k, _, s in specs}, 4
+    )
+    if not key_order:  # the manifest lists the keys in another order than the files hold them
+        m = dataclasses.replace(m, entries=dict(reversed(m.entries.items())))
+    t = ChunkTable.from_manifest(m)
+    pairs = list(zip(t.file.tolist(), t.byte_offset.tolist()))
+    assert pairs == sorted(pairs) and len(set(pairs)) == 9
+    assert [m.tensor(t.keys[k]).chunks[j].byte_offset for k, j in zip(t.key, t.index)] == t.byte_offset.tolist()
+    assert_same_plans(m, specs, 2)
 
 
 def test_overlapping_bytes_use_the_per_item_planner():
