@@ -113,7 +113,13 @@ def rayckpt_load(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
         t["bulk_plan"], bulk = measured(lambda m=m: lay.rayckpt_bulk_plan(manifest, layout, m, table))
         t["for_rank"], plan = measured(lambda bulk=bulk, rank=t["rank"]: bulk.for_rank(rank))
         t["for_rank_equals_rank_plan"] = plan == plans[m]
-        del bulk
+        # Without Ray: rank 0 slices the bulk plan; each rank builds its plan from its slice.
+        t["slices"], slices = measured(lambda bulk=bulk: lay.rayckpt_rank_slices(manifest, layout, bulk))
+        mine = slices[t["rank"]]
+        t["slice_bytes"] = mine.nbytes
+        t["from_slice"], plan = measured(lambda mine=mine: lay.rayckpt_plan_from_slice(mine, layout))
+        t["from_slice_equals_rank_plan"] = plan == plans[m]
+        del bulk, slices
     return out
 
 

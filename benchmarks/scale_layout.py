@@ -269,6 +269,20 @@ def rayckpt_bulk_plan(manifest: Any, layout: Layout, world_size: int, table: Any
     return create_dim0_plans(manifest, specs, world_size, table=table)
 
 
+def rayckpt_rank_slices(manifest: Any, layout: Layout, bulk: Any) -> Any:
+    """Rank 0 without Ray, after the whole job's bulk plan: every rank's slice of it (``rank_slice``)."""
+    from rayckpt.format.chunk_columns import ChunkColumns
+    from rayckpt.planning.rank_slice import slice_plan
+
+    specs = [(k, DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)]
+    return slice_plan(bulk, specs, (), ChunkColumns.from_manifest(manifest))
+
+
+def rayckpt_plan_from_slice(rank_slice: Any, layout: Layout) -> Any:
+    """One rank without Ray: its load plan from the slice rank 0 scattered to it (no manifest read)."""
+    return rank_slice.plan([(k, DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)])
+
+
 def rayckpt_rank_plan(manifest: Any, layout: Layout, world_size: int, rank: int) -> Any:
     """One target rank's load plan from the decoded manifest, as ``engine.load.plan_from_manifest`` makes it."""
     from rayckpt.planning.load_plan import TensorRequest, create_load_plan, dim0_box

@@ -71,7 +71,10 @@ def figures(r: dict[str, Any], n: int) -> dict[str, Any]:
     for tag, m in (("half", half), ("minus", minus)):
         table = _scaled(rl, "chunk_table", "cpu_s")
         f[f"rayckpt_job_{tag}"] = _sum(table, _scaled(rl, "targets", m, "bulk_plan", "cpu_s"))
-        f[f"rayckpt_rank_{tag}"] = _sum(f["rayckpt_read"], _scaled(rl, "targets", m, "rank_plan", "cpu_s"))
+        # One rank without Ray: its plan from the slice rank 0 scattered (it reads no manifest).
+        f[f"rayckpt_rank_{tag}"] = _scaled(rl, "targets", m, "from_slice", "cpu_s")
+        f[f"rayckpt_rank_self_{tag}"] = _sum(f["rayckpt_read"], _scaled(rl, "targets", m, "rank_plan", "cpu_s"))
+        f[f"rayckpt_root_{tag}"] = _sum(f[f"rayckpt_job_{tag}"], _scaled(rl, "targets", m, "slices", "cpu_s"))
         f[f"dcp_job_{tag}"] = _scaled(dl, "targets", m, "whole_job", "cpu_s")
         f[f"dcp_job_{tag}_est"] = bool(_get(dl, "targets", m, "whole_job", "estimated")) or f["dcp_est"]
         f[f"dcp_rank_{tag}"] = _sum(f["dcp_read"], _scaled(dl, "targets", m, "rank_plan", "cpu_s"))
@@ -147,7 +150,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             big.get("rayckpt_rank_half"),
             0.1,
             True,
-            "read + decode + validate + create_load_plan",
+            "its plan from the slice rank 0 scattered (it reads no manifest)",
         ),
         _row(
             "coordinator peak extra memory at 4,096 (GiB)",
@@ -243,6 +246,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_s(_get(r, 'rayckpt_load', 'targets', max(1, n // 2), 'for_rank', 'cpu_s'))} / "
             f"{_s(_scaled(r.get('dcp_load', {}), 'targets', max(1, n // 2), 'rank_plan', 'cpu_s'))}"
             for n, r in ((int(k), v) for k, v in sorted(report["results"].items(), key=lambda kv: int(kv[0])))
+        )
+        + ".",
+        "",
+        "Without Ray, N -> N/2, CPU s: rank 0 (table + bulk plan + every rank's slice; read not included) / "
+        "each rank planning from the manifest itself (read + `create_load_plan`, the fallback for other layouts): "
+        + "; ".join(
+            f"{n:,}: {_s(f['rayckpt_root_half'], f['rayckpt_est'])} / "
+            f"{_s(f['rayckpt_rank_self_half'], f['rayckpt_est'])}"
+            for n, f in all_figures(report).items()
         )
         + ".",
     ]
