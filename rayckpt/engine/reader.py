@@ -31,6 +31,7 @@ from ..planning import range_gets
 from ..planning.load_plan import FileRead, LoadPlan, ReadItem
 from ..planning.range_gets import RangeGet, create_range_gets, get_parts
 from ..storage.checkpoint_dir import CheckpointDir
+from .device import HostToDevice, needs_bounce
 from .state import FlatState, TensorLeaf, torch_dtype
 
 
@@ -67,6 +68,7 @@ def read_into(
     file_sizes: Mapping[str, int],
     values: Mapping[str, Any],
     reader: ShardReader | None = None,
+    to_device: HostToDevice | None = None,
 ) -> LoadInfo:
     """Carry out ``plan``: verified ranged reads copied straight into the targets.
 
@@ -75,10 +77,14 @@ def read_into(
     its recorded size, holds the ranges), so a mismatch fails with nothing
     written into the targets. ``reader``: one to reuse (the tools read many
     tensors with one, which stats each file once); it is closed, not dropped.
+    Targets on a device (CUDA) are read into host memory, verified there and
+    copied through ``to_device``'s bounded pinned slots; every copy is done
+    when this returns.
     """
     reader = reader or ShardReader(ckdir, blocks, dict(file_sizes))
     fetched, requests = reader.bytes_fetched, reader.requests
     reader.check_ranges((fr.file, fr.offset, fr.length) for fr in plan.reads)
+    to_device = to_device or HostToDevice()
     direct: list[DirectRead] = []
     rest: list[FileRead] = []
     for fr in plan.reads:
@@ -95,10 +101,11 @@ def read_into(
             if ckdir.is_local:
                 for fr in rest:
                     buf = reader.read(fr.file, fr.offset, fr.length)
-                    _verify_and_copy(reader, buf, fr.offset, fr, flat)
+                    _verify_and_copy(reader, buf, fr.offset, fr, flat, to_device)
             else:
-                _read_gets(reader, create_range_gets(rest), flat)
+                _read_gets(reader, create_range_gets(rest), flat, to_device)
     finally:
+        to_device.finish()
         reader.close()
     for key, leaf in flat.values.items():
         if key in values:
@@ -114,14 +121,16 @@ def read_into(
     )
 
 
-def _verify_and_copy(reader: ShardReader, buf: Any, buf_offset: int, fr: FileRead, flat: FlatState) -> None:
+def _verify_and_copy(
+    reader: ShardReader, buf: Any, buf_offset: int, fr: FileRead, flat: FlatState, to_device: HostToDevice
+) -> None:
     """Verify the blocks of each item of ``fr`` in ``buf`` (file bytes from ``buf_offset``), then copy it."""
     for item in fr.items:
         reader.verify([(buf_offset, memoryview(buf))], item.key, item.chunk, item.lo, item.hi)
-        _copy_item(buf, buf_offset, item, flat.tensors[item.key])
+        _copy_item(buf, buf_offset, item, flat.tensors[item.key], to_device)
 
 
-def _read_gets(reader: ShardReader, gets: Sequence[RangeGet], flat: FlatState) -> None:
+def _read_gets(reader: ShardReader, gets: Sequence[RangeGet], flat: FlatState, to_device: HostToDevice) -> None:
     """Run ``gets`` as their parts' requests on ``GET_CONCURRENCY`` threads.
 
     A GET's parts (``get_parts``) fill one buffer, allocated when its first
@@ -138,7 +147,7 @@ def _read_gets(reader: ShardReader, gets: Sequence[RangeGet], flat: FlatState) -
         buf = asm.add(offset, reader.fetch(asm.get.file, offset, length))
         if buf is not None:
             for fr in asm.get.reads:
-                _verify_and_copy(reader, buf, asm.get.offset, fr, flat)
+                _verify_and_copy(reader, buf, asm.get.offset, fr, flat, to_device)
 
     if not gets:
         return
@@ -207,7 +216,7 @@ def _direct_read(fr: FileRead, flat: FlatState) -> DirectRead | None:
         return None
     item = fr.items[0]
     dst = flat.tensors[item.key].region(item.box)
-    if item.hi - item.lo != dst.numel() * dst.element_size() or not dst.is_contiguous() or dst.device.type != "cpu":
+    if item.hi - item.lo != dst.numel() * dst.element_size() or not dst.is_contiguous() or needs_bounce(dst):
         return None
     start = item.chunk.byte_offset + item.lo
     end = item.chunk.byte_offset + item.hi
@@ -267,11 +276,11 @@ def _pieces(d: DirectRead) -> list[tuple[int, list[memoryview]]]:
     return out
 
 
-def _copy_item(buf: Any, buf_offset: int, item: ReadItem, leaf: TensorLeaf) -> None:
+def _copy_item(buf: Any, buf_offset: int, item: ReadItem, leaf: TensorLeaf, to_device: HostToDevice) -> None:
     start = item.chunk.byte_offset + item.lo - buf_offset
     dtype = torch_dtype(leaf.dtype)
     raw = np.frombuffer(buf, dtype=np.uint8, count=item.hi - item.lo, offset=start)
     src = torch.from_numpy(raw).view(dtype)
     src = src.as_strided(item.box.sizes, row_major_strides(item.chunk.box.sizes))
     with torch.no_grad():
-        leaf.region(item.box).copy_(src)
+        to_device.copy(leaf.region(item.box), src)

@@ -22,6 +22,7 @@ from ..format.shard_file import ChunkData, ChunkSpec, WrittenChunk, storage_type
 from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir, join_location
 from ..storage.commit import WrittenShard, shard_file_name
+from .device import DeviceToHost, host_like, needs_bounce
 from .state import FlatState, Piece, TensorLeaf, as_bytes
 
 
@@ -82,23 +83,25 @@ def write_chunks(
 
 
 def cpu_leaves(leaves: Iterable[TensorLeaf]) -> dict[str, TensorLeaf]:
-    """The leaves with every piece on the CPU: device pieces are copied (non-blocking, then one sync).
+    """The leaves with every piece on the CPU: device pieces are copied into pinned host memory.
 
-    Not "staging": in rayckpt to stage is the async save's one copy into shared memory.
+    The copies run on a side stream (``DeviceToHost``), all waited on once at the
+    end. Not "staging": in rayckpt to stage is the async save's one copy into
+    shared memory.
     """
     on_cpu: dict[str, TensorLeaf] = {}
-    on_device = False
+    to_host = DeviceToHost()
     for leaf in leaves:
         if leaf.key in on_cpu:
             continue
         pieces = []
         for p in leaf.pieces:
             t = p.local.detach()
-            if t.device.type != "cpu":
-                on_device = True
-                t = t.to("cpu", non_blocking=True)
+            if needs_bounce(t):
+                host = host_like(t)
+                to_host.copy(host, t)
+                t = host
             pieces.append(Piece(p.box, t))
         on_cpu[leaf.key] = replace(leaf, pieces=tuple(pieces))
-    if on_device and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    to_host.wait()
     return on_cpu

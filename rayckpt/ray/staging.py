@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..engine.device import DeviceToHost, needs_bounce, pin_host_memory, unpin_host_memory
 from ..engine.state import as_bytes
 
 SHM_DIR = "/dev/shm"
@@ -108,6 +109,8 @@ class StagingBuffer:
         self._pid = 0
         #: The write that still reads this file (a Ray ObjectRef), if any.
         self.busy: object | None = None
+        #: The mapping's address if it is page-locked for CUDA copies (0: not pinned).
+        self._pinned = 0
 
     @property
     def path(self) -> str | None:
@@ -149,27 +152,39 @@ class StagingBuffer:
         """Copy ``pieces`` (any device, any strides) into the buffer, one copy each.
 
         ``in_use``: a writer may still read the current file, so stage into a new one.
+        Device (CUDA) pieces are copied straight into the mapping (page-locked the
+        first time, kept so while the file is reused) on a side stream; this
+        returns once they are all in, before any writer reads the region.
         """
         spans, total = layout([p.numel() * p.element_size() for p in pieces])
         if in_use or self._map is None or total > self.capacity:
             self._open(total)
         assert self._map is not None and self.path is not None
+        to_host = DeviceToHost()
         for piece, (offset, n) in zip(pieces, spans):
             if n == 0:
                 continue
             src = piece.detach()
-            if src.device.type == "cpu" and src.is_contiguous():
+            if not needs_bounce(src) and src.is_contiguous():
                 # one single-threaded memcpy: torch's copy_ fans out to its intra-op threads,
                 # which ranks sharing the node's cores made 2-4x slower (benchmarks/NOTES.md)
                 np.copyto(np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src))
-            else:  # strided or on a device: torch copies it, device to host directly
+            elif needs_bounce(src):  # device to host directly, on a side stream
+                if not self._pinned:
+                    self._pinned = pin_host_memory(self._map)
+                dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
+                to_host.copy(dst.view(src.dtype).view(src.shape), src)
+            else:  # strided: torch copies it
                 dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
                 dst.view(src.dtype).view(src.shape).copy_(src)
+        to_host.wait()
         return StagedRegion(self.path, node_id, spans, self.inode)
 
     def close(self) -> None:
         """Unmap and close the file; a writer that still maps it keeps reading until it unmaps."""
         if self._map is not None:
+            unpin_host_memory(self._pinned)
+            self._pinned = 0
             try:
                 self._map.close()
             except BufferError:  # views still exported: the mapping goes when they do

@@ -10,6 +10,7 @@ import torch
 import rayckpt
 from rayckpt.engine import load as engine_load
 from rayckpt.engine import reader as reader_module
+from rayckpt.engine.device import HostToDevice
 from rayckpt.engine.state import flatten
 from rayckpt.format.shard_file import ShardReader
 from rayckpt.planning import load_plan, range_gets
@@ -205,7 +206,7 @@ def test_the_parts_of_one_get_are_in_flight_at_once(tmp_path, monkeypatch):
     m = rayckpt.read_manifest(CheckpointDir.resolve(path))
     ckdir = CheckpointDir.resolve(path)
     reader = RendezvousReader(ckdir, m.blocks, {f.path: f.size for f in m.files}, n=4)
-    reader_module._read_gets(reader, gets, flatten(target))
+    reader_module._read_gets(reader, gets, flatten(target), HostToDevice())
     assert torch.equal(target["w"], state["w"]) and reader.requests == 4
 
 
