@@ -174,6 +174,12 @@ def check_resources(args: argparse.Namespace, cluster: dict[str, float]) -> dict
         total, have = amount * n, cluster.get(resource, 0.0)
         if total <= have + 1e-9:
             continue
+        if resource == "GPU" and have == 0:
+            raise JobConfigError(
+                f"--gpus: no CUDA device is visible: the Ray cluster has 0 GPUs and --num-workers {n} needs "
+                f"{total:g}; drop --gpus to train on CPUs with gloo, or on an autoscaling cluster that will add "
+                "GPU nodes pass --skip-resource-check"
+            )
         if resource == "GPU":
             fix = "lower --num-workers, or drop --gpus to train on CPUs"
             asked = f"--gpus with --num-workers {n} needs {total:g} GPUs"

@@ -64,6 +64,18 @@ def test_main_refuses_a_mistyped_resume_before_starting_ray(storage, monkeypatch
     assert err.startswith("error: --resume: run 'never-ran' has no committed checkpoint") and "\n" not in err
 
 
+def test_main_with_gpus_and_no_gpu_fails_at_start_with_one_error_line(storage, monkeypatch, capsys):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})  # a CPU-only machine, as here
+    assert main(["--storage-path", storage, "--run-name", "gpu-run", "--gpus", "--num-workers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --gpus: no CUDA device is visible") and "\n" not in err
+
+
 def request(*argv: str) -> argparse.Namespace:
     return parse_args(list(argv))
 
@@ -85,7 +97,7 @@ def request(*argv: str) -> argparse.Namespace:
         (
             ["--num-workers", "2", "--gpus", "--cpus-per-worker", "4"],
             {"CPU": 16.0},
-            ["--gpus with --num-workers 2 needs 2 GPUs, but the Ray cluster has 0"],
+            ["--gpus: no CUDA device is visible: the Ray cluster has 0 GPUs", "drop --gpus"],
         ),
     ],
 )
