@@ -31,14 +31,19 @@ class ToyModel(nn.Module):
         return self.head(x)
 
 
-def build_fsdp(world_size: int, seed: int, dtype: torch.dtype = torch.float32, **model_kw: Any):
-    """A ToyModel sharded with ``fully_shard`` on each block and the root, with AdamW."""
+def build_fsdp(world_size: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu", **model_kw: Any):
+    """A ToyModel sharded with ``fully_shard`` on each block and the root, with AdamW.
+
+    ``device``: "cpu" (a gloo group) or "cuda" (an nccl group; the rank's current CUDA device).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     model = ToyModel(**model_kw).to(dtype)
-    mesh = init_device_mesh("cpu", (world_size,))
+    if device != "cpu":
+        model = model.to(device)
+    mesh = init_device_mesh(device, (world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -49,7 +54,8 @@ def build_fsdp(world_size: int, seed: int, dtype: torch.dtype = torch.float32, *
 def train_steps(model: nn.Module, optim: torch.optim.Optimizer, steps: int, rank: int, dim: int = 10) -> None:
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(4, dim, generator=g).to(next(model.parameters()).dtype)
+        param = next(model.parameters())
+        x = torch.randn(4, dim, generator=g).to(param.device, param.dtype)
         optim.zero_grad()
         model(x).float().pow(2).mean().backward()
         optim.step()

@@ -1,0 +1,124 @@
+"""The GPU path on a real CUDA device: FSDP2 with nccl, loads into CUDA targets, staging from device memory.
+
+Skipped where no CUDA device is visible (CI, the CPU machines); run with
+``pytest tests/gpu`` on a GPU machine. With one GPU, nccl groups have one rank
+(nccl refuses two ranks on one device) and resharding is checked across device
+types: saved by nccl ranks on the GPU, loaded by gloo ranks on the CPU, and back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rayckpt
+from rayckpt.engine import device
+from rayckpt.engine.device import HostToDevice
+from rayckpt.ray import async_save
+from rayckpt.ray.staging import StagingBuffer, open_region
+from rayckpt.testing.multiproc import run_ranks
+from tests.helpers import gpu_workers
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+BACKEND = {"cuda": "nccl", "cpu": "gloo"}
+
+
+def run_on(fn, world_size: int, path: str, dev: str) -> list:
+    return run_ranks(fn, world_size, path, dev, backend=BACKEND[dev])
+
+
+def check_exact(loaded: list, saved: dict, dev: str, same_device: bool) -> None:
+    # outputs computed on another device type round differently: a looser tolerance there
+    rtol, atol = (1e-5, 1e-7) if same_device else (1e-4, 1e-5)
+    for rank, result in enumerate(loaded):
+        assert result["state"].keys() == saved["state"].keys()
+        for key, value in result["state"].items():
+            assert torch.equal(value, saved["state"][key]), f"{key} differs on rank {rank}"
+        assert torch.allclose(result["output"], saved["output"], rtol=rtol, atol=atol), "outputs MATCH"
+        assert result["step"] == 3 and result["devices"] == [dev]
+
+
+CASES = [("cuda", 1, "cuda", 1), ("cuda", 1, "cpu", 2), ("cuda", 1, "cpu", 3), ("cpu", 3, "cuda", 1)]
+if GPUS >= 2:
+    CASES += [("cuda", 2, "cuda", 1), ("cuda", 1, "cuda", 2), ("cuda", 2, "cuda", 2), ("cpu", 4, "cuda", 2)]
+
+
+@pytest.mark.parametrize(("save_dev", "n", "load_dev", "m"), CASES)
+def test_fsdp2_on_cuda_saves_and_reshards_bit_exact(tmp_path, save_dev, n, load_dev, m):
+    path = str(tmp_path / "ck")
+    saved = run_on(gpu_workers.save_on, n, path, save_dev)[0]
+    check_exact(run_on(gpu_workers.load_on, m, path, load_dev), saved, load_dev, save_dev == load_dev)
+
+
+def cuda_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(1000, 257, generator=g).cuda(),
+        "half": torch.randn(33, 7, generator=g).to(torch.bfloat16).cuda(),
+        "t": torch.randn(40, 30, generator=g).cuda().t(),  # strided on the device
+        "step": 5,
+    }
+
+
+def test_a_load_into_cuda_targets_goes_through_bounded_pinned_slots(tmp_path, monkeypatch):
+    path = str(tmp_path / "ck")
+    state = cuda_state()
+    rayckpt.save(state, path, block_size=4096)
+    monkeypatch.setattr(device, "BOUNCE_BYTES", 64 * 1024)
+    peaks: list[int] = []
+    finish = HostToDevice.finish
+    monkeypatch.setattr(HostToDevice, "finish", lambda self: peaks.append(self.peak_slot_bytes) or finish(self))
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+    target["t"] = torch.zeros(40, 30, device="cuda").t()
+    rayckpt.load(target, path)
+    for key in ("w", "half", "t"):
+        assert target[key].is_cuda and torch.equal(target[key], state[key]), key
+    assert target["step"] == 5 and peaks and 0 < max(peaks) <= 64 * 1024
+
+
+def test_a_save_of_cuda_tensors_loads_bit_exact_on_the_cpu(tmp_path):
+    path = str(tmp_path / "ck")
+    state = cuda_state()
+    rayckpt.save(state, path)
+    target = {"w": torch.zeros(1000, 257), "half": torch.zeros(33, 7, dtype=torch.bfloat16), "t": torch.zeros(30, 40)}
+    rayckpt.load(target, path)
+    for key in ("w", "half", "t"):
+        assert torch.equal(target[key], state[key].cpu()), key
+
+
+def test_staging_from_cuda_pins_the_buffer_and_holds_the_bytes(tmp_path):
+    pieces = [cuda_state()["w"], cuda_state()["t"]]
+    buf = StagingBuffer(str(tmp_path))
+    try:
+        region = buf.stage(pieces, "node")
+        assert buf._pinned != 0  # the mapping is page-locked: the device copies ran asynchronously
+        with open_region(region) as views:
+            for view, p in zip(views, pieces):
+                assert bytes(view) == p.contiguous().cpu().numpy().tobytes()
+        buf.stage(pieces, "node")  # reused: still the same pinned mapping
+        assert buf._pinned != 0
+    finally:
+        buf.close()
+    assert buf._pinned == 0
+
+
+def test_async_save_from_cuda_stall_measured_by_cuda_events(ray_session, tmp_path):
+    state = {"w": torch.randn(4096, 4096, device="cuda"), "step": 1}  # 64 MiB on the device
+    path = str(tmp_path / "a")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    handle = async_save.save_async(state, path, run="gpu", step=1, staging="shm")
+    end.record()
+    end.synchronize()
+    stall_ms = start.elapsed_time(end)
+    print(f"async save of 64 MiB from CUDA: stall {stall_ms:.2f} ms (CUDA events), {handle.stall_seconds:.4f} s (host)")
+    assert stall_ms >= 0 and handle.wait().status == "committed"
+    target = {"w": torch.zeros(4096, 4096, device="cuda"), "step": 0}
+    rayckpt.load(target, path)
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 1
