@@ -8,7 +8,9 @@ ranges are coalesced into ranged GETs (``planning.range_gets``), each fetched as
 requests of at most ``GET_PART_BYTES``, up to ``GET_CONCURRENCY`` in flight per
 rank; a GET's ranges are verified per block and copied into the targets on the
 thread that brings its last part. Other local reads (strided targets) read the range
-(a memory-map slice), verify it and copy. ``LoadInfo`` is what a rank read.
+(a memory-map slice), verify it and copy. Targets on a device (CUDA) take the
+last two paths: verified in host memory, then copied through ``HostToDevice``'s
+bounded pinned slots (``engine/device.py``). ``LoadInfo`` is what a rank read.
 """
 
 from __future__ import annotations
