@@ -13,13 +13,13 @@ by sizes here. Pure: numpy, no I/O.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from ..errors import InvalidStateError
 from ..format.manifest import itemsize
@@ -85,11 +85,14 @@ class ShardLayout:
 
 
 def digest(*parts: bytes) -> bytes:
-    """A 16-byte digest of ``parts`` (each length-prefixed, so no two sequences run together)."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
+    """A 16-byte digest of ``parts``: their count and lengths, then their bytes, so no two sequences
+    run together. XXH3-128 (layouts are compared within one job, by the same code: no adversary),
+    three C-speed updates whatever the count: rank 0 digests every rank's layout hash on each
+    save, 4,096 parts, where one BLAKE2 update per part took ~0.4 ms."""
+    h = xxhash.xxh3_128()
+    h.update(len(parts).to_bytes(8, "little"))
+    h.update(np.fromiter(map(len, parts), np.int64, len(parts)).astype("<i8").tobytes())
+    h.update(b"".join(parts))
     return h.digest()
 
 
