@@ -59,8 +59,9 @@ class ChunkColumns:
     ) -> ChunkColumns:
         """The columns of ``keys`` (tensor keys; default: all of them, in manifest order).
 
-        A manifest read from a chunk table (version 4) has them already: returned
-        as they are when every key is asked for. Otherwise one pass over the chunks
+        A manifest read from a chunk table (version 4), or made by ``create_manifest``,
+        has them already, checksums included: returned as they are when every key is
+        asked for. Otherwise one pass over the chunks
         per column, at C speed (``np.fromiter`` over ``attrgetter``); ``checksums``
         also gathers the block checksums. Raises ``OverflowError`` when a value does
         not fit in int64 (possible only in a manifest built in memory: decoding

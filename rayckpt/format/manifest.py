@@ -142,6 +142,7 @@ class Manifest:
     checksum: str = DEFAULT_CHECKSUM
     #: Read from storage (version 4): the chunk table's file name and its columns
     #: (``chunk_columns.ChunkColumns``, which the tensor entries' ``chunk_rows.ChunkRows`` index).
+    #: The columns always hold the checksums: the rows' ``ChunkEntry`` objects are built from them.
     chunk_table: str | None = field(default=None, compare=False)
     columns: Any = field(default=None, compare=False, repr=False)
 

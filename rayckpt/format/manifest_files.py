@@ -89,8 +89,6 @@ def encode_manifest_files(m: Manifest) -> list[tuple[str, bytes]]:
     if m.version < CHUNK_TABLE_VERSION:
         return [(MANIFEST_NAME, encode_manifest(m))]
     columns = ChunkColumns.from_manifest(m, checksums=True)
-    if columns.checksums is None:  # a manifest read from a chunk table built without them
-        columns = ChunkColumns.from_manifest(m, list(columns.keys), checksums=True)
     if len(columns.files) != len(m.files):
         extra = sorted(set(columns.files) - {f.path for f in m.files})
         raise InvalidStateError(f"chunks name file(s) the manifest does not list: {extra[:5]}")
