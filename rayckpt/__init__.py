@@ -34,6 +34,7 @@ _EXPORTS = {
     "InvalidStateError": "rayckpt.errors",
     "PeerLostError": "rayckpt.errors",
     "RayckptError": "rayckpt.errors",
+    "RestoreFailedError": "rayckpt.errors",
     "SaveFailedError": "rayckpt.errors",
 }
 

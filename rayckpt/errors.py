@@ -30,6 +30,10 @@ class FormatVersionError(CorruptCheckpointError):
     """The manifest was written by an unknown format version."""
 
 
+class RestoreFailedError(RayckptError):
+    """No committed checkpoint of a run could be restored; the message names each one tried and why."""
+
+
 class SaveFailedError(RayckptError):
     """A save failed on at least one rank; nothing was committed."""
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,9 +30,20 @@ import torch.distributed as dist
 
 from ..engine.app_state import AppState
 from .gpt import GPT, GPTConfig, shard_model, synthetic_batch
-from .job_checks import JobConfigError, check_flags, check_resources, check_resume, check_storage, worker_resources
+from .job_checks import JobConfigError, check_resources, check_resume, check_storage, worker_resources
+from .job_flags import parse_args, workers_asked
 
-__all__ = ["main", "parse_args", "run", "train", "train_config", "warmup_cosine", "worker_resources"]
+__all__ = [
+    "main",
+    "parse_args",
+    "restart_line",
+    "run",
+    "train",
+    "train_config",
+    "warmup_cosine",
+    "worker_resources",
+    "workers_asked",
+]
 
 #: The fraction of the steps spent warming the learning rate up, and the floor of the cosine decay.
 WARMUP_FRACTION = 0.1
@@ -53,90 +63,6 @@ class CheckpointerLike(Protocol):
     ) -> Any: ...
 
     def wait(self) -> None: ...
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in ``--help``; a flag defaulting to ``None`` says in its help what it means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The job's flags; ``--help`` shows each one's default."""
-    defaults = GPTConfig()
-    p = argparse.ArgumentParser(
-        description="Train a small GPT with FSDP2 on Ray Train, checkpointed by rayckpt.",
-        formatter_class=_HelpFormatter,
-    )
-    p.add_argument("--num-workers", type=int, default=4, help="Ray Train workers (ranks)")
-    p.add_argument("--steps", type=int, default=20, help="total steps to reach (a resumed run continues to it)")
-    p.add_argument(
-        "--schedule-steps",
-        type=int,
-        default=None,
-        help="length of the warmup + cosine LR schedule (default: --steps of the run's first launch; a resumed "
-        "run keeps the stored one unless this is given)",
-    )
-    p.add_argument("--checkpoint-every", type=int, default=5, help="save every K steps and at the last step")
-    p.add_argument("--storage-path", default="./checkpoints", help="run storage: a directory or a URI (s3://...)")
-    p.add_argument("--run-name", default="gpt-demo", help="the run: a directory under --storage-path")
-    resume = p.add_mutually_exclusive_group()
-    resume.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run's latest committed checkpoint, with any worker count; fails if it has none",
-    )
-    resume.add_argument(
-        "--resume-if-exists",
-        action="store_true",
-        help="continue the run's latest committed checkpoint if there is one, else start fresh",
-    )
-    p.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster to join, as ray.init(address=...): HOST:PORT, 'auto' (a running cluster or fail), "
-        "'local' (always a new one); default: RAY_ADDRESS, else the cluster last started on this machine with "
-        "'ray start', else a new local Ray",
-    )
-    p.add_argument("--gpus", action="store_true", help="one GPU per worker with nccl (default: CPU with gloo)")
-    p.add_argument(
-        "--cpus-per-worker",
-        type=float,
-        default=None,
-        help="CPUs each worker reserves (default: 1 for CPU training, less when the cluster has fewer CPUs than "
-        "workers; none with --gpus)",
-    )
-    p.add_argument(
-        "--skip-resource-check",
-        action="store_true",
-        help="submit even when the cluster's resources now cannot hold the workers (an autoscaling cluster)",
-    )
-    p.add_argument("--d-model", type=int, default=defaults.d_model, help="model width")
-    p.add_argument("--n-layers", type=int, default=defaults.n_layers, help="transformer blocks")
-    p.add_argument("--n-heads", type=int, default=defaults.n_heads, help="attention heads (must divide --d-model)")
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sample")
-    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="vocabulary size")
-    p.add_argument("--d-ff", type=int, default=None, help="MLP width (default: 4 * d-model)")
-    p.add_argument(
-        "--global-batch", type=int, default=12, help="samples per step over all workers; a multiple of --num-workers"
-    )
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup, cosine decay)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
-    return p
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and check every flag (``SystemExit`` with one line naming the flag when one is wrong)."""
-    p = build_parser()
-    args = p.parse_args(argv)
-    try:
-        check_flags(args)
-    except JobConfigError as exc:
-        p.error(str(exc))
-    if "://" not in args.storage_path:
-        args.storage_path = os.path.abspath(args.storage_path)
-    return args
 
 
 def train_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -235,9 +161,12 @@ def train(
     requested = run_hparams(config, horizon)
     # The peak LR in effect: a resumed scheduler keeps the run's base LR whatever --lr says.
     hparams = {**requested, "lr": sched.base_lrs[0]}
+    restarts = getattr(checkpointer, "restarts", None) or 0
     if rank == 0:
         where = f"resumed from step {resumed_from}" if resumed_from is not None else "fresh start"
         log(f"GPT with {model_size(model):,} parameters on {world_size} rank(s), {where}, {horizon}-step LR schedule")
+        if restarts:
+            log(restart_line(restarts, resumed_from, world_size, checkpointer.restored_metadata))
         changed = {k: (stored[k], v) for k, v in requested.items() if k in stored and stored[k] != v}
         if changed:
             log(
@@ -265,7 +194,13 @@ def train(
             log(f"step {done}/{total} loss {global_loss:.4f} ({history[-1]['seconds']:.2f}s)")
         if done % every == 0 or done == total:
             app.extras["step"] = done
-            metrics: dict[str, Any] = {"loss": global_loss, "step": done, "losses": pending}
+            metrics: dict[str, Any] = {
+                "loss": global_loss,
+                "step": done,
+                "losses": pending,
+                "world_size": world_size,
+                "restarts": restarts,
+            }
             if resumed_from is not None:
                 metrics["resumed_from"] = resumed_from
             checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams})
@@ -274,8 +209,22 @@ def train(
     return history
 
 
+def restart_line(restarts: int, step: int | None, world_size: int, restored: dict[str, Any]) -> str:
+    """Rank 0's line after Ray Train restarted (or resized) the workers: from which step, with how many."""
+    saved_by = (restored.get("metrics") or {}).get("world_size")
+    by = f" (saved by {saved_by})" if saved_by else ""
+    where = f"resumed from step {step}{by}" if step is not None else "no committed checkpoint yet: from step 0"
+    return f"restart {restarts}: {where} with {world_size} worker(s)"
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> list[dict[str, float]]:
-    """What ``TorchTrainer`` runs on each worker: ``train`` with rayckpt's Ray Train checkpointer."""
+    """What ``TorchTrainer`` runs on each worker: ``train`` with rayckpt's Ray Train checkpointer.
+
+    Every worker group restores the run's newest committed checkpoint if there is
+    one, with or without ``--resume``: ``check_resume`` made sure a fresh run's
+    directory was empty when the job began, so a checkpoint there is this job's,
+    and the group is a restart after a failure or an elastic resize.
+    """
     import ray.train
     import ray.train.torch
 
@@ -287,11 +236,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> list[dict[str, float]]:
     if config["gpus"]:
         device = ray.train.torch.get_device()
         torch.cuda.set_device(device)
-    # A Ray-driven restart after a worker failure restores even without --resume.
-    resume = config["resume"] or ray.train.get_checkpoint() is not None
-    return train(
-        {**config, "resume": resume}, context.get_world_rank(), context.get_world_size(), Checkpointer(), device
-    )
+    return train({**config, "resume": True}, context.get_world_rank(), context.get_world_size(), Checkpointer(), device)
 
 
 def quiet_ray_train_logs() -> None:
@@ -317,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     URI, query string and all, with ``pyarrow.fs.FileSystem.from_uri``, as rayckpt does.
     """
     import ray
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from ..train.callback import RayckptCallback
@@ -338,7 +283,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             train_loop_per_worker,
             train_loop_config={**train_config(args), "resume": resume},
             scaling_config=ScalingConfig(
-                num_workers=args.num_workers, use_gpu=args.gpus, resources_per_worker=per_worker
+                num_workers=workers_asked(args), use_gpu=args.gpus, resources_per_worker=per_worker
             ),
             torch_config=TorchConfig(backend="nccl" if args.gpus else "gloo"),
             run_config=RunConfig(
@@ -346,6 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 storage_path=args.storage_path,
                 callbacks=[RayckptCallback()],
                 checkpoint_config=CheckpointConfig(num_to_keep=3),
+                failure_config=FailureConfig(max_failures=args.max_failures),
             ),
         )
         result = trainer.fit()
@@ -359,8 +305,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "final_step": metrics.get("step"),
         "final_loss": metrics.get("loss"),
         "last_checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
-        "num_workers": args.num_workers,
+        "num_workers": metrics.get("world_size", args.num_workers),
         "resumed_from": metrics.get("resumed_from"),
+        "restarts": metrics.get("restarts", 0),
     }
 
 

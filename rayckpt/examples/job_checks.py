@@ -54,14 +54,28 @@ def check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise JobConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    low = getattr(args, "min_workers", args.num_workers)
+    if low < 1:
+        raise JobConfigError(f"--num-workers must be at least 1, got {low}-{args.num_workers}")
+    if low > args.num_workers:
+        raise JobConfigError(f"--num-workers {low}-{args.num_workers}: MIN is larger than MAX")
+    if getattr(args, "max_failures", 0) < -1:
+        raise JobConfigError(f"--max-failures must be -1 (no limit) or at least 0, got {args.max_failures}")
     for flag in ("lr", "cpus_per_worker"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise JobConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    if args.global_batch % args.num_workers:
+    uneven = [n for n in range(low, args.num_workers + 1) if args.global_batch % n]
+    if uneven and low == args.num_workers:
         raise JobConfigError(
             f"--global-batch {args.global_batch} is not divisible by --num-workers {args.num_workers}: "
             "every worker needs the same number of samples"
+        )
+    if uneven:
+        raise JobConfigError(
+            f"--global-batch {args.global_batch} is not divisible by {', '.join(map(str, uneven))} workers, which "
+            f"the elastic --num-workers {low}-{args.num_workers} may run with: every worker needs the same number "
+            "of samples (choose a batch divisible by every count in the range)"
         )
     if args.d_model % args.n_heads:
         raise JobConfigError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
@@ -169,7 +183,7 @@ def check_resources(args: argparse.Namespace, cluster: dict[str, float]) -> dict
     need = dict(per_worker) if per_worker else ({} if args.gpus else {"CPU": 1.0})
     if args.gpus:
         need.setdefault("GPU", 1.0)
-    n = args.num_workers
+    n = getattr(args, "min_workers", args.num_workers)  # an elastic run starts with as few as its MIN
     for resource, amount in need.items():
         total, have = amount * n, cluster.get(resource, 0.0)
         if total <= have + 1e-9:

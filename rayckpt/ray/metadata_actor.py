@@ -81,6 +81,8 @@ class MetadataActor:
         self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         #: run -> its last shard write's throughput (bytes/s), the ``RUNS_KEPT`` most recent runs.
         self._throughput: OrderedDict[str, float] = OrderedDict()
+        #: A training run's attempts (Ray Train run id -> worker groups started), the ``RUNS_KEPT`` most recent.
+        self._attempts: OrderedDict[str, int] = OrderedDict()
         self._gauge_refresher: asyncio.Task | None = None
 
     async def ping(self) -> str:
@@ -383,6 +385,16 @@ class MetadataActor:
         return self._plans.cached_plans()
 
     # -- events (the actor's own, and the controller callback's) -------------------
+
+    async def begin_attempt(self, run: str, attempt_key: str, world_size: int) -> int:
+        """Count a worker group of training run ``attempt_key`` (rank 0's ``Checkpointer``); return how many
+        started before it (0: the first; k: Ray Train's k-th restart or resize), recorded as a "started" event."""
+        restarts = self._attempts.pop(attempt_key, 0)
+        self._attempts[attempt_key] = restarts + 1
+        while len(self._attempts) > RUNS_KEPT:
+            self._attempts.popitem(last=False)
+        await self.record_event(run, "started", {"restarts": restarts, "world_size": world_size})
+        return restarts
 
     async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:
         events = self._events.setdefault(run, [])

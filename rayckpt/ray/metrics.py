@@ -30,6 +30,11 @@ _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rayckpt_plan_seconds": ("histogram", "Time the MetadataActor spends computing a load plan", ("run",)),
     "rayckpt_checkpoints_committed": ("counter", "Checkpoints committed", ("run",)),
     "rayckpt_checkpoints_failed": ("counter", "Saves that failed and were rolled back", ("run",)),
+    "rayckpt_restore_fallbacks": (
+        "counter",
+        "Restores that passed over a damaged checkpoint for the one before it",
+        ("run",),
+    ),
 }
 
 

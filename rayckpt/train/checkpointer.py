@@ -28,11 +28,12 @@ import ray
 import ray.train
 
 from ..engine.load import LoadInfo
-from ..errors import SaveFailedError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
+from ..ray import metrics
 from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
-from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed, listed_corrupt
+from ..storage.catalog import CatalogEntry, checkpoint_dir_name, entry_order, latest_committed, listed_corrupt
 from .announce import SaveAnnouncer
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,22 @@ class Checkpointer:
         self.last_load: LoadInfo | None = None
         #: The user metadata of the checkpoint the last ``restore`` loaded (``{}``: none loaded).
         self.restored_metadata: dict[str, Any] = {}
+        #: The checkpoints the last ``restore`` passed over, newest first: ``{"path", "step", "reason",
+        #: "next", "next_step"}`` each (``[]``: it restored the newest, or found none).
+        self.fallbacks: list[dict[str, Any]] = []
         #: Rank 0 prints ``rayckpt: <run> committed step N (...)`` (or a failure line) per save.
         self.announcer = SaveAnnouncer(self.run, self.rank)
         #: The last save begun here and when (``time.perf_counter()``): ``wait()`` announces its outcome.
         self._last: tuple[SaveHandle, float] | None = None
-        #: The run's checkpoints when this worker started (``restore`` checks Ray Train's latest against it).
-        self._found: list[CatalogEntry] = ray.get(
+        #: Rank 0: how many worker groups of this Ray Train run started before this one (0: the first;
+        #: k after Ray Train's k-th restart or resize), counted by the MetadataActor. ``None`` on other ranks.
+        self.restarts: int | None = None
+        if self.rank == 0:
+            self.restarts = ray.get(
+                get_metadata_actor().begin_attempt.remote(self.run, _attempt_key(self.run), ctx.get_world_size())
+            )
+        #: The run's checkpoints when this worker started (the first ``restore`` plans from it, later ones re-scan).
+        self._found: list[CatalogEntry] | None = ray.get(
             get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem)
         )
 
@@ -140,41 +151,90 @@ class Checkpointer:
         return latest_committed(entries)
 
     def restore(self, state: dict[str, Any]) -> int | None:
-        """Load the latest committed checkpoint into ``state`` (collective; any worker count).
+        """Load the newest committed checkpoint that restores into ``state`` (collective; any worker count).
 
-        Uses Ray Train's latest reported checkpoint if it has one (unless the
-        run's catalog lists it corrupt: a damaged manifest), else the catalog's
-        latest committed one. Returns its step, or ``None`` when the run
-        has no checkpoint (``state`` untouched). Either way it then makes this
-        worker's staging buffer (``prepare_staging``), so the first save's copy
-        finds it ready.
+        Tries Ray Train's latest reported checkpoint first (unless the run's
+        catalog lists it corrupt: a damaged manifest), then the run's other
+        committed checkpoints, newest first. A checkpoint that cannot be restored
+        because its data is damaged or gone (a shard file missing or failing its
+        checksum, its manifest unreadable or removed) is passed over for the one
+        before it: rank 0 logs one WARNING naming both and the reason, counts it in
+        ``rayckpt_restore_fallbacks`` and the MetadataActor's events, and every rank
+        lists it in ``fallbacks``. When none restores, raises
+        ``RestoreFailedError`` naming every checkpoint tried and why: never a
+        silent fresh start. A state that does not fit (``IncompatibleStateError``:
+        a changed model) is raised as is. Returns the restored step, or ``None``
+        when the run has no checkpoint (``state`` untouched). Either way it then
+        makes this worker's staging buffer (``prepare_staging``), so the first
+        save's copy finds it ready.
         """
         step = self._load_latest(state)
         self.staging_bytes = prepare_staging(state, self.staging)
         return step
 
-    def _load_latest(self, state: dict[str, Any]) -> int | None:
+    def _candidates(self) -> tuple[list[tuple[str, Any, int | None]], list[tuple[str, int | None, str]]]:
+        """What ``restore`` tries, in order: ``(path, filesystem, step)``; and what it passes over at once:
+        ``(path, step, reason)`` of Ray Train's latest when the catalog lists it corrupt."""
+        entries, self._found = self._found, None
+        if entries is None:
+            entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
+        committed = sorted((e for e in entries if e.status == "committed"), key=entry_order, reverse=True)
         ray_ckpt = ray.train.get_checkpoint()
-        damaged = listed_corrupt(self._found, ray_ckpt.path) if ray_ckpt is not None else None
+        if ray_ckpt is None:
+            return [(e.path, self.filesystem, e.step) for e in committed], []
+        reported = posixpath.normpath(ray_ckpt.path)
+        known = next((e for e in entries if posixpath.normpath(e.path) == reported), None)
+        # Older than Ray Train's latest: what a fallback from it may restore (never a newer one).
+        older = [e for e in committed if known is None or entry_order(e) < entry_order(known)]
+        candidates = [(e.path, self.filesystem, e.step) for e in older if posixpath.normpath(e.path) != reported]
+        damaged = listed_corrupt(entries, ray_ckpt.path)
         if damaged is not None:
-            logger.warning(
-                "rayckpt: Ray Train's latest checkpoint %s is corrupt (%s); resuming from the newest good one",
-                damaged.path,
-                damaged.error,
+            return candidates, [(damaged.path, damaged.step, damaged.error or "its manifest is corrupt")]
+        step = known.step if known is not None else None
+        return [(ray_ckpt.path, ray_ckpt.filesystem, step), *candidates], []
+
+    def _load_latest(self, state: dict[str, Any]) -> int | None:
+        candidates, passed_over = self._candidates()
+        self.fallbacks = []
+        failed = list(passed_over)
+        for path, filesystem, step in candidates:
+            if failed:
+                self._fell_back(failed[-1], (path, step))
+            try:
+                self.last_load = ray_load(state, path, run=self.run, filesystem=filesystem)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                failed.append((path, step, _reason(exc)))
+                continue
+            metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
+            self.restored_metadata = metadata
+            restored = metadata.get("step")
+            logger.info("rayckpt: rank %d restored step %s from %s", self.rank, restored, path)
+            return restored
+        if failed:
+            tried = "; ".join(f"step {s} at {p}: {why}" for p, s, why in failed)
+            raise RestoreFailedError(
+                f"run {self.run!r}: no committed checkpoint could be restored ({len(failed)} tried, newest first): "
+                f"{tried}. Nothing was restored; repair or remove them (rayckpt verify / rayckpt rm) to start over"
             )
-        if ray_ckpt is not None and damaged is None:
-            path, filesystem = ray_ckpt.path, ray_ckpt.filesystem
-        else:
-            entry = self.latest()
-            if entry is None:
-                return None
-            path, filesystem = entry.path, self.filesystem
-        self.last_load = ray_load(state, path, run=self.run, filesystem=filesystem)
-        metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
-        self.restored_metadata = metadata
-        step = metadata.get("step")
-        logger.info("rayckpt: rank %d restored step %s from %s", self.rank, step, path)
-        return step
+        return None
+
+    def _fell_back(self, failed: tuple[str, int | None, str], to: tuple[str, int | None]) -> None:
+        """Record that ``failed`` (path, step, reason) could not be restored and ``to`` is tried instead."""
+        path, step, reason = failed
+        self.fallbacks.append({"path": path, "step": step, "reason": reason, "next": to[0], "next_step": to[1]})
+        if self.rank != 0:
+            return
+        logger.warning(
+            "rayckpt: run %s: cannot restore step %s from %s (%s); restoring step %s from %s instead",
+            self.run,
+            step,
+            path,
+            reason,
+            to[1],
+            to[0],
+        )
+        metrics.inc("rayckpt_restore_fallbacks", run=self.run)
+        get_metadata_actor().record_event.remote(self.run, "restore_fallback", self.fallbacks[-1])
 
     def wait(self) -> CatalogEntry | None:
         """Block until this worker's in-flight save is committed (raises if it failed)."""
@@ -196,3 +256,20 @@ class Checkpointer:
         if entry is not None and entry.save_id == handle.save_id:
             self.announcer.announce(handle.save_id, handle.step, began, entry)
         return entry
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's message on one line (a multi-rank load error lists each rank on its own), for the
+    fallback WARNING and ``RestoreFailedError``."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _attempt_key(run: str) -> str:
+    """What identifies one ``TorchTrainer.fit()`` across its restarts: Ray Train's run id (each ``fit`` has
+    its own), else the Ray job and the run's name."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().train_run_context.run_id
+    except Exception:  # noqa: BLE001 - an internal API: any change in it falls back to the job's id
+        return f"{ray.get_runtime_context().get_job_id()}/{run}"

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from rayckpt.examples.gpt import GPT, GPTConfig, synthetic_batch
-from rayckpt.examples.gpt_job import parse_args, train_config, warmup_cosine, worker_resources
+from rayckpt.examples.gpt_job import (
+    parse_args,
+    restart_line,
+    train_config,
+    warmup_cosine,
+    worker_resources,
+    workers_asked,
+)
 
 
 def test_preset_sizes():
@@ -115,6 +122,23 @@ def test_parse_args_defaults_and_checks(tmp_path):
     assert model["d_ff"] == 256
     with pytest.raises(SystemExit):
         parse_args(["--num-workers", "5"])
+
+
+def test_worker_counts_and_failures_go_to_ray_train_as_asked():
+    fixed = parse_args(["--num-workers", "3"])
+    assert (fixed.min_workers, fixed.num_workers, workers_asked(fixed)) == (3, 3, 3)
+    elastic = parse_args(["--num-workers", "2-4"])
+    assert (elastic.min_workers, elastic.num_workers, workers_asked(elastic)) == (2, 4, (2, 4))
+    assert parse_args([]).max_failures == 3  # a failure is recovered from by default
+    assert parse_args(["--max-failures", "-1"]).max_failures == -1
+
+
+def test_rank_0_says_from_which_step_and_with_how_many_workers_a_restart_resumed():
+    assert restart_line(2, 6, 3, {"metrics": {"world_size": 4}}) == (
+        "restart 2: resumed from step 6 (saved by 4) with 3 worker(s)"
+    )
+    assert restart_line(1, 6, 4, {}) == "restart 1: resumed from step 6 with 4 worker(s)"
+    assert restart_line(1, None, 4, {}) == "restart 1: no committed checkpoint yet: from step 0 with 4 worker(s)"
 
 
 def test_cpu_workers_share_a_small_cluster():

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import rayckpt
-from rayckpt.examples.gpt_job import build_parser, main, parse_args, quiet_ray_train_logs, run
+from rayckpt.examples.gpt_job import main, parse_args, quiet_ray_train_logs, run
 from rayckpt.examples.job_checks import JobConfigError, check_resources, check_resume, describe_runs
+from rayckpt.examples.job_flags import build_parser
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,14 @@ def test_requests_the_cluster_cannot_hold_are_refused(argv, cluster, fragments):
         assert fragment in str(err.value)
 
 
+def test_an_elastic_run_needs_room_for_its_minimum_only():
+    args = request("--num-workers", "2-4", "--cpus-per-worker", "1")
+    assert check_resources(args, {"CPU": 2.0}) == {"CPU": 1.0}
+    with pytest.raises(JobConfigError) as err:
+        check_resources(request("--num-workers", "3-4", "--cpus-per-worker", "1"), {"CPU": 2.0})
+    assert "--num-workers 3 x 1 CPUs per worker needs 3 CPUs, but the Ray cluster has 2" in str(err.value)
+
+
 def test_requests_the_cluster_holds_pass():
     assert check_resources(request("--num-workers", "4"), {"CPU": 2.0}) == {"CPU": 0.5}  # shared CPUs
     assert check_resources(request("--num-workers", "4"), {"CPU": 4.0}) is None
@@ -128,6 +137,12 @@ def test_requests_the_cluster_holds_pass():
         (["--num-workers", "5"], "--global-batch 12 is not divisible by --num-workers 5"),
         (["--d-model", "100", "--n-heads", "3"], "--n-heads 3 does not divide --d-model 100"),
         (["--resume", "--resume-if-exists"], "not allowed with argument"),
+        (["--num-workers", "4-2"], "--num-workers 4-2: MIN is larger than MAX"),
+        (["--num-workers", "0-4"], "--num-workers must be at least 1, got 0-4"),
+        (["--num-workers", "two"], "expected a count N or a range MIN-MAX, got 'two'"),
+        (["--num-workers", "2-5"], "not divisible by 5 workers, which the elastic --num-workers 2-5 may run with"),
+        (["--num-workers", "5-6", "--global-batch", "25"], "not divisible by 6 workers"),
+        (["--max-failures", "-2"], "--max-failures must be -1 (no limit) or at least 0, got -2"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag(argv, fragment, capsys):
@@ -144,7 +159,7 @@ def test_help_shows_every_flag_with_help_and_default(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     out = capsys.readouterr().out
-    for fragment in ("Ray Train workers (ranks) (default: 4)", "(default: 20)", "(default: ./checkpoints)"):
+    for fragment in ("grows back at Ray Train's resize (default: 4)", "(default: 20)", "(default: ./checkpoints)"):
         assert fragment in out
     assert "(default: None)" not in out  # those flags say in their help what leaving them out means
     assert "default: RAY_ADDRESS" in out and "(default: --steps of the run's first launch" in out

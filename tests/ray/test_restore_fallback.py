@@ -1,0 +1,150 @@
+"""``Checkpointer.restore`` falls back to the last good checkpoint, loudly; when none loads it names them all.
+
+Real TorchTrainer runs on the session's local Ray: a run saves steps 2 and 3, a
+test damages what storage holds, and a second ``fit`` of the same run (Ray Train
+hands it step 3 as its latest) restores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import pytest
+import ray
+import torch
+
+import rayckpt
+from rayckpt.ray import metrics
+from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.train import checkpointer as checkpointer_module
+from rayckpt.train.checkpointer import Checkpointer
+from tests.helpers.checkpoints import flip_byte, manifest_of
+from tests.helpers.ray_train import fit
+from tests.ray.test_train import driver_output
+
+pytestmark = pytest.mark.slow
+
+WORKERS = 2
+
+
+def step_dir(storage, run: str, step: int) -> str:
+    return str(storage / run / f"rayckpt-step-{step:08d}")
+
+
+def saved_run(tmp_path, run: str):
+    """A run of ``WORKERS`` workers that committed steps 2 and 3; (storage, out dir)."""
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    fit(storage, out, WORKERS, 3, {2, 3}, name=run)
+    return storage, out
+
+
+def a_chunk(path: str) -> dict:
+    """The first stored chunk of a tensor with data (its file, byte offset and length)."""
+    doc = manifest_of(path)
+    chunks = (c for e in doc["entries"].values() if e.get("kind") == "tensor" for c in e["chunks"])
+    return next(c for c in chunks if c["byte_length"])
+
+
+def remove_a_shard_file(path: str) -> str:
+    name = a_chunk(path)["file"]
+    os.remove(os.path.join(path, name))
+    return name
+
+
+def flip_a_payload_byte(path: str) -> str:
+    chunk = a_chunk(path)
+    flip_byte(path, chunk["file"], chunk["byte_offset"])
+    return chunk["file"]
+
+
+def fallback_events(run: str) -> list[dict]:
+    return [e for e in ray.get(get_metadata_actor().events.remote(run)) if e["kind"] == "restore_fallback"]
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [(remove_a_shard_file, "is missing from"), (flip_a_payload_byte, "checksum")],
+    ids=["shard file missing", "checksum mismatch"],
+)
+def test_a_damaged_latest_checkpoint_restores_the_one_before_with_one_warning(
+    ray_session, tmp_path, capfd, damage, reason
+):
+    run = f"fallback-{damage.__name__}"
+    storage, out = saved_run(tmp_path, run)
+    latest, previous = step_dir(storage, run, 3), step_dir(storage, run, 2)
+    damaged_file = damage(latest)
+    capfd.readouterr()
+
+    fit(storage, out, WORKERS, 4, {4}, name=run)
+
+    restored = torch.load(out / f"restored-{WORKERS}.pt", weights_only=False)
+    assert restored["step"] == 2  # step 3 passed over, never a fresh start
+    assert restored["load"].path.rstrip("/").endswith("rayckpt-step-00000002")
+    # one WARNING (rank 0's) naming both checkpoints and the reason
+    pattern = (
+        rf"rayckpt: run {run}: cannot restore step 3 from {re.escape(latest)} \(.*{reason}.*\); "
+        rf"restoring step 2 from {re.escape(previous)} instead"
+    )
+    seen = driver_output(capfd, [pattern, r"rayckpt: \S+ committed step 4"])
+    assert len(re.findall(pattern, seen)) == 1, seen[-4000:]
+    assert damaged_file in re.search(pattern, seen).group(0)
+    # counted where the driver can see it: the MetadataActor's events
+    (event,) = fallback_events(run)
+    assert (event["step"], event["path"], event["next_step"], event["next"]) == (3, latest, 2, previous)
+    assert reason in event["reason"]
+    # the run went on from step 2 and committed step 4; the damaged step 3 was left as it was
+    assert rayckpt.verify(step_dir(storage, run, 4)).ok
+    assert not rayckpt.verify(latest).ok
+
+
+def test_no_checkpoint_that_loads_raises_naming_each_one_tried(ray_session, tmp_path):
+    run = "fallback-none"
+    storage, out = saved_run(tmp_path, run)
+    for step in (3, 2):
+        remove_a_shard_file(step_dir(storage, run, step))
+
+    with pytest.raises(Exception) as err:
+        fit(storage, out, WORKERS, 4, {4}, name=run)
+    msg = str(err.value)
+    assert "RestoreFailedError" in msg and f"run '{run}': no committed checkpoint could be restored (2 tried" in msg
+    for step in (3, 2):
+        assert f"step {step} at {step_dir(storage, run, step)}: " in msg
+    assert msg.count("is missing from") >= 2
+    assert not (out / f"restored-{WORKERS}.pt").exists()  # nothing restored, and no fresh start either
+    assert not os.path.exists(step_dir(storage, run, 4))
+    assert [(e["step"], e["next_step"]) for e in fallback_events(run)] == [(3, 2)]
+
+
+def test_a_fallback_is_counted_in_the_metric_and_warned_once(ray_session, monkeypatch, caplog):
+    """Rank 0's side of a fallback: one WARNING, ``rayckpt_restore_fallbacks`` + 1, the event."""
+    counted: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "inc", lambda name, value=1.0, **tags: counted.append((name, value, tags)))
+    ckpt = object.__new__(Checkpointer)
+    ckpt.run, ckpt.rank, ckpt.fallbacks = "fallback-unit", 0, []
+    with caplog.at_level(logging.WARNING, logger=checkpointer_module.__name__):
+        ckpt._fell_back(("/r/rayckpt-step-00000009", 9, "shard file 'x' is missing"), ("/r/rayckpt-step-00000006", 6))
+    assert counted == [("rayckpt_restore_fallbacks", 1.0, {"run": "fallback-unit"})]
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "cannot restore step 9" in record.getMessage()
+    assert "restoring step 6 from /r/rayckpt-step-00000006" in record.getMessage()
+    assert ckpt.fallbacks == [
+        {
+            "path": "/r/rayckpt-step-00000009",
+            "step": 9,
+            "reason": "shard file 'x' is missing",
+            "next": "/r/rayckpt-step-00000006",
+            "next_step": 6,
+        }
+    ]
+    ray.get(get_metadata_actor().ping.remote())  # the event was sent before this call: it is recorded
+    assert [e["step"] for e in fallback_events("fallback-unit")] == [9]
+
+    caplog.clear()
+    other = object.__new__(Checkpointer)  # another rank: lists it, but neither warns nor counts
+    other.run, other.rank, other.fallbacks = "fallback-unit", 1, []
+    with caplog.at_level(logging.WARNING, logger=checkpointer_module.__name__):
+        other._fell_back(("/r/a", 9, "why"), ("/r/b", 6))
+    assert not caplog.records and len(counted) == 1 and len(other.fallbacks) == 1
