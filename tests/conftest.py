@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def ray_session():
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, namespace="rayckpt-tests")
+    # address="local": always a Ray of this session's own, never a cluster someone else started on this machine
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="rayckpt-tests")
     yield
     ray.shutdown()

@@ -2,7 +2,8 @@
 
 Four workers train and checkpoint; a second job resumes with three. The job
 status comes back SUCCEEDED from the dashboard's REST API and the checkpoint
-metrics are on the Prometheus export port. Requests that cannot run (a mistyped
+metrics are on the Prometheus export port. A worker SIGKILLed mid-run: Ray Train
+restarts the group, which restores, and the job ends as an uninterrupted one. Requests that cannot run (a mistyped
 run to resume, more CPUs than the cluster has) fail at once with one line.
 """
 
@@ -15,7 +16,7 @@ import time
 
 import pytest
 
-from tests.helpers.ray_head import TINY, error_line, get, ray_head, submit, train_py
+from tests.helpers.ray_head import TINY, error_line, get, ray_head, submit, submit_and_kill_a_worker, train_py
 
 pytestmark = pytest.mark.slow
 
@@ -85,3 +86,23 @@ def test_requests_that_cannot_run_fail_at_once_with_one_line(cluster, tmp_path):
     needs = "error: --num-workers 12 x 1 CPUs per worker needs 12 CPUs, but the Ray cluster has 8"
     assert error_line(proc).startswith(needs)
     assert not os.path.exists(os.path.join(storage, "gpt-demo")), "no run directory was made"
+
+
+def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupted_loss(cluster, tmp_path):
+    storage = str(tmp_path / "ckpts")
+    flags = ["--num-workers", "2", "--steps", "24", "--checkpoint-every", "4", "--storage-path", storage, *TINY]
+    plain, _ = submit(cluster, *flags, "--run-name", "plain")
+    assert plain["restarts"] == 0 and plain["final_step"] == 24
+
+    # rank 0 is SIGKILLed as soon as it reports the step-4 commit (the pid from its log prefix)
+    killed, logs, pid = submit_and_kill_a_worker(
+        cluster, r"rayckpt: killed committed step 4 ", *flags, "--run-name", "killed"
+    )
+    assert killed["restarts"] == 1 and killed["final_step"] == 24 and killed["num_workers"] == 2
+    resumed = killed["resumed_from"]
+    assert resumed is not None and 4 <= resumed < 24 and resumed % 4 == 0
+    restart = re.search(r"\(RayTrainWorker pid=(\d+)\).*restart 1: resumed from step (\d+) \(saved by 2\) with 2", logs)
+    assert restart, logs[-6000:]
+    assert int(restart.group(1)) != pid and int(restart.group(2)) == resumed
+    assert killed["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-6)
+    assert killed["last_checkpoint"].endswith("rayckpt-step-00000024")

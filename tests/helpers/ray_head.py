@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -159,16 +160,50 @@ def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tup
         time.sleep(3)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "Reporting training result" not in proc.stdout + proc.stderr, "Ray Train's per-rank report lines"
-    summaries = []
-    for line in proc.stdout.splitlines():
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "final_step" in doc:
-            summaries.append(doc)
+    summaries = [doc for doc in map(_json_object, proc.stdout.splitlines()) if doc is not None and "final_step" in doc]
     assert summaries, proc.stdout[-4000:]
     return summaries[-1], proc.stdout + proc.stderr
+
+
+def submit_and_kill_a_worker(head: RayHead, when: str, *args: str) -> tuple[dict, str, int]:
+    """``submit`` that SIGKILLs one Train worker by its pid once the job's output matches regex ``when``.
+
+    The pid is read from Ray's ``(RayTrainWorker pid=N)`` prefix on that worker's
+    forwarded lines, as a user watching the job would. Returns the summary, the
+    output and the pid killed.
+    """
+    cmd = [f"{BIN}/ray", "job", "submit", "--address", head.dashboard, "--working-dir", ".", "--"]
+    proc = subprocess.Popen(
+        [*cmd, "python", "jobs/train.py", *args],
+        cwd=ROOT,
+        env=head.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen, killed = [], 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        worker = re.search(r"RayTrainWorker pid=(\d+)\)", line)
+        if not killed and worker and re.search(when, line):
+            killed = int(worker.group(1))
+            os.kill(killed, signal.SIGKILL)
+    proc.wait(timeout=400)
+    output = "".join(seen)
+    assert proc.returncode == 0, output[-6000:]
+    assert killed, f"no worker line matched {when!r}: {output[-4000:]}"
+    summaries = [doc for doc in map(_json_object, output.splitlines()) if doc is not None and "final_step" in doc]
+    assert summaries, output[-4000:]
+    return summaries[-1], output, killed
+
+
+def _json_object(line: str) -> dict | None:
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def train_py(head: RayHead, *args: str) -> subprocess.CompletedProcess:

@@ -14,8 +14,10 @@ import re
 import pytest
 import ray
 import torch
+from ray.train import WorkerGroupError
 
 import rayckpt
+from rayckpt.errors import RestoreFailedError
 from rayckpt.ray import metrics
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.train import checkpointer as checkpointer_module
@@ -106,10 +108,13 @@ def test_no_checkpoint_that_loads_raises_naming_each_one_tried(ray_session, tmp_
     for step in (3, 2):
         remove_a_shard_file(step_dir(storage, run, step))
 
-    with pytest.raises(Exception) as err:
+    with pytest.raises(WorkerGroupError) as err:
         fit(storage, out, WORKERS, 4, {4}, name=run)
-    msg = str(err.value)
-    assert "RestoreFailedError" in msg and f"run '{run}': no committed checkpoint could be restored (2 tried" in msg
+    assert sorted(err.value.worker_failures) == list(range(WORKERS))  # every rank raised it
+    for failure in err.value.worker_failures.values():
+        assert isinstance(failure, RestoreFailedError), repr(failure)
+    msg = str(err.value.worker_failures[0])
+    assert f"run '{run}': no committed checkpoint could be restored (2 tried, newest first)" in msg
     for step in (3, 2):
         assert f"step {step} at {step_dir(storage, run, step)}: " in msg
     assert msg.count("is missing from") >= 2

@@ -1,0 +1,39 @@
+"""The MetadataActor counts a Ray Train run's worker groups (its class, without Ray): what ``restarts`` says."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rayckpt.ray.metadata_actor import MetadataActor
+from rayckpt.ray.save_history import RUNS_KEPT
+
+
+def test_each_worker_group_of_a_run_counts_the_ones_before_it():
+    actor = MetadataActor()
+
+    async def starts() -> list[int]:
+        first = [await actor.begin_attempt("job", "fit-1", w) for w in (4, 2, 4)]  # start, node lost, grown back
+        other = await actor.begin_attempt("job", "fit-2", 3)  # a second fit() of the same run name: its own count
+        return [*first, other]
+
+    assert asyncio.run(starts()) == [0, 1, 2, 0]
+    events = asyncio.run(actor.events("job"))
+    assert [(e["kind"], e["restarts"], e["world_size"]) for e in events] == [
+        ("started", 0, 4),
+        ("started", 1, 2),
+        ("started", 2, 4),
+        ("started", 0, 3),
+    ]
+
+
+def test_the_counts_kept_are_bounded_to_the_most_recent_runs():
+    actor = MetadataActor()
+
+    async def many() -> None:
+        for i in range(RUNS_KEPT + 5):
+            await actor.begin_attempt(f"run-{i}", f"fit-{i}", 1)
+        await actor.begin_attempt("run-last", f"fit-{RUNS_KEPT + 4}", 1)  # touched again: the newest
+
+    asyncio.run(many())
+    assert len(actor._attempts) == RUNS_KEPT
+    assert "fit-0" not in actor._attempts and actor._attempts[f"fit-{RUNS_KEPT + 4}"] == 2
