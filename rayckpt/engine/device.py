@@ -137,15 +137,27 @@ class DeviceToHost:
         self.force = force
         self._stream: Any = None
         self.copies = 0
+        #: Strided sources made contiguous on the device before their copy to the host.
+        self.gathers = 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` into the host tensor ``dst`` (same shape); done once ``wait`` returns."""
+        """Copy ``src`` (any strides) into the contiguous host tensor ``dst`` (same shape); done once ``wait`` returns.
+
+        A strided device source is first made contiguous on the device (on the side
+        stream, a temporary of the piece's size): CUDA refuses a strided
+        device-to-host copy into page-locked memory registered with
+        ``cudaHostRegister`` (``cudaErrorInvalidValue``), the staging buffer's case.
+        """
         if not (self.force or needs_bounce(src)):
             dst.copy_(src)
             return
         self.copies += 1
         with self._side_stream(src.device), torch.no_grad():
-            dst.copy_(src, non_blocking=True)
+            dense = src
+            if not src.is_contiguous():
+                dense = src.contiguous()  # allocated on the side stream: freed only after the copy below
+                self.gathers += 1
+            dst.copy_(dense, non_blocking=True)
             if src.device.type == "cuda":
                 src.record_stream(self._stream)  # the allocator keeps src's memory until the copy is done
 

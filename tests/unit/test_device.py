@@ -127,6 +127,40 @@ def test_a_save_of_device_tensors_copies_them_to_host_then_waits_once(tmp_path, 
         assert torch.equal(target["model"][k], v), k
 
 
+def gathers_at_wait(monkeypatch) -> list[int]:
+    """``DeviceToHost.gathers`` of each instance when it is waited on."""
+    seen: list[int] = []
+    real = DeviceToHost.wait
+    monkeypatch.setattr(DeviceToHost, "wait", lambda self: seen.append(self.gathers) or real(self))
+    return seen
+
+
+def test_a_strided_device_piece_is_made_contiguous_on_its_device_before_the_copy_to_host():
+    """CUDA refuses a strided device-to-host copy into registered page-locked memory (the staging buffer)."""
+    strided = torch.arange(12.0).reshape(3, 4).t()
+    to_host = DeviceToHost(force=True)
+    dst = host_like(strided)
+    to_host.copy(dst, strided)
+    to_host.copy(host_like(strided[0]), torch.arange(3.0))  # contiguous: copied as it is
+    to_host.wait()
+    assert torch.equal(dst, strided) and dst.is_contiguous()
+    assert (to_host.copies, to_host.gathers) == (2, 1)
+
+
+def test_a_save_of_strided_device_pieces_is_exact(tmp_path, monkeypatch):
+    """``cpu_leaves`` (the engine's save) and ``host_like``: a transposed device weight."""
+    force_device(monkeypatch)
+    waited = gathers_at_wait(monkeypatch)
+    w = torch.arange(40 * 30, dtype=torch.float32).reshape(40, 30).t()
+    path = str(tmp_path / "c")
+    rayckpt.save({"w": w, "b": torch.ones(5)}, path)
+    assert waited == [1]
+    monkeypatch.undo()
+    target = {"w": torch.zeros(30, 40), "b": torch.zeros(5)}
+    rayckpt.load(target, path)
+    assert torch.equal(target["w"], w) and torch.equal(target["b"], torch.ones(5))
+
+
 def test_host_memory_for_a_cpu_tensor_is_not_pinned():
     t = torch.ones(3, 4).t()
     h = host_like(t)
@@ -140,10 +174,12 @@ def test_staging_device_pieces_copies_them_and_waits_before_returning(tmp_path, 
         real = getattr(DeviceToHost, name)
         monkeypatch.setattr(DeviceToHost, name, lambda self, *a, _r=real, _n=name: calls.append(_n) or _r(self, *a))
     pieces = [torch.arange(10.0), torch.arange(12, dtype=torch.int64).reshape(3, 4).t()]
+    waited = gathers_at_wait(monkeypatch)
     buf = StagingBuffer(str(tmp_path))
     try:
         region = buf.stage(pieces, "node")
         assert calls == ["copy", "copy", "wait"]
+        assert waited == [1]  # the strided piece was made contiguous on its device before its copy
         assert buf._pinned == 0  # no CUDA: the mapping stays pageable
         with open_region(region) as views:
             for view, p in zip(views, pieces):
