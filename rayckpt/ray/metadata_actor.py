@@ -424,8 +424,12 @@ def show_commits_in_log() -> None:
         logger.addHandler(handler)
 
 
+#: The resource only the head node has (Ray's ``HEAD_NODE_RESOURCE_NAME``).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
 def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> Any:
-    """The namespace's MetadataActor, created on first use (detached, 0 CPUs)."""
+    """The namespace's MetadataActor, created on first use (detached, 0 CPUs, on the head node)."""
     return (
         ray.remote(MetadataActor)
         .options(
@@ -434,6 +438,9 @@ def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> An
             get_if_exists=True,
             lifetime="detached",
             num_cpus=0,
+            # On the head node, as Ray Train's own state actor: a worker node's death (the failure a run
+            # must recover from) then never takes the catalog and commit protocol down with it.
+            resources={HEAD_NODE_RESOURCE: 0.001},
             max_concurrency=1000,
             max_restarts=-1,
         )

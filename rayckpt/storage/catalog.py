@@ -8,7 +8,6 @@ but no manifest (a save that crashed), "corrupt" when its manifest is unreadable
 
 from __future__ import annotations
 
-import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +23,12 @@ _STEP_DIR = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)$")
 
 def checkpoint_dir_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def checkpoint_step(path: str) -> int | None:
+    """The step in a checkpoint directory's name (``rayckpt-step-<step>``), or ``None``."""
+    match = _STEP_DIR.search(path.rstrip("/"))
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +65,7 @@ def describe(ckdir: CheckpointDir, run: str) -> CatalogEntry | None:
     file the OS will not read (``OSError``), makes a "corrupt" entry with the
     reason, so one damaged checkpoint leaves the rest of the run usable.
     """
-    match = _STEP_DIR.search(ckdir.fs_path)
-    step = int(match.group(1)) if match else None
+    step = checkpoint_step(ckdir.fs_path)
     try:
         return _describe(ckdir, run, step)
     except (RayckptError, OSError) as exc:
@@ -101,16 +105,6 @@ def latest_committed(entries: Iterable[CatalogEntry]) -> CatalogEntry | None:
     """The newest committed entry (by ``entry_order``); corrupt, incomplete and pending ones are passed over."""
     committed = sorted((e for e in entries if e.status == "committed"), key=entry_order)
     return committed[-1] if committed else None
-
-
-def listed_corrupt(entries: Iterable[CatalogEntry], path: str) -> CatalogEntry | None:
-    """The entry of the checkpoint at ``path`` if the catalog lists it corrupt (paths compared normalized).
-
-    The Ray Train ``Checkpointer`` asks it of the checkpoint Ray Train reports as
-    latest, and resumes from ``latest_committed`` instead when it is.
-    """
-    norm = posixpath.normpath(path)
-    return next((e for e in entries if e.status == "corrupt" and posixpath.normpath(e.path) == norm), None)
 
 
 def entry_order(e: CatalogEntry) -> tuple:

@@ -18,6 +18,9 @@ from ..ray.metadata_actor import get_metadata_actor
 
 logger = logging.getLogger(__name__)
 
+#: How long the controller waits for the MetadataActor to roll a failed group's saves back.
+ROLLBACK_TIMEOUT_S = 30.0
+
 
 class RayckptCallback(ray.train.UserCallback):
     """Controller-side callback: records reported checkpoints and rolls back saves of a failed run.
@@ -36,9 +39,26 @@ class RayckptCallback(ray.train.UserCallback):
             get_metadata_actor().record_event.remote(run, "reported", {"step": step, "path": checkpoint.path})
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        """Fail the run's in-flight saves at once. Never raises: an exception here would end the run in
+        Ray Train's controller instead of letting it restart the workers (the MetadataActor may be
+        restarting itself, its node lost with the workers'); the saves then fail at their commit timeout."""
         run = run_context.get_run_config().name
         reason = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(worker_exceptions.items()))
-        failed = ray.get(get_metadata_actor().fail_pending.remote(run, f"worker group failed: {reason}"))
-        get_metadata_actor().record_event.remote(run, "exception", {"failed_saves": failed, "reason": reason})
+        try:
+            meta = get_metadata_actor()
+            failed = ray.get(
+                meta.fail_pending.remote(run, f"worker group failed: {reason}"), timeout=ROLLBACK_TIMEOUT_S
+            )
+            meta.record_event.remote(run, "exception", {"failed_saves": failed, "reason": reason})
+        except Exception as exc:  # noqa: BLE001 - whatever the actor's state, Ray Train must go on to restart
+            logger.warning(
+                "rayckpt: could not roll back the in-flight saves of run %s after %s (%s: %s); they fail at "
+                "their commit timeout instead",
+                run,
+                reason,
+                type(exc).__name__,
+                exc,
+            )
+            return
         if failed:
             logger.warning("rayckpt: rolled back in-flight saves %s of run %s after %s", failed, run, reason)

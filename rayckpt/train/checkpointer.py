@@ -33,7 +33,7 @@ from ..ray import metrics
 from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
-from ..storage.catalog import CatalogEntry, checkpoint_dir_name, entry_order, latest_committed, listed_corrupt
+from ..storage.catalog import CatalogEntry, checkpoint_dir_name, checkpoint_step, entry_order, latest_committed
 from .announce import SaveAnnouncer
 
 logger = logging.getLogger(__name__)
@@ -153,11 +153,11 @@ class Checkpointer:
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the newest committed checkpoint that restores into ``state`` (collective; any worker count).
 
-        Tries Ray Train's latest reported checkpoint first (unless the run's
-        catalog lists it corrupt: a damaged manifest), then the run's other
-        committed checkpoints, newest first. A checkpoint that cannot be restored
+        Tries the run's committed checkpoints newest first: those the catalog
+        finds in storage (one Ray Train has not registered yet included) and Ray
+        Train's latest reported one. A checkpoint that cannot be restored
         because its data is damaged or gone (a shard file missing or failing its
-        checksum, its manifest unreadable or removed) is passed over for the one
+        checksum, its manifest corrupt or removed) is passed over for the one
         before it: rank 0 logs one WARNING naming both and the reason, counts it in
         ``rayckpt_restore_fallbacks`` and the MetadataActor's events, and every rank
         lists it in ``fallbacks``. When none restores, raises
@@ -173,25 +173,36 @@ class Checkpointer:
         return step
 
     def _candidates(self) -> tuple[list[tuple[str, Any, int | None]], list[tuple[str, int | None, str]]]:
-        """What ``restore`` tries, in order: ``(path, filesystem, step)``; and what it passes over at once:
-        ``(path, step, reason)`` of Ray Train's latest when the catalog lists it corrupt."""
+        """What ``restore`` tries, newest first: ``(path, filesystem, step)``; and what it passes over at
+        once, ``(path, step, reason)``: checkpoints newer than those whose manifest the catalog lists corrupt.
+
+        The newest committed checkpoint in storage comes first even when Ray Train has not
+        registered it yet (a worker died right after its commit): fewer steps are lost.
+        Ray Train's latest, when the catalog does not list it committed (its directory
+        or manifest gone), is tried in its place, so its loss is reported, not skipped.
+        """
         entries, self._found = self._found, None
         if entries is None:
             entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
-        committed = sorted((e for e in entries if e.status == "committed"), key=entry_order, reverse=True)
+        committed = [e for e in entries if e.status == "committed"]
+        candidates = [(entry_order(e), e.path, self.filesystem, e.step) for e in committed]
         ray_ckpt = ray.train.get_checkpoint()
-        if ray_ckpt is None:
-            return [(e.path, self.filesystem, e.step) for e in committed], []
-        reported = posixpath.normpath(ray_ckpt.path)
-        known = next((e for e in entries if posixpath.normpath(e.path) == reported), None)
-        # Older than Ray Train's latest: what a fallback from it may restore (never a newer one).
-        older = [e for e in committed if known is None or entry_order(e) < entry_order(known)]
-        candidates = [(e.path, self.filesystem, e.step) for e in older if posixpath.normpath(e.path) != reported]
-        damaged = listed_corrupt(entries, ray_ckpt.path)
-        if damaged is not None:
-            return candidates, [(damaged.path, damaged.step, damaged.error or "its manifest is corrupt")]
-        step = known.step if known is not None else None
-        return [(ray_ckpt.path, ray_ckpt.filesystem, step), *candidates], []
+        if ray_ckpt is not None:
+            reported = posixpath.normpath(ray_ckpt.path)
+            if not any(posixpath.normpath(e.path) == reported for e in entries):
+                step = checkpoint_step(ray_ckpt.path)
+                candidates.append(
+                    ((step is not None, step or 0, 0.0, reported), ray_ckpt.path, ray_ckpt.filesystem, step)
+                )
+        candidates.sort(key=lambda c: c[0], reverse=True)
+        newest = candidates[0][0] if candidates else None
+        corrupt = sorted((e for e in entries if e.status == "corrupt"), key=entry_order, reverse=True)
+        passed_over = [
+            (e.path, e.step, e.error or "its manifest is corrupt")
+            for e in corrupt
+            if newest is None or entry_order(e) > newest
+        ]
+        return [(path, fs, step) for _, path, fs, step in candidates], passed_over
 
     def _load_latest(self, state: dict[str, Any]) -> int | None:
         candidates, passed_over = self._candidates()

@@ -10,7 +10,7 @@ import pytest
 
 from rayckpt.ray.metadata_actor import MetadataActor
 from rayckpt.storage import checkpoint_dir
-from rayckpt.storage.catalog import latest_committed, listed_corrupt, scan_run
+from rayckpt.storage.catalog import latest_committed, scan_run
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.tools import ls
 from tests.helpers.checkpoints import manifest_of
@@ -86,17 +86,6 @@ def test_damaged_newest_checkpoint_resumes_from_the_one_before(run, damage):
     assert latest.step == 2 and latest.path == run[2][0]
     assert latest_committed(entries) == latest
     assert_loads_bit_exact(latest.path, run[2][1])
-
-
-def test_restore_passes_over_ray_trains_latest_when_it_is_listed_corrupt(run):
-    """``Checkpointer.restore`` asks ``listed_corrupt`` of the checkpoint Ray Train reports as latest."""
-    DAMAGE["dtype a list"][0](run[3][0])
-    entries = scan_run(CheckpointDir.resolve(_run_dir(run)), "myrun")
-    reported = run[3][0] + "/"  # as Ray Train may spell it
-    damaged = listed_corrupt(entries, reported)
-    assert damaged is not None and damaged.step == 3 and "entries['model.w'].dtype" in damaged.error
-    assert listed_corrupt(entries, run[2][0]) is None  # a good one is used as reported
-    assert latest_committed(entries).path == run[2][0]
 
 
 def test_a_directory_the_os_will_not_read_is_listed_corrupt(run, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 
 import pytest
 import ray
@@ -22,7 +23,7 @@ from rayckpt.ray import metrics
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.train import checkpointer as checkpointer_module
 from rayckpt.train.checkpointer import Checkpointer
-from tests.helpers.checkpoints import flip_byte, manifest_of
+from tests.helpers.checkpoints import flip_byte, manifest_of, rewrite_manifest
 from tests.helpers.ray_train import fit
 from tests.ray.test_train import driver_output
 
@@ -62,14 +63,20 @@ def flip_a_payload_byte(path: str) -> str:
     return chunk["file"]
 
 
+def corrupt_the_manifest(path: str) -> str:
+    with open(os.path.join(path, "manifest.json"), "r+") as f:
+        f.truncate(100)
+    return "manifest.json"
+
+
 def fallback_events(run: str) -> list[dict]:
     return [e for e in ray.get(get_metadata_actor().events.remote(run)) if e["kind"] == "restore_fallback"]
 
 
 @pytest.mark.parametrize(
     "damage, reason",
-    [(remove_a_shard_file, "is missing from"), (flip_a_payload_byte, "checksum")],
-    ids=["shard file missing", "checksum mismatch"],
+    [(remove_a_shard_file, "is missing from"), (flip_a_payload_byte, "checksum"), (corrupt_the_manifest, "JSON")],
+    ids=["shard file missing", "checksum mismatch", "manifest corrupt"],
 )
 def test_a_damaged_latest_checkpoint_restores_the_one_before_with_one_warning(
     ray_session, tmp_path, capfd, damage, reason
@@ -100,6 +107,22 @@ def test_a_damaged_latest_checkpoint_restores_the_one_before_with_one_warning(
     # the run went on from step 2 and committed step 4; the damaged step 3 was left as it was
     assert rayckpt.verify(step_dir(storage, run, 4)).ok
     assert not rayckpt.verify(latest).ok
+
+
+def test_a_commit_ray_train_has_not_registered_yet_is_restored(ray_session, tmp_path):
+    """A worker dying right after its commit: storage holds a newer checkpoint than Ray Train reports."""
+    run = "fallback-unregistered"
+    storage, out = saved_run(tmp_path, run)
+    newer = step_dir(storage, run, 4)
+    shutil.copytree(step_dir(storage, run, 3), newer)  # committed in storage, never reported to Ray Train
+    rewrite_manifest(newer, lambda doc: doc["user_metadata"].update(step=4))
+
+    fit(storage, out, WORKERS, 5, {5}, name=run)
+
+    restored = torch.load(out / f"restored-{WORKERS}.pt", weights_only=False)
+    assert restored["step"] == 4 and restored["load"].path.rstrip("/") == newer
+    assert not fallback_events(run)
+    assert rayckpt.verify(step_dir(storage, run, 5)).ok
 
 
 def test_no_checkpoint_that_loads_raises_naming_each_one_tried(ray_session, tmp_path):
