@@ -2,7 +2,7 @@
 
 Nothing here measures: it turns the report ``bench_suite`` assembled (a dict, also
 written as ``bench_suite.json``) into the target rows of each size (``targets``),
-``BENCHMARKS.md`` (``markdown``, with ``benchmarks/S3.md`` and ``NOTES.md`` appended) and a PNG of
+``BENCHMARKS.md`` (``markdown``, with ``benchmarks/S3.md``, ``RECOVERY.md`` and ``NOTES.md`` appended) and a PNG of
 the target ratios (matplotlib, or a bare hand-made PNG without it).
 """
 
@@ -25,6 +25,8 @@ PLAN_TARGET_S = 1.0
 NOTES = REPO_ROOT / "benchmarks" / "NOTES.md"
 #: The object-storage section ``bench_s3`` measured (kept across runs of this suite).
 S3_SECTION = REPO_ROOT / "benchmarks" / "S3.md"
+#: The recovery-time section ``bench_recovery --markdown`` wrote (kept across runs of this suite).
+RECOVERY_SECTION = REPO_ROOT / "benchmarks" / "RECOVERY.md"
 
 
 # ---------------------------------------------------------------------------
@@ -158,7 +160,7 @@ def markdown(report: dict[str, Any]) -> str:
     plan = report.get("plan")
     if plan:
         lines += plan_lines(plan)
-    for extra in (S3_SECTION, NOTES):
+    for extra in (S3_SECTION, RECOVERY_SECTION, NOTES):
         if os.path.exists(extra):
             with open(extra) as f:
                 lines += ["", f.read().rstrip()]
