@@ -75,8 +75,10 @@ def fallback_events(run: str) -> list[dict]:
 
 @pytest.mark.parametrize(
     "damage, reason",
-    [(remove_a_shard_file, "is missing from"), (flip_a_payload_byte, "checksum"), (corrupt_the_manifest, "JSON")],
-    ids=["shard file missing", "checksum mismatch", "manifest corrupt"],
+    # a load that fails (a checksum: a shard file missing takes the same path, see the test below) and a
+    # manifest the catalog lists corrupt
+    [(flip_a_payload_byte, "checksum"), (corrupt_the_manifest, "JSON")],
+    ids=["checksum mismatch", "manifest corrupt"],
 )
 def test_a_damaged_latest_checkpoint_restores_the_one_before_with_one_warning(
     ray_session, tmp_path, capfd, damage, reason
