@@ -5,11 +5,12 @@ Writes ``OUT_DIR/result.json``; each scenario's dumps (``ray_workers.toy_train_l
 ``OUT_DIR/<scenario>/`` and its checkpoints to ``OUT_DIR/storage/<scenario>/`` (the run is named
 after the scenario).
 
-The cluster: a head with 1 CPU and no ``slot`` (the driver, Ray Train's controller, the
-MetadataActor: no training worker lands there) and two nodes of 2 CPUs and 2 ``slot`` each, every
-worker asking for one of each: 4 workers, 2 per node. Each node's raylet gets its own
-``RAYCKPT_SHM_DIR`` (as in ``multinode_s3_job``). Storage is one local directory that every node
-reaches (one machine): ``RAYCKPT_LOCAL_IS_SHARED=1`` for every process.
+The cluster: a head with 1 CPU (the driver, Ray Train's controllers, the MetadataActor) and four
+nodes of 2 CPUs, two with 2 ``slot_a`` and two with 2 ``slot_b``; every worker asks for a CPU and
+one of its lane's slots: 4 workers, 2 per node. Two lanes of scenarios run side by side, each on
+its own two nodes (much of a run is waiting on Ray Train's restarts). Each node's raylet gets its
+own ``RAYCKPT_SHM_DIR`` (as in ``multinode_s3_job``). Storage is one local directory that every
+node reaches (one machine): ``RAYCKPT_LOCAL_IS_SHARED=1`` for every process.
 
 Scenarios, each its own ``fit()`` (9 steps, a save at 3, 6 and 9; rank 1 is the victim):
 
@@ -67,7 +68,12 @@ FIXED = {
     "in_flight": {"rank": 1, "step": 6, "phase": "in_flight"},
     "writer": {"rank": 1, "step": 6, "phase": "writer"},
 }
-NODE = {"num_cpus": 2, "resources": {"slot": 2}, "object_store_memory": 150 * 1024 * 1024}
+#: The two lanes of scenarios that run side by side, each on two nodes with its own resource: lane A
+#: in the main thread (the elastic run, last, changes its nodes: Ray does that only from the main
+#: thread), lane B in the background.
+LANE_A, SLOT_A = ["baseline", "between", "elastic"], "slot_a"
+LANE_B, SLOT_B = ["staging", "in_flight", "writer"], "slot_b"
+NODE = {"num_cpus": 2, "object_store_memory": 150 * 1024 * 1024}
 #: The environment the job runs in (tests/recovery gives it; so must a run by hand).
 ENV = {
     # Every node runs on this machine: its local disk is the storage they share.
@@ -117,21 +123,22 @@ def fit(name: str, config: dict[str, Any], storage: str, scaling: ScalingConfig,
     ).fit()
 
 
-def worker_scaling(workers: int | tuple[int, int]) -> ScalingConfig:
+def worker_scaling(workers: int | tuple[int, int], slot: str) -> ScalingConfig:
     return ScalingConfig(
         num_workers=workers,
-        resources_per_worker={"CPU": 1, "slot": 1},
+        resources_per_worker={"CPU": 1, slot: 1},
         elastic_resize_monitor_interval_s=2.0,
     )
 
 
-def run_fixed(out: str, storage: str, name: str, die: dict[str, Any] | None) -> None:
+def run_fixed(out: str, storage: str, name: str, slot: str) -> None:
+    die = FIXED[name]
     extra: dict[str, Any] = {"die": die} if die else {"dump_saves": True}
     fs = None
     if die is not None and die["phase"] in ("in_flight", "writer"):
         extra["gate"] = os.path.join(out, f"gate-{name}")
         fs = gated_filesystem(extra["gate"], GATED)
-    fit(name, train_config(out, name, **extra), storage, worker_scaling(4), fs)
+    fit(name, train_config(out, name, **extra), storage, worker_scaling(4, slot), fs)
 
 
 class FitThread(threading.Thread):
@@ -150,12 +157,12 @@ class FitThread(threading.Thread):
             self.error = traceback.format_exc()
 
 
-def run_elastic(out: str, storage: str, cluster: Cluster, victim: Any) -> dict[str, Any]:
+def run_elastic(out: str, storage: str, cluster: Cluster, victim: Any, slot: str) -> dict[str, Any]:
     """Remove ``victim`` once 4 workers hold after step 3; add a node once 2 workers hold after step 6
-    (the markers ``recovery_faults.Faults`` writes); wait for the run to end."""
+    (the markers ``recovery_faults.Faults`` writes); wait for the run to end. Main thread only."""
     config = train_config(out, "elastic", hold={"4": 3, "2": 6})
     held = os.path.join(config["out"], "held-{}.json")
-    run = FitThread("elastic", config, storage, worker_scaling((2, 4)))
+    run = FitThread("elastic", config, storage, worker_scaling((2, 4), slot))
     run.start()
     times = {}
     alive = run.is_alive
@@ -165,10 +172,8 @@ def run_elastic(out: str, storage: str, cluster: Cluster, victim: Any) -> dict[s
         cluster.remove_node(victim, allow_graceful=False)  # a crash: its processes SIGKILLed
         wait_until(lambda: os.path.exists(held.format(2)) or not alive(), "2 workers holding after step 6", 300)
     if alive():
-        shm = os.path.join(out, "shm-added")
-        os.makedirs(shm)
         times["added"] = time.time()
-        cluster.add_node(**NODE, env_vars={SHM_DIR_ENV: shm})
+        add_node(cluster, out, slot, "added")
     run.join()
     return {"node_times": times, "error": run.error}
 
@@ -207,8 +212,45 @@ def writer_pids(node_ids: list[str]) -> dict[str, int]:
     return {n: ray.get(get_shard_writer(n).__ray_call__.remote(lambda w: os.getpid())) for n in node_ids}
 
 
+def add_node(cluster: Cluster, out: str, slot: str, name: str) -> Any:
+    """A training node: 2 CPUs, 2 ``slot``, its own staging directory ``OUT_DIR/shm-<slot>-<name>``."""
+    shm = os.path.join(out, f"shm-{slot}-{name}")
+    os.makedirs(shm)
+    return cluster.add_node(**NODE, resources={slot: 2}, env_vars={SHM_DIR_ENV: shm})
+
+
+def run_scenario(name: str, out: str, storage: str, cluster: Cluster, nodes: list[Any], slot: str) -> dict[str, Any]:
+    """One scenario on ``nodes`` (those with ``slot``): its outcome, time and MetadataActor events."""
+    entry: dict[str, Any] = {"error": None, "began": time.time()}
+    try:
+        if name == "elastic":
+            entry.update(run_elastic(out, storage, cluster, nodes[1], slot))
+        else:
+            run_fixed(out, storage, name, slot)
+    except Exception:  # noqa: BLE001 - the test shows it; the other scenarios still run
+        entry["error"] = traceback.format_exc()
+    entry["seconds"] = time.time() - entry["began"]
+    entry["events"] = ray.get(get_metadata_actor().events.remote(name))
+    if name == "writer":
+        entry["writer_pids"] = writer_pids([n.node_id for n in nodes])
+    return entry
+
+
+class Lane(threading.Thread):
+    """Scenarios run one after another in the background, on their own nodes."""
+
+    def __init__(self, names: list[str], *args: Any) -> None:
+        super().__init__(daemon=True)
+        self.names, self.args = names, args
+        self.results: dict[str, Any] = {}
+
+    def run(self) -> None:
+        for name in self.names:
+            self.results[name] = run_scenario(name, *self.args)
+
+
 def main(out: str, only: list[str]) -> None:
-    """Run the scenarios named in ``only`` (default: all, ``elastic`` last: it changes the cluster)."""
+    """Run the scenarios named in ``only`` (default: all), ``LANE_A`` here and ``LANE_B`` beside it."""
     storage = os.path.join(out, "storage")
     gcs_port, api_port = free_ports(2)
     # Ray processes that look their cluster up would otherwise take the newest cluster on this machine,
@@ -231,28 +273,22 @@ def main(out: str, only: list[str]) -> None:
     address_file.put_back(address)
     result: dict[str, Any] = {}
     try:
-        nodes = []
-        for i in range(2):
-            shm = os.path.join(out, f"shm-{i}")
-            os.makedirs(shm)
-            nodes.append(cluster.add_node(**NODE, env_vars={SHM_DIR_ENV: shm}))
-        cluster.wait_for_nodes()
         ray.init(address=address, namespace="rayckpt-recovery")
-        node_ids = result["nodes"] = [n.node_id for n in nodes]
-        for name in only or [*FIXED, "elastic"]:
-            entry: dict[str, Any] = {"error": None, "began": time.time()}
-            try:
-                if name == "elastic":
-                    entry.update(run_elastic(out, storage, cluster, nodes[1]))
-                else:
-                    run_fixed(out, storage, name, FIXED[name])
-            except Exception:  # noqa: BLE001 - the test shows it; the other scenarios still run
-                entry["error"] = traceback.format_exc()
-            entry["seconds"] = time.time() - entry["began"]
-            entry["events"] = ray.get(get_metadata_actor().events.remote(name))
-            if name == "writer":
-                entry["writer_pids"] = writer_pids(node_ids)
-            result[name] = entry
+        result["head"] = cluster.head_node.node_id
+        # Made while the head is the only node, so there, with the event log the tests read: not on the
+        # node the elastic run loses (an actor without resources may land on any node).
+        result["metadata_actor_node"] = ray.get(
+            get_metadata_actor().__ray_call__.remote(lambda a: ray.get_runtime_context().get_node_id())
+        )
+        nodes = {slot: [add_node(cluster, out, slot, str(i)) for i in range(2)] for slot in (SLOT_A, SLOT_B)}
+        cluster.wait_for_nodes()
+        result["nodes"] = {slot: [n.node_id for n in ns] for slot, ns in nodes.items()}
+        lane = Lane([n for n in LANE_B if not only or n in only], out, storage, cluster, nodes[SLOT_B], SLOT_B)
+        lane.start()
+        for name in [n for n in LANE_A if not only or n in only]:
+            result[name] = run_scenario(name, out, storage, cluster, nodes[SLOT_A], SLOT_A)
+        lane.join()
+        result.update(lane.results)
     finally:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f, indent=1)
