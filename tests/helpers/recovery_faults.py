@@ -28,7 +28,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -50,7 +50,8 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def wait_until(check, what: str, limit_s: float = WAIT_MAX_S) -> None:
+def wait_until(check: Callable[[], bool], what: str, limit_s: float = WAIT_MAX_S) -> None:
+    """Poll ``check`` until it holds; ``TimeoutError`` naming ``what`` after ``limit_s`` (a bound, not a timing)."""
     deadline = time.monotonic() + limit_s
     while not check():
         if time.monotonic() > deadline:
