@@ -4,7 +4,10 @@
 (picklable, so it travels to the actors with the save). Opening a ``.arrow``
 file for writing first creates ``<gate>.reached`` (the test waits for it: the
 save is then staged and registered, its writer blocked), then waits until the
-file ``<gate>`` exists (the test creates it to let the writer go on).
+file ``<gate>`` exists (the test creates it to let the writer go on). Each path that reached
+the gate is appended to ``<gate>.reached``, one a line, so a test can wait for one rank's file.
+``gated_filesystem(gate, match)`` gates only the ``.arrow`` files whose path contains ``match``
+(say one checkpoint's directory name); the others pass.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ MAX_WAIT_S = 300.0
 
 
 class GatedHandler(pafs.FileSystemHandler):
-    def __init__(self, gate: str) -> None:
+    def __init__(self, gate: str, match: str = "") -> None:
         self.gate = gate
+        self.match = match
         self.local = pafs.LocalFileSystem()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, GatedHandler) and other.gate == self.gate
+        return isinstance(other, GatedHandler) and (other.gate, other.match) == (self.gate, self.match)
 
     def __ne__(self, other: object) -> bool:
         return not self == other
@@ -69,8 +73,9 @@ class GatedHandler(pafs.FileSystemHandler):
         return self.local.open_input_file(path)
 
     def open_output_stream(self, path: str, metadata):
-        if path.endswith(".arrow"):
-            open(f"{self.gate}.reached", "a").close()
+        if path.endswith(".arrow") and self.match in path:
+            with open(f"{self.gate}.reached", "a") as f:
+                f.write(path + "\n")
             deadline = time.monotonic() + MAX_WAIT_S
             while not os.path.exists(self.gate) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -80,8 +85,8 @@ class GatedHandler(pafs.FileSystemHandler):
         return self.local.open_append_stream(path, metadata=metadata)
 
 
-def gated_filesystem(gate: str) -> pafs.PyFileSystem:
-    return pafs.PyFileSystem(GatedHandler(gate))
+def gated_filesystem(gate: str, match: str = "") -> pafs.PyFileSystem:
+    return pafs.PyFileSystem(GatedHandler(gate, match))
 
 
 def wait_for_file(path: str, what: str, limit_s: float = 120.0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import ray
@@ -11,9 +12,10 @@ import torch
 
 from rayckpt.engine.app_state import AppState
 from rayckpt.ray import async_save
-from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from rayckpt.testing.toy import build_fsdp, full_state, train_steps
 from rayckpt.train.checkpointer import Checkpointer
+from tests.helpers.recovery_faults import Faults
 
 
 def inject_failure(mode: str) -> None:
@@ -28,13 +30,19 @@ def inject_failure(mode: str) -> None:
 
 
 def toy_train_loop(config: dict[str, Any]) -> None:
-    """Restore (if any), train to ``config['steps']`` saving at ``config['save_at']``, dump state."""
+    """Restore (if any), train to ``config['steps']`` saving at ``config['save_at']``, dump state.
+
+    Rank 0 dumps ``restored-<world>.pt`` (the restored step and state) and ``final-<world>.pt``;
+    with ``dump_saves``, ``state-<step>.pt`` at each save too. ``die``, ``gate`` and ``hold``
+    inject the faults of tests/recovery (``recovery_faults.Faults``).
+    """
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     model, optim = build_fsdp(world, seed=config.get("seed", 0))
     app = AppState(model, optim, step=0)
     state = {"app": app}
-    ckpt = Checkpointer(local_is_shared=config.get("local_is_shared"))
+    timeout = config.get("commit_timeout_s", DEFAULT_COMMIT_TIMEOUT_S)
+    ckpt = Checkpointer(local_is_shared=config.get("local_is_shared"), commit_timeout_s=timeout)
     restored = ckpt.restore(state)
     step = app.extras["step"] if restored is not None else 0
     out = config["out"]
@@ -42,19 +50,33 @@ def toy_train_loop(config: dict[str, Any]) -> None:
         dump = full_state(app)
         if rank == 0:
             torch.save(
-                {"step": restored, "state": dump, "load": ckpt.last_load, "staging_bytes": ckpt.staging_bytes},
+                {
+                    "step": restored,
+                    "state": dump,
+                    "load": ckpt.last_load,
+                    "staging_bytes": ckpt.staging_bytes,
+                    "time": time.time(),
+                },
                 os.path.join(out, f"restored-{world}.pt"),
             )
     with open(os.path.join(out, f"node-{world}-{rank}.txt"), "w") as f:
         f.write(ray.get_runtime_context().get_node_id())
+    faults = Faults(config, ckpt.run, rank, world)
     while step < config["steps"]:
+        faults.before_step(step + 1)
         train_steps(model, optim, 1, rank + 100 * step)
         step += 1
         app.extras["step"] = step
         if step in config["save_at"]:
             if step == config.get("fail_step") and rank == 1:
                 inject_failure(config["fail_mode"])
-            handle = ckpt.save(step, state, {"loss": float(step)})
+            with faults.saving(step):
+                handle = ckpt.save(step, state, {"loss": float(step)})
+            if config.get("dump_saves"):
+                dump = full_state(app)
+                if rank == 0:
+                    torch.save({"step": step, "state": dump}, os.path.join(out, f"state-{step}.pt"))
+            faults.after_save(step, ckpt)
             if rank == 0 and step == config.get("kill_actor_at"):
                 handle.wait()
                 ray.kill(get_metadata_actor(), no_restart=True)
