@@ -387,13 +387,26 @@ class MetadataActor:
     # -- events (the actor's own, and the controller callback's) -------------------
 
     async def begin_attempt(self, run: str, attempt_key: str, world_size: int) -> int:
-        """Count a worker group of training run ``attempt_key`` (rank 0's ``Checkpointer``); return how many
-        started before it (0: the first; k: Ray Train's k-th restart or resize), recorded as a "started" event."""
+        """Count a worker group of training run ``attempt_key`` (rank 0's ``Checkpointer``, before the group
+        saves); return how many started before it (0: the first; k: Ray Train's k-th restart or resize),
+        recorded as a "started" event.
+
+        From the second group on, the run's saves still in flight are an earlier group's, which is
+        gone: they are failed now (files removed, lease released), as ``RayckptCallback`` does after a
+        failure. Ray Train's elastic resize stops a healthy group without any callback, and such a
+        save would otherwise hold its location until its commit timeout, refusing the new group's
+        save of the same step.
+        """
         restarts = self._attempts.pop(attempt_key, 0)
         self._attempts[attempt_key] = restarts + 1
         while len(self._attempts) > RUNS_KEPT:
             self._attempts.popitem(last=False)
-        await self.record_event(run, "started", {"restarts": restarts, "world_size": world_size})
+        failed: list[str] = []
+        if restarts:
+            failed = await self.fail_pending(run, f"its worker group was replaced (Ray Train restart {restarts})")
+        await self.record_event(
+            run, "started", {"restarts": restarts, "world_size": world_size, "failed_saves": failed}
+        )
         return restarts
 
     async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:

@@ -275,8 +275,8 @@ def main(out: str, only: list[str]) -> None:
     try:
         ray.init(address=address, namespace="rayckpt-recovery")
         result["head"] = cluster.head_node.node_id
-        # Made while the head is the only node, so there, with the event log the tests read: not on the
-        # node the elastic run loses (an actor without resources may land on any node).
+        # ``get_metadata_actor`` places it on the head, so the node the elastic run loses cannot take the
+        # event log the tests read (nor the commit protocol) with it; the tests check where it is.
         result["metadata_actor_node"] = ray.get(
             get_metadata_actor().__ray_call__.remote(lambda a: ray.get_runtime_context().get_node_id())
         )

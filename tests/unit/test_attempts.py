@@ -18,7 +18,7 @@ def test_each_worker_group_of_a_run_counts_the_ones_before_it():
 
     assert asyncio.run(starts()) == [0, 1, 2, 0]
     events = asyncio.run(actor.events("job"))
-    assert [(e["kind"], e["restarts"], e["world_size"]) for e in events] == [
+    assert [(e["kind"], e["restarts"], e["world_size"]) for e in events if e["kind"] == "started"] == [
         ("started", 0, 4),
         ("started", 1, 2),
         ("started", 2, 4),
@@ -37,3 +37,24 @@ def test_the_counts_kept_are_bounded_to_the_most_recent_runs():
     asyncio.run(many())
     assert len(actor._attempts) == RUNS_KEPT
     assert "fit-0" not in actor._attempts and actor._attempts[f"fit-{RUNS_KEPT + 4}"] == 2
+
+
+def test_a_restarted_group_fails_the_saves_an_earlier_group_left_in_flight(monkeypatch):
+    """A resize stops a healthy group with no callback: its pending save must not block the new group's."""
+    actor = MetadataActor()
+    failed: list[tuple[str, str]] = []
+
+    async def fail_pending(run: str, reason: str) -> list[str]:
+        failed.append((run, reason))
+        return ["save-1"]
+
+    monkeypatch.setattr(actor, "fail_pending", fail_pending)
+
+    async def starts() -> None:
+        await actor.begin_attempt("job", "fit-1", 4)  # the first group: nothing of this fit() before it
+        await actor.begin_attempt("job", "fit-1", 2)  # resized or restarted
+
+    asyncio.run(starts())
+    assert failed == [("job", "its worker group was replaced (Ray Train restart 1)")]
+    started = [e for e in asyncio.run(actor.events("job")) if e["kind"] == "started"]
+    assert [e["failed_saves"] for e in started] == [[], ["save-1"]]
