@@ -50,7 +50,7 @@ def read_json(s3_server, rel: str):
 
 
 def local_storage_files(*roots: str) -> list[str]:
-    """Checkpoints or Ray Train records under the local ``roots`` (there should be none)."""
+    """Checkpoints or Ray Train records under the local ``roots`` (an S3 job should add none)."""
     found = []
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
@@ -63,6 +63,9 @@ def local_storage_files(*roots: str) -> list[str]:
 def test_job_saves_with_4_workers_and_resumes_with_3_on_s3(cluster, s3_server, s3_prefix, capsys):
     run = "s3job"
     uri = s3_server.uri(s3_prefix)
+    # What is there already (a run of the main job under ./checkpoints, say) is not this test's doing.
+    local_roots = (cluster.temp_dir, ROOT, os.path.expanduser("~/ray_results"))
+    there_before = set(local_storage_files(*local_roots))
     common = ["--run-name", run, "--checkpoint-every", "2", *TINY]
     first, logs = submit(cluster, "--num-workers", "4", "--steps", "8", "--storage-path", uri, *common)
     assert first["final_step"] == 8 and first["num_workers"] == 4 and first["resumed_from"] is None
@@ -110,7 +113,7 @@ def test_job_saves_with_4_workers_and_resumes_with_3_on_s3(cluster, s3_server, s
     assert {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]} == kept
     assert snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] == checkpoint_dir_name(10)
 
-    assert local_storage_files(cluster.temp_dir, ROOT, os.path.expanduser("~/ray_results")) == []
+    assert set(local_storage_files(*local_roots)) - there_before == set()  # nothing of these jobs on local disk
 
 
 def test_unusable_s3_storage_fails_at_start_with_one_line(cluster, s3_server):
