@@ -27,6 +27,7 @@ from typing import Any
 import ray
 import ray.train
 
+from ..engine.coordinator import default_coordinator
 from ..engine.load import LoadInfo
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
@@ -172,8 +173,8 @@ class Checkpointer:
         self.staging_bytes = prepare_staging(state, self.staging)
         return step
 
-    def _candidates(self) -> tuple[list[tuple[str, Any, int | None]], list[tuple[str, int | None, str]]]:
-        """What ``restore`` tries, newest first: ``(path, filesystem, step)``; and what it passes over at
+    def _candidates(self) -> tuple[list[tuple[str, int | None]], list[tuple[str, int | None, str]]]:
+        """What ``restore`` tries, newest first: ``(path, step)``; and what it passes over at
         once, ``(path, step, reason)``: checkpoints newer than those whose manifest the catalog lists corrupt.
 
         The newest committed checkpoint in storage comes first even when Ray Train has not
@@ -185,15 +186,13 @@ class Checkpointer:
         if entries is None:
             entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
         committed = [e for e in entries if e.status == "committed"]
-        candidates = [(entry_order(e), e.path, self.filesystem, e.step) for e in committed]
+        candidates = [(entry_order(e), e.path, e.step) for e in committed]
         ray_ckpt = ray.train.get_checkpoint()
         if ray_ckpt is not None:
             reported = posixpath.normpath(ray_ckpt.path)
             if not any(posixpath.normpath(e.path) == reported for e in entries):
                 step = checkpoint_step(ray_ckpt.path)
-                candidates.append(
-                    ((step is not None, step or 0, 0.0, reported), ray_ckpt.path, ray_ckpt.filesystem, step)
-                )
+                candidates.append(((step is not None, step or 0, 0.0, reported), ray_ckpt.path, step))
         candidates.sort(key=lambda c: c[0], reverse=True)
         newest = candidates[0][0] if candidates else None
         corrupt = sorted((e for e in entries if e.status == "corrupt"), key=entry_order, reverse=True)
@@ -202,13 +201,16 @@ class Checkpointer:
             for e in corrupt
             if newest is None or entry_order(e) > newest
         ]
-        return [(path, fs, step) for _, path, fs, step in candidates], passed_over
+        return [(path, step) for _, path, step in candidates], passed_over
 
     def _load_latest(self, state: dict[str, Any]) -> int | None:
-        candidates, passed_over = self._candidates()
+        # Every rank tries rank 0's list: the ranks' catalogs were read at different moments (an
+        # earlier group's save may commit in between), and all must load the same checkpoint.
+        candidates, passed_over = default_coordinator().all_gather(self._candidates())[0]
         self.fallbacks = []
         failed = list(passed_over)
-        for path, filesystem, step in candidates:
+        filesystem = self.filesystem  # Ray Train's checkpoints live on the run's storage filesystem too
+        for path, step in candidates:
             if failed:
                 self._fell_back(failed[-1], (path, step))
             try:
