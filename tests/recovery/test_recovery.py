@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,11 +20,11 @@ from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.lease import LEASE_PREFIX
 from tests.helpers import recovery_job
+from tests.helpers.cluster_jobs import run_cluster_job
 from tests.helpers.recovery_faults import KILLED
 from tests.helpers.recovery_job import SAVE_AT, STEPS
 
 pytestmark = pytest.mark.slow
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: A generous logical bound: a killed save settled by the rollback, not by its 300 s commit timeout.
 ROLLBACK_BOUND_S = 60.0
 
@@ -34,19 +32,7 @@ ROLLBACK_BOUND_S = 60.0
 @pytest.fixture(scope="module")
 def recovery(tmp_path_factory):
     out = tmp_path_factory.mktemp("recovery")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(recovery_job.ENV, PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.recovery_job", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    with open(out / "result.json") as f:
-        return {**json.load(f), "out": out}
+    return run_cluster_job("tests.helpers.recovery_job", out, timeout=900, env=recovery_job.ENV)
 
 
 def dump(recovery, scenario: str, name: str) -> dict:

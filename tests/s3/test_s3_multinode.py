@@ -4,36 +4,21 @@ cluster first checks that node-local storage across nodes is refused."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import rayckpt
+from tests.helpers.cluster_jobs import run_cluster_job
 
 pytestmark = pytest.mark.slow
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def multinode(s3_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("multinode-s3")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the AWS variables of the S3 tier included
-    args = [str(out), s3_server.host_port, s3_server.bucket, "multinode"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.multinode_s3_job", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    with open(out / "result.json") as f:
-        return {**json.load(f), "out": out}
+    # The AWS variables of the S3 tier are in this process's environment: the job inherits them.
+    args = [s3_server.host_port, s3_server.bucket, "multinode"]
+    return run_cluster_job("tests.helpers.multinode_s3_job", out, *args, timeout=540)
 
 
 def check_writers_wrote_only_their_nodes_ranks(save: dict, shm_dirs: dict[str, str], step: int) -> None:
