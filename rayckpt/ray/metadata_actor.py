@@ -42,6 +42,7 @@ from ..storage.catalog import CatalogEntry, entry_order, latest_committed, scan_
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard
 from . import metrics
+from .attempts import AttemptCounter
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
 from .layout_cache import LAYOUT_WANTED, LayoutRef, SaveLayouts, ShardReport, SpecLayout, join_shard, join_spec
 from .plan_cache import LoadBundle, PlanCache
@@ -81,8 +82,8 @@ class MetadataActor:
         self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         #: run -> its last shard write's throughput (bytes/s), the ``RUNS_KEPT`` most recent runs.
         self._throughput: OrderedDict[str, float] = OrderedDict()
-        #: A training run's attempts (Ray Train run id -> worker groups started), the ``RUNS_KEPT`` most recent.
-        self._attempts: OrderedDict[str, int] = OrderedDict()
+        #: Worker groups started per Ray Train run id, the ``RUNS_KEPT`` most recent.
+        self._attempts = AttemptCounter(RUNS_KEPT)
         self._gauge_refresher: asyncio.Task | None = None
 
     async def ping(self) -> str:
@@ -387,26 +388,13 @@ class MetadataActor:
     # -- events (the actor's own, and the controller callback's) -------------------
 
     async def begin_attempt(self, run: str, attempt_key: str, world_size: int) -> int:
-        """Count a worker group of training run ``attempt_key`` (rank 0's ``Checkpointer``, before the group
-        saves); return how many started before it (0: the first; k: Ray Train's k-th restart or resize),
-        recorded as a "started" event.
-
-        From the second group on, the run's saves still in flight are an earlier group's, which is
-        gone: they are failed now (files removed, lease released), as ``RayckptCallback`` does after a
-        failure. Ray Train's elastic resize stops a healthy group without any callback, and such a
-        save would otherwise hold its location until its commit timeout, refusing the new group's
-        save of the same step.
-        """
-        restarts = self._attempts.pop(attempt_key, 0)
-        self._attempts[attempt_key] = restarts + 1
-        while len(self._attempts) > RUNS_KEPT:
-            self._attempts.popitem(last=False)
-        failed: list[str] = []
-        if restarts:
-            failed = await self.fail_pending(run, f"its worker group was replaced (Ray Train restart {restarts})")
-        await self.record_event(
-            run, "started", {"restarts": restarts, "world_size": world_size, "failed_saves": failed}
-        )
+        """A worker group of training run ``attempt_key`` starts (rank 0's ``Checkpointer``): return how many
+        started before it; from the second on, fail the run's saves still in flight (``attempts``: why)."""
+        restarts = self._attempts.begin(attempt_key)
+        reason = f"its worker group was replaced (Ray Train restart {restarts})"
+        failed = await self.fail_pending(run, reason) if restarts else []
+        event = {"restarts": restarts, "world_size": world_size, "failed_saves": failed}
+        await self.record_event(run, "started", event)
         return restarts
 
     async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:

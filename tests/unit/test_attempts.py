@@ -35,8 +35,9 @@ def test_the_counts_kept_are_bounded_to_the_most_recent_runs():
         await actor.begin_attempt("run-last", f"fit-{RUNS_KEPT + 4}", 1)  # touched again: the newest
 
     asyncio.run(many())
-    assert len(actor._attempts) == RUNS_KEPT
-    assert "fit-0" not in actor._attempts and actor._attempts[f"fit-{RUNS_KEPT + 4}"] == 2
+    counts = actor._attempts.counts
+    assert len(counts) == RUNS_KEPT
+    assert "fit-0" not in counts and counts[f"fit-{RUNS_KEPT + 4}"] == 2
 
 
 def test_a_restarted_group_fails_the_saves_an_earlier_group_left_in_flight(monkeypatch):
