@@ -94,10 +94,9 @@ def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupte
     plain, _ = submit(cluster, *flags, "--run-name", "plain")
     assert plain["restarts"] == 0 and plain["final_step"] == 24
 
-    # rank 0 is SIGKILLed as soon as it reports the step-4 commit (the pid from its log prefix)
-    killed, logs, pid = submit_and_kill_a_worker(
-        cluster, r"rayckpt: killed committed step 4 ", *flags, "--run-name", "killed"
-    )
+    # a worker is SIGKILLed as soon as the step-4 checkpoint's manifest is in storage
+    step_4 = os.path.join(storage, "killed", "rayckpt-step-00000004", "manifest.json")
+    killed, logs, pid = submit_and_kill_a_worker(cluster, step_4, *flags, "--run-name", "killed")
     assert killed["restarts"] == 1 and killed["final_step"] == 24 and killed["num_workers"] == 2
     resumed = killed["resumed_from"]
     assert resumed is not None and 4 <= resumed < 24 and resumed % 4 == 0

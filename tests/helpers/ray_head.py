@@ -6,6 +6,7 @@ its own process (then its process group), so it never touches another Ray on the
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -165,12 +167,13 @@ def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tup
     return summaries[-1], proc.stdout + proc.stderr
 
 
-def submit_and_kill_a_worker(head: RayHead, when: str, *args: str) -> tuple[dict, str, int]:
-    """``submit`` that SIGKILLs one Train worker by its pid once the job's output matches regex ``when``.
+def submit_and_kill_a_worker(head: RayHead, committed: str, *args: str) -> tuple[dict, str, int]:
+    """``submit`` that SIGKILLs one Train worker as soon as the file ``committed`` (a glob) exists.
 
-    The pid is read from Ray's ``(RayTrainWorker pid=N)`` prefix on that worker's
-    forwarded lines, as a user watching the job would. Returns the summary, the
-    output and the pid killed.
+    The worker's pid comes from Ray's state API (what ``ray list actors`` shows) and the
+    commit from polling storage: both are seen at once, where the job's forwarded log
+    lines arrive seconds late (a kill timed by them can land after the last step, and
+    then nothing restarts). Returns the summary, the output and the pid killed.
     """
     cmd = [f"{BIN}/ray", "job", "submit", "--address", head.dashboard, "--working-dir", ".", "--"]
     proc = subprocess.Popen(
@@ -181,21 +184,33 @@ def submit_and_kill_a_worker(head: RayHead, when: str, *args: str) -> tuple[dict
         stderr=subprocess.STDOUT,
         text=True,
     )
-    seen, killed = [], 0
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        seen.append(line)
-        worker = re.search(r"RayTrainWorker pid=(\d+)\)", line)
-        if not killed and worker and re.search(when, line):
-            killed = int(worker.group(1))
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    pids: list[int] = []
+    killed = 0
+    while not killed and proc.poll() is None:
+        pids = pids or _train_worker_pids(head)
+        if pids and glob.glob(committed):
+            killed = pids[0]
             os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
     proc.wait(timeout=400)
+    reader.join(timeout=30)
     output = "".join(seen)
     assert proc.returncode == 0, output[-6000:]
-    assert killed, f"no worker line matched {when!r}: {output[-4000:]}"
+    assert killed, f"the job ended before {committed} existed: {output[-4000:]}"
     summaries = [doc for doc in map(_json_object, output.splitlines()) if doc is not None and "final_step" in doc]
     assert summaries, output[-4000:]
     return summaries[-1], output, killed
+
+
+def _train_worker_pids(head: RayHead) -> list[int]:
+    """The pids of the head's live Ray Train workers (none yet: an empty list)."""
+    from ray.util.state import list_actors
+
+    filters = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    return sorted(actor.pid for actor in list_actors(address=head.dashboard, filters=filters, detail=True))
 
 
 def _json_object(line: str) -> dict | None:
