@@ -180,19 +180,22 @@ def host_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
 
 
-def pin_host_memory(buf: Any) -> int:
+def pin_host_memory(buf: Any, device: torch.device | None = None) -> int:
     """Page-lock the host buffer ``buf`` (an mmap) for CUDA copies; its address, or 0 if it cannot be.
 
     Pinned memory lets a device-to-host ``copy_`` run asynchronously with
     ``non_blocking=True``; without it the copy is still correct, only staged
-    through the driver's own buffer. Undo with ``unpin_host_memory`` before unmapping.
+    through the driver's own buffer. ``device``: the CUDA device the copies come
+    from, made current first (a background thread's current device is device 0).
+    Undo with ``unpin_host_memory`` before unmapping.
     """
     if not torch.cuda.is_available():
         return 0
     view = torch.frombuffer(buf, dtype=torch.uint8)
     ptr, nbytes = view.data_ptr(), view.numel()
     del view
-    rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    with torch.cuda.device(device) if device is not None and device.type == "cuda" else nullcontext():
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     return ptr if int(rc) == 0 else 0
 
 

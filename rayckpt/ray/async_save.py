@@ -23,6 +23,7 @@ import pyarrow.fs as pafs
 import ray
 
 from ..engine.coordinator import Coordinator, default_coordinator
+from ..engine.device import needs_bounce
 from ..engine.save import SaveContext, collect_state
 from ..engine.state import flatten
 from ..engine.writer import chunk_pieces, chunk_specs, create_chunk_data
@@ -187,9 +188,17 @@ class AsyncSaver:
         an object-store ref to the chunks' arrays."""
         if staging != "object_store":
             buffer = self._staging_buffer()
-            in_use = buffer.busy is not None and not ray.wait([buffer.busy], timeout=0)[0]
+            pieces = chunk_pieces(ctx.plan, ctx.flat)
+            need = staged_size(pieces)
             try:
-                return buffer.stage(chunk_pieces(ctx.plan, ctx.flat), node_id, in_use=in_use)
+                if staging == "auto" and not buffer.holds(need):
+                    # No buffer made for this share yet (no prepare_staging): it is made and page-locked
+                    # in the background for the next save, and this one goes through the object store,
+                    # whose copy costs less than making the buffer first.
+                    buffer.prepare(need, _device_of(pieces))
+                else:
+                    in_use = buffer.busy is not None and not ray.wait([buffer.busy], timeout=0)[0]
+                    return buffer.stage(pieces, node_id, in_use=in_use)
             except StagingUnavailable:
                 if staging == "shm":
                     raise
@@ -206,20 +215,23 @@ class AsyncSaver:
         previous, self.inflight = self.inflight, None
         return previous.wait_before_next_save() if previous is not None else None
 
-    def prepare_staging(self, state_dict: dict[str, Any], staging: str | None = None) -> int:
+    def prepare_staging(self, state_dict: dict[str, Any], staging: str | None = None, wait: bool = False) -> int:
         """``prepare_staging`` (see there)."""
         mode = staging_mode(staging)
         if mode == "object_store":
             return 0
-        flat = flatten(state_dict)
+        pieces = [p.local for leaf in flatten(state_dict).tensors.values() for p in leaf.pieces]
         buffer = self._staging_buffer()
+        _start_shard_writer()
         try:
-            buffer.reserve(staged_size([p.local for leaf in flat.tensors.values() for p in leaf.pieces]))
+            planned = buffer.prepare(staged_size(pieces), _device_of(pieces))
+            if wait:
+                buffer.ready()
         except StagingUnavailable:
             if mode == "shm":
                 raise
             return 0
-        return buffer.capacity
+        return planned
 
     def release_staging(self) -> None:
         """Wait for the save in flight, then free the staging buffer."""
@@ -232,6 +244,17 @@ class AsyncSaver:
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
+
+
+def _device_of(pieces: list[Any]) -> Any:
+    """The CUDA device of the first device piece (the staging buffer is page-locked for it), or ``None``."""
+    return next((p.device for p in pieces if needs_bounce(p)), None)
+
+
+def _start_shard_writer() -> None:
+    """Start this node's ShardWriter now (not waited for), so the first save does not wait for its process."""
+    if ray.is_initialized():
+        get_shard_writer()
 
 
 @functools.cache
@@ -299,15 +322,21 @@ def save_async(
     )
 
 
-def prepare_staging(state_dict: dict[str, Any], staging: str | None = None) -> int:
+def prepare_staging(state_dict: dict[str, Any], staging: str | None = None, wait: bool = False) -> int:
     """Make this process's staging buffer before its first ``save_async`` (not collective).
 
-    The first save otherwise pays for creating it (0.5-0.6 s more stall at 1 GB on
-    the benchmark machine). Sized to every local tensor of ``state_dict``, which a
-    rank's share never exceeds. Returns the buffer's size in bytes: 0 with
-    ``staging="object_store"`` or when ``/dev/shm`` cannot hold it ("shm" raises).
+    Sized to every local tensor of ``state_dict``, which a rank's share never
+    exceeds, and page-locked when the state is on a CUDA device. Returns at once
+    (``wait=True``: once it is made): the buffer is made, and this node's
+    ShardWriter started, in the background while training goes on, so the first
+    save only copies. A save that comes before it is done waits for the rest.
+    Without it, the first ``save_async`` goes through Ray's object store (its
+    "auto" staging) while the buffer is made for the next one. Returns the
+    buffer's size in bytes: 0 with ``staging="object_store"`` or when
+    ``/dev/shm`` cannot hold it ("shm" raises, at once if the directory cannot be
+    written, else from the first save).
     """
-    return saver().prepare_staging(state_dict, staging)
+    return saver().prepare_staging(state_dict, staging, wait)
 
 
 def release_staging() -> None:

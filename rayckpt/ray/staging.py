@@ -111,6 +111,10 @@ class StagingBuffer:
         self.busy: object | None = None
         #: The mapping's address if it is page-locked for CUDA copies (0: not pinned).
         self._pinned = 0
+        #: A ``prepare`` running in the background, what it made (or its error), and the size it makes.
+        self._preparing: threading.Thread | None = None
+        self._made: _Mapping | tuple[None, int] | BaseException | None = None
+        self._planned = 0
 
     @property
     def path(self) -> str | None:
@@ -118,7 +122,11 @@ class StagingBuffer:
         return None if self.fd is None else f"/proc/{self._pid}/fd/{self.fd}"
 
     def _open(self, size: int) -> None:
-        capacity = -(-max(size, 1) // _GRANULE) * _GRANULE
+        self._install(self._create(size))
+
+    def _create(self, size: int) -> _Mapping:
+        """A new nameless file of at least ``size`` bytes, its pages reserved and mapped (not yet this buffer's)."""
+        capacity = granules(size)
         name = os.path.join(self.directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -137,16 +145,79 @@ class StagingBuffer:
                 f"cannot reserve {capacity} bytes of shared memory in {self.directory} "
                 f"(the staging directory: {SHM_DIR_ENV}, default {SHM_DIR}): {exc}"
             ) from None
-        # Closed only now, so the new descriptor's number differs from the old one's (a writer
+        return _Mapping(fd, name, os.fstat(fd).st_ino, mapped, capacity)
+
+    def _install(self, made: _Mapping, pinned: int = 0) -> None:
+        # The old file is closed only now, so the new descriptor's number differs from the old one's (a writer
         # of the old file may not have opened it yet; the inode check catches later reuse).
         self.close()
-        self.fd, self.name, self.inode, self._pid = fd, name, os.fstat(fd).st_ino, os.getpid()
-        self._map, self.capacity, self.busy = mapped, capacity, None
+        self.fd, self.name, self.inode, self._pid = made.fd, made.name, made.inode, os.getpid()
+        self._map, self.capacity, self.busy, self._pinned = made.mapped, made.capacity, None, pinned
 
     def reserve(self, nbytes: int) -> None:
         """Make the buffer hold at least ``nbytes`` now, so the next save's copy finds it mapped."""
+        self.ready()
         if self._map is None or nbytes > self.capacity:
             self._open(nbytes)
+
+    def prepare(self, nbytes: int, pin: torch.device | None = None) -> int:
+        """``reserve`` on a background thread, and page-lock the mapping for CUDA copies from device ``pin``.
+
+        Returns at once with the capacity the buffer will have. The next ``stage``
+        (or ``ready``) waits for what is left of it and raises its
+        ``StagingUnavailable``. Creating and pinning a multi-GiB mapping takes
+        seconds: done here, between saves, it is not in any save's stall.
+        """
+        self.ready()
+        grow = self._map is None or nbytes > self.capacity
+        if not grow and (pin is None or self._pinned):
+            return self.capacity
+        if grow and not (os.path.isdir(self.directory) and os.access(self.directory, os.W_OK)):
+            raise StagingUnavailable(  # said now, not from the first save
+                f"cannot create a staging file in {self.directory} (the staging directory: {SHM_DIR_ENV}, "
+                f"default {SHM_DIR}; it must exist and be writable): not a writable directory"
+            )
+        self._planned = granules(nbytes) if grow else self.capacity
+        current = None if grow else self._map
+
+        def build() -> None:
+            made = None
+            try:
+                made = self._create(nbytes) if grow else None
+                ptr = pin_host_memory((made.mapped if made else current), pin) if pin is not None else 0
+                self._made = (made, ptr) if made else (None, ptr)
+            except BaseException as exc:  # handed to the caller of ready(); nothing is half-installed
+                if made is not None:
+                    made.close()
+                self._made = exc
+
+        self._preparing = threading.Thread(target=build, name="rayckpt-staging-prepare", daemon=True)
+        self._preparing.start()
+        return self._planned
+
+    @property
+    def preparing(self) -> bool:
+        """A ``prepare`` is still running in the background."""
+        return self._preparing is not None and self._preparing.is_alive()
+
+    def holds(self, nbytes: int) -> bool:
+        """The buffer holds ``nbytes`` now, or will once the ``prepare`` in progress is done."""
+        return (self._planned if self._preparing is not None else self.capacity) >= nbytes
+
+    def ready(self) -> None:
+        """Wait for a ``prepare`` in progress and take what it made; raise its error, if it failed."""
+        if self._preparing is None:
+            return
+        self._preparing.join()
+        made, self._preparing, self._made, self._planned = self._made, None, None, 0
+        if isinstance(made, BaseException):
+            raise made
+        assert made is not None
+        mapping, ptr = made
+        if mapping is not None:
+            self._install(mapping, ptr)
+        elif ptr:
+            self._pinned = ptr
 
     def stage(self, pieces: Sequence[torch.Tensor], node_id: str, in_use: bool = False) -> StagedRegion:
         """Copy ``pieces`` (any device, any strides) into the buffer, one copy each.
@@ -157,6 +228,7 @@ class StagingBuffer:
         returns once they are all in, before any writer reads the region.
         """
         spans, total = layout([p.numel() * p.element_size() for p in pieces])
+        self.ready()
         if in_use or self._map is None or total > self.capacity:
             self._open(total)
         assert self._map is not None and self.path is not None
@@ -171,7 +243,7 @@ class StagingBuffer:
                 np.copyto(np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src))
             elif needs_bounce(src):  # device to host directly, on a side stream
                 if not self._pinned:
-                    self._pinned = pin_host_memory(self._map)
+                    self._pinned = pin_host_memory(self._map, src.device)
                 dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
                 to_host.copy(dst.view(src.dtype).view(src.shape), src)
             else:  # strided: torch copies it
@@ -181,7 +253,16 @@ class StagingBuffer:
         return StagedRegion(self.path, node_id, spans, self.inode)
 
     def close(self) -> None:
-        """Unmap and close the file; a writer that still maps it keeps reading until it unmaps."""
+        """Unmap and close the file; a writer that still maps it keeps reading until it unmaps.
+
+        A ``prepare`` in progress is waited for and what it made is closed too.
+        """
+        if self._preparing is not None:
+            self._preparing.join()
+            made, self._preparing, self._made, self._planned = self._made, None, None, 0
+            if isinstance(made, tuple) and made[0] is not None:
+                unpin_host_memory(made[1])
+                made[0].close()
         if self._map is not None:
             unpin_host_memory(self._pinned)
             self._pinned = 0
@@ -193,6 +274,26 @@ class StagingBuffer:
         if self.fd is not None:
             os.close(self.fd)
             self.fd, self.name, self.inode, self.capacity = None, None, 0, 0
+
+
+@dataclass(slots=True)
+class _Mapping:
+    """A staging file made by ``StagingBuffer._create``, not yet the buffer's."""
+
+    fd: int
+    name: str
+    inode: int
+    mapped: mmap.mmap
+    capacity: int
+
+    def close(self) -> None:
+        self.mapped.close()
+        os.close(self.fd)
+
+
+def granules(nbytes: int) -> int:
+    """The size of a staging file that holds ``nbytes``: whole MiB, at least one."""
+    return -(-max(nbytes, 1) // _GRANULE) * _GRANULE
 
 
 def staged_size(pieces: Sequence[torch.Tensor]) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -29,7 +31,14 @@ def test_two_hundred_saves_keep_the_actors_records_and_memory_flat(ray_session, 
 
     ray.kill(get_metadata_actor(), no_restart=False)  # a fresh incarnation: only this test's records
     meta = get_metadata_actor()
-    actor = psutil.Process(ray.get(meta.debug_stats.remote())["pid"])
+    for _ in range(60):  # the handle may still name the dying incarnation for a moment
+        try:
+            actor = psutil.Process(ray.get(meta.debug_stats.remote())["pid"])
+            break
+        except ray.exceptions.ActorUnavailableError:
+            time.sleep(0.5)
+    else:
+        raise AssertionError("the MetadataActor did not come back within 30 s of ray.kill")
     rss: dict[int, int] = {}
     for i in range(1, SAVES + 1):
         path = str(tmp_path / f"rayckpt-step-{i:08d}")

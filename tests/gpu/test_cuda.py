@@ -14,7 +14,7 @@ import torch
 import rayckpt
 from rayckpt.engine import device
 from rayckpt.engine.device import HostToDevice
-from rayckpt.ray import async_save
+from rayckpt.ray import async_save, staging
 from rayckpt.ray.staging import StagingBuffer, open_region
 from rayckpt.testing.multiproc import run_ranks
 from tests.helpers import gpu_workers
@@ -105,6 +105,34 @@ def test_staging_from_cuda_pins_the_buffer_and_holds_the_bytes(tmp_path):
     finally:
         buf.close()
     assert buf._pinned == 0
+
+
+def test_prepare_pins_the_buffer_for_cuda_in_the_background(tmp_path):
+    pieces = [cuda_state()["w"], cuda_state()["t"]]
+    buf = StagingBuffer(str(tmp_path))
+    try:
+        buf.prepare(staging.staged_size(pieces), pin=pieces[0].device)
+        buf.ready()
+        assert buf._pinned != 0  # page-locked by the background thread, for the pieces' device
+        region = buf.stage(pieces, "node")
+        with open_region(region) as views:
+            for view, p in zip(views, pieces):
+                assert bytes(view) == p.contiguous().cpu().numpy().tobytes()
+    finally:
+        buf.close()
+    assert buf._pinned == 0
+
+
+def test_a_prepared_first_async_save_from_cuda_stages_into_the_pinned_buffer(ray_session, tmp_path):
+    state = {"w": torch.randn(2048, 2048, device="cuda"), "step": 1}
+    async_save.release_staging()
+    async_save.prepare_staging(state, wait=True)
+    assert async_save.saver().buffer._pinned != 0
+    handle = async_save.save_async(state, str(tmp_path / "p"), run="gpu-prep", step=1)
+    assert handle.staging == "shm" and handle.wait().status == "committed"
+    target = {"w": torch.zeros(2048, 2048, device="cuda"), "step": 0}
+    rayckpt.load(target, str(tmp_path / "p"))
+    assert torch.equal(target["w"], state["w"])
 
 
 def test_async_save_from_cuda_stall_measured_by_cuda_events(ray_session, tmp_path):

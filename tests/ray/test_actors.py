@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import threading
 
 import pytest
 import ray
@@ -191,25 +192,28 @@ def held_here(name: str) -> bool:
     return False
 
 
-def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path):
+def test_saves_stage_into_one_reused_shared_memory_buffer_made_by_the_first(ray_session, tmp_path):
     dead = multiprocessing.get_context("spawn").Process(target=int)
     dead.start()
     dead.join()
     stale = os.path.join(staging.SHM_DIR, f"{staging.PREFIX}{dead.pid}-0123456789ab")
     open(stale, "wb").close()  # left behind by a rank that died
-    handles = [async_save.save_async(state(s), str(tmp_path / f"s{s}"), run="shm", step=s) for s in (1, 2)]
-    assert [h.staging for h in handles] == ["shm", "shm"]
+    async_save.release_staging()
+    # No buffer yet: the first save goes through the object store while the buffer is made for the next ones.
+    handles = [async_save.save_async(state(s), str(tmp_path / f"s{s}"), run="shm", step=s) for s in (1, 2, 3)]
+    assert [h.staging for h in handles] == ["object_store", "shm", "shm"]
     handles[-1].wait()
     assert ray.get(handles[-1]._write_ref)["seconds"] > 0
     stats = ray.get(get_shard_writer().debug_stats.remote())  # the writer's own record of what it wrote
     writes = [w for w in stats["writes"] if w["run"] == "shm"]
     assert [(w["step"], w["rank"], w["staging"], w["staged_dir"]) for w in writes] == [
-        (s, 0, "shm", staging.SHM_DIR) for s in (1, 2)
+        (1, 0, "object_store", None),
+        *((s, 0, "shm", staging.SHM_DIR) for s in (2, 3)),
     ]
     assert stats["staging_dir"] == staging.SHM_DIR and {w["node"] for w in writes} == {stats["node"]}
     assert not os.path.exists(stale)  # the node's writer removed it
     assert my_staging_files() == [] and os.path.exists(async_save.saver().buffer.path)  # one nameless file, reused
-    for s in (1, 2):
+    for s in (1, 2, 3):
         out = target()
         ray_load(out, str(tmp_path / f"s{s}"), run="shm")
         assert torch.equal(out["w"], state(s)["w"]) and torch.equal(out["b"], state(s)["b"])
@@ -218,6 +222,7 @@ def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path)
 
 
 def test_a_buffer_a_writer_may_still_read_is_not_reused(ray_session, tmp_path):
+    async_save.prepare_staging(state(1), wait=True)
     async_save.save_async(state(1), str(tmp_path / "a"), run="busy", step=1).wait()
     first = async_save.saver().buffer.name
 
@@ -331,18 +336,44 @@ def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_s
     assert not path.exists()  # its partial file removed, then the empty directory
 
 
-def test_prepare_staging_makes_the_buffer_the_first_save_uses(ray_session, tmp_path, monkeypatch):
+def test_prepare_staging_makes_the_buffer_the_first_save_uses_in_the_background(ray_session, tmp_path, monkeypatch):
     async_save.release_staging()
     st = state(9)
     need = staging.staged_size([st["w"], st["b"]])
+    made = threading.Event()
+    create = staging.StagingBuffer._create
+
+    def slow_create(self, size):
+        made.wait(30)  # held until the test lets it go: prepare_staging must not wait for it
+        return create(self, size)
+
+    monkeypatch.setattr(staging.StagingBuffer, "_create", slow_create)
     size = async_save.prepare_staging(st)
-    assert size >= need and my_staging_files() == [] and os.path.exists(async_save.saver().buffer.path)
-    prepared = async_save.saver().buffer.name
-    async_save.save_async(st, str(tmp_path / "p"), run="prep", step=1).wait()
-    assert async_save.saver().buffer.name == prepared
+    buffer = async_save.saver().buffer
+    assert size >= need and buffer.preparing and buffer.path is None  # returned before the buffer exists
+    made.set()
+    h = async_save.save_async(st, str(tmp_path / "p"), run="prep", step=1)  # waits for the rest of it
+    assert h.staging == "shm" and h.wait().status == "committed"
+    assert my_staging_files() == [] and buffer.capacity == size and os.path.exists(buffer.path)
+    out = target()
+    ray_load(out, str(tmp_path / "p"), run="prep")
+    assert torch.equal(out["w"], st["w"])
+    # wait=True: made when it returns
+    async_save.release_staging()
+    assert async_save.prepare_staging(st, wait=True) == size and os.path.exists(async_save.saver().buffer.path)
     async_save.release_staging()
     assert async_save.prepare_staging(st, staging="object_store") == 0 and my_staging_files() == []
     monkeypatch.setattr(async_save.saver(), "buffer", staging.StagingBuffer(str(tmp_path / "no-shm")))
     assert async_save.prepare_staging(st) == 0
-    with pytest.raises(staging.StagingUnavailable, match="cannot create a staging file in"):
+    with pytest.raises(staging.StagingUnavailable, match="cannot create a staging file in .*no-shm"):
         async_save.prepare_staging(st, staging="shm")
+
+
+def test_prepare_staging_starts_the_nodes_shard_writer(ray_session, monkeypatch):
+    started = []
+    monkeypatch.setattr(async_save, "get_shard_writer", lambda: started.append(True))
+    async_save.prepare_staging(state(1), staging="object_store")
+    assert started == []  # nothing to stage into, nothing started
+    async_save.prepare_staging(state(1))
+    assert started == [True]
+    async_save.release_staging()
