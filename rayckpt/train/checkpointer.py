@@ -166,8 +166,8 @@ class Checkpointer:
         silent fresh start. A state that does not fit (``IncompatibleStateError``:
         a changed model) is raised as is. Returns the restored step, or ``None``
         when the run has no checkpoint (``state`` untouched). Either way it then
-        makes this worker's staging buffer (``prepare_staging``), so the first
-        save's copy finds it ready.
+        starts making this worker's staging buffer in the background
+        (``prepare_staging``), so the first save only copies.
         """
         step = self._load_latest(state)
         self.staging_bytes = prepare_staging(state, self.staging)

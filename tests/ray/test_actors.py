@@ -192,23 +192,21 @@ def held_here(name: str) -> bool:
     return False
 
 
-def test_saves_stage_into_one_reused_shared_memory_buffer_made_by_the_first(ray_session, tmp_path):
+def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path):
     dead = multiprocessing.get_context("spawn").Process(target=int)
     dead.start()
     dead.join()
     stale = os.path.join(staging.SHM_DIR, f"{staging.PREFIX}{dead.pid}-0123456789ab")
     open(stale, "wb").close()  # left behind by a rank that died
     async_save.release_staging()
-    # No buffer yet: the first save goes through the object store while the buffer is made for the next ones.
     handles = [async_save.save_async(state(s), str(tmp_path / f"s{s}"), run="shm", step=s) for s in (1, 2, 3)]
-    assert [h.staging for h in handles] == ["object_store", "shm", "shm"]
+    assert [h.staging for h in handles] == ["shm", "shm", "shm"]  # the first save made the buffer
     handles[-1].wait()
     assert ray.get(handles[-1]._write_ref)["seconds"] > 0
     stats = ray.get(get_shard_writer().debug_stats.remote())  # the writer's own record of what it wrote
     writes = [w for w in stats["writes"] if w["run"] == "shm"]
     assert [(w["step"], w["rank"], w["staging"], w["staged_dir"]) for w in writes] == [
-        (1, 0, "object_store", None),
-        *((s, 0, "shm", staging.SHM_DIR) for s in (2, 3)),
+        (s, 0, "shm", staging.SHM_DIR) for s in (1, 2, 3)
     ]
     assert stats["staging_dir"] == staging.SHM_DIR and {w["node"] for w in writes} == {stats["node"]}
     assert not os.path.exists(stale)  # the node's writer removed it

@@ -186,3 +186,21 @@ def test_every_rank_agrees_on_the_layout_digest_and_it_changes_with_the_layout()
         assert again == first and (same.tensors, same.paths) == (spec.tensors, spec.paths)
     finally:
         save_layout.clear_plan_cache()
+
+
+def test_a_new_ray_session_with_the_same_job_id_puts_the_layout_again(monkeypatch):
+    from types import SimpleNamespace
+
+    from rayckpt.ray import async_save
+
+    session = {"node": "node-a"}
+    context = SimpleNamespace(get_job_id=lambda: "01000000", get_node_id=lambda: session["node"])
+    puts = []
+    monkeypatch.setattr(async_save.ray, "get_runtime_context", lambda: context)
+    monkeypatch.setattr(async_save.ray, "put", lambda value: puts.append(value) or f"ref-{len(puts)}")
+    saver = async_save.AsyncSaver()
+    first = saver._layout_ref(b"digest", "layout")
+    assert saver._layout_ref(b"digest", "layout") is first and puts == ["layout"]  # reused within the session
+    session["node"] = "node-b"  # ray.shutdown(), ray.init(): the job id repeats, the node id does not
+    again = saver._layout_ref(b"digest", "layout")
+    assert again.ref == "ref-2" and puts == ["layout", "layout"]
