@@ -223,7 +223,7 @@ class AsyncSaver:
             return 0
         pieces = [p.local for leaf in flatten(state_dict).tensors.values() for p in leaf.pieces]
         buffer = self._staging_buffer()
-        _start_shard_writer()
+        _start_actors()
         try:
             planned = buffer.prepare(staged_size(pieces), _device_of(pieces))
             if wait:
@@ -252,10 +252,12 @@ def _device_of(pieces: list[Any]) -> Any:
     return next((p.device for p in pieces if needs_bounce(p)), None)
 
 
-def _start_shard_writer() -> None:
-    """Start this node's ShardWriter now (not waited for), so the first save does not wait for its process."""
+def _start_actors() -> None:
+    """Start this node's ShardWriter (not waited for) and look the MetadataActor up now: the first save
+    then neither waits for the writer's process nor exports the actor's class (0.1 s, once per process)."""
     if ray.is_initialized():
         get_shard_writer()
+        get_metadata_actor()
 
 
 @functools.cache

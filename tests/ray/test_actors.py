@@ -367,11 +367,12 @@ def test_prepare_staging_makes_the_buffer_the_first_save_uses_in_the_background(
         async_save.prepare_staging(st, staging="shm")
 
 
-def test_prepare_staging_starts_the_nodes_shard_writer(ray_session, monkeypatch):
+def test_prepare_staging_starts_the_nodes_shard_writer_and_finds_the_metadata_actor(ray_session, monkeypatch):
     started = []
-    monkeypatch.setattr(async_save, "get_shard_writer", lambda: started.append(True))
+    monkeypatch.setattr(async_save, "get_shard_writer", lambda: started.append("writer"))
+    monkeypatch.setattr(async_save, "get_metadata_actor", lambda: started.append("metadata"))
     async_save.prepare_staging(state(1), staging="object_store")
     assert started == []  # nothing to stage into, nothing started
     async_save.prepare_staging(state(1))
-    assert started == [True]
+    assert started == ["writer", "metadata"]
     async_save.release_staging()
