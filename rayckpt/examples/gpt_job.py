@@ -79,6 +79,7 @@ def train_config(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "schedule_steps": args.schedule_steps,
         "checkpoint_every": args.checkpoint_every,
+        "memory_every": args.memory_every,
         "global_batch": args.global_batch,
         "lr": args.lr,
         "seed": args.seed,
@@ -138,6 +139,7 @@ def train(
     device = device or torch.device("cpu")
     cfg = GPTConfig(**config["model"])
     total, every, seed = config["steps"], config["checkpoint_every"], config["seed"]
+    in_memory = config.get("memory_every") or 0  # under Ray only: the Checkpointer has a memory tier then
 
     torch.manual_seed(seed)  # the same initial weights on every rank, whatever the world size
     model = shard_model(GPT(cfg).to(device), init_device_mesh(device.type, (world_size,)))
@@ -166,7 +168,8 @@ def train(
         where = f"resumed from step {resumed_from}" if resumed_from is not None else "fresh start"
         log(f"GPT with {model_size(model):,} parameters on {world_size} rank(s), {where}, {horizon}-step LR schedule")
         if restarts:
-            log(restart_line(restarts, resumed_from, world_size, checkpointer.restored_metadata))
+            tier = {"tier": getattr(checkpointer, "restored_from", {}).get("tier")} if resumed_from is not None else {}
+            log(restart_line(restarts, resumed_from, world_size, {**checkpointer.restored_metadata, **tier}))
         changed = {k: (stored[k], v) for k, v in requested.items() if k in stored and stored[k] != v}
         if changed:
             log(
@@ -203,8 +206,15 @@ def train(
             }
             if resumed_from is not None:
                 metrics["resumed_from"] = resumed_from
+                metrics["restored_tier"] = getattr(checkpointer, "restored_from", {}).get("tier", "storage")
             checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams})
             pending = []
+        elif in_memory and done % in_memory == 0:
+            app.extras["step"] = done
+            metrics = {"loss": global_loss, "step": done, "world_size": world_size, "restarts": restarts}
+            checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams}, persist=False)
+    if in_memory:
+        checkpointer.release_memory()  # the last step is in storage: the run's memory checkpoints are done with
     checkpointer.wait()
     return history
 
@@ -214,7 +224,8 @@ def restart_line(restarts: int, step: int | None, world_size: int, restored: dic
     saved_by = (restored.get("metrics") or {}).get("world_size")
     by = f" (saved by {saved_by})" if saved_by else ""
     where = f"resumed from step {step}{by}" if step is not None else "no committed checkpoint yet: from step 0"
-    return f"restart {restarts}: {where} with {world_size} worker(s)"
+    tier = f", from {restored['tier']}" if restored.get("tier") else ""
+    return f"restart {restarts}: {where} with {world_size} worker(s){tier}"
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> list[dict[str, float]]:
@@ -236,7 +247,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> list[dict[str, float]]:
     if config["gpus"]:
         device = ray.train.torch.get_device()
         torch.cuda.set_device(device)
-    return train({**config, "resume": True}, context.get_world_rank(), context.get_world_size(), Checkpointer(), device)
+    checkpointer = Checkpointer(memory_every=config.get("memory_every") or 0)
+    return train({**config, "resume": True}, context.get_world_rank(), context.get_world_size(), checkpointer, device)
 
 
 def quiet_ray_train_logs() -> None:
@@ -308,6 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_workers": metrics.get("world_size", args.num_workers),
         "resumed_from": metrics.get("resumed_from"),
         "restarts": metrics.get("restarts", 0),
+        "restored_tier": metrics.get("restored_tier"),
     }
 
 

@@ -59,6 +59,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise JobConfigError(f"--num-workers must be at least 1, got {low}-{args.num_workers}")
     if low > args.num_workers:
         raise JobConfigError(f"--num-workers {low}-{args.num_workers}: MIN is larger than MAX")
+    if getattr(args, "memory_every", 0) < 0:
+        raise JobConfigError(f"--memory-every must be 0 (off) or at least 1, got {args.memory_every}")
     if getattr(args, "max_failures", 0) < -1:
         raise JobConfigError(f"--max-failures must be -1 (no limit) or at least 0, got {args.max_failures}")
     for flag in ("lr", "cpus_per_worker"):

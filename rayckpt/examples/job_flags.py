@@ -54,7 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="length of the warmup + cosine LR schedule (default: --steps of the run's first launch; a resumed "
         "run keeps the stored one unless this is given)",
     )
-    p.add_argument("--checkpoint-every", type=int, default=5, help="save every K steps and at the last step")
+    p.add_argument(
+        "--checkpoint-every",
+        "--persist-every",
+        dest="checkpoint_every",
+        type=int,
+        default=5,
+        help="save to storage every K steps and at the last step",
+    )
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=1,
+        help="under Ray, save to the nodes' memory (each node's share also held by a peer node) every M steps "
+        "between the storage saves; a restart restores the newest checkpoint, memory or storage (0: off)",
+    )
     p.add_argument("--storage-path", default="./checkpoints", help="run storage: a directory or a URI (s3://...)")
     p.add_argument("--run-name", default="gpt-demo", help="the run: a directory under --storage-path")
     resume = p.add_mutually_exclusive_group()

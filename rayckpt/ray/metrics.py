@@ -35,6 +35,11 @@ _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Restores that passed over a damaged checkpoint for the one before it",
         ("run",),
     ),
+    "rayckpt_restored_bytes": (
+        "counter",
+        "Bytes Checkpointer.restore read, by tier: memory_local, memory_peer, storage",
+        ("run", "tier"),
+    ),
 }
 
 

@@ -28,6 +28,7 @@ from ..format.shard_file import ChunkSpec
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import WrittenShard
 from .layout_cache import LAYOUT_WANTED, split_shard
+from .memory_tier import MemoryStore, hold_here
 from .metadata_actor import NAMESPACE, get_metadata_actor
 from .staging import StagedRegion, StaleSweeper, created_in, open_region, staging_dir, sweep_stale
 
@@ -68,6 +69,38 @@ class ShardWriter:
         #: Digests of the chunk layouts it sent the MetadataActor, most recent last.
         self.sent_layouts: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._sent_lock = threading.Lock()
+        #: The node's share of the memory tier (``memory_tier``): freed with this process.
+        self.memory = MemoryStore(node_id, self.staging_dir)
+        hold_here(self.memory)
+
+    # The memory tier's file operations (``memory_tier.MemoryFileSystem`` calls them on every live writer).
+    def mem_put(self, path: str, data: Any) -> int:
+        return self.memory.put(path, data)
+
+    def mem_stat(self, paths: list[str]) -> dict[str, int]:
+        return self.memory.stat(paths)
+
+    def mem_listing(self, base: str, recursive: bool) -> dict[str, int]:
+        return self.memory.listing(base, recursive)
+
+    def mem_delete(self, path: str, tree: bool) -> int:
+        return self.memory.delete(path, tree)
+
+    def mem_where(self, path: str) -> tuple[int, int, int, int] | None:
+        return self.memory.where(path)
+
+    def mem_read(self, path: str, offset: int, length: int) -> bytes:
+        return self.memory.read(path, offset, length)
+
+    def mem_room(self) -> int:
+        """Bytes the node's memory tier may still take (its budget less what it holds)."""
+        return self.memory.room()
+
+    def mem_budget(self, nbytes: int | None = None) -> int:
+        """The node's memory-tier budget in bytes; ``nbytes`` sets it (held files stay)."""
+        if nbytes is not None:
+            self.memory.budget = nbytes
+        return self.memory.budget
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()

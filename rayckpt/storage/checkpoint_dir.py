@@ -46,7 +46,8 @@ def parent_location(location: str) -> str:
 
 
 #: ``FileSystem.type_name`` of object stores: a "directory" there is a key prefix, there while objects are.
-OBJECT_STORES = ("s3", "gcs")
+#: rayckpt's memory tier (``ray.memory_tier``) is one too: whole files, no directories of their own.
+OBJECT_STORES = ("s3", "gcs", "py::rayckpt-mem")
 
 
 def _single_put_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:

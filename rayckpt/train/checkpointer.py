@@ -33,9 +33,11 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFai
 from ..ray import metrics
 from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
+from ..ray.memory_tier import peer_bytes
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, checkpoint_step, entry_order, latest_committed
 from .announce import SaveAnnouncer
+from .tiers import MEMORY, STORAGE, MemoryTier, TierPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,13 @@ class Checkpointer:
         commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
         local_is_shared: bool | None = None,
         staging: str | None = None,
+        memory_every: int = 0,
+        persist_every: int = 1,
+        memory_keep: int = 2,
     ) -> None:
+        #: Where each step's save goes (``tiers.TierPolicy``): storage every ``persist_every`` steps, the
+        #: nodes' memory every ``memory_every`` steps between (0: no memory tier).
+        self.policy = TierPolicy(memory_every, persist_every, memory_keep)
         ctx = ray.train.get_context()
         storage = ctx.get_storage()
         self.run: str = ctx.get_experiment_name()
@@ -72,8 +80,16 @@ class Checkpointer:
         #: The checkpoints the last ``restore`` passed over, newest first: ``{"path", "step", "reason",
         #: "next", "next_step"}`` each (``[]``: it restored the newest, or found none).
         self.fallbacks: list[dict[str, Any]] = []
+        #: The memory tier of the run (``None``: ``memory_every=0``).
+        self.memory = MemoryTier(self.run, self.policy) if self.policy.memory_every else None
+        self._local_ranks = ctx.get_local_world_size()
+        #: Where the last ``restore`` read from: ``{"tier", "path", "step", "bytes_read", "peer_bytes"}``
+        #: (``peer_bytes``: read from another node's memory; ``{}``: nothing restored).
+        self.restored_from: dict[str, Any] = {}
         #: Rank 0 prints ``rayckpt: <run> committed step N (...)`` (or a failure line) per save.
         self.announcer = SaveAnnouncer(self.run, self.rank)
+        #: The same for memory saves: ``rayckpt: <run> (memory) committed step N (...)``.
+        self.memory_announcer = SaveAnnouncer(f"{self.run} (memory)", self.rank)
         #: The last save begun here and when (``time.perf_counter()``): ``wait()`` announces its outcome.
         self._last: tuple[SaveHandle, float] | None = None
         #: Rank 0: how many worker groups of this Ray Train run started before this one (0: the first;
@@ -87,6 +103,11 @@ class Checkpointer:
         self._found: list[CatalogEntry] | None = ray.get(
             get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem)
         )
+        self._found_memory: list[CatalogEntry] | None = None
+        if self.memory is not None:
+            self._found_memory = ray.get(
+                get_metadata_actor().register_run.remote(self.memory.run, self.memory.root, self.memory.filesystem)
+            )
 
     def path(self, step: int) -> str:
         return posixpath.join(self.run_root, checkpoint_dir_name(step))
@@ -97,8 +118,16 @@ class Checkpointer:
         state: dict[str, Any],
         metrics: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
-    ) -> SaveHandle:
+        persist: bool | None = None,
+    ) -> SaveHandle | None:
         """Start saving ``state`` as step ``step`` (collective); return after staging.
+
+        Where it goes: to storage when ``step`` is a multiple of ``persist_every``
+        (every step by default) or ``persist=True``; else, with a memory tier, to
+        the nodes' memory when ``step`` is a multiple of ``memory_every`` (or
+        ``persist=False``); else nowhere (``None``). A memory save that some
+        node's memory budget cannot hold goes to storage instead, with one WARNING.
+        A memory save is not reported to Ray Train (it is not in its storage).
 
         Once committed, the checkpoint is reported to Ray Train with ``metrics``
         (plus ``step``). The manifest's user metadata holds ``step``, ``run``,
@@ -108,8 +137,13 @@ class Checkpointer:
         (<bytes>, <seconds>)`` when it commits (a failure line when it fails), which
         Ray forwards to the driver.
         """
+        tier = self.policy.tier(step, persist)
+        if tier is None:
+            return None
         metrics = dict(metrics or {}, step=step)
         self.wait()  # what ``save_async`` does first, here so the previous save's outcome is announced
+        if tier == MEMORY and (handle := self._save_to_memory(step, state, metrics, metadata)) is not None:
+            return handle
         began = time.perf_counter()
         handle = save_async(
             state,
@@ -140,6 +174,40 @@ class Checkpointer:
                 delete_local_checkpoint_after_upload=False,
             )
         return handle
+
+    def _save_to_memory(
+        self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None
+    ) -> SaveHandle | None:
+        """``save`` to the memory tier; ``None`` (nothing started) when a node's budget cannot hold it."""
+        assert self.memory is not None
+        coord = default_coordinator()
+        self.memory.make_room(self.rank, coord)
+        fits, why = self.memory.fits(state, self._local_ranks, coord)
+        if not fits:
+            if self.rank == 0:
+                logger.warning("rayckpt: run %s: step %s goes to storage, not memory: %s", self.run, step, why)
+            return None
+        began = time.perf_counter()
+        handle = save_async(
+            state,
+            self.memory.path(step),
+            run=self.memory.run,
+            step=step,
+            filesystem=self.memory.filesystem,
+            block_size=self.block_size,
+            metadata={**(metadata or {}), "metrics": metrics},
+            commit_timeout_s=self.commit_timeout_s,
+            local_is_shared=True,
+            staging=self.staging,
+        )
+        self._last = (handle, began)
+        return handle
+
+    def release_memory(self) -> None:
+        """Rank 0: wait for the save in flight, then free the run's memory checkpoints (its last save persisted)."""
+        self.wait()
+        if self.memory is not None and self.rank == 0:
+            self.memory.drop_all()
 
     def latest(self) -> CatalogEntry | None:
         """The run's latest committed checkpoint, from the MetadataActor's catalog.
@@ -173,55 +241,82 @@ class Checkpointer:
         self.staging_bytes = prepare_staging(state, self.staging)
         return step
 
-    def _candidates(self) -> tuple[list[tuple[str, int | None]], list[tuple[str, int | None, str]]]:
-        """What ``restore`` tries, newest first: ``(path, step)``; and what it passes over at
+    def _candidates(self) -> tuple[list[tuple[str, int | None, str]], list[tuple[str, int | None, str]]]:
+        """What ``restore`` tries, newest first: ``(path, step, tier)``; and what it passes over at
         once, ``(path, step, reason)``: checkpoints newer than those whose manifest the catalog lists corrupt.
 
         The newest committed checkpoint in storage comes first even when Ray Train has not
         registered it yet (a worker died right after its commit): fewer steps are lost.
         Ray Train's latest, when the catalog does not list it committed (its directory
         or manifest gone), is tried in its place, so its loss is reported, not skipped.
+        With a memory tier, its committed checkpoints join the list; of two with the
+        same step, the one in memory comes first.
         """
         entries, self._found = self._found, None
         if entries is None:
             entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
         committed = [e for e in entries if e.status == "committed"]
-        candidates = [(entry_order(e), e.path, e.step) for e in committed]
+        candidates = [(_order(e, STORAGE), e.path, e.step, STORAGE) for e in committed]
+        if self.memory is not None:
+            held, self._found_memory = self._found_memory, None
+            if held is None:
+                held = ray.get(
+                    get_metadata_actor().register_run.remote(self.memory.run, self.memory.root, self.memory.filesystem)
+                )
+            candidates += [(_order(e, MEMORY), e.path, e.step, MEMORY) for e in held if e.status == "committed"]
+            entries = [*entries, *(e for e in held if e.status == "corrupt")]
         ray_ckpt = ray.train.get_checkpoint()
         if ray_ckpt is not None:
             reported = posixpath.normpath(ray_ckpt.path)
             if not any(posixpath.normpath(e.path) == reported for e in entries):
                 step = checkpoint_step(ray_ckpt.path)
-                candidates.append(((step is not None, step or 0, 0.0, reported), ray_ckpt.path, step))
+                candidates.append(((step is not None, step or 0, 0, 0.0, reported), ray_ckpt.path, step, STORAGE))
         candidates.sort(key=lambda c: c[0], reverse=True)
         newest = candidates[0][0] if candidates else None
         corrupt = sorted((e for e in entries if e.status == "corrupt"), key=entry_order, reverse=True)
         passed_over = [
             (e.path, e.step, e.error or "its manifest is corrupt")
             for e in corrupt
-            if newest is None or entry_order(e) > newest
+            if newest is None or _order(e, STORAGE) > newest
         ]
-        return [(path, step) for _, path, step in candidates], passed_over
+        return [(path, step, tier) for _, path, step, tier in candidates], passed_over
 
     def _load_latest(self, state: dict[str, Any]) -> int | None:
         # Every rank tries rank 0's list: the ranks' catalogs were read at different moments (an
         # earlier group's save may commit in between), and all must load the same checkpoint.
         candidates, passed_over = default_coordinator().all_gather(self._candidates())[0]
         self.fallbacks = []
+        self.restored_from = {}
         failed = list(passed_over)
-        filesystem = self.filesystem  # Ray Train's checkpoints live on the run's storage filesystem too
-        for path, step in candidates:
+        for path, step, tier in candidates:
             if failed:
                 self._fell_back(failed[-1], (path, step))
+            # Ray Train's checkpoints live on the run's storage filesystem too
+            filesystem, run = self.filesystem, self.run
+            if tier == MEMORY and self.memory is not None:
+                filesystem, run = self.memory.filesystem, self.memory.run
+            from_peers = peer_bytes()
             try:
-                self.last_load = ray_load(state, path, run=self.run, filesystem=filesystem)
+                self.last_load = ray_load(state, path, run=run, filesystem=filesystem)
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 failed.append((path, step, _reason(exc)))
                 continue
             metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
             self.restored_metadata = metadata
             restored = metadata.get("step")
-            logger.info("rayckpt: rank %d restored step %s from %s", self.rank, restored, path)
+            peer = peer_bytes() - from_peers
+            self.restored_from = {
+                "tier": tier,
+                "path": path,
+                "step": restored,
+                "bytes_read": self.last_load.bytes_read,
+                "peer_bytes": peer,
+            }
+            local = (MEMORY + "_local") if tier == MEMORY else STORAGE
+            metrics.inc("rayckpt_restored_bytes", self.last_load.bytes_read - peer, run=self.run, tier=local)
+            if peer:
+                metrics.inc("rayckpt_restored_bytes", peer, run=self.run, tier=MEMORY + "_peer")
+            logger.info("rayckpt: rank %d restored step %s from %s (%s)", self.rank, restored, path, tier)
             return restored
         if failed:
             tried = "; ".join(f"step {s} at {p}: {why}" for p, s, why in failed)
@@ -261,13 +356,16 @@ class Checkpointer:
     ) -> CatalogEntry | None:
         """``wait()`` for ``handle``'s outcome (Ray Train's upload thread, or this worker's next
         save or ``wait``), then announce it (rank 0, once per save)."""
+        announcer = self.announcer
+        if self.memory is not None and handle.run == self.memory.run:
+            announcer = self.memory_announcer
         try:
             entry = wait()
         except SaveFailedError as exc:
-            self.announcer.announce(handle.save_id, handle.step, began, error=str(exc))
+            announcer.announce(handle.save_id, handle.step, began, error=str(exc))
             raise
         if entry is not None and entry.save_id == handle.save_id:
-            self.announcer.announce(handle.save_id, handle.step, began, entry)
+            announcer.announce(handle.save_id, handle.step, began, entry)
         return entry
 
 
@@ -275,6 +373,11 @@ def _reason(exc: BaseException) -> str:
     """An error's message on one line (a multi-rank load error lists each rank on its own), for the
     fallback WARNING and ``RestoreFailedError``."""
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _order(e: CatalogEntry, tier: str) -> tuple:
+    """Restore's order: newest step first; of one step, memory before storage."""
+    return (e.step is not None, e.step or 0, tier == MEMORY, e.created, e.path)
 
 
 def _attempt_key(run: str) -> str:

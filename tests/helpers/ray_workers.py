@@ -42,7 +42,10 @@ def toy_train_loop(config: dict[str, Any]) -> None:
     app = AppState(model, optim, step=0)
     state = {"app": app}
     timeout = config.get("commit_timeout_s", DEFAULT_COMMIT_TIMEOUT_S)
-    ckpt = Checkpointer(local_is_shared=config.get("local_is_shared"), commit_timeout_s=timeout)
+    memory_every = config.get("memory_every", 0)  # memory saves at every other step, storage at save_at
+    ckpt = Checkpointer(
+        local_is_shared=config.get("local_is_shared"), commit_timeout_s=timeout, memory_every=memory_every
+    )
     restored = ckpt.restore(state)
     step = app.extras["step"] if restored is not None else 0
     out = config["out"]
@@ -55,6 +58,8 @@ def toy_train_loop(config: dict[str, Any]) -> None:
                     "state": dump,
                     "load": ckpt.last_load,
                     "staging_bytes": ckpt.staging_bytes,
+                    "restored_from": ckpt.restored_from,
+                    "fallbacks": ckpt.fallbacks,
                     "time": time.time(),
                 },
                 os.path.join(out, f"restored-{world}.pt"),
@@ -67,11 +72,12 @@ def toy_train_loop(config: dict[str, Any]) -> None:
         train_steps(model, optim, 1, rank + 100 * step)
         step += 1
         app.extras["step"] = step
-        if step in config["save_at"]:
+        if step in config["save_at"] or memory_every:
             if step == config.get("fail_step") and rank == 1:
                 inject_failure(config["fail_mode"])
+            persist = (step in config["save_at"]) if memory_every else None
             with faults.saving(step):
-                handle = ckpt.save(step, state, {"loss": float(step)})
+                handle = ckpt.save(step, state, {"loss": float(step)}, persist=persist)
             if config.get("dump_saves"):
                 dump = full_state(app)
                 if rank == 0:

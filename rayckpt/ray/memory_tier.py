@@ -1,0 +1,442 @@
+"""The memory tier: checkpoints held in the nodes' memory by their ShardWriters, each file also on a peer node.
+
+A memory checkpoint is an ordinary checkpoint (Arrow shard files, manifest last,
+every block checksummed) on ``memory_filesystem()``: a ``pyarrow`` filesystem
+whose files live in the ShardWriter actors, not in storage. Every save path,
+the commit protocol, the catalog and the load planner work on it unchanged.
+
+- **Where the bytes are.** Each node's ShardWriter holds a ``MemoryStore``:
+  files in the node's shared memory (``/dev/shm``, or ``RAYCKPT_SHM_DIR``),
+  unlinked as soon as written and kept open by the writer's process, so they
+  are freed with it, however it ends (``ray.shutdown`` included), and survive
+  the death of any training worker. Not the object store: its objects die with
+  their owner and may be spilled to disk; these files are plain memory with a
+  size the writer accounts for (``budget``).
+- **Who writes what.** A shard file is written by the ShardWriter of the rank's
+  node into its own store, then copied to one peer's store (the next node in
+  the ring of live nodes that run a ShardWriter, sorted by node id) before the
+  write returns: a save commits only once every share and its replica are
+  held. Small files written elsewhere (the manifest by the MetadataActor, a
+  lease by rank 0) go to every ShardWriter.
+- **Reads.** A process opens a file from its own node's store when it is there
+  (memory-mapped through ``/proc/<writer pid>/fd/<fd>``: no copy), else reads its
+  ranges from a node that holds it, over Ray (``peer_bytes`` counts those).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import ray
+
+from .staging import PREFIX, staging_dir
+
+#: ``FileSystemHandler.get_type_name`` of the memory tier (pyarrow shows it as ``py::rayckpt-mem``).
+TYPE_NAME = "rayckpt-mem"
+#: Bytes a node's store may hold: ``RAYCKPT_MEMORY_BUDGET`` (bytes), else this fraction of its tmpfs.
+BUDGET_ENV = "RAYCKPT_MEMORY_BUDGET"
+DEFAULT_BUDGET_FRACTION = 0.5
+#: Bytes this process read from another node's store (the rest of a memory load came from its own node).
+_COUNTS = {"peer_bytes": 0}
+_COUNTS_LOCK = threading.Lock()
+#: The store of this process, when it is a ShardWriter's.
+_LOCAL: MemoryStore | None = None
+
+
+class MemoryBudgetExceeded(OSError):
+    """A node's memory tier cannot hold one more file within its budget."""
+
+
+def peer_bytes() -> int:
+    """Bytes this process has read from other nodes' memory stores so far."""
+    return _COUNTS["peer_bytes"]
+
+
+def default_budget(directory: str) -> int:
+    """``RAYCKPT_MEMORY_BUDGET``, else half the size of the filesystem ``directory`` is on."""
+    text = os.environ.get(BUDGET_ENV)
+    if text:
+        try:
+            return int(float(text))
+        except ValueError:
+            raise ValueError(f"{BUDGET_ENV}={text!r}: expected a number of bytes") from None
+    st = os.statvfs(directory)
+    return int(st.f_blocks * st.f_frsize * DEFAULT_BUDGET_FRACTION)
+
+
+class MemoryStore:
+    """The files of the memory tier one ShardWriter holds (thread-safe: the writer is a threaded actor)."""
+
+    def __init__(self, node_id: str, directory: str | None = None, budget: int | None = None) -> None:
+        self.node_id = node_id
+        self.directory = directory or staging_dir()
+        self.budget = default_budget(self.directory) if budget is None else budget
+        #: path -> (descriptor of the unlinked file, size, inode)
+        self.files: dict[str, tuple[int, int, int]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return sum(size for _, size, _ in self.files.values())
+
+    def room(self) -> int:
+        """Bytes it may still take."""
+        return self.budget - self.held
+
+    def create(self, path: str, replicate: bool) -> _LocalOut:
+        """A file to write ``path`` into; held once closed (and copied to the ring's peer with ``replicate``)."""
+        name = os.path.join(self.directory, f"{PREFIX}{os.getpid()}-mem-{uuid.uuid4().hex[:12]}")
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        return _LocalOut(self, path, name, fd, replicate)
+
+    def put(self, path: str, data: Any) -> int:
+        """Hold ``data`` (bytes or a uint8 array) as ``path``; its size."""
+        out = self.create(path, replicate=False)
+        out.write(memoryview(data).cast("B"))
+        out.close()
+        return out.size
+
+    def adopt(self, path: str, name: str, fd: int) -> None:
+        """Take the written file ``name`` (open as ``fd``) as ``path``, within the budget, or refuse it."""
+        os.unlink(name)
+        size = os.fstat(fd).st_size
+        with self._lock:
+            old = self.files.get(path)
+            held = sum(s for _, s, _ in self.files.values()) - (old[1] if old else 0)
+            if held + size > self.budget:
+                os.close(fd)
+                raise MemoryBudgetExceeded(
+                    f"memory tier of node {self.node_id[:12]}: {path} ({size} bytes) does not fit: "
+                    f"{held} of its {self.budget} bytes are held ({BUDGET_ENV} sets the budget)"
+                )
+            self.files[path] = (fd, size, os.fstat(fd).st_ino)
+        if old:
+            os.close(old[0])
+
+    def stat(self, paths: Iterable[str]) -> dict[str, int]:
+        """Size of each of ``paths`` held here; -1 for a path that is a directory of held files."""
+        with self._lock:
+            held = dict((p, s) for p, (_, s, _) in self.files.items())
+        out = {}
+        for path in paths:
+            if path in held:
+                out[path] = held[path]
+            elif any(p.startswith(path.rstrip("/") + "/") for p in held) or path == "":
+                out[path] = -1
+        return out
+
+    def listing(self, base: str, recursive: bool) -> dict[str, int]:
+        """Files (size) and directories (-1) under ``base``: directly in it, or all with ``recursive``."""
+        prefix = base.rstrip("/") + "/" if base.strip("/") else ""
+        out: dict[str, int] = {}
+        with self._lock:
+            held = [(p, s) for p, (_, s, _) in self.files.items() if p.startswith(prefix)]
+        for path, size in held:
+            parts = path[len(prefix) :].split("/")
+            for i in range(1, len(parts)):
+                if recursive or i == 1:
+                    out[prefix + "/".join(parts[:i])] = -1
+            if recursive or len(parts) == 1:
+                out[path] = size
+        return out
+
+    def delete(self, path: str, tree: bool) -> int:
+        """Drop ``path`` (with ``tree``: everything under it too); how many files were dropped."""
+        prefix = path.rstrip("/") + "/"
+        with self._lock:
+            gone = [p for p in self.files if p == path or (tree and (p.startswith(prefix) or not path.strip("/")))]
+            fds = [self.files.pop(p)[0] for p in gone]
+        for fd in fds:
+            os.close(fd)
+        return len(gone)
+
+    def where(self, path: str) -> tuple[int, int, int, int] | None:
+        """(writer pid, descriptor, size, inode) of ``path``, for a reader on this node; ``None``: not held."""
+        with self._lock:
+            held = self.files.get(path)
+        return None if held is None else (os.getpid(), held[0], held[1], held[2])
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        with self._lock:
+            held = self.files.get(path)
+        if held is None:
+            raise FileNotFoundError(f"memory tier of node {self.node_id[:12]}: {path} is not held here")
+        return os.pread(held[0], max(0, min(length, held[1] - offset)), offset)
+
+    def close(self) -> None:
+        self.delete("", tree=True)
+
+
+class _LocalOut(io.RawIOBase):
+    """A file being written into a ``MemoryStore`` (the ShardWriter's own process)."""
+
+    def __init__(self, store: MemoryStore, path: str, name: str, fd: int, replicate: bool) -> None:
+        super().__init__()
+        self.store, self.path, self.name, self.fd, self.replicate = store, path, name, fd, replicate
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(self.fd, view[done:])
+        self.size += done
+        return done
+
+    def tell(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        self.store.adopt(self.path, self.name, self.fd)
+        if self.replicate:
+            try:
+                replicate(self.store, self.path)
+            except BaseException:
+                self.store.delete(self.path, tree=False)  # never held without its replica
+                raise
+
+
+def replicate(store: MemoryStore, path: str) -> str | None:
+    """Copy ``path`` from ``store`` to the ring's peer of its node; the peer's node id (``None``: no peer)."""
+    peer = ring_peer(store.node_id)
+    if peer is None:
+        return None
+    node, handle = peer
+    held = store.where(path)
+    assert held is not None
+    _pid, fd, size, _ino = held
+    data = np.frombuffer(os.pread(fd, size, 0), dtype=np.uint8)
+    try:
+        ray.get(handle.mem_put.remote(path, data))
+    except Exception as exc:
+        raise OSError(f"memory tier: cannot copy {path} to node {node} (its replica): {exc}") from exc
+    return node
+
+
+def writers() -> dict[str, Any]:
+    """The ShardWriters of the live nodes: node id (its first 12 characters, as named) -> actor handle."""
+    from .metadata_actor import NAMESPACE
+    from .shard_writer import writer_name
+
+    alive = {n["NodeID"][:12] for n in ray.nodes() if n.get("Alive")}
+    prefix = writer_name("")
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"] if isinstance(entry, dict) else entry
+        if isinstance(entry, dict) and entry.get("namespace") != NAMESPACE:
+            continue
+        node = name[len(prefix) :] if name.startswith(prefix) else None
+        if node in alive:
+            try:
+                found[node] = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:  # gone since it was listed
+                pass
+    return dict(sorted(found.items()))
+
+
+def ring_peer(node_id: str) -> tuple[str, Any] | None:
+    """The node after ``node_id`` in the ring of live nodes with a ShardWriter, and its writer; ``None``: alone."""
+    ring = writers()
+    nodes = sorted(n for n in ring if n != node_id[:12])
+    if not nodes:
+        return None
+    after = [n for n in nodes if n > node_id[:12]]
+    node = (after or nodes)[0]
+    return node, ring[node]
+
+
+def _ask_all(method: str, *args: Any) -> dict[str, Any]:
+    """``method(*args)`` of every live ShardWriter: node -> answer (a writer that died meanwhile is left out)."""
+    handles = writers()
+    refs = {node: getattr(h, method).remote(*args) for node, h in handles.items()}
+    out = {}
+    for node, ref in refs.items():
+        try:
+            out[node] = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            pass
+    return out
+
+
+class _RemoteIn(io.RawIOBase):
+    """A held file read from another node's store, range by range, over Ray."""
+
+    def __init__(self, handle: Any, path: str, size: int) -> None:
+        super().__init__()
+        self.handle, self.path, self.size, self.pos = handle, path, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n is None or n < 0 else n
+        data = ray.get(self.handle.mem_read.remote(self.path, self.pos, n))
+        self.pos += len(data)
+        with _COUNTS_LOCK:
+            _COUNTS["peer_bytes"] += len(data)
+        return data
+
+
+class _BroadcastOut(io.RawIOBase):
+    """A small file written from a process that holds no store: on close, held by every live ShardWriter."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path, self.buffer = path, io.BytesIO()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return self.buffer.write(data)
+
+    def tell(self) -> int:
+        return self.buffer.tell()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        data = self.buffer.getvalue()
+        held = _ask_all("mem_put", self.path, data)
+        if not held:  # the run's first file (rank 0's lease): this node's writer is started for it
+            from .shard_writer import get_shard_writer
+
+            ray.get(get_shard_writer().mem_put.remote(self.path, data))
+
+
+class MemoryFileSystem(pafs.FileSystemHandler):
+    """The memory tier as a ``pyarrow`` filesystem (``memory_filesystem()``); picklable, stateless."""
+
+    def get_type_name(self) -> str:
+        return TYPE_NAME
+
+    def normalize_path(self, path: str) -> str:
+        return path.strip("/")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MemoryFileSystem)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(TYPE_NAME)
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        paths = [self.normalize_path(p) for p in paths]
+        found: dict[str, int] = {}
+        for answer in _ask_all("mem_stat", paths).values():
+            found.update(answer)
+        return [_info(p, found.get(p)) for p in paths]
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        base = self.normalize_path(selector.base_dir)
+        found: dict[str, int] = {}
+        for answer in _ask_all("mem_listing", base, selector.recursive).values():
+            found.update(answer)
+        if not found and not selector.allow_not_found:
+            raise FileNotFoundError(f"memory tier: no directory {base}")
+        return [_info(p, s) for p, s in sorted(found.items())]
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        pass  # a directory is there while files are under it
+
+    def delete_dir(self, path: str) -> None:
+        _ask_all("mem_delete", self.normalize_path(path), True)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        _ask_all("mem_delete", self.normalize_path(path), True)
+
+    def delete_root_dir_contents(self) -> None:
+        _ask_all("mem_delete", "", True)
+
+    def delete_file(self, path: str) -> None:
+        if not sum(_ask_all("mem_delete", self.normalize_path(path), False).values()):
+            raise FileNotFoundError(f"memory tier: no file {path}")
+
+    def move(self, src: str, dest: str) -> None:
+        raise NotImplementedError("the memory tier writes whole files: it has no rename")
+
+    def copy_file(self, src: str, dest: str) -> None:
+        raise NotImplementedError("the memory tier does not copy files")
+
+    def open_append_stream(self, path: str, metadata: Any = None) -> Any:
+        raise NotImplementedError("the memory tier writes whole files: it has no append")
+
+    def open_output_stream(self, path: str, metadata: Any = None) -> Any:
+        path = self.normalize_path(path)
+        if _LOCAL is not None:  # a ShardWriter writing a rank's shard: its own node, then the peer
+            return pa.PythonFile(_LOCAL.create(path, replicate=True), mode="w")
+        return pa.PythonFile(_BroadcastOut(path), mode="w")
+
+    def open_input_stream(self, path: str) -> Any:
+        return self.open_input_file(path)
+
+    def open_input_file(self, path: str) -> Any:
+        path = self.normalize_path(path)
+        if _LOCAL is not None and (held := _LOCAL.where(path)) is not None:
+            return _mapped(held)
+        here = ray.get_runtime_context().get_node_id()[:12]
+        handles = writers()
+        if here in handles:
+            held = ray.get(handles[here].mem_where.remote(path))
+            if held is not None:
+                return _mapped(held)
+        for node, size in _ask_all("mem_stat", [path]).items():
+            if size.get(path, -1) >= 0:
+                return pa.PythonFile(_RemoteIn(handles[node], path, size[path]), mode="r")
+        raise FileNotFoundError(f"memory tier: no file {path} on any live node")
+
+
+def _mapped(held: tuple[int, int, int, int]) -> Any:
+    pid, fd, size, inode = held
+    path = f"/proc/{pid}/fd/{fd}"
+    if os.stat(path).st_ino != inode:
+        raise FileNotFoundError(f"memory tier: {path} no longer names the held file")
+    return pa.memory_map(path, "r") if size else pa.BufferReader(b"")
+
+
+def _info(path: str, size: int | None) -> pafs.FileInfo:
+    if size is None:
+        return pafs.FileInfo(path, pafs.FileType.NotFound)
+    if size < 0:
+        return pafs.FileInfo(path, pafs.FileType.Directory)
+    return pafs.FileInfo(path, pafs.FileType.File, size=size)
+
+
+def memory_filesystem() -> pafs.FileSystem:
+    """The memory tier as a filesystem: pass it as ``filesystem=`` to ``save_async``, ``load``, the catalog."""
+    return pafs.PyFileSystem(MemoryFileSystem())
+
+
+def hold_here(store: MemoryStore) -> None:
+    """Make ``store`` this process's (a ShardWriter's): what it writes to the memory tier lands in it."""
+    global _LOCAL
+    _LOCAL = store

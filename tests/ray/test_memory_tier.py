@@ -1,0 +1,94 @@
+"""The memory tier under TorchTrainer on a real local Ray (one node): saves to the ShardWriter's memory between
+storage saves, restores that prefer them, a flipped byte passed over, a budget that sends saves to storage."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+import rayckpt
+from rayckpt.ray.memory_tier import memory_filesystem
+from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.ray.shard_writer import get_shard_writer
+from rayckpt.storage.checkpoint_dir import CheckpointDir
+from tests.helpers.ray_train import fit
+
+pytestmark = pytest.mark.slow
+
+
+def step_dirs(storage, run: str) -> list[str]:
+    return sorted(n for n in os.listdir(storage / run) if n.startswith("rayckpt-step-"))
+
+
+def memory_steps(run: str) -> list[int]:
+    fs = memory_filesystem()
+    entries = ray.get(get_metadata_actor().register_run.remote(f"{run}@memory", f"mem/{run}", fs))
+    return [e.step for e in entries if e.status == "committed"]
+
+
+def flip_a_byte(path: str, offset: int) -> None:
+    """Flip the byte at ``offset`` of the held copy of the memory-tier file ``path``."""
+    writer = get_shard_writer()
+    size = ray.get(writer.mem_stat.remote([path]))[path]
+    data = bytearray(ray.get(writer.mem_read.remote(path, 0, size)))
+    data[offset] ^= 0xFF
+    ray.get(writer.mem_put.remote(path, np.frombuffer(bytes(data), dtype=np.uint8)))
+
+
+def test_memory_saves_restore_first_and_a_flipped_byte_falls_back_to_the_one_before(ray_session, tmp_path):
+    storage, first, second = tmp_path / "storage", tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    # steps 1-5 on 2 workers: storage at 3, memory at every other step, the newest 2 kept
+    fit(storage, first, 2, 5, {3}, name="mem", memory_every=1, dump_saves=True)
+    assert step_dirs(storage, "mem") == ["rayckpt-step-00000003"]
+    assert memory_steps("mem") == [4, 5]
+    assert not any("-mem-" in n for n in os.listdir("/dev/shm"))  # held unlinked: nothing to leak by name
+
+    step5 = "mem/mem/rayckpt-step-00000005"
+    manifest = rayckpt.read_manifest(CheckpointDir(memory_filesystem(), step5, step5))
+    chunk = next(e for e in manifest.entries.values() if hasattr(e, "chunks")).chunks[0]  # data a restore reads
+    shard = chunk.file
+    flip_a_byte(posixpath.join(step5, shard), chunk.byte_offset + chunk.byte_length // 2)
+
+    fit(storage, second, 2, 6, {6}, name="mem", memory_every=1)
+    restored = torch.load(second / "restored-2.pt", weights_only=False)
+    # step 5 in memory fails its checksum: step 4, in memory too, not step 3 in storage
+    assert restored["step"] == 4 and restored["restored_from"]["tier"] == "memory"
+    assert restored["restored_from"]["peer_bytes"] == 0  # one node: every byte from its own memory
+    (fallback,) = restored["fallbacks"]
+    assert fallback["step"] == 5 and fallback["next_step"] == 4 and "checksum" in fallback["reason"]
+    assert shard in fallback["reason"]
+    expected = torch.load(first / "state-4.pt", weights_only=False)["state"]
+    for key, value in expected.items():
+        assert torch.equal(restored["state"][key], value), key
+
+
+def test_a_save_the_memory_budget_cannot_hold_goes_to_storage_with_a_warning(ray_session, tmp_path, capfd):
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    writer = get_shard_writer()
+    budget = ray.get(writer.mem_budget.remote())
+    ray.get(writer.mem_budget.remote(1))
+    try:
+        fit(storage, out, 2, 3, {3}, name="tight", memory_every=1)
+    finally:
+        ray.get(writer.mem_budget.remote(budget))
+    # steps 1 and 2 went to storage instead (Ray Train's num_to_keep=2 has removed step 1 since)
+    assert step_dirs(storage, "tight") == [f"rayckpt-step-{s:08d}" for s in (2, 3)]
+    assert memory_steps("tight") == []
+    seen = ""
+    for _ in range(60):
+        out_text, err_text = capfd.readouterr()
+        seen += out_text + err_text
+        if seen.count("goes to storage, not memory") >= 2:
+            break
+        ray.get(writer.mem_room.remote())  # a pause that lets Ray forward the workers' logs
+    for step in (1, 2):
+        assert f"rayckpt: run tight: step {step} goes to storage, not memory: node " in seen, seen[-3000:]
+    assert "bytes of its memory budget left and needs" in seen

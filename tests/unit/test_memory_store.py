@@ -1,0 +1,120 @@
+"""The memory tier's per-node store (``ray.memory_tier.MemoryStore``) and the tier policy, without Ray."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from rayckpt.ray import memory_tier
+from rayckpt.ray.memory_tier import MemoryBudgetExceeded, MemoryStore, default_budget
+from rayckpt.train.tiers import MEMORY, STORAGE, TierPolicy
+
+
+def held_descriptors() -> int:
+    """This process's descriptors of memory-tier files (unlinked: ``... (deleted)``)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "-mem-" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = MemoryStore("node-aaaaaaaaaaaa", str(tmp_path), budget=1 << 20)
+    yield s
+    s.close()
+
+
+def test_held_files_have_no_name_and_are_read_back_by_range_and_through_proc(store, tmp_path):
+    assert store.put("run/step-1/a.arrow", b"0123456789") == 10
+    store.put("run/step-1/manifest.json", np.frombuffer(b"{}", dtype=np.uint8))
+    assert os.listdir(tmp_path) == []  # unlinked once written: freed with the process that holds them
+    assert store.read("run/step-1/a.arrow", 3, 4) == b"3456" and store.read("run/step-1/a.arrow", 8, 100) == b"89"
+    pid, fd, size, _inode = store.where("run/step-1/a.arrow")
+    with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
+        assert f.read() == b"0123456789" and size == 10
+    assert store.where("run/step-1/nothing") is None
+    with pytest.raises(FileNotFoundError, match=r"memory tier of node node-aaaaaaa: run/x is not held here"):
+        store.read("run/x", 0, 1)
+
+
+def test_stat_and_listing_show_files_and_the_directories_above_them(store):
+    for path in ("run/s1/a", "run/s1/b", "run/s2/a", "other/c"):
+        store.put(path, b"xy")
+    assert store.stat(["run/s1/a", "run/s1", "run", "run/s3", ""]) == {"run/s1/a": 2, "run/s1": -1, "run": -1, "": -1}
+    assert store.listing("run", recursive=False) == {"run/s1": -1, "run/s2": -1}
+    assert store.listing("run/s1", recursive=False) == {"run/s1/a": 2, "run/s1/b": 2}
+    assert store.listing("", recursive=True) == {
+        "run": -1,
+        "run/s1": -1,
+        "run/s2": -1,
+        "other": -1,
+        "run/s1/a": 2,
+        "run/s1/b": 2,
+        "run/s2/a": 2,
+        "other/c": 2,
+    }
+
+
+def test_delete_drops_a_file_or_a_tree_and_frees_its_descriptors(store):
+    for path in ("run/s1/a", "run/s1/b", "run/s2/a"):
+        store.put(path, b"xyz")
+    assert held_descriptors() == 3
+    assert store.delete("run/s1/a", tree=False) == 1 and store.delete("run/s1", tree=False) == 0
+    assert store.delete("run/s1", tree=True) == 1 and store.held == 3 and held_descriptors() == 1
+    assert store.delete("", tree=True) == 1 and store.files == {} and held_descriptors() == 0
+
+
+def test_a_file_over_the_budget_is_refused_and_a_rewrite_replaces_the_old_one(store):
+    store.put("a", b"x" * (600 << 10))
+    with pytest.raises(MemoryBudgetExceeded, match=r"b \(614400 bytes\) does not fit: 614400 of its 1048576 bytes"):
+        store.put("b", b"x" * (600 << 10))
+    assert store.stat(["b"]) == {} and store.room() == (1 << 20) - (600 << 10)
+    store.put("a", b"y" * (900 << 10))  # replaces a: the old bytes do not count against the new ones
+    assert store.held == 900 << 10 and store.read("a", 0, 1) == b"y"
+
+
+def test_a_file_whose_replica_cannot_be_made_is_not_held(store, monkeypatch):
+    class Refusing:
+        class mem_put:  # noqa: N801 - stands in for an actor method
+            @staticmethod
+            def remote(path, data):
+                return "ref"
+
+    def get(ref):
+        raise RuntimeError("peer's budget exceeded")
+
+    monkeypatch.setattr(memory_tier, "ring_peer", lambda node: ("node-bbbbbbbbbbbb", Refusing()))
+    monkeypatch.setattr(memory_tier.ray, "get", get)
+    out = store.create("run/s1/shard.arrow", replicate=True)
+    out.write(b"payload")
+    with pytest.raises(OSError, match=r"cannot copy run/s1/shard.arrow to node node-bbbbbbbbbbbb \(its replica\)"):
+        out.close()
+    assert store.files == {}
+
+
+def test_the_default_budget_is_half_the_filesystem_or_the_environment(tmp_path, monkeypatch):
+    st = os.statvfs(tmp_path)
+    assert default_budget(str(tmp_path)) == int(st.f_blocks * st.f_frsize * 0.5)
+    monkeypatch.setenv(memory_tier.BUDGET_ENV, "12345")
+    assert default_budget(str(tmp_path)) == 12345
+    monkeypatch.setenv(memory_tier.BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match=r"RAYCKPT_MEMORY_BUDGET='lots': expected a number of bytes"):
+        default_budget(str(tmp_path))
+
+
+def test_the_policy_sends_each_step_to_storage_memory_or_nowhere():
+    policy = TierPolicy(memory_every=2, persist_every=6)
+    assert [policy.tier(s) for s in range(1, 7)] == [None, MEMORY, None, MEMORY, None, STORAGE]
+    assert policy.tier(3, persist=True) == STORAGE and policy.tier(3, persist=False) == MEMORY
+    assert TierPolicy().tier(5) == STORAGE and TierPolicy().tier(5, persist=False) is None  # no memory tier
+    for bad, name in (({"memory_every": -1}, "memory_every"), ({"persist_every": 0}, "persist_every")):
+        with pytest.raises(ValueError, match=rf"Checkpointer\({name}=.*\): expected a whole number"):
+            TierPolicy(**bad)
+    with pytest.raises(ValueError, match=r"memory_keep=True"):
+        TierPolicy(memory_keep=True)
