@@ -34,6 +34,7 @@ _AT_LEAST_ONE = (
     "steps",
     "schedule_steps",
     "checkpoint_every",
+    "keep",
     "global_batch",
     "d_model",
     "n_layers",

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         "run keeps the stored one unless this is given)",
     )
     p.add_argument("--checkpoint-every", type=int, default=5, help="save every K steps and at the last step")
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=3,
+        metavar="N",
+        help="checkpoints kept per run: Ray Train removes older ones (CheckpointConfig(num_to_keep=N))",
+    )
     p.add_argument("--storage-path", default="./checkpoints", help="run storage: a directory or a URI (s3://...)")
     p.add_argument("--run-name", default="gpt-demo", help="the run: a directory under --storage-path")
     resume = p.add_mutually_exclusive_group()
