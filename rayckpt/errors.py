@@ -48,3 +48,28 @@ class PeerLostError(SaveFailedError):
 
 class InvalidStateError(RayckptError):
     """The state dict given to ``save`` cannot be stored (type, key, placement)."""
+
+
+#: Links of an exception's cause chain ``describe_error`` names.
+_CAUSES_SHOWN = 4
+
+
+def describe_error(exc: BaseException) -> str:
+    """What went wrong, without the frames of a traceback: ``Type: message`` of ``exc``, then
+    ``; caused by Type: message`` for each exception it was raised from (or while handling).
+
+    A rayckpt error's message is kept as written and ends the chain (it names its cause
+    itself); another one's is put on one line.
+    """
+    parts: list[str] = []
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen and len(parts) < _CAUSES_SHOWN:
+        seen.add(id(link))
+        if isinstance(link, RayckptError):
+            parts.append(f"{type(link).__name__}: {link}")
+            break
+        text = " ".join(str(link).split())
+        parts.append(f"{type(link).__name__}: {text}" if text else type(link).__name__)
+        link = link.__cause__ if link.__cause__ is not None or link.__suppress_context__ else link.__context__
+    return "; caused by ".join(parts)
