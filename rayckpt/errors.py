@@ -1,14 +1,20 @@
 """The errors rayckpt raises. One root, a subclass per way a caller reacts.
 
 Every exception here is picklable with its message intact (``__reduce__``), so it
-survives crossing a Ray actor or a ``torch.distributed`` object collective.
+survives crossing a Ray actor or a ``torch.distributed`` object collective. A message
+never shows a location's credentials: each one is redacted (``rayckpt.redaction``).
 """
 
 from __future__ import annotations
 
+from .redaction import redact_text
+
 
 class RayckptError(Exception):
     """Root of every error rayckpt raises on purpose."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact_text(a) if isinstance(a, str) else a for a in args))
 
     def __reduce__(self):  # type: ignore[override]
         return (type(self), (str(self),))
@@ -69,7 +75,7 @@ def describe_error(exc: BaseException) -> str:
         if isinstance(link, RayckptError):
             parts.append(f"{type(link).__name__}: {link}")
             break
-        text = " ".join(str(link).split())
+        text = redact_text(" ".join(str(link).split()))
         parts.append(f"{type(link).__name__}: {text}" if text else type(link).__name__)
         link = link.__cause__ if link.__cause__ is not None or link.__suppress_context__ else link.__context__
     return "; caused by ".join(parts)
