@@ -38,6 +38,7 @@ from .cli_text import (
     when,
 )
 from .errors import CheckpointNotFoundError, RayckptError
+from .redaction import redact, redact_text
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -65,13 +66,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print_json(list(entries))
         return EXIT_OK
     if not entries:
-        print(f"no checkpoints under {args.storage_path}")
+        print(f"no checkpoints under {redact(args.storage_path)}")
         return EXIT_OK
     rows = [["RUN", "STEP", "STATUS", "CREATED", "RANKS", "SIZE", "PATH"]]
     for e in entries:
         step = "-" if e.step is None else str(e.step)
         ranks = str(e.world_size) if e.world_size else "-"
-        rows.append([e.run, step, e.status, when(e.created), ranks, human_bytes(e.bytes), e.path])
+        rows.append([e.run, step, e.status, when(e.created), ranks, human_bytes(e.bytes), redact(e.path)])
     print(table(rows))
     return EXIT_OK
 
@@ -202,9 +203,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         values = f"{values} left out (safetensors holds tensors only)"
     what = f"{tensors}, {values}, {count(len(info.files), 'file')}"
     if info.direction == "to":
-        print(f"wrote {info.format} {info.dst}: {what}")
+        print(f"wrote {info.format} {redact(info.dst)}: {what}")
     else:
-        print(f"imported {info.format} {info.src} as rayckpt checkpoint {info.dst}: {what}")
+        print(f"imported {info.format} {redact(info.src)} as rayckpt checkpoint {redact(info.dst)}: {what}")
     return EXIT_OK
 
 
@@ -378,5 +379,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         error = f"internal error ({type(exc).__name__}: {exc}); run again with --debug for the traceback"
     if "--debug" in argv:
         traceback.print_exception(caught, file=sys.stderr)
-    print(f"rayckpt: error: {_one_line(error)}", file=sys.stderr)
+    print(f"rayckpt: error: {redact_text(_one_line(error))}", file=sys.stderr)
     return status

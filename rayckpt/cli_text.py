@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .redaction import redact_text
+
 
 class ProgressBar:
     """A one-line progress bar on stderr, drawn only when that stream is a terminal."""
@@ -85,7 +87,10 @@ def positive_int(text: str) -> int:
 
 
 def jsonable(obj: Any) -> Any:
-    """Dataclasses as dicts; non-finite floats as the strings "nan", "inf", "-inf" (strict JSON)."""
+    """Dataclasses as dicts; non-finite floats as the strings "nan", "inf", "-inf" (strict JSON);
+    strings with a location's secrets redacted (``s3://KEY:***@...``)."""
+    if isinstance(obj, str):
+        return redact_text(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):

@@ -21,12 +21,14 @@ against a rank that gave up on it).
 
 from __future__ import annotations
 
-import traceback
+import logging
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol, TypeVar
 
 from .. import errors
-from ..errors import RayckptError
+from ..errors import RayckptError, describe_error
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 L = TypeVar("L")
@@ -194,10 +196,11 @@ def _run(fn: Callable[[], T]) -> tuple[tuple[bool, Any], BaseException | None]:
     try:
         return (True, fn()), None
     except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        detail = f"{type(exc).__name__}: {exc}"
+        # The cause in words goes to every rank; the frames stay here (the raised error chains
+        # this exception) and in the debug log.
         if not isinstance(exc, RayckptError):
-            detail += "\n" + "".join(traceback.format_exception(exc)[-3:]).rstrip()
-        return (False, (type(exc).__name__, detail)), exc
+            logger.debug("rayckpt: a save or load step failed on this rank", exc_info=exc)
+        return (False, (type(exc).__name__, describe_error(exc))), exc
 
 
 def gather_or_raise(

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 name=args.run_name,
                 storage_path=args.storage_path,
                 callbacks=[RayckptCallback()],
-                checkpoint_config=CheckpointConfig(num_to_keep=3),
+                checkpoint_config=CheckpointConfig(num_to_keep=args.keep),
                 failure_config=FailureConfig(max_failures=args.max_failures),
             ),
         )

@@ -15,6 +15,7 @@ import os
 import pyarrow.fs as pafs
 
 from ..errors import RayckptError
+from ..redaction import redact_text
 from ..storage.catalog import latest_committed, scan_run
 from ..storage.checkpoint_dir import CheckpointDir
 
@@ -34,6 +35,7 @@ _AT_LEAST_ONE = (
     "steps",
     "schedule_steps",
     "checkpoint_every",
+    "keep",
     "global_batch",
     "d_model",
     "n_layers",
@@ -102,14 +104,14 @@ def check_storage(storage_path: str) -> None:
     try:
         found = base.fs.get_file_info(bucket).type == pafs.FileType.Directory
     except OSError as exc:
-        reason = " ".join(str(exc).split())
+        reason = redact_text(" ".join(str(exc).split()))
         raise JobConfigError(
-            f"--storage-path {storage_path}: cannot reach bucket {bucket!r}: {reason}; check the endpoint "
+            f"--storage-path {base.location}: cannot reach bucket {bucket!r}: {reason}; check the endpoint "
             "(endpoint_override in the URI, or AWS_ENDPOINT_URL) and the credentials (the AWS variables)"
         ) from None
     if not found:
         raise JobConfigError(
-            f"--storage-path {storage_path}: bucket {bucket!r} does not exist (or these credentials cannot see "
+            f"--storage-path {base.location}: bucket {bucket!r} does not exist (or these credentials cannot see "
             "it): create it, or fix the bucket name"
         )
 

@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="under Ray, save to the nodes' memory (each node's share also held by a peer node) every M steps "
         "between the storage saves; a restart restores the newest checkpoint, memory or storage (0: off)",
     )
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=3,
+        metavar="N",
+        help="checkpoints kept per run: Ray Train removes older ones (CheckpointConfig(num_to_keep=N))",
+    )
     p.add_argument("--storage-path", default="./checkpoints", help="run storage: a directory or a URI (s3://...)")
     p.add_argument("--run-name", default="gpt-demo", help="the run: a directory under --storage-path")
     resume = p.add_mutually_exclusive_group()

@@ -38,6 +38,7 @@ from typing import Any
 import ray
 
 from ..planning.load_plan import TensorRequest
+from ..redaction import redact, redact_fields
 from ..storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import SaveSpec, WrittenShard
@@ -325,7 +326,7 @@ class MetadataActor:
                     "committed step %s of run %r: %s (%d bytes from %d ranks, %.2f s after the save began)",
                     e.step,
                     e.run,
-                    e.path,
+                    redact(e.path),
                     e.bytes,
                     e.world_size,
                     o.seconds,
@@ -336,7 +337,7 @@ class MetadataActor:
                     e.save_id,
                     e.run,
                     e.step,
-                    e.path,
+                    redact(e.path),
                     e.error,
                 )
                 metrics.inc("rayckpt_checkpoints_failed", run=e.run)
@@ -400,7 +401,7 @@ class MetadataActor:
     async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:
         events = self._events.setdefault(run, [])
         self._events.move_to_end(run)
-        events.append({"time": time.time(), "kind": kind, **data})
+        events.append({"time": time.time(), "kind": kind, **redact_fields(data)})
         del events[:-_EVENTS_KEPT]
         while len(self._events) > RUNS_KEPT:
             self._events.popitem(last=False)

@@ -34,7 +34,7 @@ _RETRY_AFTER_S = (0.2, 0.5, 1.0, 2.0)
 
 def actor_location(ckdir: CheckpointDir, filesystem: Any) -> str:
     """How the actors reach ``ckdir``: its path on ``filesystem`` when one was given, else the user's URI."""
-    return ckdir.fs_path if filesystem is not None else ckdir.location
+    return ckdir.fs_path if filesystem is not None else ckdir.uri
 
 
 class SaveHandle:
@@ -205,7 +205,7 @@ class SaveHandle:
         return self._failed_entry("the MetadataActor died before this save was committed")
 
     def _failed_entry(self, error: str) -> CatalogEntry:
-        return CatalogEntry(self.run, self.step, self.location, "failed", time.time(), 0, 0, self.save_id, error)
+        return CatalogEntry(self.run, self.step, self._ckdir.uri, "failed", time.time(), 0, 0, self.save_id, error)
 
 
 def report_failed(

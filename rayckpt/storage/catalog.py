@@ -37,6 +37,7 @@ class CatalogEntry:
 
     run: str
     step: int | None
+    #: The checkpoint's location as given (it reopens it); may carry credentials: show ``redact(path)``.
     path: str
     #: "committed", "pending" (a save in flight), "failed" (rolled back),
     #: "incomplete" (shard files, no manifest) or "corrupt" (unreadable manifest).
@@ -70,7 +71,7 @@ def describe(ckdir: CheckpointDir, run: str) -> CatalogEntry | None:
         return _describe(ckdir, run, step)
     except (RayckptError, OSError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return CatalogEntry(run, step, ckdir.location, "corrupt", 0.0, 0, 0, "", reason)
+        return CatalogEntry(run, step, ckdir.uri, "corrupt", 0.0, 0, 0, "", reason)
 
 
 def _describe(ckdir: CheckpointDir, run: str, step: int | None) -> CatalogEntry | None:
@@ -81,7 +82,7 @@ def _describe(ckdir: CheckpointDir, run: str, step: int | None) -> CatalogEntry 
         return CatalogEntry(
             str(m.user_metadata.get("run") or run),
             meta_step if isinstance(meta_step, int) else step,
-            ckdir.location,
+            ckdir.uri,
             "committed",
             m.created,
             m.world_size,
@@ -91,7 +92,7 @@ def _describe(ckdir: CheckpointDir, run: str, step: int | None) -> CatalogEntry 
     arrow = [f for f in files if f.endswith(".arrow")]
     if arrow:
         size = sum(ckdir.size(f) or 0 for f in arrow)
-        return CatalogEntry(run, step, ckdir.location, "incomplete", 0.0, 0, size, "")
+        return CatalogEntry(run, step, ckdir.uri, "incomplete", 0.0, 0, size, "")
     return None
 
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
+from ..redaction import redact
 
 
 def _split_query(location: str) -> tuple[str, str]:
@@ -70,8 +71,11 @@ class CheckpointDir:
         self.fs = fs
         #: The directory's path on ``fs``.
         self.fs_path = fs_path.rstrip("/") or "/"
-        #: What the user passed (for messages and for handing the location on).
-        self.location = location
+        #: What the user passed: it reopens the directory (``resolve``, the actors). It may carry
+        #: credentials (``s3://KEY:SECRET@bucket/...``): never show it, show ``location``.
+        self.uri = location
+        #: ``uri`` with its secrets redacted (``s3://KEY:***@bucket/...``): for messages, logs, reports.
+        self.location = redact(location)
         self._put_fs: pafs.FileSystem | None = None  # write_atomic's filesystem (see _single_put_filesystem)
 
     @staticmethod
@@ -84,7 +88,7 @@ class CheckpointDir:
             try:
                 fs, path = pafs.FileSystem.from_uri(text)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
-                raise RayckptError(f"cannot open checkpoint location {text!r}: {exc}") from None
+                raise RayckptError(f"cannot open checkpoint location {redact(text)!r}: {exc}") from None
             return CheckpointDir(fs, path, text)
         path = os.path.abspath(text)
         return CheckpointDir(pafs.LocalFileSystem(), path, path)
@@ -101,10 +105,10 @@ class CheckpointDir:
         return posixpath.join(self.fs_path, rel)
 
     def child(self, rel: str) -> CheckpointDir:
-        return CheckpointDir(self.fs, self.path(rel), join_location(self.location, rel))
+        return CheckpointDir(self.fs, self.path(rel), join_location(self.uri, rel))
 
     def parent(self) -> CheckpointDir:
-        return CheckpointDir(self.fs, posixpath.dirname(self.fs_path), parent_location(self.location))
+        return CheckpointDir(self.fs, posixpath.dirname(self.fs_path), parent_location(self.uri))
 
     # -- write side -------------------------------------------------------
 

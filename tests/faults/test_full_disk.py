@@ -8,7 +8,9 @@ nearest thing an unprivileged process has.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import torch
 
 import rayckpt
 from rayckpt.errors import SaveFailedError
+from rayckpt.storage.checkpoint_dir import CheckpointDir
 
 SMALL = 64 * 1024  # float32 elements: 256 KiB
 BIG = 1024 * 1024  # 4 MiB: more than the filesystem holds
@@ -85,6 +88,7 @@ def test_a_save_that_runs_out_of_space_fails_cleanly(small_fs):
     assert "rank 0" in msg and f"writing shard file {path}/" in msg and ".arrow failed: " in msg
     assert msg.rstrip().endswith(("No space left on device", "File too large")), msg
     assert "pyarrow" not in msg  # one clean line per rank, not pyarrow's traceback
+    assert not re.search(r'File "|line \d+, in|Traceback', msg)
 
     # The previous checkpoint is untouched, bit-exact, and nothing of the failed save is left.
     assert sorted(os.listdir(path)) == kept
@@ -97,6 +101,32 @@ def test_a_save_that_runs_out_of_space_fails_cleanly(small_fs):
     rayckpt.save(state(SMALL, seed=3), path)
     got = load_state(path, SMALL)
     assert torch.equal(got["model"]["w"], state(SMALL, seed=3)["model"]["w"]) and got["step"] == 3
+
+
+def test_a_full_disk_at_commit_is_one_line_naming_the_cause_not_a_traceback(tmp_path, monkeypatch):
+    # The shard files fit; the manifest, written last, does not (a real disk fills up meanwhile).
+    path = str(tmp_path / "ckpt")
+    rayckpt.save(state(SMALL, seed=1), path)
+    kept = sorted(os.listdir(path))
+    write_atomic = CheckpointDir.write_atomic
+
+    def full_at_manifest(self, rel, data, durable=True):
+        if rel.startswith("manifest"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path(rel))
+        write_atomic(self, rel, data, durable)
+
+    monkeypatch.setattr(CheckpointDir, "write_atomic", full_at_manifest)
+    with pytest.raises(SaveFailedError) as info:
+        rayckpt.save(state(SMALL, seed=2), path)
+    msg = str(info.value)
+    assert msg == (
+        "save (commit) failed on 1 of 1 rank(s):\n"
+        f"  rank 0: OSError: [Errno 28] No space left on device: '{path}/manifest.json'"
+    )
+    assert not re.search(r'File "|line \d+, in|Traceback', msg)
+    monkeypatch.undo()
+    assert sorted(os.listdir(path)) == kept  # the failed save's shard files are gone
+    assert load_state(path, SMALL)["step"] == 1
 
 
 def test_a_ray_save_that_runs_out_of_space_fails_cleanly(ray_session, tmp_path):

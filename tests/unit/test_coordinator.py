@@ -3,10 +3,21 @@ only ``all_gather`` (the fallback), and a collective that breaks. Real groups: t
 
 from __future__ import annotations
 
+import errno
+import logging
+import re
+
 import pytest
 
-from rayckpt.engine.coordinator import LocalCoordinator, gather, plan_at_root, scatter
-from rayckpt.errors import IncompatibleStateError, PeerLostError, RayckptError, SaveFailedError
+from rayckpt.engine.coordinator import LocalCoordinator, gather, gather_or_raise, plan_at_root, scatter
+from rayckpt.errors import (
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    PeerLostError,
+    RayckptError,
+    SaveFailedError,
+    describe_error,
+)
 
 
 class AllGatherOnly:
@@ -55,6 +66,64 @@ def test_a_failing_plan_is_the_callers_error_naming_rank_0_and_the_cause():
     msg = str(err.value)
     assert msg.startswith("load (planning) failed on 1 of 1 rank(s):\n  rank 0: ValueError: no chunk covers")
     assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_a_failure_reaches_the_ranks_as_its_cause_chain_in_words_and_its_frames_go_to_the_debug_log(caplog):
+    def commit():
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/manifest.json")
+        except OSError as exc:
+            raise RuntimeError("writing the manifest") from exc
+
+    with caplog.at_level(logging.DEBUG, logger="rayckpt.engine.coordinator"):
+        with pytest.raises(SaveFailedError) as err:
+            gather_or_raise(LocalCoordinator(), "save (commit)", commit, SaveFailedError)
+    assert str(err.value) == (
+        "save (commit) failed on 1 of 1 rank(s):\n  rank 0: RuntimeError: writing the manifest; caused by "
+        "OSError: [Errno 28] No space left on device: '/ckpt/manifest.json'"
+    )
+    assert not re.search(r'File "|line \d+, in', str(err.value))
+    assert isinstance(err.value.__cause__, RuntimeError)  # the frames stay on the raised error's chain
+    assert "in commit" in caplog.text and "Traceback" in caplog.text  # and in the debug log
+
+
+@pytest.mark.parametrize(
+    "exc, text",
+    [
+        (ValueError("bad\n  value"), "ValueError: bad value"),  # one line
+        (KeyError(), "KeyError"),
+        (CorruptCheckpointError("a.arrow:\n  block 3 differs"), "CorruptCheckpointError: a.arrow:\n  block 3 differs"),
+    ],
+)
+def test_describe_error_is_the_type_and_the_message(exc, text):
+    assert describe_error(exc) == text
+
+
+def test_describe_error_follows_the_cause_chain_to_a_rayckpt_error_or_four_links():
+    def chained(*links: BaseException) -> BaseException:
+        for cause, exc in zip(links[1:], links):
+            exc.__cause__ = cause
+        return links[0]
+
+    assert describe_error(chained(OSError("a"), RayckptError("b"), OSError("c"))) == (
+        "OSError: a; caused by RayckptError: b"  # a rayckpt error names its own cause
+    )
+    five = chained(*(ValueError(str(n)) for n in range(5)))
+    assert describe_error(five) == "; caused by ".join(f"ValueError: {n}" for n in range(4))
+    try:
+        try:
+            raise KeyError("x")
+        except KeyError:
+            raise ValueError("while handling") from None  # a suppressed context is not named
+    except ValueError as exc:
+        assert describe_error(exc) == "ValueError: while handling"
+    try:
+        try:
+            raise KeyError("x")
+        except KeyError:
+            raise ValueError("while handling")  # noqa: B904 - the context is named
+    except ValueError as exc:
+        assert describe_error(exc) == "ValueError: while handling; caused by KeyError: 'x'"
 
 
 def test_a_broken_collective_raises_the_lost_error_naming_gather_scatter_and_rank():

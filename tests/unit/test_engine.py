@@ -170,6 +170,21 @@ def test_flipped_byte_outside_the_needed_range_does_not_fail_a_partial_read(tmp_
     assert torch.equal(target, w[:8])
 
 
+def test_read_manifest_takes_a_path_a_uri_or_a_checkpoint_dir(saved, tmp_path):
+    path, _, _ = saved
+    m = rayckpt.read_manifest(CheckpointDir.resolve(path))
+    assert rayckpt.read_manifest(path) == m
+    assert rayckpt.read_manifest(tmp_path / "ckpt") == m  # an os.PathLike
+    assert rayckpt.read_manifest(f"file://{path}") == m
+    assert rayckpt.read_manifest(path, filesystem=pafs.LocalFileSystem()) == m
+    with pytest.raises(rayckpt.CheckpointNotFoundError) as info:
+        rayckpt.read_manifest(str(tmp_path / "nothing"))
+    assert str(info.value) == f"no manifest.json in {tmp_path}/nothing: not a committed checkpoint"
+    with pytest.raises(TypeError) as info:
+        rayckpt.read_manifest(5)
+    assert str(info.value) == "read_manifest takes a checkpoint path, URI or CheckpointDir, got int 5"
+
+
 def test_truncated_file_is_caught(saved):
     path, state, _ = saved
     name = manifest_of(path)["entries"]["model.w"]["chunks"][0]["file"]

@@ -143,6 +143,8 @@ def test_requests_the_cluster_holds_pass():
         (["--num-workers", "2-5"], "not divisible by 5 workers, which the elastic --num-workers 2-5 may run with"),
         (["--num-workers", "5-6", "--global-batch", "25"], "not divisible by 6 workers"),
         (["--max-failures", "-2"], "--max-failures must be -1 (no limit) or at least 0, got -2"),
+        (["--keep", "0"], "error: --keep must be at least 1, got 0"),
+        (["--keep", "-2"], "error: --keep must be at least 1, got -2"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag(argv, fragment, capsys):
@@ -163,6 +165,28 @@ def test_help_shows_every_flag_with_help_and_default(capsys, monkeypatch):
         assert fragment in out
     assert "(default: None)" not in out  # those flags say in their help what leaving them out means
     assert "default: RAY_ADDRESS" in out and "(default: --steps of the run's first launch" in out
+
+
+def test_keep_is_the_number_of_checkpoints_ray_train_keeps(storage, monkeypatch):
+    import ray
+    import ray.train.torch
+
+    from rayckpt.examples.gpt_job import run
+
+    assert parse_args([]).keep == 3
+    asked = {}
+
+    class Trainer:  # records what the job asks Ray Train for, and stops there
+        def __init__(self, *args, run_config, **kwargs):
+            asked["num_to_keep"] = run_config.checkpoint_config.num_to_keep
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_args(["--storage-path", storage, "--run-name", "kept", "--keep", "5"]))
+    assert asked == {"num_to_keep": 5}
 
 
 @pytest.mark.parametrize("address", [None, "10.0.0.7:6379", "local"])

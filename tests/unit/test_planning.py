@@ -84,6 +84,7 @@ PURE_MODULES = (
     "planning/load_plan",
     "planning/save_plan",
     "errors",
+    "redaction",
 )
 
 
