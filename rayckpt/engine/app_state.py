@@ -19,7 +19,9 @@ from .state import is_stateful
 class AppState:
     """Checkpointable training state: ``model``, optional ``optimizer`` and named ``extras``.
 
-    Each extra is a Stateful object (an LR scheduler, a data loader with
+    A Stateful for a model, and its optimizer through ``get_state_dict`` /
+    ``set_state_dict``, which also initializes a fresh optimizer's state so it loads
+    in place. Each extra is a Stateful object (an LR scheduler, a data loader with
     ``state_dict``), a tensor, or a plain JSON-able value. Plain values are
     restored into ``self.extras`` after load.
     """

@@ -37,13 +37,37 @@ def load(
     filesystem: pafs.FileSystem | None = None,
     plan_source: PlanSource | None = None,
 ) -> LoadInfo:
-    """Fill ``state_dict`` in place from the checkpoint at ``checkpoint_id``.
+    """Fill ``state_dict`` in place from the checkpoint at ``checkpoint_id``; returns this rank's ``LoadInfo``.
 
     Called by every rank, with any world size: each rank reads only the byte
-    ranges its own shards need. Keys the target does not ask for are ignored; a
-    key it asks for that the checkpoint lacks is an error unless ``strict=False``.
-    Shape or dtype mismatches are errors (never a silent cast). Stateful objects
-    get ``load_state_dict`` once every rank has read its data.
+    ranges its own shards need. Stateful objects get ``load_state_dict()`` with the
+    filled dict once every rank has read its data.
+
+    - Checkpoint keys the target does not ask for are ignored.
+    - A key the target asks for that the checkpoint lacks raises
+      ``IncompatibleStateError`` listing the keys; ``strict=False`` skips them and leaves
+      the targets as they were (listed in ``LoadInfo.missing_keys``).
+    - Global shape and dtype mismatches raise ``IncompatibleStateError`` naming the
+      key and both sides. A dtype mismatch is never cast silently.
+    - Every byte read is verified against its block's checksum (XXH3-64; CRC-32 in
+      version-1 checkpoints, which still load); a mismatch raises
+      ``CorruptCheckpointError`` naming file, key and byte range. Missing or truncated
+      shard files, a manifest path escaping the directory, and an unknown format
+      version (``FormatVersionError``) are refused with their own messages. No manifest:
+      ``CheckpointNotFoundError``.
+    - Returns ``LoadInfo(path, bytes_needed, bytes_read, num_reads, missing_keys,
+      requests, bytes_fetched)`` for this rank: ``bytes_needed`` the payload bytes its
+      targets needed; ``bytes_read`` the bytes of the plan's ranges (needed bytes
+      widened to whole checksum blocks); ``num_reads`` the ranges in the plan;
+      ``requests`` the read requests made to storage (ranged GETs on object storage:
+      neighbouring ranges share a GET when the bytes between them are few (at most
+      1 MiB and 5% of the GET, which spans at most 64 MiB), and a GET longer than
+      8 MiB goes as parallel requests of at most 8 MiB, so one large range is not
+      one stream; each shard file is opened with one HEAD, which also checks its
+      size; ``preadv`` calls and memory-map reads on local files); ``bytes_fetched`` the bytes
+      transferred from storage (``bytes_read`` plus the gap bytes coalesced GETs
+      fetched and discarded; equal to ``bytes_read`` on local files).
+      ``read_amplification`` is ``bytes_fetched / bytes_needed``.
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)

@@ -294,21 +294,56 @@ def save_async(
     local_is_shared: bool | None = None,
     staging: str | None = None,
 ) -> SaveHandle:
-    """Start a save through the Ray actors; return once this rank's share is staged.
+    """Start a save through the Ray actors; return a ``SaveHandle`` once this rank's share is staged.
 
     Called by every rank (collective when a process group is initialized), inside
-    a Ray worker or driver. Another save writing to the same location (another
-    run's) makes every rank raise ``SaveFailedError`` naming it, before anything
-    is written (rank 0's claim, ``storage.lease``). At most one save is in flight per process: a second
-    call first waits for the previous one (and raises if it failed). A local path
-    with workers on several nodes is refused unless it is shared storage
-    (``local_is_shared=True`` or ``RAYCKPT_LOCAL_IS_SHARED=1``).
+    a Ray worker or driver. Plans like ``rayckpt.save``, registers the save with the
+    MetadataActor (rank 0, without waiting; ``wait()`` on rank 0 raises if the
+    registration failed), copies this rank's share once into shared memory and
+    hands it to the ShardWriter on the rank's node; returns then. Another save
+    writing to the same location (another run's) makes every rank raise
+    ``SaveFailedError`` naming it, before anything is written (rank 0's claim,
+    ``storage.lease``).
 
-    ``staging`` (default ``RAYCKPT_STAGING`` or "auto"): "shm" copies the share
-    into this process's staging buffer in ``/dev/shm``, kept and reused from save
-    to save (memory already mapped: the fastest copy); "object_store" ``ray.put``s
-    it; "auto" is "shm", falling back to the object store when ``/dev/shm`` cannot
-    hold the share.
+    ``staging`` (default: ``RAYCKPT_STAGING``, else ``"auto"``) says where that copy goes:
+
+    - ``"shm"``: the process's staging buffer, a file in ``/dev/shm`` sized to its
+      share (space reserved with ``posix_fallocate``, so a full ``/dev/shm`` is an
+      error at staging, never a crash mid-copy). It is kept and reused from save
+      to save, so the copy lands in memory already mapped (a fresh ``ray.put`` must
+      first map and zero its pages: 3-6x slower here). It grows when a share
+      outgrows it; a buffer a writer may still read (a previous save that timed
+      out) is never overwritten: the save moves to a new file. The file is
+      unlinked the moment it is made: it has no name (``ls /dev/shm`` does not show
+      it; ``df /dev/shm`` counts it; ``ls -l /proc/<pid>/fd`` shows
+      ``rayckpt-stage-<pid>-<id> (deleted)``), so nothing can leak: the kernel frees
+      it when the process closes it (``release_staging()``) or exits,
+      however it exits: the end of a ``TorchTrainer`` run (Ray kills its workers),
+      a worker that raised, ``ray.shutdown()``, SIGKILL, the OOM killer. The node's
+      ShardWriter opens it through ``/proc/<rank pid>/fd/<fd>`` (checking its
+      inode: a descriptor number the rank reused is refused) and keeps its own
+      mapping, so a write that has begun completes even if the rank exits. Named
+      ``rayckpt-stage-<pid>-*`` files of processes that are gone (from an older
+      rayckpt) are removed by the node's ShardWriter when it starts and every
+      minute. CUDA tensors are copied straight into it. It costs one share of
+      shared memory per process between saves (as DCP's cached staging buffers do).
+      The directory is ``/dev/shm``, or ``RAYCKPT_SHM_DIR`` where set (read by each
+      rank and by the node's ShardWriter from its own environment: set it on the
+      node, e.g. ``RAYCKPT_SHM_DIR=/mnt/stage ray start ...``, so both see the same;
+      any tmpfs, one per node). A directory that is missing or not writable makes
+      staging fail with ``StagingUnavailable`` naming the directory and the variable.
+    - ``"object_store"``: one ``ray.put`` of the share into Ray's object store,
+      released once committed.
+    - ``"auto"``: ``"shm"``, falling back to ``"object_store"`` when ``/dev/shm`` cannot
+      hold the share (missing, full, not writable).
+
+    Any other value raises ``ValueError``. A peer dying during the planning
+    collectives (the async save's only ones) raises ``PeerLostError`` on the
+    ranks left, before anything is staged or registered. At most one save in flight
+    per process: a second call first waits for the previous one and raises its
+    error if it failed. A local path while ranks run on more than one node is
+    refused (``InvalidStateError``) unless ``local_is_shared=True`` or
+    ``RAYCKPT_LOCAL_IS_SHARED=1`` says the path is shared storage (NFS).
     """
     return saver().save(
         state_dict,
@@ -326,17 +361,19 @@ def save_async(
 
 
 def prepare_staging(state_dict: dict[str, Any], staging: str | None = None, wait: bool = False) -> int:
-    """Make this process's staging buffer before its first ``save_async`` (not collective).
+    """Make this process's staging buffer before its first ``save_async`` (not collective); returns its size.
 
     Sized to every local tensor of ``state_dict``, which a rank's share never
     exceeds, and page-locked when the state is on a CUDA device. Returns at once
     (``wait=True``: once it is made): the buffer is made, and this node's
-    ShardWriter started, in the background while training goes on, so the first
-    save only copies. A save that comes before it is done waits for the rest.
-    Without it, the first ``save_async`` makes the buffer inside its stall. Returns the
-    buffer's size in bytes: 0 with ``staging="object_store"`` or when
-    ``/dev/shm`` cannot hold it ("shm" raises, at once if the directory cannot be
-    written, else from the first save).
+    ShardWriter started, on a background thread while training goes on, so the first
+    ``save_async`` only copies. A save that comes before the buffer is ready waits for the rest.
+    ``Checkpointer.restore`` calls it. Without it, the first ``save_async`` makes the
+    buffer itself, inside its stall (CPU, 1 GiB: 4.45x a later save's stall, against
+    1.03x prepared; ``benchmarks/bench_gpu.py``). Returns the buffer's size in bytes:
+    0 with ``staging="object_store"`` or when ``/dev/shm`` cannot hold it (``"shm"``
+    raises ``StagingUnavailable``: at once for a directory that cannot be written,
+    else from the first save).
     """
     return saver().prepare_staging(state_dict, staging, wait)
 

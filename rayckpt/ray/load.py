@@ -32,7 +32,12 @@ def load(
     process_group: Any = None,
     coordinator: Coordinator | None = None,
 ) -> LoadInfo:
-    """``rayckpt.load`` with the read plan served (and cached) by the MetadataActor."""
+    """``rayckpt.load`` with the load plan computed (and cached per checkpoint and request) by the MetadataActor.
+
+    Every rank calls it; workers read only their byte ranges. When the ranks hold
+    FSDP2's dim-0 shards, the first rank to ask gets the plans of every rank computed
+    at once by the bulk planner and the others their part of that cached result.
+    """
     start = time.perf_counter()
     coord = coordinator or default_coordinator(process_group)
     meta = get_metadata_actor()

@@ -38,7 +38,12 @@ def actor_location(ckdir: CheckpointDir, filesystem: Any) -> str:
 
 
 class SaveHandle:
-    """An async save in flight on this rank. ``wait()`` until committed."""
+    """An async save in flight on this rank, returned by ``save_async``. ``wait()`` until committed.
+
+    Besides ``wait()`` and ``done()``: ``stall_seconds`` (how long the save blocked
+    this rank), ``save_id``, and ``staging`` (``"shm"`` or ``"object_store"``: where
+    this save was staged).
+    """
 
     def __init__(
         self,
@@ -89,11 +94,19 @@ class SaveHandle:
         return bool(ready)
 
     def wait(self, timeout: float | None = None) -> CatalogEntry:
-        """Block until the checkpoint is committed; raise ``SaveFailedError`` if it failed.
+        """Block until committed (returns its ``CatalogEntry``); raise ``SaveFailedError`` if the save failed.
 
-        ``TimeoutError`` when ``timeout`` (shorter than the save's commit timeout) runs
-        out first: the save is still in flight. At the commit timeout the save fails.
-        Thread-safe (Ray Train's upload thread waits while training goes on).
+        The error names the save id, step and location, with the failing rank's error.
+        ``TimeoutError`` only when a ``timeout`` shorter than ``commit_timeout_s`` runs
+        out: the save is still in flight, and the next ``save_async`` waits for it. At
+        ``commit_timeout_s`` the save fails (the rank tells the MetadataActor, so it cannot
+        commit afterwards). The outcome is learned once: a failed save's error is raised
+        by its own ``wait()`` (each time it is called), or, if nobody waited for it, once
+        by the next ``save_async``, never by a later save. If the MetadataActor restarts
+        while the save is in flight, ``wait()`` fails within seconds (docs/architecture.md,
+        "When the MetadataActor restarts mid-save"); if it died for good, the rank asks
+        storage: committed when the directory's manifest carries this save's id, failed
+        otherwise. Thread-safe (Ray Train's upload thread waits while training goes on).
         """
         self._count_watcher(+1)
         try:

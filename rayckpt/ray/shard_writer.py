@@ -195,7 +195,15 @@ def writer_name(node_id: str) -> str:
 
 
 def get_shard_writer(node_id: str | None = None) -> Any:
-    """The ShardWriter of ``node_id`` (default: this process's node), pinned to that node."""
+    """The ShardWriter of ``node_id`` (default: this process's node): ``rayckpt-writer-<node>``, pinned to that node.
+
+    Pinned with node affinity. Its ``debug_stats()`` returns its ``node`` (asked of
+    Ray), ``pid``, ``staging_dir`` and ``writes``: its last 256 writes, one record per
+    rank's share: ``save_id``, ``run``, ``step``, ``rank``, ``node``, ``staging``
+    (``"shm"`` / ``"object_store"``), ``staged_node`` (where the rank staged) and
+    ``staged_dir`` (the directory the staging file was created in, read from the
+    open file itself), both ``None`` for the object store; ``bytes``, ``files``.
+    """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or ray.get_runtime_context().get_node_id()

@@ -73,15 +73,17 @@ def run_ranks(
     pg_timeout: float | None = None,
     allow_failures: bool = False,
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
 
-    ``fn`` must be importable (module-level) and its result picklable. A rank that
-    raises, or whose process dies without reporting (a signal, ``os._exit``),
-    fails the call with ``RankFailedError``; with ``allow_failures=True`` its place
-    in the results holds a ``RankFailure`` instead. ``pg_timeout``: the process
-    group's timeout in seconds (torch's default otherwise), which bounds how long
-    the other ranks wait in a collective for a rank that died. ``timeout``: how long to
-    wait for the first (then the next) rank's result.
+    Each process joins a process group (``backend``, gloo by default). ``fn`` must
+    be importable (module-level) and its result picklable. A rank that raises, or
+    whose process dies without reporting (a signal, ``os._exit``; its exit code,
+    e.g. -9), fails the call with ``RankFailedError``; with ``allow_failures=True``
+    its place in the results holds a ``RankFailure(rank, exitcode, error)`` instead.
+    ``pg_timeout``: the process group's timeout in seconds (torch's default
+    otherwise), which bounds how long the other ranks wait in a collective for a
+    rank that died. ``timeout``: how long to wait for the first (then the next)
+    rank's result.
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -122,9 +122,16 @@ def start_moto_server(
     env: dict[str, str] | None = None,
     args: Sequence[str] = (),
 ) -> MotoServer:
-    """Start ``python -m <module> -H 127.0.0.1 -p <free port> <args>`` (``moto.server``, or a module
-    that serves moto's app the same way), wait until it answers, create ``bucket``; its output goes
-    to ``log_path``. ``env`` is added to this process's environment (``S3_ENV`` always is)."""
+    """A local S3 endpoint for tests and benchmarks: start ``python -m <module> -H 127.0.0.1 -p <free port> <args>``.
+
+    ``module`` is ``moto.server``, or a module that serves moto's app the same way.
+    Waits until it answers, creates ``bucket``; its output goes to ``log_path``.
+    ``env`` is added to this process's environment (``S3_ENV`` always is). Returns a
+    ``MotoServer``: ``endpoint``, an ``S3Endpoint`` with ``uri(rel)``,
+    ``filesystem()``, ``fs_path(rel)``, ``listing``, ``exists``, ``delete``; ``stop()``
+    ends it by its pid. Clients need the dummy credentials in ``S3_ENV`` (the
+    server gets them).
+    """
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

@@ -25,9 +25,12 @@ ROLLBACK_TIMEOUT_S = 30.0
 class RayckptCallback(ray.train.UserCallback):
     """Controller-side callback: records reported checkpoints and rolls back saves of a failed run.
 
-    Add it to ``RunConfig(callbacks=[RayckptCallback()])``. After a worker
-    exception it tells the MetadataActor to fail the run's in-flight saves, which
-    removes their partial files at once instead of after the commit timeout.
+    Add it to ``RunConfig(callbacks=[RayckptCallback()])`` (a ``ray.train.UserCallback``).
+    Records each reported checkpoint (an event). After a worker exception it tells
+    the MetadataActor to fail the run's in-flight saves, which removes their
+    partial files at once instead of after the commit timeout, and prints a
+    WARNING naming them from Ray Train's controller
+    (``rayckpt: rolled back in-flight saves [...] of run <run> after <why>``).
     """
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:

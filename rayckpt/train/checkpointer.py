@@ -43,7 +43,28 @@ logger = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Async sharded checkpoints of a TorchTrainer run. Create one per worker, in the train loop."""
+    """Async sharded checkpoints of a TorchTrainer run. Create one per worker, in the train loop.
+
+    Checkpoints go to ``<storage_path>/<run name>/rayckpt-step-<step:08d>``. The
+    arguments are those of ``save_async`` for every save: ``block_size``,
+    ``commit_timeout_s`` (600 s), ``local_is_shared``, ``staging``; ``report=False``
+    does not announce each save as it settles (see ``save``). Attributes:
+    ``restarts`` (rank 0; ``None`` elsewhere): worker groups of this ``fit()`` that
+    started before this one (0 on the first; Ray Train's restarts and resizes),
+    counted by the MetadataActor (``begin_attempt``); after ``restore``:
+    ``last_load`` (its ``LoadInfo``), ``restored_metadata`` (its user metadata),
+    ``fallbacks`` (checkpoints passed over), ``staging_bytes`` (the staging
+    buffer made in the background) and ``restored_from`` (``{"tier", "path",
+    "step", "bytes_read", "peer_bytes"}``: memory or storage, and the bytes read
+    from another node's memory).
+
+    The memory tier (``rayckpt.ray.memory_tier``): with ``memory_every=M`` every
+    M-th step's ``save`` goes to the nodes' memory, held by each node's
+    ShardWriter and copied to one peer node before it commits, and every
+    ``persist_every``-th to storage; ``restore`` tries the newest committed
+    checkpoint of either, memory first on the same step; the newest
+    ``memory_keep`` memory checkpoints are kept; ``release_memory()`` frees them.
+    """
 
     def __init__(
         self,
@@ -110,6 +131,7 @@ class Checkpointer:
             )
 
     def path(self, step: int) -> str:
+        """Where step ``step``'s checkpoint is (or would be): ``<run_root>/rayckpt-step-<step:08d>``."""
         return posixpath.join(self.run_root, checkpoint_dir_name(step))
 
     def save(
@@ -120,22 +142,27 @@ class Checkpointer:
         metadata: dict[str, Any] | None = None,
         persist: bool | None = None,
     ) -> SaveHandle | None:
-        """Start saving ``state`` as step ``step`` (collective); return after staging.
+        """Start saving ``state`` as step ``step`` (collective); return the ``SaveHandle`` after staging.
 
         Where it goes: to storage when ``step`` is a multiple of ``persist_every``
         (every step by default) or ``persist=True``; else, with a memory tier, to
         the nodes' memory when ``step`` is a multiple of ``memory_every`` (or
         ``persist=False``); else nowhere (``None``). A memory save that some
         node's memory budget cannot hold goes to storage instead, with one WARNING.
-        A memory save is not reported to Ray Train (it is not in its storage).
+        A memory save is not reported to Ray Train (it is not in its storage), and
+        its line reads ``rayckpt: <run> (memory) committed step N (...)``.
 
-        Once committed, the checkpoint is reported to Ray Train with ``metrics``
-        (plus ``step``). The manifest's user metadata holds ``step``, ``run``,
+        A storage save: ``save_async``, then ``ray.train.report(metrics + {"step"}, checkpoint=...,
+        checkpoint_upload_mode=ASYNC, checkpoint_upload_fn=<wait for commit>)``: Ray
+        records the checkpoint once committed and never copies it; ``CheckpointConfig``
+        retention deletes old ones. The manifest's user metadata holds ``step``, ``run``,
         ``metrics`` and the JSON-able entries of ``metadata`` (run hyperparameters,
         say; ``restore`` gives them back as ``restored_metadata``). Waits first for
-        this worker's previous save. Rank 0 prints ``rayckpt: <run> committed step N
-        (<bytes>, <seconds>)`` when it commits (a failure line when it fails), which
-        Ray forwards to the driver.
+        this worker's previous save. When the save settles, rank 0 writes
+        ``rayckpt: <run> committed step N (<MiB>, <seconds> s)`` or
+        ``rayckpt: <run> failed to save step N, nothing committed: <error>`` to its
+        stderr (forwarded to the driver), once per save (``rayckpt.train.announce``);
+        with ``report=False``, when ``wait()`` or the next ``save()`` learns the outcome.
         """
         tier = self.policy.tier(step, persist)
         if tier is None:
@@ -222,20 +249,24 @@ class Checkpointer:
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the newest committed checkpoint that restores into ``state`` (collective; any worker count).
 
-        Tries the run's committed checkpoints newest first: those the catalog
-        finds in storage (one Ray Train has not registered yet included) and Ray
-        Train's latest reported one. A checkpoint that cannot be restored
-        because its data is damaged or gone (a shard file missing or failing its
-        checksum, its manifest corrupt or removed) is passed over for the one
-        before it: rank 0 logs one WARNING naming both and the reason, counts it in
-        ``rayckpt_restore_fallbacks`` and the MetadataActor's events, and every rank
-        lists it in ``fallbacks``. When none restores, raises
-        ``RestoreFailedError`` naming every checkpoint tried and why: never a
-        silent fresh start. A state that does not fit (``IncompatibleStateError``:
-        a changed model) is raised as is. Returns the restored step, or ``None``
-        when the run has no checkpoint (``state`` untouched). Either way it then
-        starts making this worker's staging buffer in the background
-        (``prepare_staging``), so the first save only copies.
+        Tries the run's committed checkpoints newest first, every rank trying rank 0's
+        list: those the catalog finds in storage (one Ray Train has not registered yet
+        included) and Ray Train's latest reported one (``ray.train.get_checkpoint()``).
+        A checkpoint that cannot be restored because its data is damaged or gone
+        (``CorruptCheckpointError``, ``CheckpointNotFoundError`` on any rank: a shard file
+        missing or failing its checksum, its manifest corrupt or removed) is passed over
+        for the next older committed one: rank 0 logs one WARNING
+        ``rayckpt: run R: cannot restore step S from <path> (<reason>); restoring step S' from <path'> instead``,
+        counts it in ``rayckpt_restore_fallbacks`` and records a ``restore_fallback``
+        event with the MetadataActor, and every rank lists it in ``fallbacks``. When
+        none restores, raises ``RestoreFailedError`` naming every checkpoint tried and
+        why: never a silent fresh start. A state that does not fit
+        (``IncompatibleStateError``: a changed model) is raised as is. Returns the
+        restored step, or ``None`` when the run has no checkpoint (``state``
+        untouched). ``last_load`` is its ``LoadInfo``, ``restored_metadata`` its user
+        metadata. Either way it then starts making this worker's staging buffer in
+        the background (``prepare_staging``; its size in ``staging_bytes``), so the
+        first save only copies.
         """
         step = self._load_latest(state)
         self.staging_bytes = prepare_staging(state, self.staging)

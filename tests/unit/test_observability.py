@@ -1,4 +1,4 @@
-"""What a user watching a run sees: rank 0's save lines, the README's metric table, the
+"""What a user watching a run sees: rank 0's save lines, the metric table of docs/observability.md, the
 demo's and train.sh's cleanup of what they leave on disk."""
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def test_other_ranks_stay_quiet():
     assert out.getvalue() == ""
 
 
-def test_readme_metric_table_lists_every_metric_with_its_tags():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    section = readme[readme.index("### Watching it in the dashboard") :]
+def test_docs_metric_table_lists_every_metric_with_its_tags():
+    with open(os.path.join(ROOT, "docs", "observability.md"), encoding="utf-8") as f:
+        page = f.read()
+    section = page[page.index("## Watching it in the dashboard") :]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -168,20 +168,25 @@ def test_checkpointer_wait_announces_the_outcome_it_learns(monkeypatch):
     out = io.StringIO()
     ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only wait() is used
     ckpt.announcer = SaveAnnouncer("gpt", 0, out)
-    ckpt._last = (SimpleNamespace(save_id="s-1", step=5), time.perf_counter())
+    ckpt.memory, ckpt.memory_announcer = SimpleNamespace(run="gpt@memory"), SaveAnnouncer("gpt (memory)", 0, out)
+    ckpt._last = (SimpleNamespace(save_id="s-1", step=5, run="gpt"), time.perf_counter())
     monkeypatch.setattr(checkpointer, "wait_inflight", lambda: entry("committed"))
     assert ckpt.wait().status == "committed"
 
     def failing():
         raise SaveFailedError("save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom")
 
-    ckpt._last = (SimpleNamespace(save_id="s-2", step=10), time.perf_counter())
+    ckpt._last = (SimpleNamespace(save_id="s-1", step=6, run="gpt@memory"), time.perf_counter())
+    assert ckpt.wait().status == "committed"  # a memory save's line names the tier
+
+    ckpt._last = (SimpleNamespace(save_id="s-2", step=10, run="gpt"), time.perf_counter())
     monkeypatch.setattr(checkpointer, "wait_inflight", failing)
     with pytest.raises(SaveFailedError, match="boom"):
         ckpt.wait()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2 and lines[0].startswith("rayckpt: gpt committed step 5 (3.0 MiB, ")
-    assert lines[1] == (
+    assert len(lines) == 3 and lines[0].startswith("rayckpt: gpt committed step 5 (3.0 MiB, ")
+    assert lines[1].startswith("rayckpt: gpt (memory) committed step 6 (3.0 MiB, ")
+    assert lines[2] == (
         "rayckpt: gpt failed to save step 10, nothing committed: "
         "save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom"
     )
