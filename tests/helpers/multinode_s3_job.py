@@ -35,10 +35,12 @@ from . import ray_workers
 RUN = "nodes"
 
 
-def fit(storage: str, fs: Any, out: str, workers: int, steps: int, save_at: set[int], name: str = RUN) -> None:
+def fit(
+    storage: str, fs: Any, out: str, workers: int, steps: int, save_at: set[int], name: str = RUN, **extra: Any
+) -> None:
     TorchTrainer(
         ray_workers.toy_train_loop,
-        train_loop_config={"steps": steps, "save_at": save_at, "out": out},
+        train_loop_config={"steps": steps, "save_at": save_at, "out": out, **extra},
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1, "slot": 1}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(name=name, storage_path=storage, storage_filesystem=fs),
@@ -101,6 +103,28 @@ def main(out: str, host_port: str, bucket: str, prefix: str) -> None:
         "rank_nodes": rank_nodes(out, 2),
         "committed": committed_writer_nodes(3),
     }
+
+    # The memory tier across nodes: a third node again; 3 workers hold steps 1 and 2 in memory only (each
+    # shard file also on the next node of the ring); the node of rank 2 is removed; 2 workers restore
+    # step 2 from the memory left, then save step 3 to S3.
+    mem_out, shm = os.path.join(out, "memory"), os.path.join(out, "shm-3")
+    os.makedirs(mem_out)
+    os.makedirs(shm)
+    nodes.append(cluster.add_node(num_cpus=1, resources={"slot": 1}, env_vars={SHM_DIR_ENV: shm}))
+    cluster.wait_for_nodes()
+    live = [nodes[0], nodes[1], nodes[3]]
+    fit(storage, fs, mem_out, 3, 2, set(), name="mem-nodes", memory_every=1, dump_saves=True)
+    held = {
+        n.node_id: ray.get(
+            ray.get_actor(writer_name(n.node_id), namespace=NAMESPACE).mem_listing.remote("mem/mem-nodes", True)
+        )
+        for n in live
+    }
+    ranks = rank_nodes(mem_out, 3)
+    (victim,) = [n for n in live if n.node_id == ranks["2"]]
+    cluster.remove_node(victim)
+    fit(storage, fs, mem_out, 2, 3, {3}, name="mem-nodes", memory_every=1)
+    result["memory"] = {"held": held, "rank_nodes": ranks, "victim": victim.node_id}
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)
     ray.shutdown()

@@ -166,8 +166,8 @@ def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tup
     return summaries[-1], proc.stdout + proc.stderr
 
 
-def submit_and_kill_a_worker(head: RayHead, committed: str, *args: str) -> tuple[dict, str, int]:
-    """``submit`` that SIGKILLs one Train worker as soon as the file ``committed`` (a glob) exists.
+def submit_and_kill_a_worker(head: RayHead, committed: str, *args: str, delay: float = 0.0) -> tuple[dict, str, int]:
+    """``submit`` that SIGKILLs one Train worker ``delay`` seconds after the file ``committed`` (a glob) exists.
 
     The worker's pid comes from Ray's state API (what ``ray list actors`` shows) and the
     commit from polling storage: both are seen at once, where the job's forwarded log
@@ -191,6 +191,7 @@ def submit_and_kill_a_worker(head: RayHead, committed: str, *args: str) -> tuple
     while not killed and proc.poll() is None:
         pids = pids or _train_worker_pids(head)
         if pids and glob.glob(committed):
+            time.sleep(delay)
             killed = pids[0]
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.05)

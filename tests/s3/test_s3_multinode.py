@@ -63,3 +63,30 @@ def test_resume_on_two_nodes_restores_what_three_saved_and_saves_per_node(multin
     check_writers_wrote_only_their_nodes_ranks(save2, multinode["shm_dirs"], 3)
     for step in (2, 3):
         assert rayckpt.verify(s3_server.uri(f"multinode/nodes/rayckpt-step-{step:08d}")).ok
+
+
+def test_memory_checkpoints_are_held_on_two_nodes_and_restore_after_a_node_is_lost(multinode):
+    """Issue 23's replication: every shard file of a memory save is held by its rank's node and by the next
+    node of the ring (node ids sorted, by their first 12 characters); with one node gone, 2 workers restore
+    the 3 workers' memory checkpoint from what the other two hold, bit-exact."""
+    memory = multinode["memory"]
+    step2 = "mem/mem-nodes/rayckpt-step-00000002/"
+    ring = sorted(memory["held"])
+    shards = {}
+    for node, files in memory["held"].items():
+        for path in files:
+            if path.startswith(step2) and path.endswith(".arrow") and "-r0000" in path:
+                shards.setdefault(path, set()).add(node)
+    ranks = memory["rank_nodes"]
+    for rank in ("0", "1", "2"):
+        (path,) = [p for p in shards if f"-r{int(rank):05d}-" in p]
+        home = ranks[rank]
+        successor = ring[(ring.index(home) + 1) % len(ring)]
+        assert shards[path] == {home, successor}, (rank, path, shards[path], home, successor)
+    assert memory["victim"] == ranks["2"]
+    out = multinode["out"] / "memory"
+    restored = torch.load(out / "restored-2.pt", weights_only=False)
+    assert restored["step"] == 2 and restored["restored_from"]["tier"] == "memory"
+    saved = torch.load(out / "state-2.pt", weights_only=False)
+    for key, value in saved["state"].items():
+        assert torch.equal(restored["state"][key], value), key
