@@ -54,7 +54,9 @@ from benchmarks.workload import layer_shapes
 #: Row labels of the scenarios in the tables.
 LABELS = {
     "worker-kill": "worker SIGKILLed",
+    "worker-kill-memory": "worker SIGKILLed, memory tier",
     "node-removal": "node removed (Ray's defaults)",
+    "node-removal-memory": "node removed (Ray's defaults), memory tier",
     "node-removal-fast": "node removed (faster GCS health checks)",
     "node-removal-start-timeout": "node removed (shorter worker group start timeout)",
 }
@@ -69,7 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (params + AdamW moments)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="bench_out_recovery")
-    parser.add_argument("--scenarios", default="worker-kill,node-removal", help="worker-kill, node-removal")
+    parser.add_argument(
+        "--scenarios",
+        default="worker-kill,node-removal",
+        help="worker-kill, node-removal, worker-kill-memory, node-removal-memory (a -memory scenario also saves "
+        "to the nodes' memory every step between the storage saves)",
+    )
     parser.add_argument("--fast-health-check", action="store_true", help="add node removal with faster health checks")
     parser.add_argument(
         "--start-timeout-s",
@@ -151,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(os.path.join(args.out, "events"), exist_ok=True)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = set(scenarios) - {"worker-kill", "node-removal"}
+    known = ("worker-kill", "node-removal", "worker-kill-memory", "node-removal-memory")
+    unknown = set(scenarios) - set(known)
     if unknown:
-        raise SystemExit(f"unknown scenario(s) {sorted(unknown)}: worker-kill, node-removal")
+        raise SystemExit(f"unknown scenario(s) {sorted(unknown)}: {', '.join(known)}")
     if args.fast_health_check and "node-removal" in scenarios:
         scenarios.append("node-removal-fast")
     if args.start_timeout_s and "node-removal" in scenarios:
@@ -176,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for sc in scenarios:
-            if sc == "worker-kill":
-                repeats = worker_kill(args)
+            if sc.startswith("worker-kill"):
+                repeats = worker_kill(args, sc)
             elif sc == "node-removal-start-timeout":
                 os.environ[START_TIMEOUT_ENV] = str(args.start_timeout_s)
                 try:

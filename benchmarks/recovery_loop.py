@@ -93,16 +93,20 @@ def train_loop(config: dict[str, Any]) -> None:
     shapes = [tuple(s) for s in config["shapes"]]
     model, optim, app = build_state(world, rank, seed=0, shapes=shapes)
     state = {"app": app}
-    ckpt = Checkpointer(local_is_shared=config.get("local_is_shared"))
+    memory_every = config.get("memory_every", 0)  # memory saves between the storage saves (issue 23)
+    ckpt = Checkpointer(local_is_shared=config.get("local_is_shared"), memory_every=memory_every)
     log("restore_begin")
     t0 = time.perf_counter()
     restored = ckpt.restore(state)
     restore_s = time.perf_counter() - t0
-    source_world = None
+    source_world, tier, peer = None, None, 0
     if ckpt.last_load is not None:
-        with open(os.path.join(ckpt.last_load.path, "manifest.json")) as f:
-            source_world = json.load(f)["world_size"]
-    log("restore_done", step=restored, source_world=source_world, restore_s=restore_s)
+        import rayckpt
+
+        tier, peer = ckpt.restored_from["tier"], ckpt.restored_from["peer_bytes"]
+        fs = ckpt.memory.filesystem if tier == "memory" and ckpt.memory is not None else None
+        source_world = rayckpt.read_manifest(ckpt.restored_from["path"], filesystem=fs).world_size
+    log("restore_done", step=restored, source_world=source_world, restore_s=restore_s, tier=tier, peer_bytes=peer)
 
     step = restored or 0
     stop_at = config["steps"] if attempt == 0 else step + config["after_steps"]
@@ -111,10 +115,11 @@ def train_loop(config: dict[str, Any]) -> None:
         step += 1
         app.extras["step"] = step
         log("step", step=step)
-        if step % config["save_every"] == 0:
+        persist = None if not memory_every else step % config["save_every"] == 0
+        if step % config["save_every"] == 0 or (memory_every and step % memory_every == 0):
             t0 = time.perf_counter()
-            ckpt.save(step, state, {"loss": float(step)})
-            log("save", step=step, stall_s=time.perf_counter() - t0)
+            ckpt.save(step, state, {"loss": float(step)}, persist=persist)
+            log("save", step=step, stall_s=time.perf_counter() - t0, memory=persist is False)
     ckpt.wait()
     log("done", step=step)
 

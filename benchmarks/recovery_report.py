@@ -112,6 +112,7 @@ def recovery_times(events: list[dict[str, Any]]) -> dict[str, Any]:
     done = [e for e in new if e["kind"] == "restore_done"]
     restored_step = _one({e["step"] for e in done}, "the restored step")
     source_world = _one({e["source_world"] for e in done}, "the restored checkpoint's world size")
+    tier = _one({e.get("tier") or "storage" for e in done}, "the restored checkpoint's tier")
     at = {
         "kill": t_kill,
         "noticed": noticed[0]["t"],
@@ -131,6 +132,7 @@ def recovery_times(events: list[dict[str, Any]]) -> dict[str, Any]:
         "world_before": _one({e["world"] for e in events if e["kind"] == "enter" and e["t"] < t_kill}, "world"),
         "world_after": world,
         "source_world": source_world,
+        "restored_tier": tier,
         "restored_step": restored_step,
         "steps_before_kill": steps_before,
         "steps_redone": steps_before - (restored_step or 0),
@@ -184,7 +186,13 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         "restore_share": summary([r["restore_share"] for r in repeats if r["restore_share"] is not None]),
         "steps_redone": summary([r["steps_redone"] for r in repeats]),
         "worlds": sorted({f"{r['world_before']}->{r['world_after']}" for r in repeats}),
-        "restored_from": sorted({f"step {r['restored_step']} of {r['source_world']} workers" for r in repeats}),
+        "restored_from": sorted(
+            {
+                f"step {r['restored_step']} of {r['source_world']} workers"
+                + (f" from {r['restored_tier']}" if r.get("restored_tier", "storage") != "storage" else "")
+                for r in repeats
+            }
+        ),
     }
     steps = [r["step_s"] for r in repeats if r["step_s"] is not None]
     out["step_s"] = summary(steps) if steps else None

@@ -41,7 +41,9 @@ START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 # One repeat
 
 
-def make_trainer(args: argparse.Namespace, run: str, events: str, num_workers: Any, resources: dict, shared: bool):
+def make_trainer(
+    args: argparse.Namespace, run: str, events: str, num_workers: Any, resources: dict, shared: bool, memory_every: int
+):
     """The run's TorchTrainer: ``num_workers`` (an int, or (min, max) for elastic) gloo workers, one restart allowed."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -55,6 +57,7 @@ def make_trainer(args: argparse.Namespace, run: str, events: str, num_workers: A
         "after_steps": args.after_steps,
         "step_sleep_s": args.step_sleep_s,
         "local_is_shared": shared or None,
+        "memory_every": memory_every,
     }
     return TorchTrainer(
         train_loop,
@@ -187,7 +190,12 @@ def start_metadata_actor() -> None:
     ray.get(get_metadata_actor().ping.remote())
 
 
-def worker_kill(args: argparse.Namespace) -> list[dict[str, Any]]:
+def memory_every(scenario: str) -> int:
+    """A ``-memory`` scenario saves to the nodes' memory every step between the storage saves."""
+    return 1 if scenario.endswith("-memory") else 0
+
+
+def worker_kill(args: argparse.Namespace, scenario: str = "worker-kill") -> list[dict[str, Any]]:
     """Fixed ``--workers`` workers on a local Ray; one worker SIGKILLed per repeat."""
     import ray
 
@@ -208,7 +216,16 @@ def worker_kill(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     try:
         return [
-            run_repeat(args, "worker-kill", rep, kill, num_workers=args.workers, resources={"CPU": 1}, shared=False)
+            run_repeat(
+                args,
+                scenario,
+                rep,
+                kill,
+                num_workers=args.workers,
+                resources={"CPU": 1},
+                shared=False,
+                memory_every=memory_every(scenario),
+            )
             for rep in range(args.repeats)
         ]
     finally:
@@ -265,6 +282,7 @@ def node_removal_repeat(args: argparse.Namespace, scenario: str, rep: int, syste
             num_workers=(per_node, args.workers),
             resources={"CPU": 1, SLOT: 1},
             shared=True,
+            memory_every=memory_every(scenario),
         )
     finally:
         ray.shutdown()
