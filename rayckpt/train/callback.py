@@ -15,6 +15,7 @@ import ray
 import ray.train
 
 from ..ray.metadata_actor import get_metadata_actor
+from .tiers import memory_run
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ class RayckptCallback(ray.train.UserCallback):
 
     Add it to ``RunConfig(callbacks=[RayckptCallback()])`` (a ``ray.train.UserCallback``).
     Records each reported checkpoint (an event). After a worker exception it tells
-    the MetadataActor to fail the run's in-flight saves, which removes their
+    the MetadataActor to fail the run's in-flight saves (to storage and to the
+    memory tier), which removes their
     partial files at once instead of after the commit timeout, and prints a
     WARNING naming them from Ray Train's controller
     (``rayckpt: rolled back in-flight saves [...] of run <run> after <why>``).
@@ -49,9 +51,11 @@ class RayckptCallback(ray.train.UserCallback):
         reason = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(worker_exceptions.items()))
         try:
             meta = get_metadata_actor()
-            failed = ray.get(
-                meta.fail_pending.remote(run, f"worker group failed: {reason}"), timeout=ROLLBACK_TIMEOUT_S
-            )
+            failed: list[str] = []
+            for name in (run, memory_run(run)):  # its storage saves, then its memory saves
+                failed += ray.get(
+                    meta.fail_pending.remote(name, f"worker group failed: {reason}"), timeout=ROLLBACK_TIMEOUT_S
+                )
             meta.record_event.remote(run, "exception", {"failed_saves": failed, "reason": reason})
         except Exception as exc:  # noqa: BLE001 - whatever the actor's state, Ray Train must go on to restart
             logger.warning(

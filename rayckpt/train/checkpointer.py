@@ -125,6 +125,11 @@ class Checkpointer:
             get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem)
         )
         self._found_memory: list[CatalogEntry] | None = None
+        if self.memory is not None and self.restarts:
+            # A new group of the same fit(): the memory saves the earlier group left in flight are failed
+            # (as begin_attempt fails its storage saves), so their leases do not refuse this group's.
+            reason = f"its worker group was replaced (Ray Train restart {self.restarts})"
+            ray.get(get_metadata_actor().fail_pending.remote(self.memory.run, reason))
         if self.memory is not None:
             self._found_memory = ray.get(
                 get_metadata_actor().register_run.remote(self.memory.run, self.memory.root, self.memory.filesystem)

@@ -35,7 +35,7 @@ def test_an_unreachable_metadata_actor_is_a_warning_not_the_end_of_the_run(monke
 def test_the_failed_group_s_saves_are_rolled_back_and_named(monkeypatch, caplog):
     calls: list[tuple] = []
     actor = SimpleNamespace(
-        fail_pending=_Remote(lambda run, reason: calls.append(("fail_pending", run, reason)) or ["save-1"]),
+        fail_pending=_Remote(lambda run, reason: calls.append(("fail_pending", run, reason)) or [f"{run}-save"]),
         record_event=_Remote(lambda run, kind, data: calls.append(("record_event", run, kind, data))),
     )
     monkeypatch.setattr(callback, "get_metadata_actor", lambda: actor)
@@ -43,9 +43,11 @@ def test_the_failed_group_s_saves_are_rolled_back_and_named(monkeypatch, caplog)
     monkeypatch.setattr(callback.ray, "get", lambda value, timeout=None: waited.append(timeout) or value)
     with caplog.at_level(logging.WARNING, logger=callback.__name__):
         callback.RayckptCallback().after_exception(run_context("r"), {0: ValueError("boom")})
+    failed = ["r-save", "r@memory-save"]  # its storage saves, then its memory tier's
     assert calls == [
         ("fail_pending", "r", "worker group failed: rank 0: ValueError: boom"),
-        ("record_event", "r", "exception", {"failed_saves": ["save-1"], "reason": "rank 0: ValueError: boom"}),
+        ("fail_pending", "r@memory", "worker group failed: rank 0: ValueError: boom"),
+        ("record_event", "r", "exception", {"failed_saves": failed, "reason": "rank 0: ValueError: boom"}),
     ]
-    assert "rolled back in-flight saves ['save-1'] of run r" in caplog.records[0].getMessage()
-    assert waited == [callback.ROLLBACK_TIMEOUT_S]  # the controller's wait for the actor is bounded
+    assert f"rolled back in-flight saves {failed} of run r" in caplog.records[0].getMessage()
+    assert waited == [callback.ROLLBACK_TIMEOUT_S] * 2  # the controller's waits for the actor are bounded
