@@ -100,7 +100,7 @@ def read_into(
         with warnings.catch_warnings():
             # Read-only (memory-mapped) buffers are only ever copied from.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            if ckdir.is_local:
+            if ckdir.reads_in_place:
                 for fr in rest:
                     buf = reader.read(fr.file, fr.offset, fr.length)
                     _verify_and_copy(reader, buf, fr.offset, fr, flat, to_device)

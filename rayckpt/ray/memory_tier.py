@@ -28,13 +28,12 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.fs as pafs
 import ray
 
 from .staging import PREFIX, staging_dir
@@ -228,8 +227,24 @@ def replicate(store: MemoryStore, path: str) -> str | None:
     return node
 
 
-def writers() -> dict[str, Any]:
-    """The ShardWriters of the live nodes: node id (its first 12 characters, as named) -> actor handle."""
+#: How long a process reuses its list of live ShardWriters (``writers``): a restore opens many files.
+WRITERS_TTL_S = 2.0
+_WRITERS: dict[str, Any] = {"at": -1e9, "found": {}}
+
+
+def writers(fresh: bool = False) -> dict[str, Any]:
+    """The ShardWriters of the live nodes: node id (its first 12 characters, as named) -> actor handle.
+
+    Looked up at most every ``WRITERS_TTL_S`` seconds per process (``fresh``: now); a writer
+    that died since is skipped where it is asked (``_ask_all``) and makes the next call look again.
+    """
+    now = time.monotonic()
+    if fresh or now - _WRITERS["at"] > WRITERS_TTL_S:
+        _WRITERS.update(found=_look_up_writers(), at=now)
+    return dict(_WRITERS["found"])
+
+
+def _look_up_writers() -> dict[str, Any]:
     from .metadata_actor import NAMESPACE
     from .shard_writer import writer_name
 
@@ -251,7 +266,7 @@ def writers() -> dict[str, Any]:
 
 def ring_peer(node_id: str) -> tuple[str, Any] | None:
     """The node after ``node_id`` in the ring of live nodes with a ShardWriter, and its writer; ``None``: alone."""
-    ring = writers()
+    ring = writers(fresh=True)  # the ring as it is now: a node may have left since the last look
     nodes = sorted(n for n in ring if n != node_id[:12])
     if not nodes:
         return None
@@ -269,171 +284,18 @@ def _ask_all(method: str, *args: Any) -> dict[str, Any]:
         try:
             out[node] = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-            pass
+            _WRITERS["at"] = -1e9  # one is gone: look again next time
     return out
 
 
-class _RemoteIn(io.RawIOBase):
-    """A held file read from another node's store, range by range, over Ray."""
-
-    def __init__(self, handle: Any, path: str, size: int) -> None:
-        super().__init__()
-        self.handle, self.path, self.size, self.pos = handle, path, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = base + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.size - self.pos if n is None or n < 0 else n
-        data = ray.get(self.handle.mem_read.remote(self.path, self.pos, n))
-        self.pos += len(data)
-        with _COUNTS_LOCK:
-            _COUNTS["peer_bytes"] += len(data)
-        return data
+def local_store() -> MemoryStore | None:
+    """This process's store, if it is a ShardWriter's."""
+    return _LOCAL
 
 
-class _BroadcastOut(io.RawIOBase):
-    """A small file written from a process that holds no store: on close, held by every live ShardWriter."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path, self.buffer = path, io.BytesIO()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        return self.buffer.write(data)
-
-    def tell(self) -> int:
-        return self.buffer.tell()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        super().close()
-        data = self.buffer.getvalue()
-        held = _ask_all("mem_put", self.path, data)
-        if not held:  # the run's first file (rank 0's lease): this node's writer is started for it
-            from .shard_writer import get_shard_writer
-
-            ray.get(get_shard_writer().mem_put.remote(self.path, data))
-
-
-class MemoryFileSystem(pafs.FileSystemHandler):
-    """The memory tier as a ``pyarrow`` filesystem (``memory_filesystem()``); picklable, stateless."""
-
-    def get_type_name(self) -> str:
-        return TYPE_NAME
-
-    def normalize_path(self, path: str) -> str:
-        return path.strip("/")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MemoryFileSystem)
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    def __hash__(self) -> int:
-        return hash(TYPE_NAME)
-
-    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
-        paths = [self.normalize_path(p) for p in paths]
-        found: dict[str, int] = {}
-        for answer in _ask_all("mem_stat", paths).values():
-            found.update(answer)
-        return [_info(p, found.get(p)) for p in paths]
-
-    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-        base = self.normalize_path(selector.base_dir)
-        found: dict[str, int] = {}
-        for answer in _ask_all("mem_listing", base, selector.recursive).values():
-            found.update(answer)
-        if not found and not selector.allow_not_found:
-            raise FileNotFoundError(f"memory tier: no directory {base}")
-        return [_info(p, s) for p, s in sorted(found.items())]
-
-    def create_dir(self, path: str, recursive: bool) -> None:
-        pass  # a directory is there while files are under it
-
-    def delete_dir(self, path: str) -> None:
-        _ask_all("mem_delete", self.normalize_path(path), True)
-
-    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
-        _ask_all("mem_delete", self.normalize_path(path), True)
-
-    def delete_root_dir_contents(self) -> None:
-        _ask_all("mem_delete", "", True)
-
-    def delete_file(self, path: str) -> None:
-        if not sum(_ask_all("mem_delete", self.normalize_path(path), False).values()):
-            raise FileNotFoundError(f"memory tier: no file {path}")
-
-    def move(self, src: str, dest: str) -> None:
-        raise NotImplementedError("the memory tier writes whole files: it has no rename")
-
-    def copy_file(self, src: str, dest: str) -> None:
-        raise NotImplementedError("the memory tier does not copy files")
-
-    def open_append_stream(self, path: str, metadata: Any = None) -> Any:
-        raise NotImplementedError("the memory tier writes whole files: it has no append")
-
-    def open_output_stream(self, path: str, metadata: Any = None) -> Any:
-        path = self.normalize_path(path)
-        if _LOCAL is not None:  # a ShardWriter writing a rank's shard: its own node, then the peer
-            return pa.PythonFile(_LOCAL.create(path, replicate=True), mode="w")
-        return pa.PythonFile(_BroadcastOut(path), mode="w")
-
-    def open_input_stream(self, path: str) -> Any:
-        return self.open_input_file(path)
-
-    def open_input_file(self, path: str) -> Any:
-        path = self.normalize_path(path)
-        if _LOCAL is not None and (held := _LOCAL.where(path)) is not None:
-            return _mapped(held)
-        here = ray.get_runtime_context().get_node_id()[:12]
-        handles = writers()
-        if here in handles:
-            held = ray.get(handles[here].mem_where.remote(path))
-            if held is not None:
-                return _mapped(held)
-        for node, size in _ask_all("mem_stat", [path]).items():
-            if size.get(path, -1) >= 0:
-                return pa.PythonFile(_RemoteIn(handles[node], path, size[path]), mode="r")
-        raise FileNotFoundError(f"memory tier: no file {path} on any live node")
-
-
-def _mapped(held: tuple[int, int, int, int]) -> Any:
-    pid, fd, size, inode = held
-    path = f"/proc/{pid}/fd/{fd}"
-    if os.stat(path).st_ino != inode:
-        raise FileNotFoundError(f"memory tier: {path} no longer names the held file")
-    return pa.memory_map(path, "r") if size else pa.BufferReader(b"")
-
-
-def _info(path: str, size: int | None) -> pafs.FileInfo:
-    if size is None:
-        return pafs.FileInfo(path, pafs.FileType.NotFound)
-    if size < 0:
-        return pafs.FileInfo(path, pafs.FileType.Directory)
-    return pafs.FileInfo(path, pafs.FileType.File, size=size)
-
-
-def memory_filesystem() -> pafs.FileSystem:
-    """The memory tier as a filesystem: pass it as ``filesystem=`` to ``save_async``, ``load``, the catalog."""
-    return pafs.PyFileSystem(MemoryFileSystem())
+def count_peer_bytes(n: int) -> None:
+    with _COUNTS_LOCK:
+        _COUNTS["peer_bytes"] += n
 
 
 def hold_here(store: MemoryStore) -> None:

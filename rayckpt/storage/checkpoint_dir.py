@@ -48,7 +48,8 @@ def parent_location(location: str) -> str:
 
 #: ``FileSystem.type_name`` of object stores: a "directory" there is a key prefix, there while objects are.
 #: rayckpt's memory tier (``ray.memory_tier``) is one too: whole files, no directories of their own.
-OBJECT_STORES = ("s3", "gcs", "py::rayckpt-mem")
+MEMORY_TIER = "py::rayckpt-mem"
+OBJECT_STORES = ("s3", "gcs", MEMORY_TIER)
 
 
 def _single_put_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -96,6 +97,12 @@ class CheckpointDir:
     @property
     def is_local(self) -> bool:
         return isinstance(self.fs, pafs.LocalFileSystem)
+
+    @property
+    def reads_in_place(self) -> bool:
+        """One plain read per range, no parallel GETs: local files, and the memory tier's (memory-mapped
+        when held on this node)."""
+        return self.is_local or self.fs.type_name == MEMORY_TIER
 
     @property
     def is_object_store(self) -> bool:

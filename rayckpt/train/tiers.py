@@ -17,7 +17,7 @@ import ray
 
 from ..engine.coordinator import Coordinator
 from ..engine.state import flatten
-from ..ray.memory_tier import memory_filesystem
+from ..ray.memory_fs import memory_filesystem
 from ..ray.shard_writer import get_shard_writer
 from ..ray.staging import staged_size
 from ..storage.catalog import checkpoint_dir_name, checkpoint_step

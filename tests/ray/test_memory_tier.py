@@ -12,7 +12,7 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt.ray.memory_tier import memory_filesystem
+from rayckpt.ray.memory_fs import memory_filesystem
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.ray.shard_writer import get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
