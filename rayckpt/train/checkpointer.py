@@ -107,6 +107,8 @@ class Checkpointer:
         #: Where the last ``restore`` read from: ``{"tier", "path", "step", "bytes_read", "peer_bytes"}``
         #: (``peer_bytes``: read from another node's memory; ``{}``: nothing restored).
         self.restored_from: dict[str, Any] = {}
+        #: Memory saves skipped because the save before them was not yet written on some rank.
+        self.memory_skipped = 0
         #: Rank 0 prints ``rayckpt: <run> committed step N (...)`` (or a failure line) per save.
         self.announcer = SaveAnnouncer(self.run, self.rank)
         #: The same for memory saves: ``rayckpt: <run> (memory) committed step N (...)``.
@@ -152,7 +154,9 @@ class Checkpointer:
         Where it goes: to storage when ``step`` is a multiple of ``persist_every``
         (every step by default) or ``persist=True``; else, with a memory tier, to
         the nodes' memory when ``step`` is a multiple of ``memory_every`` (or
-        ``persist=False``); else nowhere (``None``). A memory save that some
+        ``persist=False``); else nowhere (``None``). A memory save is skipped
+        (``None``; counted in ``memory_skipped``) while the save before it is not
+        yet written on some rank: training never waits for the memory tier. A memory save that some
         node's memory budget cannot hold goes to storage instead, with one WARNING.
         A memory save is not reported to Ray Train (it is not in its storage), and
         its line reads ``rayckpt: <run> (memory) committed step N (...)``.
@@ -173,6 +177,9 @@ class Checkpointer:
         if tier is None:
             return None
         metrics = dict(metrics or {}, step=step)
+        if tier == MEMORY and self._previous_unwritten():
+            self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
+            return None
         self.wait()  # what ``save_async`` does first, here so the previous save's outcome is announced
         if tier == MEMORY and (handle := self._save_to_memory(step, state, metrics, metadata)) is not None:
             return handle
@@ -206,6 +213,12 @@ class Checkpointer:
                 delete_local_checkpoint_after_upload=False,
             )
         return handle
+
+    def _previous_unwritten(self) -> bool:
+        """Whether the last save of any rank is not yet written by its ShardWriter (collective: every rank
+        decides the same)."""
+        busy = self._last is not None and not self._last[0].done()
+        return any(default_coordinator().all_gather(busy))
 
     def _save_to_memory(
         self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None
