@@ -77,10 +77,13 @@ class Checkpointer:
         memory_every: int = 0,
         persist_every: int = 1,
         memory_keep: int = 2,
+        memory_skip_busy: bool = True,
     ) -> None:
         #: Where each step's save goes (``tiers.TierPolicy``): storage every ``persist_every`` steps, the
         #: nodes' memory every ``memory_every`` steps between (0: no memory tier).
         self.policy = TierPolicy(memory_every, persist_every, memory_keep)
+        #: Skip a memory save while the save before it is unwritten (``False``: wait for it, as storage saves do).
+        self.memory_skip_busy = memory_skip_busy
         ctx = ray.train.get_context()
         storage = ctx.get_storage()
         self.run: str = ctx.get_experiment_name()
@@ -156,7 +159,8 @@ class Checkpointer:
         the nodes' memory when ``step`` is a multiple of ``memory_every`` (or
         ``persist=False``); else nowhere (``None``). A memory save is skipped
         (``None``; counted in ``memory_skipped``) while the save before it is not
-        yet written on some rank: training never waits for the memory tier. A memory save that some
+        yet written on some rank: training never waits for the memory tier
+        (``memory_skip_busy=False``: it waits, as a storage save does). A memory save that some
         node's memory budget cannot hold goes to storage instead, with one WARNING.
         A memory save is not reported to Ray Train (it is not in its storage), and
         its line reads ``rayckpt: <run> (memory) committed step N (...)``.
@@ -177,7 +181,7 @@ class Checkpointer:
         if tier is None:
             return None
         metrics = dict(metrics or {}, step=step)
-        if tier == MEMORY and self._previous_unwritten():
+        if tier == MEMORY and self.memory_skip_busy and self._previous_unwritten():
             self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
             return None
         self.wait()  # what ``save_async`` does first, here so the previous save's outcome is announced

@@ -44,7 +44,10 @@ def toy_train_loop(config: dict[str, Any]) -> None:
     timeout = config.get("commit_timeout_s", DEFAULT_COMMIT_TIMEOUT_S)
     memory_every = config.get("memory_every", 0)  # memory saves at every other step, storage at save_at
     ckpt = Checkpointer(
-        local_is_shared=config.get("local_is_shared"), commit_timeout_s=timeout, memory_every=memory_every
+        local_is_shared=config.get("local_is_shared"),
+        commit_timeout_s=timeout,
+        memory_every=memory_every,
+        memory_skip_busy=False,  # every memory save happens: the tests know which steps are held
     )
     restored = ckpt.restore(state)
     step = app.extras["step"] if restored is not None else 0

@@ -24,7 +24,7 @@ class Ranks:
 def bare_checkpointer(previous_done: bool) -> checkpointer.Checkpointer:
     ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only save()'s decision is used
     ckpt.policy = TierPolicy(memory_every=1, persist_every=5)
-    ckpt.memory_skipped = 0
+    ckpt.memory_skipped, ckpt.memory_skip_busy = 0, True
     ckpt._last = (SimpleNamespace(done=lambda: previous_done), 0.0)
     ckpt.run, ckpt.run_root, ckpt.filesystem, ckpt.block_size = "r", "/ckpts/r", None, None
     ckpt.commit_timeout_s, ckpt.local_is_shared, ckpt.staging = 60.0, None, None
@@ -61,3 +61,17 @@ def test_a_storage_save_still_waits_for_the_one_before(monkeypatch):
     except RuntimeError:
         pass
     assert waited == [True] and ckpt.memory_skipped == 0
+
+
+def test_with_memory_skip_busy_off_a_memory_save_waits_for_the_one_before(monkeypatch):
+    started = []
+    monkeypatch.setattr(checkpointer.Checkpointer, "wait", lambda self: started.append("wait"))
+    monkeypatch.setattr(
+        checkpointer.Checkpointer, "_save_to_memory", lambda self, *a: started.append("memory") or "handle"
+    )
+    ranks = Ranks([True])
+    monkeypatch.setattr(checkpointer, "default_coordinator", lambda: ranks)
+    ckpt = bare_checkpointer(previous_done=False)
+    ckpt.memory_skip_busy = False
+    assert ckpt.save(3, {}, {"loss": 1.0}) == "handle"
+    assert started == ["wait", "memory"] and ranks.gathered == [] and ckpt.memory_skipped == 0
