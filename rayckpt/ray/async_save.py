@@ -221,7 +221,7 @@ class AsyncSaver:
         mode = staging_mode(staging)
         if mode == "object_store":
             return 0
-        pieces = [p.local for leaf in flatten(state_dict).tensors.values() for p in leaf.pieces]
+        pieces = local_pieces(state_dict)
         buffer = self._staging_buffer()
         _start_actors()
         try:
@@ -245,6 +245,11 @@ class AsyncSaver:
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
+
+
+def local_pieces(state_dict: dict[str, Any]) -> list[Any]:
+    """Every local tensor of ``state_dict``: what this rank's staging buffer is sized to (a share never exceeds it)."""
+    return [p.local for leaf in flatten(state_dict).tensors.values() for p in leaf.pieces]
 
 
 def _device_of(pieces: list[Any]) -> Any:

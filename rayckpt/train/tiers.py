@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from ..engine.coordinator import Coordinator
-from ..engine.state import flatten
+from ..ray.async_save import local_pieces
 from ..ray.memory_fs import memory_filesystem
 from ..ray.shard_writer import get_shard_writer
 from ..ray.staging import staged_size
@@ -87,8 +87,7 @@ class MemoryTier:
     def fits(self, state: dict[str, Any], local_ranks: int, coord: Coordinator) -> tuple[bool, str]:
         """Whether every node's memory tier can hold this save (each rank's share and a peer's replica of
         about its size), asked of each rank's node (collective); and, if not, why (for the WARNING)."""
-        pieces = [p.local for leaf in flatten(state).tensors.values() for p in leaf.pieces]
-        need = 2 * staged_size(pieces) * max(1, local_ranks)
+        need = 2 * staged_size(local_pieces(state)) * max(1, local_ranks)
         room = ray.get(get_shard_writer().mem_room.remote())
         answers = coord.all_gather((room >= need, room, need, ray.get_runtime_context().get_node_id()[:12]))
         short = [a for a in answers if not a[0]]
