@@ -54,11 +54,17 @@ def staging_mode(staging: str | None) -> str:
     return mode
 
 
-class AsyncSaver:
-    """A process's async saves: the one in flight and the staging buffer they reuse.
+#: The lane of ``save_async`` when none is named: one save in flight per process and lane.
+DEFAULT_LANE = "default"
 
-    One per process (``saver()``): a rank trains in one process, and its staging
-    buffer is sized to that process's share.
+
+class AsyncSaver:
+    """A process's async saves of one lane: the one in flight and the staging buffer they reuse.
+
+    One per process and lane (``saver(lane)``): a rank trains in one process, and
+    its staging buffer is sized to that process's share. Saves of two lanes (a
+    ``Checkpointer``'s storage and memory saves) are in flight side by side, each
+    staged in its own buffer.
     """
 
     def __init__(self) -> None:
@@ -265,9 +271,13 @@ def _start_actors() -> None:
         get_metadata_actor()
 
 
+def saver(lane: str = DEFAULT_LANE) -> AsyncSaver:
+    """This process's ``AsyncSaver`` of ``lane``."""
+    return _savers(lane)  # one cache key per lane, however it is named in the call
+
+
 @functools.cache
-def saver() -> AsyncSaver:
-    """This process's ``AsyncSaver``."""
+def _savers(lane: str) -> AsyncSaver:
     return AsyncSaver()
 
 
@@ -298,6 +308,7 @@ def save_async(
     commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
     local_is_shared: bool | None = None,
     staging: str | None = None,
+    lane: str = DEFAULT_LANE,
 ) -> SaveHandle:
     """Start a save through the Ray actors; return a ``SaveHandle`` once this rank's share is staged.
 
@@ -345,12 +356,15 @@ def save_async(
     Any other value raises ``ValueError``. A peer dying during the planning
     collectives (the async save's only ones) raises ``PeerLostError`` on the
     ranks left, before anything is staged or registered. At most one save in flight
-    per process: a second call first waits for the previous one and raises its
-    error if it failed. A local path while ranks run on more than one node is
+    per process and ``lane``: a second call first waits for the previous one of its
+    lane and raises its error if it failed. Saves of different lanes (any names) are
+    in flight side by side, each lane staging into its own buffer (one share of
+    ``/dev/shm`` each): a ``Checkpointer`` saves to the nodes' memory in lane
+    ``"memory"`` while its storage save is still being written. A local path while ranks run on more than one node is
     refused (``InvalidStateError``) unless ``local_is_shared=True`` or
     ``RAYCKPT_LOCAL_IS_SHARED=1`` says the path is shared storage (NFS).
     """
-    return saver().save(
+    return saver(lane).save(
         state_dict,
         checkpoint_id,
         run=run,
@@ -365,8 +379,11 @@ def save_async(
     )
 
 
-def prepare_staging(state_dict: dict[str, Any], staging: str | None = None, wait: bool = False) -> int:
-    """Make this process's staging buffer before its first ``save_async`` (not collective); returns its size.
+def prepare_staging(
+    state_dict: dict[str, Any], staging: str | None = None, wait: bool = False, lane: str = DEFAULT_LANE
+) -> int:
+    """Make this process's staging buffer (of ``lane``) before its first ``save_async`` (not collective);
+    returns its size.
 
     Sized to every local tensor of ``state_dict``, which a rank's share never
     exceeds, and page-locked when the state is on a CUDA device. Returns at once
@@ -380,17 +397,17 @@ def prepare_staging(state_dict: dict[str, Any], staging: str | None = None, wait
     raises ``StagingUnavailable``: at once for a directory that cannot be written,
     else from the first save).
     """
-    return saver().prepare_staging(state_dict, staging, wait)
+    return saver(lane).prepare_staging(state_dict, staging, wait)
 
 
-def release_staging() -> None:
-    """Free this process's staging buffer (the next ``save_async`` makes a new one).
+def release_staging(lane: str = DEFAULT_LANE) -> None:
+    """Free this process's staging buffer of ``lane`` (the next ``save_async`` makes a new one).
 
     Waits for an in-flight save first, so no writer is still reading it.
     """
-    saver().release_staging()
+    saver(lane).release_staging()
 
 
-def wait_inflight() -> CatalogEntry | None:
-    """Wait for this process's in-flight save, if any (raises if it failed)."""
-    return saver().wait()
+def wait_inflight(lane: str = DEFAULT_LANE) -> CatalogEntry | None:
+    """Wait for this process's in-flight save of ``lane``, if any (raises if it failed)."""
+    return saver(lane).wait()

@@ -31,12 +31,13 @@ from ..engine.coordinator import default_coordinator
 from ..engine.load import LoadInfo
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
-from ..ray.async_save import SaveHandle, prepare_staging, save_async, wait_inflight
+from ..ray.async_save import DEFAULT_LANE, SaveHandle, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
 from ..ray.memory_tier import peer_bytes
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
-from ..storage.catalog import CatalogEntry, checkpoint_dir_name, checkpoint_step, entry_order, latest_committed
+from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
 from .announce import SaveAnnouncer
+from .restore_order import candidates, reason
 from .tiers import MEMORY, STORAGE, MemoryTier, TierPolicy
 
 logger = logging.getLogger(__name__)
@@ -116,8 +117,9 @@ class Checkpointer:
         self.announcer = SaveAnnouncer(self.run, self.rank)
         #: The same for memory saves: ``rayckpt: <run> (memory) committed step N (...)``.
         self.memory_announcer = SaveAnnouncer(f"{self.run} (memory)", self.rank)
-        #: The last save begun here and when (``time.perf_counter()``): ``wait()`` announces its outcome.
-        self._last: tuple[SaveHandle, float] | None = None
+        #: The last save begun here of each tier and when (``time.perf_counter()``): ``wait()`` announces
+        #: their outcomes. Storage and memory saves are in flight side by side (``save_async``'s lanes).
+        self._last: dict[str, tuple[SaveHandle, float]] = {}
         #: Rank 0: how many worker groups of this Ray Train run started before this one (0: the first;
         #: k after Ray Train's k-th restart or resize), counted by the MetadataActor. ``None`` on other ranks.
         self.restarts: int | None = None
@@ -155,15 +157,19 @@ class Checkpointer:
         """Start saving ``state`` as step ``step`` (collective); return the ``SaveHandle`` after staging.
 
         Where it goes: to storage when ``step`` is a multiple of ``persist_every``
-        (every step by default) or ``persist=True``; else, with a memory tier, to
-        the nodes' memory when ``step`` is a multiple of ``memory_every`` (or
-        ``persist=False``); else nowhere (``None``). A memory save is skipped
-        (``None``; counted in ``memory_skipped``) while the save before it is not
-        yet written on some rank: training never waits for the memory tier
-        (``memory_skip_busy=False``: it waits, as a storage save does). A memory save that some
-        node's memory budget cannot hold goes to storage instead, with one WARNING.
-        A memory save is not reported to Ray Train (it is not in its storage), and
-        its line reads ``rayckpt: <run> (memory) committed step N (...)``.
+        (every step by default) or ``persist=True``; with a memory tier, to the nodes'
+        memory when ``step`` is a multiple of ``memory_every`` (or ``persist=False``):
+        a step due for both goes to both (memory first), so a failure while its storage
+        save is being written still finds it in memory; else nowhere (``None``).
+        Memory saves have their own lane (``save_async``): one is staged and written
+        while the storage save before it is still being written. A memory save is
+        skipped (counted in ``memory_skipped``) while the memory save before it is
+        not yet written on some rank: training never waits for the memory tier
+        (``memory_skip_busy=False``: it waits). A memory save that some node's memory
+        budget cannot hold goes to storage instead, with one WARNING. A memory save is
+        not reported to Ray Train (it is not in its storage), and its line reads
+        ``rayckpt: <run> (memory) committed step N (...)``. Returns the storage save's
+        handle when there is one, else the memory save's, else ``None``.
 
         A storage save: ``save_async``, then ``ray.train.report(metrics + {"step"}, checkpoint=...,
         checkpoint_upload_mode=ASYNC, checkpoint_upload_fn=<wait for commit>)``: Ray
@@ -171,22 +177,27 @@ class Checkpointer:
         retention deletes old ones. The manifest's user metadata holds ``step``, ``run``,
         ``metrics`` and the JSON-able entries of ``metadata`` (run hyperparameters,
         say; ``restore`` gives them back as ``restored_metadata``). Waits first for
-        this worker's previous save. When the save settles, rank 0 writes
+        this worker's previous storage save. When the save settles, rank 0 writes
         ``rayckpt: <run> committed step N (<MiB>, <seconds> s)`` or
         ``rayckpt: <run> failed to save step N, nothing committed: <error>`` to its
         stderr (forwarded to the driver), once per save (``rayckpt.train.announce``);
         with ``report=False``, when ``wait()`` or the next ``save()`` learns the outcome.
         """
-        tier = self.policy.tier(step, persist)
-        if tier is None:
-            return None
+        tiers = self.policy.tiers(step, persist)
         metrics = dict(metrics or {}, step=step)
-        if tier == MEMORY and self.memory_skip_busy and self._previous_unwritten():
-            self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
-            return None
-        self.wait()  # what ``save_async`` does first, here so the previous save's outcome is announced
-        if tier == MEMORY and (handle := self._save_to_memory(step, state, metrics, metadata)) is not None:
-            return handle
+        handle = None
+        if MEMORY in tiers:
+            if self.memory_skip_busy and self._memory_unwritten():
+                self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
+            elif (handle := self._save_to_memory(step, state, metrics, metadata)) is None:
+                tiers = (STORAGE,)  # no room in some node's budget: to storage instead (one WARNING)
+        return self._save_to_storage(step, state, metrics, metadata) if STORAGE in tiers else handle
+
+    def _save_to_storage(
+        self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None
+    ) -> SaveHandle:
+        """``save`` to storage, reported to Ray Train; waits first for the storage save before it."""
+        self._wait(STORAGE)  # what ``save_async`` does first, here so the previous save's outcome is announced
         began = time.perf_counter()
         handle = save_async(
             state,
@@ -200,7 +211,7 @@ class Checkpointer:
             local_is_shared=self.local_is_shared,
             staging=self.staging,
         )
-        self._last = (handle, began)
+        self._last[STORAGE] = (handle, began)
         if self.report:
             from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -218,17 +229,20 @@ class Checkpointer:
             )
         return handle
 
-    def _previous_unwritten(self) -> bool:
-        """Whether the last save of any rank is not yet written by its ShardWriter (collective: every rank
-        decides the same)."""
-        busy = self._last is not None and not self._last[0].done()
+    def _memory_unwritten(self) -> bool:
+        """Whether the last memory save of any rank is not yet written by its ShardWriter (collective: every
+        rank decides the same). A storage save being written does not count: it has its own lane."""
+        last = self._last.get(MEMORY)
+        busy = last is not None and not last[0].done()
         return any(default_coordinator().all_gather(busy))
 
     def _save_to_memory(
         self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None
     ) -> SaveHandle | None:
-        """``save`` to the memory tier; ``None`` (nothing started) when a node's budget cannot hold it."""
+        """``save`` to the memory tier, in its own lane (beside a storage save still being written);
+        ``None`` (nothing started) when a node's budget cannot hold it."""
         assert self.memory is not None
+        self._wait(MEMORY)
         coord = default_coordinator()
         self.memory.make_room(self.rank, coord)
         fits, why = self.memory.fits(state, self._local_ranks, coord)
@@ -248,8 +262,9 @@ class Checkpointer:
             commit_timeout_s=self.commit_timeout_s,
             local_is_shared=True,
             staging=self.staging,
+            lane=MEMORY,
         )
-        self._last = (handle, began)
+        self._last[MEMORY] = (handle, began)
         return handle
 
     def release_memory(self) -> None:
@@ -292,47 +307,24 @@ class Checkpointer:
         """
         step = self._load_latest(state)
         self.staging_bytes = prepare_staging(state, self.staging)
+        if self.memory is not None:  # the memory lane's own buffer: it stages while a storage save is written
+            self.staging_bytes += prepare_staging(state, self.staging, lane=MEMORY)
         return step
 
     def _candidates(self) -> tuple[list[tuple[str, int | None, str]], list[tuple[str, int | None, str]]]:
-        """What ``restore`` tries, newest first: ``(path, step, tier)``; and what it passes over at
-        once, ``(path, step, reason)``: checkpoints newer than those whose manifest the catalog lists corrupt.
-
-        The newest committed checkpoint in storage comes first even when Ray Train has not
-        registered it yet (a worker died right after its commit): fewer steps are lost.
-        Ray Train's latest, when the catalog does not list it committed (its directory
-        or manifest gone), is tried in its place, so its loss is reported, not skipped.
-        With a memory tier, its committed checkpoints join the list; of two with the
-        same step, the one in memory comes first.
-        """
+        """What ``restore`` tries and what it passes over at once (``restore_order.candidates``)."""
         entries, self._found = self._found, None
         if entries is None:
             entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
-        committed = [e for e in entries if e.status == "committed"]
-        candidates = [(_order(e, STORAGE), e.path, e.step, STORAGE) for e in committed]
+        held: list[CatalogEntry] = []
         if self.memory is not None:
             held, self._found_memory = self._found_memory, None
             if held is None:
                 held = ray.get(
                     get_metadata_actor().register_run.remote(self.memory.run, self.memory.root, self.memory.filesystem)
                 )
-            candidates += [(_order(e, MEMORY), e.path, e.step, MEMORY) for e in held if e.status == "committed"]
-            entries = [*entries, *(e for e in held if e.status == "corrupt")]
         ray_ckpt = ray.train.get_checkpoint()
-        if ray_ckpt is not None:
-            reported = posixpath.normpath(ray_ckpt.path)
-            if not any(posixpath.normpath(e.path) == reported for e in entries):
-                step = checkpoint_step(ray_ckpt.path)
-                candidates.append(((step is not None, step or 0, 0, 0.0, reported), ray_ckpt.path, step, STORAGE))
-        candidates.sort(key=lambda c: c[0], reverse=True)
-        newest = candidates[0][0] if candidates else None
-        corrupt = sorted((e for e in entries if e.status == "corrupt"), key=entry_order, reverse=True)
-        passed_over = [
-            (e.path, e.step, e.error or "its manifest is corrupt")
-            for e in corrupt
-            if newest is None or _order(e, STORAGE) > newest
-        ]
-        return [(path, step, tier) for _, path, step, tier in candidates], passed_over
+        return candidates(entries, held, ray_ckpt.path if ray_ckpt is not None else None)
 
     def _load_latest(self, state: dict[str, Any]) -> int | None:
         # Every rank tries rank 0's list: the ranks' catalogs were read at different moments (an
@@ -352,7 +344,7 @@ class Checkpointer:
             try:
                 self.last_load = ray_load(state, path, run=run, filesystem=filesystem)
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                failed.append((path, step, _reason(exc)))
+                failed.append((path, step, reason(exc)))
                 continue
             metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
             self.restored_metadata = metadata
@@ -398,11 +390,26 @@ class Checkpointer:
         get_metadata_actor().record_event.remote(self.run, "restore_fallback", self.fallbacks[-1])
 
     def wait(self) -> CatalogEntry | None:
-        """Block until this worker's in-flight save is committed (raises if it failed)."""
-        if self._last is None:
-            return wait_inflight()
-        handle, began = self._last
-        return self._announced_wait(handle, began, wait_inflight)
+        """Block until this worker's in-flight saves (storage and memory) are committed; returns the newest
+        one's catalog entry. Raises the first failure, once both are settled."""
+        newest = max(self._last, key=lambda tier: self._last[tier][1], default=STORAGE)
+        entries, failed = {}, []
+        for tier in (MEMORY, STORAGE):
+            try:
+                entries[tier] = self._wait(tier)
+            except SaveFailedError as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
+        return entries[newest]
+
+    def _wait(self, tier: str) -> CatalogEntry | None:
+        """``wait()`` for the save in flight of one tier (its lane), announcing its outcome."""
+        lane = MEMORY if tier == MEMORY else DEFAULT_LANE
+        if tier not in self._last:
+            return wait_inflight(lane)
+        handle, began = self._last[tier]
+        return self._announced_wait(handle, began, lambda: wait_inflight(lane))
 
     def _announced_wait(
         self, handle: SaveHandle, began: float, wait: Callable[[], CatalogEntry | None]
@@ -420,17 +427,6 @@ class Checkpointer:
         if entry is not None and entry.save_id == handle.save_id:
             announcer.announce(handle.save_id, handle.step, began, entry)
         return entry
-
-
-def _reason(exc: BaseException) -> str:
-    """An error's message on one line (a multi-rank load error lists each rank on its own), for the
-    fallback WARNING and ``RestoreFailedError``."""
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _order(e: CatalogEntry, tier: str) -> tuple:
-    """Restore's order: newest step first; of one step, memory before storage."""
-    return (e.step is not None, e.step or 0, tier == MEMORY, e.created, e.path)
 
 
 def _attempt_key(run: str) -> str:

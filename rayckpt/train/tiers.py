@@ -1,7 +1,8 @@
 """Which tier a ``Checkpointer`` save goes to, and the memory tier's side of it (``ray.memory_tier``).
 
-Every ``memory_every`` steps a save goes to the nodes' memory only; every
-``persist_every`` steps to storage, as without a memory tier. Memory checkpoints
+Every ``memory_every`` steps a save goes to the nodes' memory; every
+``persist_every`` steps to storage, as without a memory tier (a step due for
+both goes to both). Memory checkpoints
 are named like storage ones, under ``mem/<run>`` on the memory filesystem, and
 tracked by the MetadataActor as the run ``<run>@memory``.
 """
@@ -53,14 +54,12 @@ class TierPolicy:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Checkpointer({name}={value!r}): expected a whole number >= {low}")
 
-    def tier(self, step: int, persist: bool | None = None) -> str | None:
-        """Where the save of ``step`` goes: storage when it is due (or ``persist``), else memory when due, else
-        nowhere (``None``); ``persist=False``: memory only, if it is on."""
-        if persist or (persist is None and step % self.persist_every == 0):
-            return STORAGE
-        if self.memory_every and (persist is False or step % self.memory_every == 0):
-            return MEMORY
-        return None
+    def tiers(self, step: int, persist: bool | None = None) -> tuple[str, ...]:
+        """Where the save of ``step`` goes, memory first: storage when it is due (or ``persist``), memory
+        when it is due (or ``persist=False``), both when both are, ``()`` when neither."""
+        memory = bool(self.memory_every) and (persist is False or step % self.memory_every == 0)
+        storage = bool(persist) or (persist is None and step % self.persist_every == 0)
+        return (MEMORY,) * memory + (STORAGE,) * storage
 
 
 class MemoryTier:

@@ -117,6 +117,22 @@ def test_second_save_waits_for_the_first_and_both_commit_in_order(ray_session, t
     assert committed_order("bp") == [h1.save_id, h2.save_id]
 
 
+def test_a_save_in_another_lane_does_not_wait_for_the_one_in_flight(ray_session, tmp_path):
+    h1 = async_save.save_async(state(5, rows=20000), str(tmp_path / "l1"), run="lanes", step=1)
+    h2 = async_save.save_async(state(6, rows=20000), str(tmp_path / "l2"), run="lanes-mem", step=2, lane="memory")
+    assert async_save.saver().inflight is h1  # the second save did not wait for (and clear) the first
+    assert async_save.saver("memory").inflight is h2
+    first, second = async_save.saver().buffer, async_save.saver("memory").buffer
+    assert first.inode != second.inode  # each lane staged into its own buffer
+    assert h1.wait().status == "committed" and h2.wait().status == "committed"
+    for path, seed in (("l1", 5), ("l2", 6)):
+        out = target(rows=20000)
+        ray_load(out, str(tmp_path / path), run="lanes")
+        assert torch.equal(out["w"], state(seed, rows=20000)["w"]) and out["step"] == seed
+    async_save.release_staging("memory")
+    assert async_save.saver("memory").buffer is None and async_save.saver().buffer is first
+
+
 def test_failed_save_is_never_silent(ray_session, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -1,12 +1,13 @@
-"""``Checkpointer.save`` to the memory tier never waits for the save before it: while that save is not yet
-written on some rank, every rank skips the memory save (one collective decides it for all)."""
+"""``Checkpointer.save`` to the memory tier never waits for the save before it: memory saves have their own
+lane (a storage save being written does not hold them up), and while the memory save before is not yet
+written on some rank, every rank skips the new one (one collective decides it for all)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from rayckpt.train import checkpointer
-from rayckpt.train.tiers import TierPolicy
+from rayckpt.train.tiers import MEMORY, STORAGE, TierPolicy
 
 
 class Ranks:
@@ -21,57 +22,57 @@ class Ranks:
         return [mine, *self.others]
 
 
-def bare_checkpointer(previous_done: bool) -> checkpointer.Checkpointer:
+def bare_checkpointer(monkeypatch, last: dict, others: list, fits: bool = True):
+    """A Checkpointer (memory every step, storage every 5th) whose saves only record which tier began."""
     ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only save()'s decision is used
     ckpt.policy = TierPolicy(memory_every=1, persist_every=5)
     ckpt.memory_skipped, ckpt.memory_skip_busy = 0, True
-    ckpt._last = (SimpleNamespace(done=lambda: previous_done), 0.0)
-    ckpt.run, ckpt.run_root, ckpt.filesystem, ckpt.block_size = "r", "/ckpts/r", None, None
-    ckpt.commit_timeout_s, ckpt.local_is_shared, ckpt.staging = 60.0, None, None
-    return ckpt
-
-
-def test_a_memory_save_is_skipped_on_every_rank_while_one_rank_s_last_save_is_unwritten(monkeypatch):
-    started = []
-    monkeypatch.setattr(checkpointer.Checkpointer, "wait", lambda self: started.append("wait"))
+    ckpt._last = {tier: (SimpleNamespace(done=lambda done=done: done), 0.0) for tier, done in last.items()}
+    began: list = []
     monkeypatch.setattr(
-        checkpointer.Checkpointer, "_save_to_memory", lambda self, *a: started.append("memory") or "handle"
+        checkpointer.Checkpointer,
+        "_save_to_memory",
+        lambda self, *a: began.append(MEMORY) or ("memory handle" if fits else None),
     )
-    for mine_done, others, skipped in ((True, [False], False), (True, [True], True), (False, [False], True)):
-        ckpt, ranks = bare_checkpointer(mine_done), Ranks(others)
-        monkeypatch.setattr(checkpointer, "default_coordinator", lambda ranks=ranks: ranks)
-        started.clear()
-        ckpt.save(3, {}, {"loss": 1.0})
-        assert ranks.gathered == [not mine_done]  # each rank says whether its own last save is unwritten
-        assert (ckpt.memory_skipped, started) == ((1, []) if skipped else (0, ["wait", "memory"]))
-
-
-def test_a_storage_save_still_waits_for_the_one_before(monkeypatch):
-    waited = []
-    monkeypatch.setattr(checkpointer.Checkpointer, "wait", lambda self: waited.append(True))
-    monkeypatch.setattr(checkpointer, "default_coordinator", lambda: Ranks([False]))
-
-    def no_save(*args, **kwargs):
-        raise RuntimeError("stop here: the decision is what is tested")
-
-    monkeypatch.setattr(checkpointer, "save_async", no_save)
-    ckpt = bare_checkpointer(previous_done=False)
-    try:
-        ckpt.save(5, {}, {"loss": 1.0})  # step 5: storage
-    except RuntimeError:
-        pass
-    assert waited == [True] and ckpt.memory_skipped == 0
-
-
-def test_with_memory_skip_busy_off_a_memory_save_waits_for_the_one_before(monkeypatch):
-    started = []
-    monkeypatch.setattr(checkpointer.Checkpointer, "wait", lambda self: started.append("wait"))
     monkeypatch.setattr(
-        checkpointer.Checkpointer, "_save_to_memory", lambda self, *a: started.append("memory") or "handle"
+        checkpointer.Checkpointer, "_save_to_storage", lambda self, *a: began.append(STORAGE) or "storage handle"
     )
-    ranks = Ranks([True])
+    ranks = Ranks(others)
     monkeypatch.setattr(checkpointer, "default_coordinator", lambda: ranks)
-    ckpt = bare_checkpointer(previous_done=False)
+    return ckpt, ranks, began
+
+
+def test_a_memory_save_is_skipped_on_every_rank_while_one_rank_s_last_memory_save_is_unwritten(monkeypatch):
+    for mine_done, others, skipped in ((True, [False], False), (True, [True], True), (False, [False], True)):
+        ckpt, ranks, began = bare_checkpointer(monkeypatch, {MEMORY: mine_done}, others)
+        result = ckpt.save(3, {}, {"loss": 1.0})
+        assert ranks.gathered == [not mine_done]  # each rank says whether its own last memory save is unwritten
+        assert (ckpt.memory_skipped, began, result) == ((1, [], None) if skipped else (0, [MEMORY], "memory handle"))
+
+
+def test_a_storage_save_being_written_does_not_hold_up_a_memory_save(monkeypatch):
+    ckpt, ranks, began = bare_checkpointer(monkeypatch, {STORAGE: False, MEMORY: True}, [False])
+    assert ckpt.save(3, {}, {"loss": 1.0}) == "memory handle"
+    assert began == [MEMORY] and ranks.gathered == [False] and ckpt.memory_skipped == 0
+
+
+def test_a_step_due_for_both_tiers_goes_to_memory_first_then_storage(monkeypatch):
+    ckpt, _, began = bare_checkpointer(monkeypatch, {}, [False])
+    assert ckpt.save(5, {}, {"loss": 1.0}) == "storage handle"
+    assert began == [MEMORY, STORAGE]
+    ckpt, _, began = bare_checkpointer(monkeypatch, {MEMORY: False}, [False])  # memory busy: storage still saves
+    assert ckpt.save(10, {}, {"loss": 1.0}) == "storage handle"
+    assert began == [STORAGE] and ckpt.memory_skipped == 1
+
+
+def test_a_memory_save_no_budget_holds_goes_to_storage(monkeypatch):
+    ckpt, _, began = bare_checkpointer(monkeypatch, {}, [False], fits=False)
+    assert ckpt.save(3, {}, {"loss": 1.0}) == "storage handle"
+    assert began == [MEMORY, STORAGE]
+
+
+def test_with_memory_skip_busy_off_a_memory_save_is_never_skipped(monkeypatch):
+    ckpt, ranks, began = bare_checkpointer(monkeypatch, {MEMORY: False}, [True])
     ckpt.memory_skip_busy = False
-    assert ckpt.save(3, {}, {"loss": 1.0}) == "handle"
-    assert started == ["wait", "memory"] and ranks.gathered == [] and ckpt.memory_skipped == 0
+    assert ckpt.save(3, {}, {"loss": 1.0}) == "memory handle"  # _save_to_memory waits for the one before
+    assert began == [MEMORY] and ranks.gathered == [] and ckpt.memory_skipped == 0

@@ -108,11 +108,13 @@ def test_the_default_budget_is_half_the_filesystem_or_the_environment(tmp_path, 
         default_budget(str(tmp_path))
 
 
-def test_the_policy_sends_each_step_to_storage_memory_or_nowhere():
+def test_the_policy_sends_each_step_to_storage_memory_both_or_nowhere():
     policy = TierPolicy(memory_every=2, persist_every=6)
-    assert [policy.tier(s) for s in range(1, 7)] == [None, MEMORY, None, MEMORY, None, STORAGE]
-    assert policy.tier(3, persist=True) == STORAGE and policy.tier(3, persist=False) == MEMORY
-    assert TierPolicy().tier(5) == STORAGE and TierPolicy().tier(5, persist=False) is None  # no memory tier
+    assert [policy.tiers(s) for s in range(1, 7)] == [(), (MEMORY,), (), (MEMORY,), (), (MEMORY, STORAGE)]
+    assert policy.tiers(3, persist=True) == (STORAGE,) and policy.tiers(4, persist=True) == (MEMORY, STORAGE)
+    assert policy.tiers(3, persist=False) == (MEMORY,) and policy.tiers(6, persist=False) == (MEMORY,)
+    assert TierPolicy(memory_every=4, persist_every=6).tiers(6) == (STORAGE,)  # not a memory step
+    assert TierPolicy().tiers(5) == (STORAGE,) and TierPolicy().tiers(5, persist=False) == ()  # no memory tier
     for bad, name in (({"memory_every": -1}, "memory_every"), ({"persist_every": 0}, "persist_every")):
         with pytest.raises(ValueError, match=rf"Checkpointer\({name}=.*\): expected a whole number"):
             TierPolicy(**bad)

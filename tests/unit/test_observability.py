@@ -169,17 +169,19 @@ def test_checkpointer_wait_announces_the_outcome_it_learns(monkeypatch):
     ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only wait() is used
     ckpt.announcer = SaveAnnouncer("gpt", 0, out)
     ckpt.memory, ckpt.memory_announcer = SimpleNamespace(run="gpt@memory"), SaveAnnouncer("gpt (memory)", 0, out)
-    ckpt._last = (SimpleNamespace(save_id="s-1", step=5, run="gpt"), time.perf_counter())
-    monkeypatch.setattr(checkpointer, "wait_inflight", lambda: entry("committed"))
+    ckpt._last = {"storage": (SimpleNamespace(save_id="s-1", step=5, run="gpt"), time.perf_counter())}
+    monkeypatch.setattr(checkpointer, "wait_inflight", lambda lane: entry("committed"))
     assert ckpt.wait().status == "committed"
 
-    def failing():
-        raise SaveFailedError("save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom")
+    def failing(lane):
+        if lane == "default":
+            raise SaveFailedError("save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom")
+        return entry("committed")
 
-    ckpt._last = (SimpleNamespace(save_id="s-1", step=6, run="gpt@memory"), time.perf_counter())
+    ckpt._last = {"memory": (SimpleNamespace(save_id="s-1", step=6, run="gpt@memory"), time.perf_counter())}
     assert ckpt.wait().status == "committed"  # a memory save's line names the tier
 
-    ckpt._last = (SimpleNamespace(save_id="s-2", step=10, run="gpt"), time.perf_counter())
+    ckpt._last = {"storage": (SimpleNamespace(save_id="s-2", step=10, run="gpt"), time.perf_counter())}
     monkeypatch.setattr(checkpointer, "wait_inflight", failing)
     with pytest.raises(SaveFailedError, match="boom"):
         ckpt.wait()
