@@ -106,7 +106,16 @@ def train_loop(config: dict[str, Any]) -> None:
         tier, peer = ckpt.restored_from["tier"], ckpt.restored_from["peer_bytes"]
         fs = ckpt.memory.filesystem if tier == "memory" and ckpt.memory is not None else None
         source_world = rayckpt.read_manifest(ckpt.restored_from["path"], filesystem=fs).world_size
-    log("restore_done", step=restored, source_world=source_world, restore_s=restore_s, tier=tier, peer_bytes=peer)
+    passed = [f"step {f['step']}: {f['reason']}" for f in ckpt.fallbacks]
+    log(
+        "restore_done",
+        step=restored,
+        source_world=source_world,
+        restore_s=restore_s,
+        tier=tier,
+        peer_bytes=peer,
+        fallbacks=passed,
+    )
 
     step = restored or 0
     stop_at = config["steps"] if attempt == 0 else step + config["after_steps"]
@@ -118,8 +127,15 @@ def train_loop(config: dict[str, Any]) -> None:
         persist = None if not memory_every else step % config["save_every"] == 0
         if step % config["save_every"] == 0 or (memory_every and step % memory_every == 0):
             t0 = time.perf_counter()
-            ckpt.save(step, state, {"loss": float(step)}, persist=persist)
-            log("save", step=step, stall_s=time.perf_counter() - t0, memory=persist is False)
+            handle = ckpt.save(step, state, {"loss": float(step)}, persist=persist)
+            log(
+                "save",
+                step=step,
+                stall_s=time.perf_counter() - t0,
+                memory=persist is False,
+                skipped=handle is None,
+                memory_skipped=ckpt.memory_skipped,
+            )
     ckpt.wait()
     log("done", step=step)
 
