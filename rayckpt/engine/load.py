@@ -12,12 +12,14 @@ filled dicts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pyarrow.fs as pafs
 
 from ..errors import RayckptError
 from ..format.manifest import Blocks, manifest_values
+from ..phases import log_phases, phase, timed
 from ..planning.load_plan import LoadPlan, TensorRequest, create_load_plan
 from ..planning.rank_slice import LoadAsk, RankSlice, asked_alike, create_rank_slices, specs_of
 from ..storage.checkpoint_dir import CheckpointDir
@@ -68,6 +70,9 @@ def load(
       transferred from storage (``bytes_read`` plus the gap bytes coalesced GETs
       fetched and discarded; equal to ``bytes_read`` on local files).
       ``read_amplification`` is ``bytes_fetched / bytes_needed``.
+      ``phases``: where this rank's seconds went (plan, check, read, verify, copy,
+      waiting for the other ranks; ``LoadInfo.phases``), also logged at DEBUG by the
+      ``rayckpt.phases`` logger.
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
@@ -79,15 +84,22 @@ def load(
             flat_holder.append(flatten(state_dict))
         return flat_holder[0]
 
-    source = plan_source or planned_at_root(coord, ckdir, flat, strict)
+    with timed() as clock:
+        with phase("plan"):
+            source = plan_source or planned_at_root(coord, ckdir, flat, strict)
 
-    def read() -> LoadInfo:
-        plan, blocks, sizes, values = source(ckdir, flat(), strict)
-        return read_into(ckdir, plan, flat(), blocks, sizes, values)
+        def read() -> LoadInfo:
+            with phase("plan_local"):
+                plan, blocks, sizes, values = source(ckdir, flat(), strict)
+            return read_into(ckdir, plan, flat(), blocks, sizes, values)
 
-    info = gather_or_raise(coord, "load", read, RayckptError)[coord.rank]
-    flat_holder[0].finish_load()
-    return info
+        with phase("gather_reads"):
+            info = gather_or_raise(coord, "load", read, RayckptError)[coord.rank]
+        with phase("finish"):
+            flat_holder[0].finish_load()
+    phases = clock.result()
+    log_phases("load from", ckdir.location, coord.rank, phases)
+    return replace(info, phases=phases)
 
 
 #: Gives a loading rank its read plan, the checksum blocks, file sizes and stored values.

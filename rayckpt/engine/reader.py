@@ -16,10 +16,11 @@ bounded pinned slots (``engine/device.py``). ``LoadInfo`` is what a rank read.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from ..format.boxes import row_major_strides
 from ..format.manifest import Blocks
 from ..format.shard_file import ShardReader
 from ..format.values import decode_value
+from ..phases import current, phase
 from ..planning import range_gets
 from ..planning.load_plan import FileRead, LoadPlan, ReadItem
 from ..planning.range_gets import RangeGet, create_range_gets, get_parts
@@ -55,6 +57,13 @@ class LoadInfo:
     #: Bytes transferred from storage: ``bytes_read`` plus the gap bytes that
     #: coalesced GETs fetched and discarded (equal to ``bytes_read`` on local files).
     bytes_fetched: int = 0
+    #: Where this rank's time went, in seconds (``rayckpt.phases``): ``plan`` (the planning collectives;
+    #: rank 0's ``manifest_read`` apart), ``plan_local`` (this rank's plan from its slice), ``check`` (each
+    #: file's size checked before any read), ``read`` (waiting on reads), ``verify`` (checksums), ``copy``
+    #: (into the targets), ``gather_reads`` (waiting for the other ranks), ``finish`` (Stateful
+    #: ``load_state_dict``), ``other``, ``total``; ``verify_copy_threads``: checksums and copies done on
+    #: the object-store read threads (thread-seconds inside ``read``, not in ``total``).
+    phases: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def read_amplification(self) -> float:
@@ -85,7 +94,8 @@ def read_into(
     """
     reader = reader or ShardReader(ckdir, blocks, dict(file_sizes))
     fetched, requests = reader.bytes_fetched, reader.requests
-    reader.check_ranges((fr.file, fr.offset, fr.length) for fr in plan.reads)
+    with phase("check"):
+        reader.check_ranges((fr.file, fr.offset, fr.length) for fr in plan.reads)
     to_device = to_device or HostToDevice()
     direct: list[DirectRead] = []
     rest: list[FileRead] = []
@@ -96,18 +106,20 @@ def read_into(
         else:
             direct.append(d)
     try:
-        _read_direct_pipelined(reader, direct)
-        with warnings.catch_warnings():
-            # Read-only (memory-mapped) buffers are only ever copied from.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            if ckdir.reads_in_place:
-                for fr in rest:
-                    buf = reader.read(fr.file, fr.offset, fr.length)
-                    _verify_and_copy(reader, buf, fr.offset, fr, flat, to_device)
-            else:
-                _read_gets(reader, create_range_gets(rest), flat, to_device)
+        with phase("read"):
+            _read_direct_pipelined(reader, direct)
+            with warnings.catch_warnings():
+                # Read-only (memory-mapped) buffers are only ever copied from.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                if ckdir.reads_in_place:
+                    for fr in rest:
+                        buf = reader.read(fr.file, fr.offset, fr.length)
+                        _verify_and_copy(reader, buf, fr.offset, fr, flat, to_device)
+                else:
+                    _read_gets(reader, create_range_gets(rest), flat, to_device)
     finally:
-        to_device.finish()
+        with phase("copy"):
+            to_device.finish()
         reader.close()
     for key, leaf in flat.values.items():
         if key in values:
@@ -128,8 +140,10 @@ def _verify_and_copy(
 ) -> None:
     """Verify the blocks of each item of ``fr`` in ``buf`` (file bytes from ``buf_offset``), then copy it."""
     for item in fr.items:
-        reader.verify([(buf_offset, memoryview(buf))], item.key, item.chunk, item.lo, item.hi)
-        _copy_item(buf, buf_offset, item, flat.tensors[item.key], to_device)
+        with phase("verify"):
+            reader.verify([(buf_offset, memoryview(buf))], item.key, item.chunk, item.lo, item.hi)
+        with phase("copy"):
+            _copy_item(buf, buf_offset, item, flat.tensors[item.key], to_device)
 
 
 def _read_gets(reader: ShardReader, gets: Sequence[RangeGet], flat: FlatState, to_device: HostToDevice) -> None:
@@ -145,11 +159,16 @@ def _read_gets(reader: ShardReader, gets: Sequence[RangeGet], flat: FlatState, t
     requests are cancelled.
     """
 
+    clock = current()  # the pool's threads add their checksum and copy seconds to the load's phases
+
     def one(asm: _Assembly, offset: int, length: int) -> None:
         buf = asm.add(offset, reader.fetch(asm.get.file, offset, length))
         if buf is not None:
+            began = time.perf_counter()
             for fr in asm.get.reads:
                 _verify_and_copy(reader, buf, asm.get.offset, fr, flat, to_device)
+            if clock is not None:
+                clock.add("verify_copy_threads", time.perf_counter() - began)
 
     if not gets:
         return
@@ -252,7 +271,8 @@ def _read_direct_pipelined(reader: ShardReader, reads: Sequence[DirectRead]) -> 
                 for fut in futures:
                     fut.result()
                 item = d.read.items[0]
-                reader.verify(d.segments(), item.key, item.chunk, item.lo, item.hi)
+                with phase("verify"):
+                    reader.verify(d.segments(), item.key, item.chunk, item.lo, item.hi)
         except BaseException:
             for futures in pending:
                 for fut in futures:

@@ -15,13 +15,14 @@ failures, so an error on any rank is raised on every rank and nobody hangs.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import pyarrow.fs as pafs
 
 from ..errors import PeerLostError, RayckptError, SaveFailedError
+from ..phases import log_phases, phase, timed
 from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import (
@@ -49,6 +50,12 @@ class SaveInfo:
     bytes_written: int
     num_files: int
     world_size: int
+    #: Where this rank's time went, in seconds (``rayckpt.phases``): ``plan`` (flatten, the planning
+    #: collectives), ``lease_claim`` (rank 0), ``write`` (shard files), ``fsync``, ``gather_writes`` (waiting
+    #: for every rank's files), rank 0's commit (``manifest_build``, ``commit_check``, ``manifest_encode``,
+    #: ``chunk_table_write``, ``manifest_write``, ``sweep``), ``gather_commit`` (the others waiting for it),
+    #: ``lease_release``, ``other`` and ``total``. Exclusive: they add up to ``total``.
+    phases: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 def save(
@@ -166,12 +173,18 @@ def save(
       let Ray Train restart the workers).
     - CUDA tensors are copied to the CPU (non-blocking copies, one synchronize).
     - ``metadata``: JSON stored in the manifest's ``user_metadata``.
-    - Returns ``SaveInfo(path, save_id, bytes_written, num_files, world_size)``.
+    - Returns ``SaveInfo(path, save_id, bytes_written, num_files, world_size, phases)``:
+      ``phases`` says where this rank's seconds went (also logged at DEBUG by the
+      ``rayckpt.phases`` logger: ``rayckpt: save to <location> on rank R: write 0.41 s, ...``).
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
     try:
-        return _save(coord, ckdir, state_dict, block_size, metadata, overwrite)
+        with timed() as clock:
+            info = _save(coord, ckdir, state_dict, block_size, metadata, overwrite)
+        phases = clock.result()
+        log_phases("save to", ckdir.location, coord.rank, phases)
+        return replace(info, phases=phases)
     except RayckptError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever broke, the caller gets a SaveFailedError
@@ -208,8 +221,10 @@ def _save(
         # Rank 0 owns the lease it claimed: refreshed while the save runs, deleted when it ends.
         with LeaseKeeper(ckdir, save_id) if coord.rank == 0 else nullcontext():
             write = partial(write_share, ckdir, ctx, written_files)
-            shards = gather_or_raise(coord, "save (writing shards)", write, SaveFailedError, PeerLostError)
-            total = gather_or_raise(coord, "save (commit)", commit, SaveFailedError, PeerLostError)[0]
+            with phase("gather_writes"):
+                shards = gather_or_raise(coord, "save (writing shards)", write, SaveFailedError, PeerLostError)
+            with phase("gather_commit"):
+                total = gather_or_raise(coord, "save (commit)", commit, SaveFailedError, PeerLostError)[0]
     except BaseException as exc:
         if committed:  # rank 0 wrote the manifest: the checkpoint is complete whatever broke after
             if not isinstance(exc, Exception):
@@ -326,7 +341,8 @@ def collect_state(
         return save_id, previous
 
     try:
-        a = agree_on_plan(coord, state_dict, node, claim_ids, block_size)
+        with phase("plan"):
+            a = agree_on_plan(coord, state_dict, node, claim_ids, block_size)
     except BaseException:
         if claimed:
             release_lease(claim, claimed[0])
@@ -340,5 +356,6 @@ def collect_state(
 
 def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]) -> WrittenShard:
     """Save step write, in this process: this rank's chunks into its shard files."""
-    chunks = create_chunk_data(ctx.plan, ctx.flat)
-    return write_chunks(ckdir, chunks, ctx.spec.save_id, ctx.rank, ctx.spec.block_size, written_files)
+    with phase("write"):
+        chunks = create_chunk_data(ctx.plan, ctx.flat)
+        return write_chunks(ckdir, chunks, ctx.spec.save_id, ctx.rank, ctx.spec.block_size, written_files)

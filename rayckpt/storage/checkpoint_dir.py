@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
+from ..phases import phase
 from ..redaction import redact
 
 
@@ -131,19 +132,21 @@ class CheckpointDir:
     def sync_file(self, rel: str) -> None:
         """Make a written file durable (local disks; object stores are on close)."""
         if self.is_local:
-            fd = os.open(self.path(rel), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with phase("fsync"):
+                fd = os.open(self.path(rel), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def sync_dir(self) -> None:
         if self.is_local:
-            fd = os.open(self.fs_path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with phase("fsync"):
+                fd = os.open(self.fs_path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def write_atomic(self, rel: str, data: bytes, durable: bool = True) -> None:
         """Write ``rel`` so that readers see the old file or the whole new one, never part.
@@ -157,7 +160,8 @@ class CheckpointDir:
                     f.write(data)
                     if durable:
                         f.flush()
-                        os.fsync(f.fileno())
+                        with phase("fsync"):
+                            os.fsync(f.fileno())
                 os.replace(tmp, self.path(rel))
             except BaseException:
                 if os.path.exists(tmp):

@@ -37,6 +37,7 @@ from ..format.manifest_checks import find_manifest_problems
 from ..format.manifest_files import decode_manifest_files, encode_manifest_files
 from ..format.paths import Path
 from ..format.shard_file import WrittenChunk
+from ..phases import phase
 from .checkpoint_dir import CheckpointDir, join_location
 from .lease import LEASE_PREFIX, check_commit, read_leases
 
@@ -152,8 +153,10 @@ def commit_save(ckdir: CheckpointDir, spec: SaveSpec, shards: Iterable[WrittenSh
     there since this one claimed it (``lease.check_commit``). The save's lease is
     its owner's to release, after this returns.
     """
-    manifest = create_manifest(spec, shards)
-    check_commit(ckdir, spec.save_id, spec.previous)
+    with phase("manifest_build"):
+        manifest = create_manifest(spec, shards)
+    with phase("commit_check"):
+        check_commit(ckdir, spec.save_id, spec.previous)
     commit_manifest(ckdir, manifest)
     return manifest
 
@@ -169,10 +172,14 @@ def commit_manifest(ckdir: CheckpointDir, manifest: Manifest) -> None:
     never touched. Dead leases go too.
     """
     ckdir.makedirs()
-    for name, data in encode_manifest_files(manifest):  # the chunk table (version 4), then the JSON
-        ckdir.write_atomic(name, data)
-    for name in sweepable_files(ckdir, checkpoint_files(manifest), manifest.save_id):
-        ckdir.delete(name)
+    with phase("manifest_encode"):
+        files = encode_manifest_files(manifest)
+    for name, data in files:  # the chunk table (version 4), then the JSON
+        with phase("manifest_write" if name == MANIFEST_NAME else "chunk_table_write"):
+            ckdir.write_atomic(name, data)
+    with phase("sweep"):
+        for name in sweepable_files(ckdir, checkpoint_files(manifest), manifest.save_id):
+            ckdir.delete(name)
 
 
 def checkpoint_files(manifest: Manifest) -> set[str]:
@@ -241,6 +248,11 @@ def read_manifest(
             f"read_manifest takes a checkpoint path, URI or CheckpointDir, got {type(checkpoint).__name__} "
             f"{checkpoint!r}"
         )
+    with phase("manifest_read"):
+        return _read_manifest(ckdir)
+
+
+def _read_manifest(ckdir: CheckpointDir) -> Manifest:
     where = join_location(ckdir.location, MANIFEST_NAME)
     paused = gc.isenabled()
     gc.disable()

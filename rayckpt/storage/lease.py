@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SaveFailedError
 from ..format.manifest import MANIFEST_NAME
+from ..phases import phase
 from .checkpoint_dir import CheckpointDir
 
 LEASE_PREFIX = ".rayckpt-lease-"
@@ -118,7 +119,8 @@ def is_lease_file(name: str) -> bool:
 
 def release_lease(ckdir: CheckpointDir, save_id: str) -> None:
     """Delete ``save_id``'s lease (its owner, once the save committed or failed)."""
-    ckdir.delete(lease_name(save_id))
+    with phase("lease_release"):
+        ckdir.delete(lease_name(save_id))
 
 
 def read_leases(ckdir: CheckpointDir) -> list[Lease]:
@@ -170,6 +172,11 @@ def claim_location(ckdir: CheckpointDir, save_id: str, *, overwrite: bool = True
     ``CheckpointExistsError`` when ``overwrite=False`` and a checkpoint is there;
     this save's lease is then gone again.
     """
+    with phase("lease_claim"):
+        return _claim(ckdir, save_id, overwrite, wait_s)
+
+
+def _claim(ckdir: CheckpointDir, save_id: str, overwrite: bool, wait_s: float) -> str:
     try:
         write_lease(ckdir, save_id, CLAIMING)
     except OSError as exc:

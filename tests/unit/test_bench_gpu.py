@@ -39,4 +39,3 @@ def test_the_table_shows_a_failing_stager_as_its_error_and_the_first_over_later_
     prepared = next(r for r in rows if r.startswith("| rayckpt `save_async`, prepared: stall"))
     assert "prepare_staging: 0.002 s call, 2.50 s made" in prepared
     assert "| load, cold: DCP / rayckpt | 4.20 s / 2.90 s (1.45x) |" in rows
-

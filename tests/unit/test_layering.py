@@ -19,7 +19,7 @@ import rayckpt
 
 PKG_DIR = os.path.dirname(rayckpt.__file__)
 
-BASE = {"errors", "redaction"}
+BASE = {"errors", "redaction", "phases"}
 #: Subpackage -> the rayckpt subpackages (and top-level modules) it may import.
 ALLOWED = {
     "format": BASE | {"format"},
