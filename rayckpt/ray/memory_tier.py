@@ -26,6 +26,7 @@ the commit protocol, the catalog and the load planner work on it unchanged.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import threading
 import time
@@ -219,11 +220,18 @@ def replicate(store: MemoryStore, path: str) -> str | None:
     held = store.where(path)
     assert held is not None
     _pid, fd, size, _ino = held
-    data = np.frombuffer(os.pread(fd, size, 0), dtype=np.uint8)
+    # Mapped, not read: the one copy out of this node's memory is Ray's, into its object store.
+    mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
     try:
-        ray.get(handle.mem_put.remote(path, data))
+        ray.get(handle.mem_put.remote(path, np.frombuffer(mapped, dtype=np.uint8)))
     except Exception as exc:
         raise OSError(f"memory tier: cannot copy {path} to node {node} (its replica): {exc}") from exc
+    finally:
+        if isinstance(mapped, mmap.mmap):
+            try:
+                mapped.close()
+            except BufferError:  # a view is still referenced somewhere: the mapping goes with it
+                pass
     return node
 
 
