@@ -7,6 +7,10 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray Train's controller polls its workers this often (default 2 s): how soon it sees a report, a worker
+# die, the end of a run. Every TorchTrainer of the suite ends up to one interval late, and the Ray jobs the
+# tests start (`ray start --head`, the cluster jobs) inherit this process's environment.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ BIN = os.path.dirname(sys.executable)
 #: Flags of a model small enough for a job of a few seconds.
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "64"]
 START_TIMEOUT_S = 120
-STOP_GRACE_S = 10
+STOP_GRACE_S = 3
 
 
 def free_port() -> int:
@@ -158,7 +159,7 @@ def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tup
         # The head's job agent comes up a little after the dashboard does.
         if "No available agent to submit job" not in proc.stderr or time.time() > deadline:
             break
-        time.sleep(3)
+        time.sleep(1)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "Reporting training result" not in proc.stdout + proc.stderr, "Ray Train's per-rank report lines"
     summaries = [doc for doc in map(_json_object, proc.stdout.splitlines()) if doc is not None and "final_step" in doc]
@@ -167,16 +168,18 @@ def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tup
 
 
 def submit_and_kill_a_worker(head: RayHead, committed: str, *args: str, delay: float = 0.0) -> tuple[dict, str, int]:
-    """``submit`` that SIGKILLs one Train worker ``delay`` seconds after the file ``committed`` (a glob) exists.
+    """``submit`` that SIGKILLs one of its job's Train workers ``delay`` seconds after the file ``committed``
+    (a glob) exists.
 
-    The worker's pid comes from Ray's state API (what ``ray list actors`` shows) and the
-    commit from polling storage: both are seen at once, where the job's forwarded log
-    lines arrive seconds late (a kill timed by them can land after the last step, and
-    then nothing restarts). Returns the summary, the output and the pid killed.
+    The worker's pid comes from Ray's state API (what ``ray list actors`` shows, filtered to this job: another
+    job may run beside it) and the commit from polling storage: both are seen at once, where the job's forwarded
+    log lines arrive seconds late (a kill timed by them can land after the last step, and then nothing
+    restarts). Returns the summary, the output and the pid killed.
     """
-    cmd = [f"{BIN}/ray", "job", "submit", "--address", head.dashboard, "--working-dir", ".", "--"]
+    submission = f"kill-{uuid.uuid4().hex[:8]}"
+    cmd = [f"{BIN}/ray", "job", "submit", "--address", head.dashboard, "--submission-id", submission, "--working-dir"]
     proc = subprocess.Popen(
-        [*cmd, "python", "jobs/train.py", *args],
+        [*cmd, ".", "--", "python", "jobs/train.py", *args],
         cwd=ROOT,
         env=head.env,
         stdout=subprocess.PIPE,
@@ -186,10 +189,12 @@ def submit_and_kill_a_worker(head: RayHead, committed: str, *args: str, delay: f
     seen: list[str] = []
     reader = threading.Thread(target=lambda: seen.extend(proc.stdout or ()), daemon=True)
     reader.start()
+    job_id: str | None = None
     pids: list[int] = []
     killed = 0
     while not killed and proc.poll() is None:
-        pids = pids or _train_worker_pids(head)
+        job_id = job_id or _job_id(head, submission)
+        pids = pids or (_train_worker_pids(head, job_id) if job_id else [])
         if pids and glob.glob(committed):
             time.sleep(delay)
             killed = pids[0]
@@ -205,11 +210,19 @@ def submit_and_kill_a_worker(head: RayHead, committed: str, *args: str, delay: f
     return summaries[-1], output, killed
 
 
-def _train_worker_pids(head: RayHead) -> list[int]:
-    """The pids of the head's live Ray Train workers (none yet: an empty list)."""
+def _job_id(head: RayHead, submission: str) -> str | None:
+    """The Ray job id of the submission ``submission`` (None until it is known, its driver started)."""
+    try:
+        return json.loads(get(f"{head.dashboard}/api/jobs/{submission}")).get("job_id")
+    except OSError:  # not registered yet
+        return None
+
+
+def _train_worker_pids(head: RayHead, job_id: str) -> list[int]:
+    """The pids of the live Ray Train workers of the job ``job_id`` (none yet: an empty list)."""
     from ray.util.state import list_actors
 
-    filters = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    filters = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"), ("job_id", "=", job_id)]
     return sorted(actor.pid for actor in list_actors(address=head.dashboard, filters=filters, detail=True))
 
 

@@ -42,8 +42,10 @@ from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
+from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import _AutoscalingCoordinatorActor
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.ray.shard_writer import get_shard_writer
@@ -99,6 +101,30 @@ HEAD_SYSTEM_CONFIG = {
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 3,
 }
+
+
+class PromptCoordinator(_AutoscalingCoordinatorActor):
+    """Ray's ``AutoscalingCoordinator``, looking at the cluster's nodes every second instead of every 20 s.
+
+    Ray Train's elastic policy sizes the worker group from what this actor last saw of the nodes, which it
+    looks at once per ``TICK_INTERVAL_S``: a node lost or added counted up to 20 s late (a restart first
+    trying the lost node's workers, a grow waiting). Timing only: the decisions are Ray Train's own.
+    """
+
+    TICK_INTERVAL_S = 1
+
+
+def start_prompt_coordinator() -> None:
+    """Make ``PromptCoordinator`` under the name and options Ray Train's ``get_or_create`` uses, before any run:
+    every run then gets it (``get_if_exists``). Should a Ray release rename it, Ray Train makes its own and the
+    elastic run only waits longer."""
+    ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(PromptCoordinator).options(
+        name="AutoscalingCoordinator",
+        namespace="AutoscalingCoordinator",
+        get_if_exists=True,
+        lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote()
 
 
 def train_config(out: str, name: str, **extra: Any) -> dict[str, Any]:
@@ -274,6 +300,7 @@ def main(out: str, only: list[str]) -> None:
     result: dict[str, Any] = {}
     try:
         ray.init(address=address, namespace="rayckpt-recovery")
+        start_prompt_coordinator()
         result["head"] = cluster.head_node.node_id
         # ``get_metadata_actor`` places it on the head, so the node the elastic run loses cannot take the
         # event log the tests read (nor the commit protocol) with it; the tests check where it is.

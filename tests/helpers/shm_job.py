@@ -1,7 +1,7 @@
 """Two small TorchTrainer runs in a Ray session of their own, then ``ray.shutdown()``.
 
 Run as ``python -m tests.helpers.shm_job STORAGE OUT`` by tests/faults/test_shm_leak.py:
-one run ends normally, one fails (a worker raises after a save). Every worker writes
+one run ends normally, one fails (a worker raises after a save), side by side. Every worker writes
 what it knows of its staging buffer to OUT; the last stdout line is a JSON summary.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -70,12 +71,15 @@ def fit(storage: str, out: str, run: str, **extra: Any) -> None:
 
 def main(storage: str, out: str) -> None:
     ray.init(num_cpus=4, include_dashboard=False, namespace="rayckpt-shm-job")
-    fit(storage, out, "ends")
-    try:
-        fit(storage, out, "fails", fail_at=1)
-        failed = None
-    except Exception as exc:  # noqa: BLE001 - the failing run is meant to fail
-        failed = f"{type(exc).__name__}: {exc}"
+    with ThreadPoolExecutor(2) as pool:  # the two runs side by side, 2 workers each
+        ends = pool.submit(fit, storage, out, "ends")
+        fails = pool.submit(fit, storage, out, "fails", fail_at=1)
+        ends.result()
+        try:
+            fails.result()
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - the failing run is meant to fail
+            failed = f"{type(exc).__name__}: {exc}"
     ray.shutdown()
     print(json.dumps({"failed": failed}))
 

@@ -36,11 +36,24 @@ def step_dir(storage, run: str, step: int) -> str:
     return str(storage / run / f"rayckpt-step-{step:08d}")
 
 
-def saved_run(tmp_path, run: str):
-    """A run of ``WORKERS`` workers that committed steps 2 and 3; (storage, out dir)."""
+@pytest.fixture(scope="module")
+def saved(ray_session, tmp_path_factory):
+    """One run of ``WORKERS`` workers that committed steps 2 and 3 (its storage root, its name): each test
+    restores a copy of it (``saved_run``), so the module trains it once."""
+    storage, out = tmp_path_factory.mktemp("fallback-saved") / "storage", tmp_path_factory.mktemp("fallback-out")
+    fit(storage, out, WORKERS, 3, {2, 3}, name="fallback-saved")
+    return storage, "fallback-saved"
+
+
+def saved_run(saved, tmp_path, run: str):
+    """The saved run copied to ``run`` under a storage of this test's (Ray Train's records name checkpoints by
+    directory, so the copy is that run as if it had trained there, its manifests naming ``run``); (storage, out dir)."""
+    source, name = saved
     storage, out = tmp_path / "storage", tmp_path / "out"
     out.mkdir()
-    fit(storage, out, WORKERS, 3, {2, 3}, name=run)
+    shutil.copytree(source / name, storage / run)
+    for step in (2, 3):
+        rewrite_manifest(step_dir(storage, run, step), lambda doc: doc["user_metadata"].update(run=run))
     return storage, out
 
 
@@ -80,11 +93,9 @@ def fallback_events(run: str) -> list[dict]:
     [(flip_a_payload_byte, "checksum"), (corrupt_the_manifest, "JSON")],
     ids=["checksum mismatch", "manifest corrupt"],
 )
-def test_a_damaged_latest_checkpoint_restores_the_one_before_with_one_warning(
-    ray_session, tmp_path, capfd, damage, reason
-):
+def test_a_damaged_latest_checkpoint_restores_the_one_before_with_one_warning(saved, tmp_path, capfd, damage, reason):
     run = f"fallback-{damage.__name__}"
-    storage, out = saved_run(tmp_path, run)
+    storage, out = saved_run(saved, tmp_path, run)
     latest, previous = step_dir(storage, run, 3), step_dir(storage, run, 2)
     damaged_file = damage(latest)
     capfd.readouterr()
@@ -111,10 +122,10 @@ def test_a_damaged_latest_checkpoint_restores_the_one_before_with_one_warning(
     assert not rayckpt.verify(latest).ok
 
 
-def test_a_commit_ray_train_has_not_registered_yet_is_restored(ray_session, tmp_path):
+def test_a_commit_ray_train_has_not_registered_yet_is_restored(saved, tmp_path):
     """A worker dying right after its commit: storage holds a newer checkpoint than Ray Train reports."""
     run = "fallback-unregistered"
-    storage, out = saved_run(tmp_path, run)
+    storage, out = saved_run(saved, tmp_path, run)
     newer = step_dir(storage, run, 4)
     shutil.copytree(step_dir(storage, run, 3), newer)  # committed in storage, never reported to Ray Train
     rewrite_manifest(newer, lambda doc: doc["user_metadata"].update(step=4))
@@ -127,9 +138,9 @@ def test_a_commit_ray_train_has_not_registered_yet_is_restored(ray_session, tmp_
     assert rayckpt.verify(step_dir(storage, run, 5)).ok
 
 
-def test_no_checkpoint_that_loads_raises_naming_each_one_tried(ray_session, tmp_path):
+def test_no_checkpoint_that_loads_raises_naming_each_one_tried(saved, tmp_path):
     run = "fallback-none"
-    storage, out = saved_run(tmp_path, run)
+    storage, out = saved_run(saved, tmp_path, run)
     for step in (3, 2):
         remove_a_shard_file(step_dir(storage, run, step))
 
