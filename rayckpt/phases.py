@@ -12,6 +12,7 @@ thread's phases and is not part of ``total``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
@@ -33,21 +34,23 @@ class PhaseClock:
         self._began = time.perf_counter()
         self._lock = threading.Lock()
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> _Phase:
+        """A context manager timing ``name`` (exclusive of the phases opened inside it)."""
+        return _Phase(self, name)
+
+    def _enter(self, name: str) -> None:
         now = time.perf_counter()
         if self._stack:  # the outer phase pauses
             outer = self._stack[-1]
             self._charge(outer[0], now - outer[1])
         self._stack.append([name, now])
-        try:
-            yield
-        finally:
-            now = time.perf_counter()
-            _, started = self._stack.pop()
-            self._charge(name, now - started)
-            if self._stack:
-                self._stack[-1][1] = now  # the outer phase resumes
+
+    def _exit(self) -> None:
+        now = time.perf_counter()
+        name, started = self._stack.pop()
+        self._charge(name, now - started)
+        if self._stack:
+            self._stack[-1][1] = now  # the outer phase resumes
 
     def add(self, name: str, seconds: float) -> None:
         """Add ``seconds`` to ``name`` from any thread (work outside the calling thread's timeline)."""
@@ -82,15 +85,28 @@ def timed() -> Iterator[PhaseClock]:
         _CLOCK.reset(token)
 
 
-@contextmanager
-def phase(name: str) -> Iterator[None]:
+class _Phase:
+    """One phase of a ``PhaseClock`` (a plain context manager: marks sit on per-read paths of a load)."""
+
+    __slots__ = ("clock", "name")
+
+    def __init__(self, clock: PhaseClock, name: str) -> None:
+        self.clock, self.name = clock, name
+
+    def __enter__(self) -> None:
+        self.clock._enter(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        self.clock._exit()
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def phase(name: str) -> _Phase | contextlib.nullcontext:
     """Mark a phase of the operation being timed (nothing when none is)."""
     clock = _CLOCK.get()
-    if clock is None:
-        yield
-        return
-    with clock.phase(name):
-        yield
+    return _NOTHING if clock is None else _Phase(clock, name)
 
 
 def current() -> PhaseClock | None:
