@@ -310,7 +310,7 @@ class SaveContext:
 
 def collect_state(
     coord: Coordinator,
-    state_dict: dict[str, Any],
+    state_dict: dict[str, Any] | FlatState,
     *,
     block_size: int | None = None,
     metadata: dict[str, Any] | None = None,

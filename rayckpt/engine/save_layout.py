@@ -141,7 +141,7 @@ class AgreedPlan:
 
 def agree_on_plan(
     coord: Coordinator,
-    state_dict: dict[str, Any],
+    state_dict: dict[str, Any] | FlatState,
     node: str,
     claim: Callable[[], tuple[str | None, str | None]],
     block_size: int | None = None,

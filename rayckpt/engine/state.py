@@ -107,8 +107,14 @@ class FlatState:
             obj.load_state_dict(sd)
 
 
-def flatten(state_dict: dict[str, Any]) -> FlatState:
-    """Walk ``state_dict``; call ``state_dict()`` on every Stateful object found."""
+def flatten(state_dict: dict[str, Any] | FlatState) -> FlatState:
+    """Walk ``state_dict``; call ``state_dict()`` on every Stateful object found.
+
+    A ``FlatState`` is returned as is: a caller that flattened once (the ``Checkpointer``,
+    for a step saved to two tiers) passes it on instead of the dict.
+    """
+    if isinstance(state_dict, FlatState):
+        return state_dict
     if not isinstance(state_dict, dict):
         raise InvalidStateError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     flat = FlatState()

@@ -25,7 +25,7 @@ import ray
 from ..engine.coordinator import Coordinator, default_coordinator
 from ..engine.device import needs_bounce
 from ..engine.save import SaveContext, collect_state
-from ..engine.state import flatten
+from ..engine.state import FlatState, flatten
 from ..engine.writer import chunk_pieces, chunk_specs, create_chunk_data
 from ..errors import InvalidStateError, SaveFailedError
 from ..storage.catalog import CatalogEntry
@@ -77,7 +77,7 @@ class AsyncSaver:
 
     def save(
         self,
-        state_dict: dict[str, Any],
+        state_dict: dict[str, Any] | FlatState,
         checkpoint_id: str | Any,
         *,
         run: str,
@@ -295,7 +295,7 @@ def _check_reachable(ckdir: CheckpointDir, ctx: SaveContext, local_is_shared: bo
 
 
 def save_async(
-    state_dict: dict[str, Any],
+    state_dict: dict[str, Any] | FlatState,
     checkpoint_id: str | Any,
     *,
     run: str = "default",
@@ -313,7 +313,9 @@ def save_async(
     """Start a save through the Ray actors; return a ``SaveHandle`` once this rank's share is staged.
 
     Called by every rank (collective when a process group is initialized), inside
-    a Ray worker or driver. Plans like ``rayckpt.save``, registers the save with the
+    a Ray worker or driver. ``state_dict`` may be the ``FlatState`` that
+    ``rayckpt.engine.state.flatten`` made of it (a caller saving one state twice flattens once).
+    Plans like ``rayckpt.save``, registers the save with the
     MetadataActor (rank 0, without waiting; ``wait()`` on rank 0 raises if the
     registration failed), copies this rank's share once into shared memory and
     hands it to the ShardWriter on the rank's node; returns then. Another save

@@ -29,12 +29,14 @@ import ray.train
 
 from ..engine.coordinator import default_coordinator
 from ..engine.load import LoadInfo
+from ..engine.state import FlatState, flatten
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
-from ..ray.async_save import DEFAULT_LANE, SaveHandle, prepare_staging, save_async, wait_inflight
+from ..ray.async_save import DEFAULT_LANE, SaveHandle, local_pieces, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
 from ..ray.memory_tier import peer_bytes
 from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from ..ray.staging import staged_size
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
 from .announce import SaveAnnouncer
 from .restore_order import candidates, reason
@@ -187,14 +189,15 @@ class Checkpointer:
         metrics = dict(metrics or {}, step=step)
         handle = None
         if MEMORY in tiers:
-            if self.memory_skip_busy and self._memory_unwritten():
-                self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
-            elif (handle := self._save_to_memory(step, state, metrics, metadata)) is None:
+            state = flatten(state)  # once, for both tiers: its Stateful objects' state_dict() is not free
+            if (go := self._memory_go(step, state)) == MEMORY:
+                handle = self._save_to_memory(step, state, metrics, metadata)
+            elif go == STORAGE:
                 tiers = (STORAGE,)  # no room in some node's budget: to storage instead (one WARNING)
         return self._save_to_storage(step, state, metrics, metadata) if STORAGE in tiers else handle
 
     def _save_to_storage(
-        self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None
+        self, step: int, state: dict[str, Any] | FlatState, metrics: dict[str, Any], metadata: dict[str, Any] | None
     ) -> SaveHandle:
         """``save`` to storage, reported to Ray Train; waits first for the storage save before it."""
         self._wait(STORAGE)  # what ``save_async`` does first, here so the previous save's outcome is announced
@@ -229,27 +232,32 @@ class Checkpointer:
             )
         return handle
 
-    def _memory_unwritten(self) -> bool:
-        """Whether the last memory save of any rank is not yet written by its ShardWriter (collective: every
-        rank decides the same). A storage save being written does not count: it has its own lane."""
+    def _memory_go(self, step: int, flat: FlatState) -> str | None:
+        """Whether a memory save goes ahead (``MEMORY``), goes to storage instead (``STORAGE``: some node's
+        budget cannot hold it; rank 0 warns) or is skipped (``None``: the memory save before it is not yet
+        written on some rank; a storage save being written does not count). One collective: every rank
+        decides the same."""
+        assert self.memory is not None
+        if not self.memory_skip_busy:
+            self._wait(MEMORY)
         last = self._last.get(MEMORY)
         busy = last is not None and not last[0].done()
-        return any(default_coordinator().all_gather(busy))
+        need = 2 * staged_size(local_pieces(flat)) * max(1, self._local_ranks)
+        room, node = self.memory.room_here(self.rank)
+        skip, why = self.memory.decide(busy, room, need, node, default_coordinator())
+        if skip:
+            self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
+            return None
+        if why and self.rank == 0:
+            logger.warning("rayckpt: run %s: step %s goes to storage, not memory: %s", self.run, step, why)
+        return STORAGE if why else MEMORY
 
     def _save_to_memory(
-        self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None
-    ) -> SaveHandle | None:
-        """``save`` to the memory tier, in its own lane (beside a storage save still being written);
-        ``None`` (nothing started) when a node's budget cannot hold it."""
+        self, step: int, state: FlatState, metrics: dict[str, Any], metadata: dict[str, Any] | None
+    ) -> SaveHandle:
+        """``save`` to the memory tier, in its own lane (beside a storage save still being written)."""
         assert self.memory is not None
-        self._wait(MEMORY)
-        coord = default_coordinator()
-        self.memory.make_room(self.rank, coord)
-        fits, why = self.memory.fits(state, self._local_ranks, coord)
-        if not fits:
-            if self.rank == 0:
-                logger.warning("rayckpt: run %s: step %s goes to storage, not memory: %s", self.run, step, why)
-            return None
+        self._wait(MEMORY)  # written on every rank (``_memory_go``): its commit is at hand
         began = time.perf_counter()
         handle = save_async(
             state,

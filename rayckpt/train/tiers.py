@@ -12,17 +12,14 @@ from __future__ import annotations
 import logging
 import posixpath
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
 from ..engine.coordinator import Coordinator
-from ..ray.async_save import local_pieces
 from ..ray.memory_fs import memory_filesystem
+from ..ray.memory_tier import writers
 from ..ray.shard_writer import get_shard_writer
-from ..ray.staging import staged_size
-from ..storage.catalog import checkpoint_dir_name, checkpoint_step
-from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.catalog import checkpoint_dir_name
 
 logger = logging.getLogger(__name__)
 
@@ -74,25 +71,30 @@ class MemoryTier:
     def path(self, step: int) -> str:
         return posixpath.join(self.root, checkpoint_dir_name(step))
 
-    def make_room(self, rank: int, coord: Coordinator) -> None:
-        """Rank 0 drops all but the newest ``memory_keep - 1`` of the run's memory checkpoints (collective)."""
+    def room_here(self, rank: int) -> tuple[int, str]:
+        """Room in this rank's node's memory tier, and the node, once the run's checkpoints there older
+        than the newest ``memory_keep - 1`` committed ones are dropped (``MemoryStore.drop_old``). Rank 0
+        has every live node drop the same, not waited for: a node with no rank holds manifests and
+        replicas too."""
+        keep = self.policy.memory_keep - 1
+        room = ray.get(get_shard_writer().mem_room.remote(self.root, keep))
         if rank == 0:
-            run_dir = CheckpointDir(self.filesystem, self.root, self.root)
-            names = sorted(run_dir.list_dirs(), key=lambda n: checkpoint_step(n) or -1)
-            for name in names[: max(0, len(names) - (self.policy.memory_keep - 1))]:
-                self.filesystem.delete_dir(posixpath.join(self.root, name))
-        coord.all_gather(None)  # no rank measures its node's room before the drop
+            for handle in writers().values():
+                handle.mem_room.remote(self.root, keep)
+        return room, ray.get_runtime_context().get_node_id()[:12]
 
-    def fits(self, state: dict[str, Any], local_ranks: int, coord: Coordinator) -> tuple[bool, str]:
-        """Whether every node's memory tier can hold this save (each rank's share and a peer's replica of
-        about its size), asked of each rank's node (collective); and, if not, why (for the WARNING)."""
-        need = 2 * staged_size(local_pieces(state)) * max(1, local_ranks)
-        room = ray.get(get_shard_writer().mem_room.remote())
-        answers = coord.all_gather((room >= need, room, need, ray.get_runtime_context().get_node_id()[:12]))
-        short = [a for a in answers if not a[0]]
-        if not short:
+    @staticmethod
+    def decide(busy: bool, room: int, need: int, node: str, coord: Coordinator) -> tuple[bool, str]:
+        """One collective before a memory save: every rank says whether its last memory save is unwritten
+        (``busy``), its ``node``'s ``room`` and what it ``need``s there (its share and a peer's replica of
+        about its size). Returns (skip: some rank is busy, why it does not fit: "" when every node holds it)."""
+        answers = coord.all_gather((busy, room >= need, room, need, node))
+        if any(a[0] for a in answers):
             return True, ""
-        _, room, need, node = short[0]
+        short = [a for a in answers if not a[1]]
+        if not short:
+            return False, ""
+        _, _, room, need, node = short[0]
         return False, f"node {node} has {room} bytes of its memory budget left and needs {need}"
 
     def drop_all(self) -> None:

@@ -1,17 +1,20 @@
 """``Checkpointer.save`` to the memory tier never waits for the save before it: memory saves have their own
 lane (a storage save being written does not hold them up), and while the memory save before is not yet
-written on some rank, every rank skips the new one (one collective decides it for all)."""
+written on some rank, every rank skips the new one. One collective per memory save decides that and the
+budget for every rank at once (``MemoryTier.decide``)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from rayckpt.train import checkpointer
-from rayckpt.train.tiers import MEMORY, STORAGE, TierPolicy
+from rayckpt.train.tiers import MEMORY, STORAGE, MemoryTier, TierPolicy
+
+ROOM = 10**9
 
 
 class Ranks:
-    """A coordinator whose other ranks answer ``others`` (their last save unwritten?) to every all_gather."""
+    """A coordinator whose other ranks answer ``others`` to every all_gather: (busy, fits, room, need, node)."""
 
     def __init__(self, others: list) -> None:
         self.others = others
@@ -22,57 +25,101 @@ class Ranks:
         return [mine, *self.others]
 
 
-def bare_checkpointer(monkeypatch, last: dict, others: list, fits: bool = True):
+def other(busy: bool = False, room: int = ROOM, need: int = 0, node: str = "node-b") -> tuple:
+    return (busy, room >= need, room, need, node)
+
+
+def bare_checkpointer(monkeypatch, last: dict, others: list):
     """A Checkpointer (memory every step, storage every 5th) whose saves only record which tier began."""
     ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only save()'s decision is used
     ckpt.policy = TierPolicy(memory_every=1, persist_every=5)
-    ckpt.memory_skipped, ckpt.memory_skip_busy = 0, True
+    ckpt.memory_skipped, ckpt.memory_skip_busy, ckpt._local_ranks, ckpt.rank, ckpt.run = 0, True, 1, 0, "r"
     ckpt._last = {tier: (SimpleNamespace(done=lambda done=done: done), 0.0) for tier, done in last.items()}
+    rooms: list = []
+    ckpt.memory = SimpleNamespace(decide=MemoryTier.decide, room_here=lambda rank: rooms.append(rank) or (ROOM, "a"))
     began: list = []
-    monkeypatch.setattr(
-        checkpointer.Checkpointer,
-        "_save_to_memory",
-        lambda self, *a: began.append(MEMORY) or ("memory handle" if fits else None),
-    )
-    monkeypatch.setattr(
-        checkpointer.Checkpointer, "_save_to_storage", lambda self, *a: began.append(STORAGE) or "storage handle"
-    )
+    monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_memory", lambda self, *a: began.append(MEMORY) or "m")
+    monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_storage", lambda self, *a: began.append(STORAGE) or "s")
     ranks = Ranks(others)
     monkeypatch.setattr(checkpointer, "default_coordinator", lambda: ranks)
     return ckpt, ranks, began
 
 
 def test_a_memory_save_is_skipped_on_every_rank_while_one_rank_s_last_memory_save_is_unwritten(monkeypatch):
-    for mine_done, others, skipped in ((True, [False], False), (True, [True], True), (False, [False], True)):
-        ckpt, ranks, began = bare_checkpointer(monkeypatch, {MEMORY: mine_done}, others)
+    for mine_done, other_busy, skipped in ((True, False, False), (True, True, True), (False, False, True)):
+        ckpt, ranks, began = bare_checkpointer(monkeypatch, {MEMORY: mine_done}, [other(busy=other_busy)])
         result = ckpt.save(3, {}, {"loss": 1.0})
-        assert ranks.gathered == [not mine_done]  # each rank says whether its own last memory save is unwritten
-        assert (ckpt.memory_skipped, began, result) == ((1, [], None) if skipped else (0, [MEMORY], "memory handle"))
+        assert [g[0] for g in ranks.gathered] == [not mine_done]  # one collective: each rank's own last save
+        assert (ckpt.memory_skipped, began, result) == ((1, [], None) if skipped else (0, [MEMORY], "m"))
 
 
 def test_a_storage_save_being_written_does_not_hold_up_a_memory_save(monkeypatch):
-    ckpt, ranks, began = bare_checkpointer(monkeypatch, {STORAGE: False, MEMORY: True}, [False])
-    assert ckpt.save(3, {}, {"loss": 1.0}) == "memory handle"
-    assert began == [MEMORY] and ranks.gathered == [False] and ckpt.memory_skipped == 0
+    ckpt, ranks, began = bare_checkpointer(monkeypatch, {STORAGE: False, MEMORY: True}, [other()])
+    assert ckpt.save(3, {}, {"loss": 1.0}) == "m"
+    assert began == [MEMORY] and [g[0] for g in ranks.gathered] == [False] and ckpt.memory_skipped == 0
 
 
 def test_a_step_due_for_both_tiers_goes_to_memory_first_then_storage(monkeypatch):
-    ckpt, _, began = bare_checkpointer(monkeypatch, {}, [False])
-    assert ckpt.save(5, {}, {"loss": 1.0}) == "storage handle"
+    ckpt, _, began = bare_checkpointer(monkeypatch, {}, [other()])
+    assert ckpt.save(5, {}, {"loss": 1.0}) == "s"
     assert began == [MEMORY, STORAGE]
-    ckpt, _, began = bare_checkpointer(monkeypatch, {MEMORY: False}, [False])  # memory busy: storage still saves
-    assert ckpt.save(10, {}, {"loss": 1.0}) == "storage handle"
+    ckpt, _, began = bare_checkpointer(monkeypatch, {MEMORY: False}, [other()])  # memory busy: storage still saves
+    assert ckpt.save(10, {}, {"loss": 1.0}) == "s"
     assert began == [STORAGE] and ckpt.memory_skipped == 1
 
 
-def test_a_memory_save_no_budget_holds_goes_to_storage(monkeypatch):
-    ckpt, _, began = bare_checkpointer(monkeypatch, {}, [False], fits=False)
-    assert ckpt.save(3, {}, {"loss": 1.0}) == "storage handle"
-    assert began == [MEMORY, STORAGE]
+def test_a_memory_save_no_budget_holds_goes_to_storage_with_the_short_node_named(monkeypatch, caplog):
+    ckpt, ranks, began = bare_checkpointer(monkeypatch, {}, [other(room=5, need=8, node="node-b")])
+    with caplog.at_level("WARNING", logger="rayckpt.train.checkpointer"):
+        assert ckpt.save(3, {}, {"loss": 1.0}) == "s"
+    assert began == [STORAGE] and len(ranks.gathered) == 1
+    assert "step 3 goes to storage, not memory: node node-b has 5 bytes of its memory budget left and needs 8" in (
+        caplog.text
+    )
 
 
-def test_with_memory_skip_busy_off_a_memory_save_is_never_skipped(monkeypatch):
-    ckpt, ranks, began = bare_checkpointer(monkeypatch, {MEMORY: False}, [True])
+def test_the_one_collective_carries_each_rank_s_room_and_need_and_a_rank_short_of_it_is_named():
+    ranks = Ranks([other(), other(room=3, need=4, node="node-c")])
+    assert MemoryTier.decide(False, 100, 50, "node-a", ranks) == (
+        False,
+        "node node-c has 3 bytes of its memory budget left and needs 4",
+    )
+    assert ranks.gathered == [(False, True, 100, 50, "node-a")]
+    assert MemoryTier.decide(False, 100, 50, "node-a", Ranks([other()])) == (False, "")
+    # A busy rank skips the save for all, whatever the room: nothing is measured against a save not made.
+    assert MemoryTier.decide(False, 1, 50, "node-a", Ranks([other(busy=True)])) == (True, "")
+
+
+def test_with_memory_skip_busy_off_a_memory_save_waits_for_the_one_before_and_is_never_skipped(monkeypatch):
+    ckpt, ranks, began = bare_checkpointer(monkeypatch, {MEMORY: False}, [other()])
     ckpt.memory_skip_busy = False
-    assert ckpt.save(3, {}, {"loss": 1.0}) == "memory handle"  # _save_to_memory waits for the one before
-    assert began == [MEMORY] and ranks.gathered == [] and ckpt.memory_skipped == 0
+    waited: list = []
+
+    def wait(self, tier):
+        waited.append(tier)
+        self._last[MEMORY] = (SimpleNamespace(done=lambda: True), 0.0)  # the save before, now committed
+
+    monkeypatch.setattr(checkpointer.Checkpointer, "_wait", wait)
+    assert ckpt.save(3, {}, {"loss": 1.0}) == "m"
+    assert waited == [MEMORY] and began == [MEMORY] and ckpt.memory_skipped == 0
+    assert [g[0] for g in ranks.gathered] == [False]
+
+
+def test_a_save_flattens_the_state_once_for_both_tiers(monkeypatch):
+    ckpt, _, began = bare_checkpointer(monkeypatch, {}, [other()])
+    calls: list = []
+
+    class Counted:
+        def state_dict(self):
+            calls.append(1)
+            return {"x": 1}
+
+        def load_state_dict(self, sd):
+            pass
+
+    seen: list = []
+    monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_memory", lambda self, s, st, *a: seen.append(st) or "m")
+    monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_storage", lambda self, s, st, *a: seen.append(st) or "s")
+    assert ckpt.save(5, {"app": Counted()}, {"loss": 1.0}) == "s"
+    assert calls == [1] and len(seen) == 2 and seen[0] is seen[1]  # one FlatState, passed to both saves
+    assert checkpointer.flatten(seen[0]) is seen[0]
