@@ -26,6 +26,7 @@ the commit protocol, the catalog and the load planner work on it unchanged.
 from __future__ import annotations
 
 import io
+import logging
 import mmap
 import os
 import threading
@@ -37,7 +38,12 @@ from typing import Any
 import numpy as np
 import ray
 
+from ..format.manifest import MANIFEST_NAME
+from ..storage.catalog import checkpoint_step
+from . import replica_link
 from .staging import PREFIX, staging_dir
+
+logger = logging.getLogger(__name__)
 
 #: ``FileSystemHandler.get_type_name`` of the memory tier (pyarrow shows it as ``py::rayckpt-mem``).
 TYPE_NAME = "rayckpt-mem"
@@ -88,9 +94,32 @@ class MemoryStore:
         with self._lock:
             return sum(size for _, size, _ in self.files.values())
 
-    def room(self) -> int:
-        """Bytes it may still take."""
+    def room(self, root: str | None = None, keep: int = 0) -> int:
+        """Bytes it may still take; with ``root``, after dropping the checkpoints under it that ``drop_old`` drops."""
+        if root is not None:
+            self.drop_old(root, keep)
         return self.budget - self.held
+
+    def drop_old(self, root: str, keep: int) -> int:
+        """Drop the checkpoints under ``root`` older than the newest ``keep`` committed ones (0: every
+        committed one), and leftovers older still; keep any newer (a save in flight). How many files went.
+
+        Committed: the directory holds its manifest (written last). Every node applies the same rule
+        to what it holds, so each frees its own room without waiting for the others.
+        """
+        prefix = root.strip("/") + "/"
+        with self._lock:
+            steps: dict[int, list[str]] = {}
+            committed: set[int] = set()
+            for path in self.files:
+                if path.startswith(prefix) and (step := checkpoint_step(path.rsplit("/", 1)[0])) is not None:
+                    steps.setdefault(step, []).append(path)
+                    committed.update([step] if path.endswith("/" + MANIFEST_NAME) else [])
+        newest = sorted(committed, reverse=True)
+        if len(newest) < max(keep, 1):
+            return 0
+        below = newest[keep - 1] if keep else newest[0] + 1
+        return sum(self.delete(path, tree=False) for step, paths in steps.items() if step < below for path in paths)
 
     def create(self, path: str, replicate: bool) -> _LocalOut:
         """A file to write ``path`` into; held once closed (and copied to the ring's peer with ``replicate``)."""
@@ -104,6 +133,23 @@ class MemoryStore:
         out.write(memoryview(data).cast("B"))
         out.close()
         return out.size
+
+    def hold_from(self, path: str, size: int, fill: Any) -> None:
+        """Hold ``size`` bytes as ``path``, written by ``fill(view)`` into a mapping of the new file (a replica
+        received from a peer: one copy); within the budget, or refused. Nothing is held if ``fill`` raises."""
+        out = self.create(path, replicate=False)
+        try:
+            os.ftruncate(out.fd, size)
+            if size:
+                with mmap.mmap(out.fd, size) as mapped:
+                    with memoryview(mapped) as view:
+                        fill(view)
+        except BaseException:
+            os.close(out.fd)
+            os.unlink(out.name)
+            raise
+        out.size = size
+        out.close()
 
     def adopt(self, path: str, name: str, fd: int) -> None:
         """Take the written file ``name`` (open as ``fd``) as ``path``, within the budget, or refuse it."""
@@ -212,7 +258,12 @@ class _LocalOut(io.RawIOBase):
 
 
 def replicate(store: MemoryStore, path: str) -> str | None:
-    """Copy ``path`` from ``store`` to the ring's peer of its node; the peer's node id (``None``: no peer)."""
+    """Copy ``path`` from ``store`` to the ring's peer of its node; the peer's node id (``None``: no peer).
+
+    Over the peers' replica link (``replica_link``: the kernel sends the held file, the
+    peer reads it into its own); where the link cannot be reached, through Ray's object
+    store, with one WARNING per peer.
+    """
     peer = ring_peer(store.node_id)
     if peer is None:
         return None
@@ -220,19 +271,46 @@ def replicate(store: MemoryStore, path: str) -> str | None:
     held = store.where(path)
     assert held is not None
     _pid, fd, size, _ino = held
-    # Mapped, not read: the one copy out of this node's memory is Ray's, into its object store.
+    try:
+        try:
+            replica_link.send(_endpoint(node, handle), path, fd, size)
+        except replica_link.LinkUnreachable:
+            _ENDPOINTS.pop(node, None)  # a writer restarted since: ask again, once
+            try:
+                replica_link.send(_endpoint(node, handle), path, fd, size)
+            except replica_link.LinkUnreachable as exc:
+                if node not in _UNREACHABLE:
+                    _UNREACHABLE.add(node)
+                    logger.warning("rayckpt: memory tier: %s; replicas to node %s go through Ray instead", exc, node)
+                _replicate_through_ray(handle, path, fd, size)
+    except Exception as exc:
+        raise OSError(f"memory tier: cannot copy {path} to node {node} (its replica): {exc}") from exc
+    return node
+
+
+#: Replica listeners (``replica_link``) by node: asked of each peer's writer once.
+_ENDPOINTS: dict[str, tuple[str, int, bytes]] = {}
+#: Peers whose listener could not be reached (warned once).
+_UNREACHABLE: set[str] = set()
+
+
+def _endpoint(node: str, handle: Any) -> tuple[str, int, bytes]:
+    if node not in _ENDPOINTS:
+        _ENDPOINTS[node] = ray.get(handle.mem_endpoint.remote())
+    return _ENDPOINTS[node]
+
+
+def _replicate_through_ray(handle: Any, path: str, fd: int, size: int) -> None:
+    """The copy through Ray's object store: mapped, not read, so Ray's copy into its store is the one out of here."""
     mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
     try:
         ray.get(handle.mem_put.remote(path, np.frombuffer(mapped, dtype=np.uint8)))
-    except Exception as exc:
-        raise OSError(f"memory tier: cannot copy {path} to node {node} (its replica): {exc}") from exc
     finally:
         if isinstance(mapped, mmap.mmap):
             try:
                 mapped.close()
             except BufferError:  # a view is still referenced somewhere: the mapping goes with it
                 pass
-    return node
 
 
 #: How long a process reuses its list of live ShardWriters (``writers``): a restore opens many files.

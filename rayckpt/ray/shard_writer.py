@@ -30,6 +30,7 @@ from ..storage.commit import WrittenShard
 from .layout_cache import LAYOUT_WANTED, split_shard
 from .memory_tier import MemoryStore, hold_here
 from .metadata_actor import NAMESPACE, get_metadata_actor
+from .replica_link import ReplicaServer
 from .staging import StagedRegion, StaleSweeper, created_in, open_region, staging_dir, sweep_stale
 
 #: How many writes a ShardWriter remembers for ``debug_stats``.
@@ -72,10 +73,16 @@ class ShardWriter:
         #: The node's share of the memory tier (``memory_tier``): freed with this process.
         self.memory = MemoryStore(node_id, self.staging_dir)
         hold_here(self.memory)
+        #: Where peers send this node its replicas (``replica_link``).
+        self.replicas = ReplicaServer(self.memory, ray.util.get_node_ip_address())
 
     # The memory tier's file operations (``memory_tier.MemoryFileSystem`` calls them on every live writer).
     def mem_put(self, path: str, data: Any) -> int:
         return self.memory.put(path, data)
+
+    def mem_endpoint(self) -> tuple[str, int, bytes]:
+        """(host, port, token) of this node's replica listener (``replica_link``)."""
+        return self.replicas.endpoint
 
     def mem_stat(self, paths: list[str]) -> dict[str, int]:
         return self.memory.stat(paths)
@@ -92,9 +99,10 @@ class ShardWriter:
     def mem_read(self, path: str, offset: int, length: int) -> bytes:
         return self.memory.read(path, offset, length)
 
-    def mem_room(self) -> int:
-        """Bytes the node's memory tier may still take (its budget less what it holds)."""
-        return self.memory.room()
+    def mem_room(self, root: str | None = None, keep: int = 0) -> int:
+        """Bytes the node's memory tier may still take (its budget less what it holds); with ``root``, after
+        dropping the checkpoints under it older than its newest ``keep`` committed ones (``MemoryStore.drop_old``)."""
+        return self.memory.room(root, keep)
 
     def mem_budget(self, nbytes: int | None = None) -> int:
         """The node's memory-tier budget in bytes; ``nbytes`` sets it (held files stay)."""
@@ -114,9 +122,16 @@ class ShardWriter:
         node when it wrote), ``staging`` ("shm" or "object_store"), ``staged_node`` (the
         node the rank staged on) and ``staged_dir`` (the directory the staging file was
         created in, read from the open file itself), both ``None`` for the object store;
-        ``bytes``, ``files``.
+        ``bytes``, ``files``; ``replicas_received``: the memory tier's replicas peers sent it
+        over the replica link (``files``, ``bytes``).
         """
-        return {"node": self.node(), "pid": os.getpid(), "staging_dir": self.staging_dir, "writes": list(self.records)}
+        return {
+            "node": self.node(),
+            "pid": os.getpid(),
+            "staging_dir": self.staging_dir,
+            "writes": list(self.records),
+            "replicas_received": dict(self.replicas.received),
+        }
 
     def write(
         self, request: ShardWrite, staged: list[Any] | StagedRegion, incarnation: str | None = None

@@ -120,11 +120,17 @@ def main(out: str, host_port: str, bucket: str, prefix: str) -> None:
         )
         for n in live
     }
+    received = {
+        n.node_id: ray.get(ray.get_actor(writer_name(n.node_id), namespace=NAMESPACE).debug_stats.remote())[
+            "replicas_received"
+        ]
+        for n in live
+    }
     ranks = rank_nodes(mem_out, 3)
     (victim,) = [n for n in live if n.node_id == ranks["2"]]
     cluster.remove_node(victim)
     fit(storage, fs, mem_out, 2, 3, {3}, name="mem-nodes", memory_every=1)
-    result["memory"] = {"held": held, "rank_nodes": ranks, "victim": victim.node_id}
+    result["memory"] = {"held": held, "rank_nodes": ranks, "victim": victim.node_id, "received": received}
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)
     ray.shutdown()

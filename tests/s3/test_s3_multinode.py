@@ -67,7 +67,8 @@ def test_resume_on_two_nodes_restores_what_three_saved_and_saves_per_node(multin
 
 def test_memory_checkpoints_are_held_on_two_nodes_and_restore_after_a_node_is_lost(multinode):
     """Issue 23's replication: every shard file of a memory save is held by its rank's node and by the next
-    node of the ring (node ids sorted, by their first 12 characters); with one node gone, 2 workers restore
+    node of the ring (node ids sorted, by their first 12 characters), sent over the writers' replica link;
+    with one node gone, 2 workers restore
     the 3 workers' memory checkpoint from what the other two hold, bit-exact."""
     memory = multinode["memory"]
     step2 = "mem/mem-nodes/rayckpt-step-00000002/"
@@ -83,6 +84,10 @@ def test_memory_checkpoints_are_held_on_two_nodes_and_restore_after_a_node_is_lo
         home = ranks[rank]
         successor = ring[(ring.index(home) + 1) % len(ring)]
         assert shards[path] == {home, successor}, (rank, path, shards[path], home, successor)
+    # Every replica went writer to writer over the replica link, none through Ray's object store.
+    replicated = {p for files in memory["held"].values() for p in files if "-r0" in p and p.endswith(".arrow")}
+    assert sum(r["files"] for r in memory["received"].values()) == len(replicated) == 6  # 3 ranks, steps 1 and 2
+    assert all(r["files"] > 0 for r in memory["received"].values())
     assert memory["victim"] == ranks["2"]
     out = multinode["out"] / "memory"
     restored = torch.load(out / "restored-2.pt", weights_only=False)

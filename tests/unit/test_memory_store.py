@@ -7,8 +7,10 @@ import os
 import numpy as np
 import pytest
 
+from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.ray import memory_tier
 from rayckpt.ray.memory_tier import MemoryBudgetExceeded, MemoryStore, default_budget
+from rayckpt.ray.replica_link import ReplicaServer
 from rayckpt.train.tiers import MEMORY, STORAGE, TierPolicy
 
 
@@ -79,23 +81,59 @@ def test_a_file_over_the_budget_is_refused_and_a_rewrite_replaces_the_old_one(st
     assert store.held == 900 << 10 and store.read("a", 0, 1) == b"y"
 
 
-def test_a_file_whose_replica_cannot_be_made_is_not_held(store, monkeypatch):
-    class Refusing:
-        class mem_put:  # noqa: N801 - stands in for an actor method
-            @staticmethod
-            def remote(path, data):
-                return "ref"
+def _hold_step(store, step: int, committed: bool, root: str = "mem/run") -> None:
+    base = f"{root}/rayckpt-step-{step:08d}"
+    store.put(f"{base}/shard-0.arrow", b"x" * 100)
+    store.put(f"{base}/.rayckpt-lease-s{step}", b"{}")
+    if committed:
+        store.put(f"{base}/{MANIFEST_NAME}", b"m")
 
-    def get(ref):
-        raise RuntimeError("peer's budget exceeded")
 
-    monkeypatch.setattr(memory_tier, "ring_peer", lambda node: ("node-bbbbbbbbbbbb", Refusing()))
-    monkeypatch.setattr(memory_tier.ray, "get", get)
-    out = store.create("run/s1/shard.arrow", replicate=True)
-    out.write(b"payload")
-    with pytest.raises(OSError, match=r"cannot copy run/s1/shard.arrow to node node-bbbbbbbbbbbb \(its replica\)"):
-        out.close()
-    assert store.files == {}
+def _steps(store) -> list[int]:
+    return sorted({int(p.split("rayckpt-step-")[1][:8]) for p in store.files if "rayckpt-step-" in p})
+
+
+def test_room_under_a_run_drops_what_is_older_than_its_newest_committed_checkpoints_and_keeps_a_save_in_flight(store):
+    for step, committed in ((1, True), (2, False), (3, True), (4, True), (5, False)):  # 2: a failed save's leftover
+        _hold_step(store, step, committed)
+    _hold_step(store, 1, True, root="mem/other-run")
+    before = store.held
+    # keep 1 committed (memory_keep=2): 4 stays, and 5 (newer: in flight); 1, 2 and 3 go; another run is untouched.
+    assert store.room("mem/run", keep=1) == store.budget - store.held and store.held < before
+    assert _steps(store) == [1, 4, 5] and sum(p.startswith("mem/other-run/") for p in store.files) == 3
+    assert store.drop_old("mem/run", keep=1) == 0  # the same rule again: nothing more
+    assert store.drop_old("mem/run", keep=0) == 3  # keep none (memory_keep=1): every committed one; 5 stays
+    assert _steps(store) == [1, 5]
+    assert store.drop_old("mem/run", keep=0) == 0  # no committed checkpoint: nothing to drop
+    assert store.room() == store.budget - store.held  # no root: only measures
+
+
+def test_fewer_committed_checkpoints_than_kept_drops_nothing(store):
+    _hold_step(store, 1, False)
+    _hold_step(store, 2, True)
+    assert store.drop_old("mem/run", keep=2) == 0 and _steps(store) == [1, 2]
+
+
+def test_a_file_whose_replica_cannot_be_made_is_not_held(store, tmp_path, monkeypatch):
+    peer_dir = tmp_path / "peer"
+    peer_dir.mkdir()
+    peer = MemoryStore("node-bbbbbbbbbbbb", str(peer_dir), budget=3)  # holds less than the file
+    server = ReplicaServer(peer, "127.0.0.1")
+    monkeypatch.setattr(memory_tier, "ring_peer", lambda node: ("node-bbbbbbbbbbbb", "its writer"))
+    monkeypatch.setattr(memory_tier, "_endpoint", lambda node, handle: server.endpoint)
+    try:
+        out = store.create("run/s1/shard.arrow", replicate=True)
+        out.write(b"payload")
+        with pytest.raises(
+            OSError,
+            match=r"cannot copy run/s1/shard.arrow to node node-bbbbbbbbbbbb \(its replica\): "
+            r"MemoryBudgetExceeded: .* does not fit",
+        ):
+            out.close()
+        assert store.files == {} and peer.files == {}
+    finally:
+        server.close()
+        peer.close()
 
 
 def test_the_default_budget_is_half_the_filesystem_or_the_environment(tmp_path, monkeypatch):

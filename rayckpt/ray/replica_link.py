@@ -1,0 +1,128 @@
+"""Memory-tier replicas sent from ShardWriter to ShardWriter over one TCP stream each, not through Ray's object store.
+
+A shard file of a memory checkpoint is copied to the ring's peer node before its
+write returns (``memory_tier.replicate``). Through the object store that took
+three copies of every byte on the CPU (into the sender's store, across to the
+peer's, out into the peer's held file) and object-store memory on both nodes as
+large as the file. Over the link the sender's kernel sends the held file itself
+(``socket.sendfile``: no copy in user space) and the peer reads the stream straight
+into a mapping of the new held file: one copy, and no object-store memory.
+
+Each ShardWriter listens (``ReplicaServer``) on its node's IP address, on a port the
+system picks; its ``mem_endpoint()`` gives (host, port, token), through Ray. A
+connection must present the token before anything is read. The peer answers
+``ok`` once the file is held (within its budget), else the reason, which the sender
+raises. Where the link cannot be reached (a firewall between the nodes, say) the
+sender copies through Ray instead (``memory_tier.replicate``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import socket
+import struct
+import threading
+from typing import Any
+
+#: A replica's stream begins with: the listener's token, the file's size, the length of its path (then the path).
+HEADER = struct.Struct("!16sQI")
+#: How long a stalled stream may sit before either side gives up (a peer that died mid-copy).
+STREAM_TIMEOUT_S = 120.0
+#: The longest path a listener accepts.
+MAX_PATH = 4096
+
+
+class LinkUnreachable(ConnectionError):
+    """Nothing listens at a replica endpoint (or it cannot be reached): nothing was sent."""
+
+
+class ReplicaServer:
+    """A ShardWriter's listener: each connection is one replica, held in ``store`` once fully received."""
+
+    def __init__(self, store: Any, host: str) -> None:
+        #: The ``memory_tier.MemoryStore`` replicas go into.
+        self.store = store
+        self.token = secrets.token_bytes(16)
+        self.sock = socket.create_server((host, 0))
+        self.endpoint = (host, self.sock.getsockname()[1], self.token)
+        #: Replicas held through the link so far, and their bytes.
+        self.received = {"files": 0, "bytes": 0}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, name="rayckpt-replicas", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+
+    def _receive(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(STREAM_TIMEOUT_S)
+            try:
+                token, size, length = HEADER.unpack(_recv_exactly(conn, HEADER.size))
+                if not hmac.compare_digest(token, self.token) or length > MAX_PATH:
+                    return  # not a replica for this writer: closed without a word
+                path = _recv_exactly(conn, length).decode()
+                self.store.hold_from(path, size, lambda view: _recv_into(conn, view))
+                with self._lock:
+                    self.received["files"] += 1
+                    self.received["bytes"] += size
+                answer = b"ok"
+            except Exception as exc:  # noqa: BLE001 - the sender raises it, naming this node
+                answer = f"{type(exc).__name__}: {exc}".encode()[:MAX_PATH]
+            try:
+                conn.sendall(answer)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def send(endpoint: tuple[str, int, bytes], path: str, fd: int, size: int) -> None:
+    """Send the held file ``fd`` (``size`` bytes) as ``path`` to the listener at ``endpoint``; return once held there.
+
+    Raises ``LinkUnreachable`` when the listener cannot be reached (nothing was
+    sent), ``OSError`` with the peer's reason when it did not hold the file (or
+    the stream broke: ``ConnectionResetError``...).
+    """
+    host, port, token = endpoint
+    try:
+        conn = socket.create_connection((host, port), timeout=STREAM_TIMEOUT_S)
+    except OSError as exc:
+        raise LinkUnreachable(f"cannot reach the replica listener at {host}:{port}: {exc}") from exc
+    with conn, os.fdopen(os.dup(fd), "rb") as f:
+        encoded = path.encode()
+        conn.sendall(HEADER.pack(token, size, len(encoded)) + encoded)
+        if size:
+            conn.sendfile(f, 0, size)
+        answer = _recv_answer(conn)
+    if answer != b"ok":
+        raise OSError(answer.decode(errors="replace") or "the peer closed the stream before holding the file")
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = conn.recv_into(view[got:], len(view) - got)
+        if k == 0:
+            raise ConnectionError(f"the sender closed the stream after {got} of {len(view)} bytes")
+        got += k
+
+
+def _recv_answer(conn: socket.socket) -> bytes:
+    chunks = []
+    while chunk := conn.recv(MAX_PATH):
+        chunks.append(chunk)
+    return b"".join(chunks)
