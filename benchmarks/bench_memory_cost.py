@@ -88,10 +88,46 @@ def cost_loop(config: dict[str, Any]) -> None:
                     step_s=t2 - t0, save_s=t2 - t1, skipped=skipped, share=share,
                 )  # fmt: skip
             ckpt.wait()  # the memory saves' background work ends inside their own mode
+    if config["restore_rounds"]:
+        restores(config, ckpt, state, step + 1, rank)
     if rank == 0:
         writes = [ray.get(h.debug_stats.remote())["writes"] for h in _writers()]
         append_event(config["events"], "writes", writes=[w for ws in writes for w in ws if "@memory" in w["run"]])
     ckpt.release_memory()
+
+
+def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int, rank: int) -> None:
+    """Load one step into the same workers from each tier, rounds rotated, barrier to barrier: from the
+    nodes' memory, from local disk with the page cache warm and evicted, and from S3 (``--s3``)."""
+    import torch.distributed as dist
+
+    from benchmarks.diskio import evict, files_under
+    from rayckpt.ray.async_save import save_async
+    from rayckpt.ray.load import load
+
+    ckpt.save(step, state, persist=True)  # due for both: to memory, then to storage
+    ckpt.wait()
+    sources = {
+        "memory": (ckpt.memory.path(step), ckpt.memory.filesystem),
+        "disk, warm": (ckpt.path(step), ckpt.filesystem),
+        "disk, cold": (ckpt.path(step), ckpt.filesystem),
+    }
+    if config["s3_uri"]:
+        save_async(state, config["s3_uri"], run="memory-cost-s3", step=step).wait()
+        sources["s3"] = (config["s3_uri"], None)
+    for rnd in range(config["restore_rounds"]):
+        for name in rotated(list(sources), rnd):
+            path, fs = sources[name]
+            if name == "disk, cold" and rank == 0:
+                evict(files_under(path))
+            dist.barrier()
+            t0 = time.perf_counter()
+            info = load(state, path, filesystem=fs)
+            dist.barrier()
+            append_event(
+                config["events"], "restore", rank=rank, round=rnd, source=name, load_s=time.perf_counter() - t0,
+                bytes_read=info.bytes_read,
+            )  # fmt: skip
 
 
 def _writers() -> list[Any]:
@@ -114,6 +150,7 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
     cluster = None
     quiet = {"log_to_driver": args.ray_logs, "logging_level": logging.WARNING}
     store = args.object_store_mb * 2**20
+    s3 = args.s3_endpoint
     try:
         if scenario == "one-node":
             ray.init(
@@ -144,6 +181,8 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
             "steps": args.steps,
             "step_sleep_s": args.step_sleep_s,
             "shared": cluster is not None or None,
+            "restore_rounds": args.restore_rounds if scenario == "one-node" else 0,
+            "s3_uri": s3.uri(f"memory-cost/{time.time_ns()}") if s3 is not None and scenario == "one-node" else None,
         }
         trainer = TorchTrainer(
             cost_loop,
@@ -186,6 +225,13 @@ def summarize(events: str) -> dict[str, Any]:
     out["shard_bytes_per_memory_save"] = statistics.median(per_save.values()) if per_save else None
     out["nodes_written"] = len({w["node"] for w in writes})
     out["share_bytes"] = [e["share"] for e in steps if e["step"] == 1]
+    restores_by: dict[tuple[str, int], list[float]] = {}
+    for e in lines:
+        if e["kind"] == "restore":
+            restores_by.setdefault((e["source"], e["round"]), []).append(e["load_s"])
+    out["restore_s"] = {}
+    for (source, _), times in sorted(restores_by.items()):
+        out["restore_s"].setdefault(source, []).append(max(times))  # barrier to barrier: every rank's the same
     return out
 
 
@@ -223,6 +269,20 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {sc} | {mode} | {m['step_s']:.3f} | {m['step_s'] / none:.2f} | {m['step_s'] / copy:.2f} "
                 f"| {m['save_s']:.3f} | {skipped} | {nbytes} |"
             )
+    restore = {sc: r["restore_s"] for sc, r in report["scenarios"].items() if r.get("restore_s")}
+    for sc, by_source in restore.items():
+        memory = statistics.median(by_source["memory"])
+        lines += [
+            "",
+            f"Restore of one step into the same {report['workers']} workers ({sc}), barrier to barrier, "
+            f"{report['restore_rounds']} rounds rotated; seconds: median (min-max).",
+            "",
+            "| from | load s | / from memory |",
+            "| --- | ---: | ---: |",
+        ]
+        for source, times in by_source.items():
+            med = statistics.median(times)
+            lines.append(f"| {source} | {med:.2f} ({min(times):.2f}-{max(times):.2f}) | {med / memory:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -238,6 +298,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
     p.add_argument("--object-store-mb", type=int, default=1536, help="object store per Ray node")
     p.add_argument("--shm-root", default="/dev/shm", help="where each node's RAYCKPT_SHM_DIR is made")
+    p.add_argument("--restore-rounds", type=int, default=3, help="rounds of restores by tier (one-node; 0: none)")
+    p.add_argument("--s3", action="store_true", help="also restore from S3 (a local moto server, as the tests')")
     p.add_argument("--out", required=True, help="directory for memory_cost.json / .md and the event files")
     p.add_argument("--markdown", help="also write the table here")
     p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
@@ -263,8 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "steps": args.steps,
         "step_sleep_s": args.step_sleep_s,
+        "restore_rounds": args.restore_rounds,
         "scenarios": {},
     }
+    args.s3_endpoint, server = None, None
+    if args.s3:
+        from rayckpt.testing.s3_server import S3_ENV, start_moto_server
+
+        os.environ.update(S3_ENV)  # the local Ray's workers inherit them
+        server = start_moto_server(os.path.join(args.out, "moto.log"), "bench")
+        args.s3_endpoint = server.endpoint
     samples: list[tuple[float, float, float | None]] = []
     before = os.getloadavg()[0]
     stop = threading.Event()
@@ -276,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
         sampler.join()
+        if server is not None:
+            server.stop()
     report["load_average_1min"] = load_average(before, samples)
     report["total_runtime_s"] = time.perf_counter() - t0
     md = markdown(report)
