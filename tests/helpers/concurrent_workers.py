@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from rayckpt.testing.multiproc import start_process
+
 #: Pause points: after writing the claiming lease (before looking at rivals), right
 #: before the commit (shard files written, lease held), before an import writes,
 #: before an export publishes its finished output.
@@ -188,12 +190,8 @@ def export_worker(src: str, dst: str, fmt: str, sync_dir: str, name: str, pause:
 
 def start(target: Any, *args: Any) -> multiprocessing.process.BaseProcess:
     """Run ``target(*args)`` in a new process forked from a clean server that preloaded torch and rayckpt
-    (cheap to start, and free of the test process's threads)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "rayckpt.engine.save", "rayckpt.tools.convert.core", __name__])
-    proc = ctx.Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
+    (cheap to start, and free of the test process's threads); the server ``run_ranks`` forks from too."""
+    return start_process(target, *args, preload=("rayckpt.engine.save", "rayckpt.tools.convert.core", __name__))
 
 
 def result(sync_dir: str, name: str, proc: multiprocessing.process.BaseProcess) -> dict[str, Any]:

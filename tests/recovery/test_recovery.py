@@ -22,9 +22,11 @@ from rayckpt.storage.lease import LEASE_PREFIX
 from tests.helpers import recovery_job
 from tests.helpers.cluster_jobs import run_cluster_job
 from tests.helpers.recovery_faults import KILLED
-from tests.helpers.recovery_job import SAVE_AT, STEPS
+from tests.helpers.recovery_job import FIXED_WORKERS, SAVE_AT, STEPS
 
 pytestmark = pytest.mark.slow
+#: The dumps of a fixed scenario's rank 0 (``ray_workers.toy_train_loop``'s, named by the world size).
+FINAL, RESTORED = f"final-{FIXED_WORKERS}.pt", f"restored-{FIXED_WORKERS}.pt"
 #: A generous logical bound: a killed save settled by the rollback, not by its 300 s commit timeout.
 ROLLBACK_BOUND_S = 60.0
 
@@ -71,8 +73,8 @@ def test_uninterrupted_run_commits_every_save(recovery):
     committed = {e["step"]: e["save_id"] for e in events(recovery, "baseline", "committed")}
     assert committed == save_ids
     assert not events(recovery, "baseline", "failed") and not events(recovery, "baseline", "exception")
-    assert dump(recovery, "baseline", "final-4.pt")["step"] == STEPS
-    assert not os.path.exists(recovery["out"] / "baseline" / "restored-4.pt")  # it never restarted
+    assert dump(recovery, "baseline", FINAL)["step"] == STEPS
+    assert not os.path.exists(recovery["out"] / "baseline" / RESTORED)  # it never restarted
 
 
 #: Scenario -> the step its restarted attempt restores (the newest checkpoint committed before the kill).
@@ -88,7 +90,7 @@ def test_killed_run_finishes_bit_identical_to_an_uninterrupted_one(recovery, sce
     killed = json.loads((recovery["out"] / scenario / KILLED).read_text())
     assert (killed["phase"], killed["rank"]) == (scenario, 1)
     assert len(events(recovery, scenario, "exception")) == 1  # one worker-group failure: the kill
-    final, reference = dump(recovery, scenario, "final-4.pt"), dump(recovery, "baseline", "final-4.pt")
+    final, reference = dump(recovery, scenario, FINAL), dump(recovery, "baseline", FINAL)
     assert final["step"] == STEPS
     assert final["state"].keys() == reference["state"].keys()
     for key, value in reference["state"].items():
@@ -99,7 +101,7 @@ def test_killed_run_finishes_bit_identical_to_an_uninterrupted_one(recovery, sce
 def test_restart_restores_the_last_committed_checkpoint(recovery, scenario):
     """The restored step is the newest one committed before the kill: its manifest was there, it
     verifies, and the state restored is the uninterrupted run's at that step, bit for bit."""
-    restored = dump(recovery, scenario, "restored-4.pt")
+    restored = dump(recovery, scenario, RESTORED)
     step = KILLS[scenario]
     assert restored["step"] == step
     killed = json.loads((recovery["out"] / scenario / KILLED).read_text())
@@ -144,6 +146,16 @@ def test_writes_in_flight_were_held_at_the_gate(recovery):
     for scenario in ("in_flight", "writer"):
         reached = (recovery["out"] / f"gate-{scenario}.reached").read_text().split()
         assert any("rayckpt-step-00000006" in p and "-r00001-" in p for p in reached), reached
+
+
+@pytest.mark.parametrize("scenario", ["baseline", *KILLS])
+def test_fixed_runs_have_one_rank_on_each_node_of_their_lane(recovery, scenario):
+    """The fixed scenarios' ``FIXED_WORKERS`` ranks ran on as many nodes (the last attempt; SPREAD): the victim's
+    node (its ShardWriter, its staging directory) is not rank 0's."""
+    nodes = {(recovery["out"] / scenario / f"node-{FIXED_WORKERS}-{r}.txt").read_text() for r in range(FIXED_WORKERS)}
+    assert len(nodes) == FIXED_WORKERS
+    lanes = recovery["nodes"]
+    assert nodes <= set(lanes["slot_a"]) or nodes <= set(lanes["slot_b"]), (nodes, lanes)
 
 
 def test_a_killed_shard_writer_is_replaced(recovery):
