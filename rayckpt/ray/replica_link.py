@@ -30,6 +30,8 @@ from typing import Any
 HEADER = struct.Struct("!16sQI")
 #: How long a stalled stream may sit before either side gives up (a peer that died mid-copy).
 STREAM_TIMEOUT_S = 120.0
+#: How long a sender waits for a listener to accept (a peer whose machine is gone answers nothing).
+CONNECT_TIMEOUT_S = 10.0
 #: The longest path a listener accepts.
 MAX_PATH = 4096
 
@@ -93,9 +95,10 @@ def send(endpoint: tuple[str, int, bytes], path: str, fd: int, size: int) -> Non
     """
     host, port, token = endpoint
     try:
-        conn = socket.create_connection((host, port), timeout=STREAM_TIMEOUT_S)
+        conn = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
     except OSError as exc:
         raise LinkUnreachable(f"cannot reach the replica listener at {host}:{port}: {exc}") from exc
+    conn.settimeout(STREAM_TIMEOUT_S)
     with conn, os.fdopen(os.dup(fd), "rb") as f:
         encoded = path.encode()
         conn.sendall(HEADER.pack(token, size, len(encoded)) + encoded)
