@@ -105,7 +105,9 @@ class MemoryStore:
         committed one), and leftovers older still; keep any newer (a save in flight). How many files went.
 
         Committed: the directory holds its manifest (written last). Every node applies the same rule
-        to what it holds, so each frees its own room without waiting for the others.
+        to what it holds, so each frees its own room without waiting for the others. The files are
+        no longer held (nor counted) on return; their descriptors are closed in the background: the
+        kernel's freeing of a dropped 1 GB checkpoint's pages took 40 ms of a memory save's stall.
         """
         prefix = root.strip("/") + "/"
         with self._lock:
@@ -115,11 +117,14 @@ class MemoryStore:
                 if path.startswith(prefix) and (step := checkpoint_step(path.rsplit("/", 1)[0])) is not None:
                     steps.setdefault(step, []).append(path)
                     committed.update([step] if path.endswith("/" + MANIFEST_NAME) else [])
-        newest = sorted(committed, reverse=True)
-        if len(newest) < max(keep, 1):
-            return 0
-        below = newest[keep - 1] if keep else newest[0] + 1
-        return sum(self.delete(path, tree=False) for step, paths in steps.items() if step < below for path in paths)
+            newest = sorted(committed, reverse=True)
+            if len(newest) < max(keep, 1):
+                return 0
+            below = newest[keep - 1] if keep else newest[0] + 1
+            fds = [self.files.pop(path)[0] for step, paths in steps.items() if step < below for path in paths]
+        if fds:
+            threading.Thread(target=_close_all, args=(fds,), name="rayckpt-mem-drop", daemon=True).start()
+        return len(fds)
 
     def create(self, path: str, replicate: bool) -> _LocalOut:
         """A file to write ``path`` into; held once closed (and copied to the ring's peer with ``replicate``)."""
@@ -220,6 +225,11 @@ class MemoryStore:
 
     def close(self) -> None:
         self.delete("", tree=True)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class _LocalOut(io.RawIOBase):

@@ -49,8 +49,9 @@ class ReplicaServer:
         self.token = secrets.token_bytes(16)
         self.sock = socket.create_server((host, 0))
         self.endpoint = (host, self.sock.getsockname()[1], self.token)
-        #: Replicas held through the link so far, and their bytes.
+        #: Replicas held through the link so far, and their bytes; ``streams``: connections it has finished with.
         self.received = {"files": 0, "bytes": 0}
+        self.streams = 0
         self._lock = threading.Lock()
         threading.Thread(target=self._serve, name="rayckpt-replicas", daemon=True).start()
 
@@ -63,24 +64,33 @@ class ReplicaServer:
             threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
 
     def _receive(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(STREAM_TIMEOUT_S)
-            try:
-                token, size, length = HEADER.unpack(_recv_exactly(conn, HEADER.size))
-                if not hmac.compare_digest(token, self.token) or length > MAX_PATH:
-                    return  # not a replica for this writer: closed without a word
-                path = _recv_exactly(conn, length).decode()
-                self.store.hold_from(path, size, lambda view: _recv_into(conn, view))
-                with self._lock:
-                    self.received["files"] += 1
-                    self.received["bytes"] += size
-                answer = b"ok"
-            except Exception as exc:  # noqa: BLE001 - the sender raises it, naming this node
-                answer = f"{type(exc).__name__}: {exc}".encode()[:MAX_PATH]
-            try:
-                conn.sendall(answer)
-            except OSError:
-                pass
+        try:
+            with conn:
+                conn.settimeout(STREAM_TIMEOUT_S)
+                answer = self._hold(conn)
+                if answer is not None:
+                    try:
+                        conn.sendall(answer)
+                    except OSError:
+                        pass
+        finally:
+            with self._lock:
+                self.streams += 1
+
+    def _hold(self, conn: socket.socket) -> bytes | None:
+        """Read one replica and hold it: the answer (``ok`` or the reason), ``None`` for a stranger."""
+        try:
+            token, size, length = HEADER.unpack(_recv_exactly(conn, HEADER.size))
+            if not hmac.compare_digest(token, self.token) or length > MAX_PATH:
+                return None  # not a replica for this writer: closed without a word
+            path = _recv_exactly(conn, length).decode()
+            self.store.hold_from(path, size, lambda view: _recv_into(conn, view))
+        except Exception as exc:  # noqa: BLE001 - the sender raises it, naming this node
+            return f"{type(exc).__name__}: {exc}".encode()[:MAX_PATH]
+        with self._lock:
+            self.received["files"] += 1
+            self.received["bytes"] += size
+        return b"ok"
 
     def close(self) -> None:
         self.sock.close()

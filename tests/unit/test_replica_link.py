@@ -36,12 +36,13 @@ def _held(store: MemoryStore, path: str) -> tuple[int, int]:
     return fd, size
 
 
-def _settled(directory, store: MemoryStore) -> bool:
-    """Wait (up to 30 s) until the listener's receiving thread has left nothing named behind."""
+def _settled(directory, server: ReplicaServer, streams: int = 1) -> bool:
+    """Wait (up to 30 s) until the listener has finished with ``streams`` connections; whether it left
+    nothing named behind in ``directory``."""
     deadline = time.monotonic() + 30
-    while os.listdir(directory) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return os.listdir(directory) == []
+    while server.streams < streams and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server.streams >= streams and os.listdir(directory) == []
 
 
 def test_a_replica_is_streamed_into_the_peer_s_store_bit_exact_and_nameless(stores, tmp_path):
@@ -63,7 +64,7 @@ def test_a_stream_without_the_listener_s_token_is_dropped_unread(stores, tmp_pat
     with pytest.raises(OSError, match="closed the stream before holding the file|Connection reset|Broken pipe") as err:
         replica_link.send((host, port, b"\0" * 16), "x", *_held(a, "x"))
     assert not isinstance(err.value, replica_link.LinkUnreachable)  # reached, refused: not a reason to go round it
-    assert b.files == {} and _settled(tmp_path / "b", b)
+    assert b.files == {} and _settled(tmp_path / "b", server)
 
 
 def test_a_replica_over_the_peer_s_budget_is_refused_with_its_reason(stores, tmp_path):
@@ -72,7 +73,7 @@ def test_a_replica_over_the_peer_s_budget_is_refused_with_its_reason(stores, tmp
     a.put("mem/big", PAYLOAD)
     with pytest.raises(OSError, match=r"MemoryBudgetExceeded: memory tier of node node-bbbbbbb: mem/big \(1049344"):
         replica_link.send(server.endpoint, "mem/big", *_held(a, "mem/big"))
-    assert b.files == {} and _settled(tmp_path / "b", b)
+    assert b.files == {} and _settled(tmp_path / "b", server)
 
 
 def test_a_sender_that_stops_mid_stream_leaves_nothing_held_or_named(stores, tmp_path):
@@ -80,7 +81,7 @@ def test_a_sender_that_stops_mid_stream_leaves_nothing_held_or_named(stores, tmp
     host, port, token = server.endpoint
     with socket.create_connection((host, port)) as conn:
         conn.sendall(HEADER.pack(token, 1000, 4) + b"half" + b"x" * 10)
-    assert _settled(tmp_path / "b", b) and b.files == {}
+    assert _settled(tmp_path / "b", server) and b.files == {}
 
 
 def test_an_unreachable_peer_is_told_once_and_the_replica_goes_through_ray(stores, monkeypatch, caplog):
