@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from benchmarks.bench_suite import load_average
-from benchmarks.harness import load_avg_thread, machine_info, rotated
+from benchmarks.harness import load_avg_thread, machine_info, rotated, write_report
 from benchmarks.recovery_loop import append_event
 from benchmarks.workload import layer_shapes
 
@@ -351,11 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     report["load_average_1min"] = load_average(before, samples)
     report["total_runtime_s"] = time.perf_counter() - t0
     md = markdown(report)
-    with open(os.path.join(args.out, "memory_cost.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    for path in filter(None, (os.path.join(args.out, "memory_cost.md"), args.markdown)):
-        with open(path, "w") as f:
-            f.write(md)
+    write_report(args.out, "memory_cost", report, md, args.markdown)
     print(md)
     return 0
 

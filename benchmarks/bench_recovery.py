@@ -38,7 +38,6 @@ to BENCHMARKS.md (as it does ``benchmarks/S3.md``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -46,7 +45,7 @@ import time
 from typing import Any
 
 from benchmarks.bench_suite import load_average
-from benchmarks.harness import load_avg_thread, machine_info
+from benchmarks.harness import load_avg_thread, machine_info, write_report
 from benchmarks.recovery_report import markdown, summarize
 from benchmarks.recovery_scenarios import FAST_HEALTH_CHECK, START_TIMEOUT_ENV, node_removal, worker_kill
 from benchmarks.workload import layer_shapes
@@ -201,11 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     report["load_average_1min"] = load_average(before, samples)
     report["total_runtime_s"] = time.perf_counter() - t0
     md = markdown(report)
-    with open(os.path.join(args.out, "recovery.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    for path in filter(None, (os.path.join(args.out, "recovery.md"), args.markdown)):
-        with open(path, "w") as f:
-            f.write(md)
+    write_report(args.out, "recovery", report, md, args.markdown)
     print(md)
     print(f"[recovery] total {report['total_runtime_s']:.0f} s; wrote {args.out}/recovery.json, recovery.md")
     return 0

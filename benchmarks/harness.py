@@ -338,6 +338,15 @@ def load_avg_thread(samples: list[tuple[float, float, float | None]], stop: thre
 # Partial results and formatting
 
 
+def write_report(out: str, name: str, report: dict[str, Any], md: str, markdown: str | None = None) -> None:
+    """``report`` as ``<out>/<name>.json`` and its table ``md`` as ``<out>/<name>.md`` (and at ``markdown``)."""
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    for path in filter(None, (os.path.join(out, f"{name}.md"), markdown)):
+        with open(path, "w") as f:
+            f.write(md)
+
+
 def partial_path(out: str, label: str) -> str:
     return os.path.join(out, f"bench_suite.partial-{label}.json")
 

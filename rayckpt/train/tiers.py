@@ -78,10 +78,12 @@ class MemoryTier:
         replicas too."""
         keep = self.policy.memory_keep - 1
         room = ray.get(get_shard_writer().mem_room.remote(self.root, keep))
+        here = ray.get_runtime_context().get_node_id()[:12]
         if rank == 0:
-            for handle in writers().values():
-                handle.mem_room.remote(self.root, keep)
-        return room, ray.get_runtime_context().get_node_id()[:12]
+            for node, handle in writers().items():
+                if node != here:  # this node's writer has just dropped them
+                    handle.mem_room.remote(self.root, keep)
+        return room, here
 
     @staticmethod
     def decide(busy: bool, room: int, need: int, node: str, coord: Coordinator) -> tuple[bool, str]:
