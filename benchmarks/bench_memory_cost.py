@@ -18,7 +18,9 @@ Scenarios: ``one-node`` (a local Ray) and ``two-nodes`` (a ``ray.cluster_utils.C
 of a head and two 2-CPU worker nodes, each with its own ``RAYCKPT_SHM_DIR``: every shard
 file also goes to the other node). A step's time is the slowest worker's (start of the
 update to the end of the save); the table shows medians over every step of a mode
-past each round's first, and ratios to ``none`` and to ``copy``. Run:
+past each round's first, and ratios to ``none`` and to ``copy``. ``--device cuda`` (one-node only):
+one worker per GPU, nccl, the state on the device, the anchor a copy into page-locked host buffers
+(a DMA, waited for). Run:
 ``.venv/bin/python -m benchmarks.bench_memory_cost --out /tmp/bench_memory_cost``.
 """
 
@@ -60,12 +62,17 @@ def cost_loop(config: dict[str, Any]) -> None:
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    model, optim, app = build_state(world, rank, seed=0, shapes=[tuple(s) for s in config["shapes"]])
+    cuda = config["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(ray.train.torch.get_device())
+    shapes = [tuple(s) for s in config["shapes"]]
+    model, optim, app = build_state(world, rank, seed=0, shapes=shapes, device=config["device"])
     state = {"app": app}
     ckpt = Checkpointer(memory_every=1, persist_every=10**9, local_is_shared=config["shared"])
     ckpt.restore(state)  # nothing to restore: makes both lanes' staging buffers, as a real run's restore does
     pieces = local_pieces(state)
-    copies = [torch.empty_like(p).fill_(0) for p in pieces]  # made and touched beforehand, like a staging buffer
+    # made and touched beforehand, like a staging buffer; page-locked for a device's copy (a DMA)
+    copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda).fill_(0) for p in pieces]
     share = sum(p.numel() * p.element_size() for p in pieces)
     step = 0
     for rnd in range(config["rounds"]):
@@ -79,7 +86,9 @@ def cost_loop(config: dict[str, Any]) -> None:
                 skipped = None
                 if mode == "copy":
                     for dst, src in zip(copies, local_pieces(state)):
-                        dst.copy_(src)
+                        dst.copy_(src, non_blocking=cuda)
+                    if cuda:
+                        torch.cuda.synchronize()
                 elif mode == "memory":
                     skipped = ckpt.save(step, state, persist=False) is None
                 t2 = time.perf_counter()
@@ -148,6 +157,7 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
         os.remove(events)
     shm_root = os.path.join(args.shm_root, f"rayckpt-bench-memory-cost-{os.getpid()}-{scenario}")
     cluster = None
+    gpu = args.device == "cuda"
     quiet = {"log_to_driver": args.ray_logs, "logging_level": logging.WARNING}
     store = args.object_store_mb * 2**20
     s3 = args.s3_endpoint
@@ -157,6 +167,8 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
                 address="local", num_cpus=args.workers, object_store_memory=store, include_dashboard=False, **quiet
             )
             resources: dict[str, float] = {"CPU": 1}
+            if gpu:
+                resources["GPU"] = 1
         else:
             from ray.cluster_utils import Cluster
 
@@ -180,6 +192,7 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
             "rounds": args.rounds,
             "steps": args.steps,
             "step_sleep_s": args.step_sleep_s,
+            "device": args.device,
             "shared": cluster is not None or None,
             "restore_rounds": args.restore_rounds if scenario == "one-node" else 0,
             "s3_uri": s3.uri(f"memory-cost/{time.time_ns()}") if s3 is not None and scenario == "one-node" else None,
@@ -187,7 +200,7 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
         trainer = TorchTrainer(
             cost_loop,
             train_loop_config=config,
-            scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False, resources_per_worker=resources),
+            scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=gpu, resources_per_worker=resources),
             run_config=RunConfig(storage_path=os.path.join(args.out, "storage"), name=f"{scenario}-{time.time_ns()}"),
         )
         trainer.fit()
@@ -237,6 +250,7 @@ def summarize(events: str) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     load = report["load_average_1min"]
+    where = f" on {report['gpu']} (one GPU each, nccl)" if report.get("gpu") else ""
     lines = [
         "## The cost of a memory checkpoint every step (issue 23)",
         "",
@@ -246,7 +260,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{load['max']:.2f}; CPU used by processes outside the benchmark: mean "
         f"{load['other_processes_cpu_cores']['mean']:.2f} cores.",
         "",
-        f"State: {report['state_bytes'] / 1e9:.3f} GB, {report['workers']} workers; a step: an in-place update "
+        f"State: {report['state_bytes'] / 1e9:.3f} GB, {report['workers']} workers{where}; a step: an in-place update "
         f"of every local shard, one all-reduce and a {report['step_sleep_s']} s sleep standing in for forward "
         f"and backward. {report['rounds']} rounds of every mode, {report['steps']} steps each, order rotated; "
         "seconds: the slowest worker's, medians over the steps past each round's first.",
@@ -302,14 +316,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--s3", action="store_true", help="also restore from S3 (a local moto server, as the tests')")
     p.add_argument("--out", required=True, help="directory for memory_cost.json / .md and the event files")
     p.add_argument("--markdown", help="also write the table here")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per worker, nccl, one-node only"
+    )
     p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
     args = p.parse_args(argv)
     bad = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
     if bad:
         p.error(f"--scenarios: unknown {', '.join(bad)} (expected some of {', '.join(SCENARIOS)})")
-    if args.workers < 2 or args.workers % 2:
+    if args.device == "cuda" and args.scenarios != "one-node":
+        p.error("--device cuda: only --scenarios one-node (one machine's GPUs)")
+    if "two-nodes" in args.scenarios.split(",") and (args.workers < 2 or args.workers % 2):
         p.error(f"--workers {args.workers}: expected an even number >= 2 (two-nodes puts half on each node)")
     return args
+
+
+def gpu_name(device: str) -> str | None:
+    """The GPU's name for ``--device cuda`` (``None`` on the CPU); refuses where there is none."""
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (the default --device cpu runs the CPU path)")
+    return torch.cuda.get_device_name()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "steps": args.steps,
         "step_sleep_s": args.step_sleep_s,
+        "device": args.device,
+        "gpu": gpu_name(args.device),
         "restore_rounds": args.restore_rounds,
         "scenarios": {},
     }

@@ -61,7 +61,8 @@ def one_step(model: Any, optim: Any, step: int, sleep_s: float) -> float:
             st["exp_avg_sq"].to_local().mul_(0.999).add_(1e-6)
             st["step"].add_(1.0)
         first = next(iter(model.parameters())).to_local()
-        loss = torch.tensor([float(first.reshape(-1)[:1].sum()) if first.numel() else 0.0])
+        # float() waits for the device: a step on a GPU is timed to its end
+        loss = torch.tensor([float(first.reshape(-1)[:1].sum()) if first.numel() else 0.0], device=first.device)
     dist.all_reduce(loss)
     if sleep_s > 0:
         time.sleep(sleep_s)

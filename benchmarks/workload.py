@@ -49,19 +49,24 @@ def layer_shapes(size_mb: float, num_layers: int = NUM_LAYERS) -> list[tuple[int
     return shapes
 
 
-def build_state(world_size: int, rank: int, seed: int, shapes: list[tuple[int, int]]) -> tuple[Any, Any, AppState]:
-    """FSDP2 model (meta init, then only local shards materialized) + AdamW with filled moments."""
+def build_state(
+    world_size: int, rank: int, seed: int, shapes: list[tuple[int, int]], device: str = "cpu"
+) -> tuple[Any, Any, AppState]:
+    """FSDP2 model (meta init, then only local shards materialized) + AdamW with filled moments,
+    on ``device`` ("cpu", or "cuda": this process's current CUDA device, with an nccl group)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    mesh = init_device_mesh(kind, (world_size,))
     with torch.device("meta"):
         model = BenchModel(shapes)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    target = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    model.to_empty(device=target)
+    gen = torch.Generator(device=target).manual_seed(seed * 1_000_003 + rank)
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().normal_(generator=gen)

@@ -16,12 +16,15 @@ forces it (``force=True``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 #: Bytes of one bounce slot; a load into device targets holds at most ``BOUNCE_SLOTS`` of them.
 BOUNCE_BYTES = 64 * 2**20
@@ -187,16 +190,42 @@ def pin_host_memory(buf: Any, device: torch.device | None = None) -> int:
     ``non_blocking=True``; without it the copy is still correct, only staged
     through the driver's own buffer. ``device``: the CUDA device the copies come
     from, made current first (a background thread's current device is device 0).
-    Undo with ``unpin_host_memory`` before unmapping.
+    Undo with ``unpin_host_memory`` before unmapping. Where CUDA refuses (Linux
+    page-locks no file mapping outside tmpfs), one WARNING says so and this
+    thread's CUDA error is cleared, so no later kernel launch fails with it.
     """
     if not torch.cuda.is_available():
         return 0
     view = torch.frombuffer(buf, dtype=torch.uint8)
     ptr, nbytes = view.data_ptr(), view.numel()
     del view
-    with torch.cuda.device(device) if device is not None and device.type == "cuda" else nullcontext():
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    return ptr if int(rc) == 0 else 0
+    cuda = device is not None and device.type == "cuda"
+    with torch.cuda.device(device) if cuda else nullcontext():
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # a cudaError (its name: cudaGetErrorString)
+        if int(rc) == 0:
+            return ptr
+        clear_cuda_error(device if cuda else torch.device("cuda"))
+    logger.warning(
+        "rayckpt: %d bytes of host memory could not be page-locked for CUDA copies (cudaHostRegister: %s); "
+        "copies from the device into it wait for the driver. Linux page-locks file mappings only on tmpfs: "
+        "keep the staging directory (RAYCKPT_SHM_DIR) on /dev/shm.",
+        nbytes, torch.cuda.cudart().cudaGetErrorString(rc),
+    )  # fmt: skip
+    return 0
+
+
+def clear_cuda_error(device: torch.device) -> None:
+    """Clear this thread's CUDA "last error" left by a failed runtime call that was handled.
+
+    CUDA keeps a failed call's error until it is read, and PyTorch reads it after
+    every kernel launch: the next launch on this thread would fail with it (seen
+    on an H200: ``contiguous()`` raising ``invalid argument`` after a refused
+    ``cudaHostRegister``). One throwaway launch reads it, and so clears it.
+    """
+    try:
+        torch.zeros(1, device=device)
+    except RuntimeError:  # torch.AcceleratorError: the error being cleared
+        pass
 
 
 def unpin_host_memory(ptr: int) -> None:

@@ -111,6 +111,8 @@ class StagingBuffer:
         self.busy: object | None = None
         #: The mapping's address if it is page-locked for CUDA copies (0: not pinned).
         self._pinned = 0
+        #: CUDA refused to page-lock this buffer's mapping: not tried again (each try costs a failed call).
+        self.pin_refused = False
         #: A ``prepare`` running in the background, what it made (or its error), and the size it makes.
         self._preparing: threading.Thread | None = None
         self._made: _Mapping | tuple[None, int] | BaseException | None = None
@@ -170,7 +172,7 @@ class StagingBuffer:
         """
         self.ready()
         grow = self._map is None or nbytes > self.capacity
-        if not grow and (pin is None or self._pinned):
+        if not grow and (pin is None or self._pinned or self.pin_refused):
             return self.capacity
         if grow and not (os.path.isdir(self.directory) and os.access(self.directory, os.W_OK)):
             raise StagingUnavailable(  # said now, not from the first save
@@ -184,7 +186,9 @@ class StagingBuffer:
             made = None
             try:
                 made = self._create(nbytes) if grow else None
-                ptr = pin_host_memory((made.mapped if made else current), pin) if pin is not None else 0
+                pin_it = pin is not None and not self.pin_refused
+                ptr = pin_host_memory((made.mapped if made else current), pin) if pin_it else 0
+                self.pin_refused |= pin_it and not ptr
                 self._made = (made, ptr) if made else (None, ptr)
             except BaseException as exc:  # handed to the caller of ready(); nothing is half-installed
                 if made is not None:
@@ -242,8 +246,9 @@ class StagingBuffer:
                 # which ranks sharing the node's cores made 2-4x slower (benchmarks/NOTES.md)
                 np.copyto(np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src))
             elif needs_bounce(src):  # device to host directly, on a side stream
-                if not self._pinned:
+                if not (self._pinned or self.pin_refused):
                     self._pinned = pin_host_memory(self._map, src.device)
+                    self.pin_refused = not self._pinned
                 dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
                 to_host.copy(dst.view(src.dtype).view(src.shape), src)
             else:  # strided: torch copies it

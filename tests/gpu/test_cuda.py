@@ -8,6 +8,8 @@ types: saved by nccl ranks on the GPU, loaded by gloo ranks on the CPU, and back
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -91,9 +93,9 @@ def test_a_save_of_cuda_tensors_loads_bit_exact_on_the_cpu(tmp_path):
         assert torch.equal(target[key], state[key].cpu()), key
 
 
-def test_staging_from_cuda_pins_the_buffer_and_holds_the_bytes(tmp_path):
+def test_staging_from_cuda_pins_the_buffer_and_holds_the_bytes():
     pieces = [cuda_state()["w"], cuda_state()["t"]]
-    buf = StagingBuffer(str(tmp_path))
+    buf = StagingBuffer()  # in the staging directory (tmpfs), as every save's: Linux pins no file mapping elsewhere
     try:
         region = buf.stage(pieces, "node")
         assert buf._pinned != 0  # the mapping is page-locked: the device copies ran asynchronously
@@ -107,9 +109,9 @@ def test_staging_from_cuda_pins_the_buffer_and_holds_the_bytes(tmp_path):
     assert buf._pinned == 0
 
 
-def test_prepare_pins_the_buffer_for_cuda_in_the_background(tmp_path):
+def test_prepare_pins_the_buffer_for_cuda_in_the_background():
     pieces = [cuda_state()["w"], cuda_state()["t"]]
-    buf = StagingBuffer(str(tmp_path))
+    buf = StagingBuffer()
     try:
         buf.prepare(staging.staged_size(pieces), pin=pieces[0].device)
         buf.ready()
@@ -121,6 +123,33 @@ def test_prepare_pins_the_buffer_for_cuda_in_the_background(tmp_path):
     finally:
         buf.close()
     assert buf._pinned == 0
+
+
+def test_a_buffer_cuda_refuses_to_pin_warns_once_and_later_kernels_still_run(tmp_path, monkeypatch, caplog):
+    """Seen on an H200: a staging file on a disk (not tmpfs) cannot be page-locked, and the refused
+    ``cudaHostRegister`` left its error for the next kernel launch, which failed with ``invalid argument``."""
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+    if fs in ("tmpfs", "hugetlbfs"):
+        pytest.skip(f"{tmp_path} is on {fs}: CUDA pins its mappings")
+    tries = []
+    pin = staging.pin_host_memory
+    monkeypatch.setattr(staging, "pin_host_memory", lambda m, d: tries.append(d) or pin(m, d))
+    pieces = [cuda_state()["w"], cuda_state()["t"]]
+    buf = StagingBuffer(str(tmp_path))
+    try:
+        with caplog.at_level("WARNING", logger="rayckpt.engine.device"):
+            for _ in range(2):
+                region = buf.stage(pieces, "node")
+                after = (pieces[1] * 2).contiguous()  # a kernel launch on this thread: it raised before the fix
+                assert torch.equal(after.cpu(), pieces[1].cpu() * 2)
+                with open_region(region) as views:
+                    for view, p in zip(views, pieces):
+                        assert bytes(view) == p.contiguous().cpu().numpy().tobytes()
+        assert buf._pinned == 0 and buf.pin_refused and len(tries) == 1  # not tried again
+        warned = [r.getMessage() for r in caplog.records if "could not be page-locked" in r.getMessage()]
+        assert len(warned) == 1 and "tmpfs" in warned[0] and "RAYCKPT_SHM_DIR" in warned[0]
+    finally:
+        buf.close()
 
 
 def test_a_prepared_first_async_save_from_cuda_stages_into_the_pinned_buffer(ray_session, tmp_path):

@@ -90,6 +90,23 @@ def test_prepare_pins_for_the_pieces_device_in_the_background_and_close_unpins(b
     assert unpinned == [0xABC000, 0xABC000]
 
 
+def test_a_mapping_cuda_refuses_to_pin_is_not_tried_again(buffer, monkeypatch):
+    tries = []
+    monkeypatch.setattr(staging, "pin_host_memory", lambda mapping, dev: tries.append(dev) or 0)  # refused
+    monkeypatch.setattr(staging, "needs_bounce", lambda t: True)  # the device branch, on the CPU
+    device = torch.device("cuda", 1)
+    buffer.prepare(1 << 20, pin=device)
+    buffer.ready()
+    assert tries == [device] and buffer.pin_refused and buffer._pinned == 0
+    assert buffer.prepare(1 << 20, pin=device) == 1 << 20 and not buffer.preparing  # no new background try
+    piece = torch.arange(1000, dtype=torch.float32)
+    for _ in range(2):
+        region = buffer.stage([piece], "n")
+        with staging.open_region(region) as views:
+            assert bytes(views[0]) == piece.numpy().tobytes()  # staged all the same
+    assert len(tries) == 1
+
+
 def test_a_prepare_that_fails_raises_from_the_next_stage_and_leaves_nothing(buffer, tmp_path, monkeypatch):
     def no_room(fd, offset, length):
         raise OSError(28, "No space left on device")
