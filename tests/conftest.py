@@ -13,26 +13,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the recovery tier's cluster job (about 3 minutes, mostly waiting for Ray processes to start) as
-    soon as the tests are collected: it runs beside the tiers before it, and its tests read what it left."""
-    from tests.helpers.cluster_jobs import early_wanted, start_early
-
-    if session.config.option.collectonly or not early_wanted(session.items, "tests/recovery/test_recovery.py"):
-        return
-    from tests.helpers import recovery_job
-
-    out = session.config._tmp_path_factory.mktemp("recovery")
-    start_early("recovery", "tests.helpers.recovery_job", out, env=recovery_job.ENV)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A job started early whose tests never ran (deselected by ``-x`` or an interrupt) is stopped."""
-    from tests.helpers.cluster_jobs import stop_early
-
-    stop_early()
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     import ray

@@ -20,7 +20,7 @@ from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.lease import LEASE_PREFIX
 from tests.helpers import recovery_job
-from tests.helpers.cluster_jobs import early, run_cluster_job
+from tests.helpers.cluster_jobs import run_cluster_job
 from tests.helpers.recovery_faults import KILLED
 from tests.helpers.recovery_job import FIXED_WORKERS, SAVE_AT, STEPS
 
@@ -33,9 +33,6 @@ ROLLBACK_BOUND_S = 60.0
 
 @pytest.fixture(scope="module")
 def recovery(tmp_path_factory):
-    job = early("recovery")  # started at collection by tests/conftest.py, beside the tiers before this one
-    if job is not None:
-        return job.result(timeout=900)
     out = tmp_path_factory.mktemp("recovery")
     return run_cluster_job("tests.helpers.recovery_job", out, timeout=900, env=recovery_job.ENV)
 
