@@ -101,11 +101,12 @@ def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupte
         plain, _ = reference.result()
     assert plain["restarts"] == 0 and plain["final_step"] == 24
     assert killed["restarts"] == 1 and killed["final_step"] == 24 and killed["num_workers"] == 2
-    # The job's memory tier (--memory-every 1) saves every step between the storage saves (every 4th):
-    # the restart restored the newest committed one, from memory unless it was a storage step.
+    # The job's memory tier (--memory-every 1) saves every step, the storage steps (every 4th) to both
+    # tiers: the restart restored the newest committed one, from memory unless it was a storage step
+    # whose memory save had not committed (of one step, restore takes memory first).
     resumed = killed["resumed_from"]
     assert resumed is not None and 4 <= resumed < 24
-    assert killed["restored_tier"] == ("storage" if resumed % 4 == 0 else "memory")
+    assert killed["restored_tier"] in ({"memory", "storage"} if resumed % 4 == 0 else {"memory"}), resumed
     first_attempt = logs[: logs.index("restart 1: ")]
     before = [int(s) for s in re.findall(r"rayckpt: killed (?:\(memory\) )?committed step (\d+)", first_attempt)]
     assert before and resumed >= max(before), before  # nothing the first group saw committed was lost
