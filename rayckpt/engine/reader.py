@@ -100,7 +100,7 @@ def read_into(
     direct: list[DirectRead] = []
     rest: list[FileRead] = []
     for fr in plan.reads:
-        d = _direct_read(fr, flat) if reader.can_read_direct else None
+        d = _direct_read(fr, flat) if reader.reads_direct(fr.file) else None
         if d is None:
             rest.append(fr)
         else:

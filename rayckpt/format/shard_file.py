@@ -49,6 +49,8 @@ class ShardFiles(Protocol):
 
     def open_input(self, rel: str) -> Any: ...
 
+    def held_descriptor(self, rel: str) -> int | None: ...
+
     def size(self, rel: str) -> int | None: ...
 
     def refuse_link(self, rel: str) -> None: ...
@@ -203,7 +205,8 @@ class ShardReader:
         self.checksum = blocks.checksum
         self._sizes = file_sizes
         self._open: dict[str, Any] = {}
-        self._fds: dict[str, int] = {}
+        #: File -> the descriptor ``read_direct`` reads it through (None: a file read through ``read``).
+        self._fds: dict[str, int | None] = {}
         #: File -> its size on storage (None: missing), stat'ed once per reader by ``check_ranges``.
         self._stored: dict[str, int | None] = {}
         self._lock = threading.Lock()
@@ -214,9 +217,27 @@ class ShardReader:
         #: Read requests made to storage (one per call: a GET on object storage).
         self.requests = 0
 
-    @property
-    def can_read_direct(self) -> bool:
-        return self.ckdir.is_local and hasattr(os, "preadv")
+    def reads_direct(self, rel: str) -> bool:
+        """``read_direct`` can read ``rel``: a local file, or a memory-tier file held on this node."""
+        if not hasattr(os, "preadv"):
+            return False
+        return self.ckdir.is_local or self._held(rel) is not None
+
+    def _held(self, rel: str) -> int | None:
+        """The descriptor of memory-tier file ``rel`` held on this node, opened once (None: not held here)."""
+        with self._lock:
+            if rel in self._fds:
+                return self._fds[rel]
+        fd = self.ckdir.held_descriptor(rel)
+        with self._lock:
+            if rel in self._fds:  # another thread opened it meanwhile
+                if fd is not None:
+                    os.close(fd)
+                return self._fds[rel]
+            self._fds[rel] = fd
+        if fd is not None:
+            self._check_size(rel, os.fstat(fd).st_size)
+        return fd
 
     def _missing(self, rel: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -249,7 +270,12 @@ class ShardReader:
             if rel not in self._stored:
                 # On object storage opening the file is its one HEAD request (its size
                 # comes with it), and the file stays open for the reads that follow.
-                self._stored[rel] = self.ckdir.size(rel) if self.ckdir.is_local else self._input(rel).size()
+                if self.ckdir.is_local:
+                    self._stored[rel] = self.ckdir.size(rel)
+                elif (fd := self._held(rel)) is not None:  # held in this node's memory: read with preadv
+                    self._stored[rel] = os.fstat(fd).st_size
+                else:
+                    self._stored[rel] = self._input(rel).size()
             actual = self._stored[rel]
             if actual is None:
                 raise self._missing(rel)
@@ -299,7 +325,7 @@ class ShardReader:
 
     def read_direct(self, rel: str, offset: int, views: list[memoryview]) -> None:
         """Fill ``views`` (in order) from the file's bytes starting at ``offset``."""
-        fd = self._fds.get(rel)
+        fd = self._fds.get(rel) if self.ckdir.is_local else self._held(rel)
         if fd is None:
             self.ckdir.refuse_link(rel)
             try:
@@ -353,5 +379,6 @@ class ShardReader:
             f.close()
         self._open.clear()
         for fd in self._fds.values():
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         self._fds.clear()

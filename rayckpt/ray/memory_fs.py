@@ -149,6 +149,19 @@ class MemoryFileSystem(pafs.FileSystemHandler):
     def open_input_stream(self, path: str) -> Any:
         return self.open_input_file(path)
 
+    def local_descriptor(self, path: str) -> int | None:
+        """A descriptor of ``path`` if this node holds it (a rank reads it with ``preadv`` straight into
+        its tensors, as a local file); ``None`` if only another node does."""
+        path = self.normalize_path(path)
+        store = local_store()
+        if store is not None:
+            held = store.where(path)
+        else:
+            here = ray.get_runtime_context().get_node_id()[:12]
+            handle = writers().get(here)
+            held = None if handle is None else ray.get(handle.mem_where.remote(path))
+        return None if held is None else _open_held(held)
+
     def open_input_file(self, path: str) -> Any:
         path = self.normalize_path(path)
         store = local_store()
@@ -170,18 +183,27 @@ def _mapped(held: tuple[int, int, int, int]) -> Any:
     """A held file of this node, mapped with its page tables filled at once (``MAP_POPULATE``): a load reads
     most of it, and faulting it in page by page while copying out made a restore from memory no faster
     than one from a warm page cache."""
-    pid, fd, size, inode = held
-    path = f"/proc/{pid}/fd/{fd}"
-    mine = os.open(path, os.O_RDONLY)
+    size = held[2]
+    mine = _open_held(held)
     try:
-        if os.fstat(mine).st_ino != inode:
-            raise FileNotFoundError(f"memory tier: {path} no longer names the held file")
         if not size:
             return pa.BufferReader(b"")
         mapped = mmap.mmap(mine, size, flags=_POPULATED, prot=mmap.PROT_READ)
     finally:
         os.close(mine)
     return pa.BufferReader(pa.py_buffer(mapped))
+
+
+def _open_held(held: tuple[int, int, int, int]) -> int:
+    """A descriptor of this node's held file ``(pid, fd, size, inode)``, opened through its holder's
+    ``/proc/<pid>/fd``; refused if that no longer names the same file."""
+    pid, fd, _, inode = held
+    path = f"/proc/{pid}/fd/{fd}"
+    mine = os.open(path, os.O_RDONLY)
+    if os.fstat(mine).st_ino != inode:
+        os.close(mine)
+        raise FileNotFoundError(f"memory tier: {path} no longer names the held file")
+    return mine
 
 
 def _info(path: str, size: int | None) -> pafs.FileInfo:

@@ -105,6 +105,14 @@ class CheckpointDir:
         when held on this node)."""
         return self.is_local or self.fs.type_name == MEMORY_TIER
 
+    def held_descriptor(self, rel: str) -> int | None:
+        """A descriptor of file ``rel`` held in this node's memory, to read with ``preadv`` (the caller
+        closes it); ``None`` where there is none: any other filesystem, or a memory-tier file held only
+        by another node."""
+        if self.fs.type_name != MEMORY_TIER:
+            return None
+        return self.fs.handler.local_descriptor(self.path(rel))
+
     @property
     def is_object_store(self) -> bool:
         return self.fs.type_name in OBJECT_STORES
