@@ -3,6 +3,7 @@ pandas when it is installed (0.4 s inside the first commit), and rayckpt avoids 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -29,3 +30,21 @@ def test_a_fresh_process_saves_and_loads_without_importing_pandas(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def modules_after(code: str) -> set[str]:
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_importing_rayckpt_after_torch_imports_the_engine_so_the_first_call_does_not():
+    loaded = modules_after("import torch\nimport rayckpt")
+    assert {"rayckpt.engine.save", "rayckpt.engine.load", "pyarrow", "xxhash"} <= loaded
+    assert "ray" not in loaded  # the engine only: Ray comes with the Ray layer
+
+
+def test_importing_rayckpt_without_torch_stays_cheap():
+    loaded = modules_after("import rayckpt")
+    assert not {"torch", "pyarrow", "rayckpt.engine", "rayckpt.engine.save"} & loaded
