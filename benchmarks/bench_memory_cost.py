@@ -33,12 +33,10 @@ import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
-from benchmarks.bench_suite import load_average
-from benchmarks.harness import load_avg_thread, machine_info, rotated, write_report
+from benchmarks.harness import load_sampled, machine_info, rotated, write_report
 from benchmarks.recovery_loop import append_event
 from benchmarks.workload import layer_shapes
 
@@ -367,21 +365,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(S3_ENV)  # the local Ray's workers inherit them
         server = start_moto_server(os.path.join(args.out, "moto.log"), "bench")
         args.s3_endpoint = server.endpoint
-    samples: list[tuple[float, float, float | None]] = []
-    before = os.getloadavg()[0]
-    stop = threading.Event()
-    sampler = load_avg_thread(samples, stop)
-    t0 = time.perf_counter()
     try:
-        for sc in args.scenarios.split(","):
-            report["scenarios"][sc] = run_scenario(args, sc)
+        with load_sampled(report):
+            for sc in args.scenarios.split(","):
+                report["scenarios"][sc] = run_scenario(args, sc)
     finally:
-        stop.set()
-        sampler.join()
         if server is not None:
             server.stop()
-    report["load_average_1min"] = load_average(before, samples)
-    report["total_runtime_s"] = time.perf_counter() - t0
     md = markdown(report)
     write_report(args.out, "memory_cost", report, md, args.markdown)
     print(md)

@@ -40,12 +40,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 from typing import Any
 
-from benchmarks.bench_suite import load_average
-from benchmarks.harness import load_avg_thread, machine_info, write_report
+from benchmarks.harness import load_sampled, machine_info, write_report
 from benchmarks.recovery_report import markdown, summarize
 from benchmarks.recovery_scenarios import FAST_HEALTH_CHECK, START_TIMEOUT_ENV, node_removal, worker_kill
 from benchmarks.workload import layer_shapes
@@ -176,12 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "scenarios": {},
         "method": method(args, scenarios),
     }
-    samples: list[tuple[float, float, float | None]] = []
-    before = os.getloadavg()[0]
-    stop = threading.Event()
-    sampler = load_avg_thread(samples, stop)
-    t0 = time.perf_counter()
-    try:
+    with load_sampled(report):
         for sc in scenarios:
             if sc.startswith("worker-kill"):
                 repeats = worker_kill(args, sc)
@@ -194,11 +187,6 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 repeats = node_removal(args, sc, FAST_HEALTH_CHECK if sc.endswith("-fast") else {})
             report["scenarios"][sc] = {"label": LABELS[sc], "repeats": repeats, "summary": summarize(repeats)}
-    finally:
-        stop.set()
-        sampler.join()
-    report["load_average_1min"] = load_average(before, samples)
-    report["total_runtime_s"] = time.perf_counter() - t0
     md = markdown(report)
     write_report(args.out, "recovery", report, md, args.markdown)
     print(md)

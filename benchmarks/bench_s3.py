@@ -42,8 +42,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.bench_suite import load_average
-from benchmarks.harness import REPO_ROOT, load_avg_thread, machine_info
+from benchmarks.harness import REPO_ROOT, load_average, load_avg_thread, machine_info
 from benchmarks.s3_report import s3_markdown, s3_targets
 from benchmarks.suite_load import parse_reshards
 from benchmarks.suite_s3 import s3_load_report, s3_load_worker, s3_save_report, s3_save_worker

@@ -64,7 +64,6 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -72,7 +71,15 @@ import time
 from typing import Any
 
 from benchmarks.diskio import dir_bytes
-from benchmarks.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_avg_thread, machine_info, partial_path, save_partial
+from benchmarks.harness import (
+    REPO_ROOT,
+    SAMPLE_INTERVAL_S,
+    load_average,
+    load_avg_thread,
+    machine_info,
+    partial_path,
+    save_partial,
+)
 from benchmarks.suite_load import WARM_SYSTEMS, load_report, load_worker, parse_reshards
 from benchmarks.suite_report import MEM_BUFFER_BYTES, markdown, targets, write_chart
 from benchmarks.suite_save import SAVE_SYSTEMS, save_report, save_worker
@@ -283,26 +290,6 @@ def report_head(args: argparse.Namespace, argv: list[str] | None, sizes: list[fl
         },
         "machine": {**machine_info(), "ray": ray.__version__},
         "sizes": {},
-    }
-
-
-def load_average(before: float, samples: list[tuple[float, float, float | None]]) -> dict[str, Any]:
-    """The machine's load during the run, and the CPU that processes outside the benchmark took."""
-    loads = [x[1] for x in samples]
-    others = [x[2] for x in samples if x[2] is not None] or [0.0]
-    return {
-        "before_start": before,
-        "min": min(loads),
-        "median": statistics.median(loads),
-        "max": max(loads),
-        "other_processes_cpu_cores": {
-            "mean": statistics.fmean(others),
-            "max": max(others),
-            "note": "CPU used outside this benchmark's process tree per 5 s window (incl. kernel writeback)",
-        },
-        "samples_time_load1_othercores": [
-            (round(t, 1), round(v, 2), None if o is None else round(o, 2)) for t, v, o in samples
-        ],
     }
 
 

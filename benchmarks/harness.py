@@ -22,6 +22,8 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +334,44 @@ def load_avg_thread(samples: list[tuple[float, float, float | None]], stop: thre
     t = threading.Thread(target=loop, daemon=True)
     t.start()
     return t
+
+
+def load_average(before: float, samples: list[tuple[float, float, float | None]]) -> dict[str, Any]:
+    """The machine's load during the run, and the CPU that processes outside the benchmark took."""
+    loads = [x[1] for x in samples]
+    others = [x[2] for x in samples if x[2] is not None] or [0.0]
+    return {
+        "before_start": before,
+        "min": min(loads),
+        "median": statistics.median(loads),
+        "max": max(loads),
+        "other_processes_cpu_cores": {
+            "mean": statistics.fmean(others),
+            "max": max(others),
+            "note": "CPU used outside this benchmark's process tree per 5 s window (incl. kernel writeback)",
+        },
+        "samples_time_load1_othercores": [
+            (round(t, 1), round(v, 2), None if o is None else round(o, 2)) for t, v, o in samples
+        ],
+    }
+
+
+@contextmanager
+def load_sampled(report: dict[str, Any]) -> Iterator[None]:
+    """Sample the machine's load while the block runs (``load_avg_thread``); when it ends, put the load
+    (``load_average``) and the block's seconds into ``report`` as ``load_average_1min`` and ``total_runtime_s``."""
+    samples: list[tuple[float, float, float | None]] = []
+    before = os.getloadavg()[0]
+    stop = threading.Event()
+    sampler = load_avg_thread(samples, stop)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        stop.set()
+        sampler.join()
+    report["load_average_1min"] = load_average(before, samples)
+    report["total_runtime_s"] = time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------
