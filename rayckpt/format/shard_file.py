@@ -18,6 +18,7 @@ import os
 import threading
 import zlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +47,8 @@ class ShardFiles(Protocol):
     def open_output(self, rel: str) -> Any: ...
 
     def sync_file(self, rel: str) -> None: ...
+
+    def start_sync(self, rel: str, offset: int, length: int) -> None: ...
 
     def open_input(self, rel: str) -> Any: ...
 
@@ -155,6 +158,10 @@ def checksum_of(parts: Sequence[memoryview], checksum: str) -> int:
     return h.intdigest()
 
 
+#: A shard file's written bytes are sent on to the disk (``start_sync``) every this many.
+SYNC_AHEAD_BYTES = 16 << 20
+
+
 def write_shard_file(
     ckdir: ShardFiles, rel: str, chunks: Sequence[ChunkData], block_size: int, save_id: str
 ) -> tuple[list[WrittenChunk], int]:
@@ -166,25 +173,42 @@ def write_shard_file(
         [pa.field("data", arrow_type, nullable=False)],
         metadata={"rayckpt.version": str(FORMAT_VERSION), "rayckpt.save_id": save_id},
     )
-    written: list[WrittenChunk] = []
-    with ckdir.open_output(rel) as sink:
-        with pa.ipc.new_file(sink, schema) as writer:
-            for c in chunks:
-                if storage_type(c.dtype) != arrow_name:
-                    raise ValueError(f"chunk {c.key!r} ({c.dtype}) does not belong in a {arrow_name} file")
-                raw = memoryview(c.data).cast("B")
-                array = pa.Array.from_buffers(arrow_type, len(raw) // width, [None, pa.py_buffer(raw)])
-                meta = {
-                    "key": c.key,
-                    "dtype": c.dtype,
-                    "offsets": json.dumps(list(c.box.offsets)),
-                    "sizes": json.dumps(list(c.box.sizes)),
-                }
-                writer.write_batch(pa.record_batch([array], schema=schema), custom_metadata=meta)
-                # The body (no validity buffer) ends the message, padded to 8 bytes.
-                offset = sink.tell() - (-(-len(raw) // 8) * 8)
-                written.append(WrittenChunk(c.key, c.box, rel, offset, len(raw), block_checksums(raw, block_size)))
-        size = sink.tell()
+    for c in chunks:
+        if storage_type(c.dtype) != arrow_name:
+            raise ValueError(f"chunk {c.key!r} ({c.dtype}) does not belong in a {arrow_name} file")
+    raws = [memoryview(c.data).cast("B") for c in chunks]
+    offsets: list[int] = []
+    synced = 0
+    # The checksums run on their own thread while this one writes (both release the GIL): the
+    # source bytes are read twice at once, not one pass after the other.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayckpt-sum") as summer:
+        sums = [summer.submit(block_checksums, raw, block_size) for raw in raws]
+        try:
+            with ckdir.open_output(rel) as sink:
+                with pa.ipc.new_file(sink, schema) as writer:
+                    for c, raw in zip(chunks, raws):
+                        array = pa.Array.from_buffers(arrow_type, len(raw) // width, [None, pa.py_buffer(raw)])
+                        meta = {
+                            "key": c.key,
+                            "dtype": c.dtype,
+                            "offsets": json.dumps(list(c.box.offsets)),
+                            "sizes": json.dumps(list(c.box.sizes)),
+                        }
+                        writer.write_batch(pa.record_batch([array], schema=schema), custom_metadata=meta)
+                        # The body (no validity buffer) ends the message, padded to 8 bytes.
+                        offsets.append(sink.tell() - (-(-len(raw) // 8) * 8))
+                        if sink.tell() - synced >= SYNC_AHEAD_BYTES:  # to the disk while the rest is written
+                            ckdir.start_sync(rel, synced, sink.tell() - synced)
+                            synced = sink.tell()
+                size = sink.tell()
+        except BaseException:
+            for fut in sums:
+                fut.cancel()
+            raise
+        written = [
+            WrittenChunk(c.key, c.box, rel, offset, len(raw), fut.result())
+            for c, raw, offset, fut in zip(chunks, raws, offsets, sums)
+        ]
     ckdir.sync_file(rel)
     return written, size
 

@@ -140,15 +140,17 @@ class MemoryStore:
         return out.size
 
     def hold_from(self, path: str, size: int, fill: Any) -> None:
-        """Hold ``size`` bytes as ``path``, written by ``fill(view)`` into a mapping of the new file (a replica
-        received from a peer: one copy); within the budget, or refused. Nothing is held if ``fill`` raises."""
+        """Hold ``size`` bytes as ``path``, written by ``fill(fd)`` into the new file's descriptor from its start
+        (a replica received from a peer); within the budget, or refused. Nothing is held if ``fill`` raises."""
         out = self.create(path, replicate=False)
         try:
-            os.ftruncate(out.fd, size)
             if size:
-                with mmap.mmap(out.fd, size) as mapped:
-                    with memoryview(mapped) as view:
-                        fill(view)
+                fill(out.fd)
+            if os.fstat(out.fd).st_size != size:
+                raise OSError(
+                    f"memory tier of node {self.node_id[:12]}: {path}: {size} bytes expected, "
+                    f"{os.fstat(out.fd).st_size} written"
+                )
         except BaseException:
             os.close(out.fd)
             os.unlink(out.name)

@@ -10,6 +10,7 @@ one PUT.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import posixpath
 import stat
@@ -22,6 +23,23 @@ import pyarrow.fs as pafs
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
 from ..phases import phase
 from ..redaction import redact
+
+#: ``sync_file_range(2)``'s flag: start writeback of the range's dirty pages, return at once.
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (Linux), or ``None`` where the C library has none."""
+    try:
+        func = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    func.restype = ctypes.c_int
+    return func
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
 
 
 def _split_query(location: str) -> tuple[str, str]:
@@ -146,6 +164,20 @@ class CheckpointDir:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+
+    def start_sync(self, rel: str, offset: int, length: int) -> None:
+        """Start writing ``length`` bytes of file ``rel`` from ``offset`` to the disk, without waiting
+        (``sync_file_range``): a shard file's written part goes out while the rest is written, so its
+        ``sync_file`` waits only for the tail. Local disks on Linux; nothing elsewhere."""
+        if self.is_local and _SYNC_FILE_RANGE is not None:
+            try:
+                fd = os.open(self.path(rel), os.O_RDONLY)
+            except OSError:
+                return  # the write itself reports a missing file
+            try:
+                _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE)
+            finally:
+                os.close(fd)
 
     def sync_dir(self) -> None:
         if self.is_local:

@@ -13,7 +13,7 @@ import xxhash
 
 import rayckpt
 from rayckpt.errors import CorruptCheckpointError, InvalidStateError, SaveFailedError
-from rayckpt.format import chunk_columns
+from rayckpt.format import chunk_columns, manifest_files
 from rayckpt.format.boxes import Box
 from rayckpt.format.chunk_columns import ChunkColumns
 from rayckpt.format.chunk_rows import ChunkRows
@@ -288,3 +288,23 @@ def test_a_rank_reporting_chunks_of_an_unknown_key_fails_the_save():
     chunk = WrittenChunk("nope", Box((0,), (2,)), "f", 0, 8, (1,))
     with pytest.raises(SaveFailedError, match="a rank wrote chunks of 'nope', which is not a tensor of this save"):
         create_manifest(spec, [WrittenShard(0, (chunk,), (FileEntry("f", 8, 0),))])
+
+
+def test_list_columns_whose_offsets_do_not_start_at_zero_read_the_same(files, monkeypatch):
+    """Arrow lets a list column leave unused values before its first row (offsets from K, not 0; the IPC
+    writer rebases them, an in-memory array need not): the rows' values are the ones its offsets name."""
+    plain = manifest_from_bytes(files, where="ck/manifest.json")
+    one_array = manifest_files._one_array
+
+    def shifted(column):
+        col = one_array(column)
+        if not pa.types.is_list(col.type):
+            return col
+        pad = pa.array([99, 98, 97], col.type.value_type)
+        offsets = pa.array(np.asarray(col.offsets) + len(pad), pa.int32())
+        col = pa.ListArray.from_arrays(offsets, pa.concat_arrays([pad, col.values]), type=col.type)
+        assert col.offsets[0].as_py() == 3 and col.values[0].as_py() == 99
+        return col
+
+    monkeypatch.setattr(manifest_files, "_one_array", shifted)
+    assert manifest_from_bytes(files, where="ck/manifest.json") == plain

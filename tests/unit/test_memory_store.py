@@ -142,6 +142,15 @@ def test_a_file_whose_replica_cannot_be_made_is_not_held(store, tmp_path, monkey
         peer.close()
 
 
+def test_a_received_file_shorter_than_announced_is_not_held(store, tmp_path):
+    before = held_descriptors()
+    with pytest.raises(OSError, match=r"node-aaaaaaa: run/step-1/a.arrow: 10 bytes expected, 4 written"):
+        store.hold_from("run/step-1/a.arrow", 10, lambda fd: os.write(fd, b"half"))
+    assert store.files == {} and os.listdir(tmp_path) == [] and held_descriptors() == before
+    store.hold_from("run/step-1/a.arrow", 10, lambda fd: os.pwrite(fd, b"0123456789", 0))
+    assert store.read("run/step-1/a.arrow", 0, 10) == b"0123456789"
+
+
 def test_the_default_budget_is_half_the_filesystem_or_the_environment(tmp_path, monkeypatch):
     st = os.statvfs(tmp_path)
     assert default_budget(str(tmp_path)) == int(st.f_blocks * st.f_frsize * 0.5)

@@ -103,3 +103,33 @@ def test_an_unreachable_peer_is_told_once_and_the_replica_goes_through_ray(store
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "replicas to node node-cccccccccccc go through Ray instead" in warned[0]
     assert "cannot reach the replica listener at 127.0.0.1:" in warned[0]
+
+
+def test_without_splice_the_replica_is_copied_through_a_buffer_bit_exact(stores, monkeypatch):
+    a, b, server = stores
+    monkeypatch.delattr(os, "splice")  # a system without splice(2)
+    a.put("mem/shard", PAYLOAD)
+    replica_link.send(server.endpoint, "mem/shard", *_held(a, "mem/shard"))
+    assert b.read("mem/shard", 0, len(PAYLOAD)) == PAYLOAD
+
+
+def test_a_short_replica_is_refused_naming_what_came(stores, tmp_path):
+    _a, b, server = stores
+    host, port, token = server.endpoint
+    with socket.create_connection((host, port)) as conn:
+        conn.sendall(HEADER.pack(token, 1000, 4) + b"half" + b"x" * 10)
+        conn.shutdown(socket.SHUT_WR)
+        answer = replica_link._recv_answer(conn)
+    assert answer == b"ConnectionError: the sender closed the stream after 10 of 1000 bytes"
+    assert b.files == {} and _settled(tmp_path / "b", server)
+
+
+def test_a_stalled_sender_times_out_and_nothing_is_held(stores, tmp_path, monkeypatch):
+    _a, b, server = stores
+    monkeypatch.setattr(replica_link, "STREAM_TIMEOUT_S", 0.2)
+    host, port, token = server.endpoint
+    with socket.create_connection((host, port)) as conn:
+        conn.sendall(HEADER.pack(token, 1000, 4) + b"slow" + b"x" * 10)
+        answer = replica_link._recv_answer(conn)  # the listener gives up and answers; the sender never closed
+    assert answer.startswith(b"TimeoutError: no bytes from the sender for 0.2 s after 10 of 1000")
+    assert b.files == {} and _settled(tmp_path / "b", server)
