@@ -42,6 +42,16 @@ def _sync_file_range() -> Any:
 _SYNC_FILE_RANGE = _sync_file_range()
 
 
+def _fsync(path: str) -> None:
+    """fsync the file or directory ``path`` (timed as the ``fsync`` phase)."""
+    with phase("fsync"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _split_query(location: str) -> tuple[str, str]:
     """(path part, ``?query`` or "") of a URI; a local path has no query (``?`` is a file-name character)."""
     if "://" not in location:
@@ -158,12 +168,7 @@ class CheckpointDir:
     def sync_file(self, rel: str) -> None:
         """Make a written file durable (local disks; object stores are on close)."""
         if self.is_local:
-            with phase("fsync"):
-                fd = os.open(self.path(rel), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            _fsync(self.path(rel))
 
     def start_sync(self, rel: str, offset: int, length: int) -> None:
         """Start writing ``length`` bytes of file ``rel`` from ``offset`` to the disk, without waiting
@@ -181,12 +186,7 @@ class CheckpointDir:
 
     def sync_dir(self) -> None:
         if self.is_local:
-            with phase("fsync"):
-                fd = os.open(self.fs_path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            _fsync(self.fs_path)
 
     def write_atomic(self, rel: str, data: bytes, durable: bool = True) -> None:
         """Write ``rel`` so that readers see the old file or the whole new one, never part.
