@@ -146,10 +146,10 @@ class MemoryStore:
         try:
             if size:
                 fill(out.fd)
-            if os.fstat(out.fd).st_size != size:
+            written = os.fstat(out.fd).st_size
+            if written != size:
                 raise OSError(
-                    f"memory tier of node {self.node_id[:12]}: {path}: {size} bytes expected, "
-                    f"{os.fstat(out.fd).st_size} written"
+                    f"memory tier of node {self.node_id[:12]}: {path}: {size} bytes expected, {written} written"
                 )
         except BaseException:
             os.close(out.fd)
