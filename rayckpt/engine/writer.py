@@ -3,7 +3,8 @@
 A rank's ``SavePlan`` names the boxes it writes; ``chunk_specs`` says what each
 chunk is, ``chunk_pieces`` cuts the pieces out of the rank's local tensors (on
 any device), ``create_chunk_data`` gives their bytes on the CPU, and
-``write_chunks`` writes them, one Arrow IPC file per storage type. Called by a
+``write_chunks`` writes them, one Arrow IPC file per storage type (or several,
+written at once, when a rank holds much of one). Called by a
 rank (``rayckpt.save``), by the node's ShardWriter actor (async saves on Ray,
 with the bytes read from shared memory) and by imports (``rayckpt convert``).
 """
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
 
 from ..errors import SaveFailedError
-from ..format.manifest import FileEntry
+from ..format.manifest import FileEntry, itemsize
 from ..format.shard_file import ChunkData, ChunkSpec, WrittenChunk, storage_type, write_shard_file
 from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir, join_location
@@ -47,6 +49,32 @@ def create_chunk_data(plan: SavePlan, flat: FlatState) -> list[ChunkData]:
     return [spec.with_data(as_bytes(piece.contiguous())) for spec, piece in zip(chunk_specs(plan, flat), pieces)]
 
 
+#: A rank's bytes of one storage type are split into this many bytes or more per file when it has
+#: several times that: the files are written at once, each on its own thread (with its own checksum
+#: thread). One file is written at the speed of one thread, however many cores the node has: on
+#: this 2-core machine 1 GiB into shared memory took 0.56 s as one file, 0.34 s as two.
+PART_BYTES = 256 << 20
+#: The most files one rank writes for one storage type.
+MAX_PARTS = 8
+
+
+def split_parts(chunks: Sequence[ChunkData], max_parts: int) -> list[list[ChunkData]]:
+    """``chunks`` (all of one storage type) in consecutive groups, one per file: one group unless they
+    hold at least twice ``PART_BYTES``, then one per ``PART_BYTES`` (at most ``max_parts``), cut where the
+    running total passes each equal share. A chunk is never split: a single chunk is one file."""
+    sizes = [itemsize(c.dtype) * c.box.volume for c in chunks]
+    total = sum(sizes)
+    n = max(1, min(max_parts, total // PART_BYTES, len(chunks)))
+    groups: list[list[ChunkData]] = [[]]
+    done = 0
+    for c, size in zip(chunks, sizes):
+        if groups[-1] and done >= total * len(groups) / n and len(groups) < n:
+            groups.append([])
+        groups[-1].append(c)
+        done += size
+    return groups
+
+
 def write_chunks(
     ckdir: CheckpointDir,
     chunks: Sequence[ChunkData],
@@ -54,22 +82,28 @@ def write_chunks(
     rank: int,
     block_size: int,
     written_files: list[str],
+    max_parts: int = 1,
 ) -> WrittenShard:
     """Write one rank's chunks: one Arrow file per storage type, each durable on return.
 
-    Appends each file to ``written_files`` before writing it, so a failure can
-    clean up.
+    ``max_parts`` > 1: a storage type's bytes may be split over that many files (``split_parts``),
+    written at once on their own threads. 1 (the default): one file per type, written in
+    sorted type order (a streamed import reads its chunks in that order). Appends each file
+    to ``written_files`` before writing anything, so a failure can clean up.
     """
     by_type: dict[str, list[ChunkData]] = {}
     for c in chunks:
         by_type.setdefault(storage_type(c.dtype), []).append(c)
-    written: list[WrittenChunk] = []
-    files: list[FileEntry] = []
-    if by_type:
+    jobs = [
+        (shard_file_name(save_id, rank, stype, part), data)
+        for stype, typed in sorted(by_type.items())
+        for part, data in enumerate(split_parts(typed, max_parts) if max_parts > 1 else [typed])
+    ]
+    if jobs:
         ckdir.makedirs()
-    for stype, data in sorted(by_type.items()):
-        rel = shard_file_name(save_id, rank, stype)
-        written_files.append(rel)
+    written_files.extend(rel for rel, _ in jobs)
+
+    def write(rel: str, data: list[ChunkData]) -> tuple[list[WrittenChunk], FileEntry]:
         try:
             records, size = write_shard_file(ckdir, rel, data, block_size, save_id)
         except OSError as exc:
@@ -77,9 +111,16 @@ def write_chunks(
             reason = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[-1]
             where = join_location(ckdir.location, rel)
             raise SaveFailedError(f"rank {rank}: writing shard file {where} failed: {reason}") from exc
-        written.extend(records)
-        files.append(FileEntry(rel, size, rank))
-    return WrittenShard(rank, tuple(written), tuple(files))
+        return records, FileEntry(rel, size, rank)
+
+    if max_parts > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rayckpt-part") as pool:
+            futures = [pool.submit(write, rel, data) for rel, data in jobs]
+        results = [f.result() for f in futures]  # every file ended: the first error is raised
+    else:
+        results = [write(rel, data) for rel, data in jobs]
+    written = [record for records, _ in results for record in records]
+    return WrittenShard(rank, tuple(written), tuple(entry for _, entry in results))
 
 
 def cpu_leaves(leaves: Iterable[TensorLeaf]) -> dict[str, TensorLeaf]:

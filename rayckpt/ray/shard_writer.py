@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from ..engine.writer import write_chunks
+from ..engine.writer import MAX_PARTS, write_chunks
 from ..format.shard_file import ChunkSpec
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import WrittenShard
@@ -151,7 +151,8 @@ class ShardWriter:
         try:
             with self._views(staged, record) as arrays:
                 chunks = [spec.with_data(a) for spec, a in zip(request.chunks, arrays)]
-                shard = write_chunks(ckdir, chunks, request.save_id, request.rank, request.block_size, written_files)
+                args = (request.save_id, request.rank, request.block_size, written_files, MAX_PARTS)
+                shard = write_chunks(ckdir, chunks, *args)
                 del chunks
         except Exception as exc:
             for rel in written_files:

@@ -54,9 +54,10 @@ def new_save_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
 
 
-def shard_file_name(save_id: str, rank: int, storage_type: str) -> str:
-    """The shard file ``rank`` writes for one storage type (FORMAT.md: file naming)."""
-    return f"{save_id}-r{rank:05d}-{storage_type}.arrow"
+def shard_file_name(save_id: str, rank: int, storage_type: str, part: int = 0) -> str:
+    """The shard file ``rank`` writes for one storage type; ``part`` > 0: its further files of
+    that type, when its bytes were split to be written at once (FORMAT.md: file naming)."""
+    return f"{save_id}-r{rank:05d}-{storage_type}{f'.{part}' if part else ''}.arrow"
 
 
 def shard_file_save_id(name: str) -> str | None:
