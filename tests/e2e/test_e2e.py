@@ -1,23 +1,22 @@
 """End to end, the way a user runs it: `ray start --head` + `ray job submit -- python jobs/train.py`.
 
-Four workers train and checkpoint; a second job resumes with three. The job
-status comes back SUCCEEDED from the dashboard's REST API and the checkpoint
-metrics are on the Prometheus export port. A worker SIGKILLed mid-run: Ray Train
-restarts the group, which restores, and the job ends as an uninterrupted one. Requests that cannot run (a mistyped
-run to resume, more CPUs than the cluster has) fail at once with one line.
+A worker SIGKILLed mid-run: Ray Train restarts the group, which restores, and the
+job ends as an uninterrupted one. Requests that cannot run (a mistyped run to
+resume, more CPUs than the cluster has) fail at once with one line. Four workers
+saving and three resuming, with the job status from the dashboard's REST API and
+the metrics on the export port, is `tests/s3/test_s3_job.py`: the same jobs, with
+the checkpoints on S3.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers.ray_head import TINY, error_line, get, ray_head, submit, submit_and_kill_a_worker, train_py
+from tests.helpers.ray_head import TINY, error_line, ray_head, submit, submit_and_kill_a_worker, train_py
 
 pytestmark = pytest.mark.slow
 
@@ -27,43 +26,6 @@ def cluster(tmp_path_factory):
     """A head node started with `ray start --head`, stopped by signalling its process group."""
     with ray_head(str(tmp_path_factory.mktemp("ray"))) as head:
         yield head
-
-
-def test_submit_train_then_resume_with_fewer_workers(cluster, tmp_path):
-    storage = str(tmp_path / "ckpts")
-    common = ["--storage-path", storage, "--run-name", "e2e", "--checkpoint-every", "2", *TINY]
-    first, logs = submit(cluster, "--num-workers", "4", "--steps", "4", *common)
-    assert first["final_step"] == 4 and first["num_workers"] == 4 and first["resumed_from"] is None
-    assert first["last_checkpoint"].endswith("rayckpt-step-00000004")
-    assert os.path.exists(os.path.join(first["last_checkpoint"], "manifest.json"))
-    for step in (2, 4):  # the job's logs have rank 0's line per committed checkpoint
-        assert re.search(rf"rayckpt: e2e committed step {step} \(\d+\.\d MiB, \d+\.\d\d s\)", logs), logs[-4000:]
-
-    second, _ = submit(cluster, "--num-workers", "3", "--steps", "6", "--resume", *common)
-    assert second["resumed_from"] == 4 and second["num_workers"] == 3 and second["final_step"] == 6
-    assert second["last_checkpoint"].endswith("rayckpt-step-00000006")
-    assert second["final_loss"] < first["final_loss"] * 1.5  # training continued, it did not restart
-    with open(os.path.join(second["last_checkpoint"], "manifest.json")) as f:
-        hparams = json.load(f)["user_metadata"]["hparams"]
-    assert hparams["schedule_steps"] == 4, "the resumed run keeps the first launch's LR schedule"
-
-    jobs = json.loads(get(f"{cluster.dashboard}/api/jobs/"))
-    statuses = [j["status"] for j in jobs if "jobs/train.py" in j.get("entrypoint", "")]
-    assert statuses == ["SUCCEEDED", "SUCCEEDED"]
-
-    deadline = time.time() + 60
-    while True:
-        text = get(cluster.metrics)
-        names = {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_rayckpt_")}
-        wanted = {
-            "ray_rayckpt_checkpoints_committed_total",
-            "ray_rayckpt_save_stall_seconds_count",
-            "ray_rayckpt_write_throughput_bytes_per_second",  # a gauge: set again between saves
-        }
-        if wanted <= names:
-            break
-        assert time.time() < deadline, f"rayckpt metrics missing from the export port; have {sorted(names)}"
-        time.sleep(0.5)
 
 
 def test_requests_that_cannot_run_fail_at_once_with_one_line(cluster, tmp_path):

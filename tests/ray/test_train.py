@@ -7,7 +7,6 @@ import os
 import re
 import time
 
-import pyarrow.fs as pafs
 import pytest
 import ray
 import torch
@@ -16,6 +15,7 @@ import rayckpt
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.toy import ToyModel
+from rayckpt.tools.listing import ls
 from tests.helpers.ray_train import fit
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def metadata_actor_log() -> str:
     return "".join(open(p, encoding="utf-8", errors="replace").read() for p in paths)
 
 
-def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path, capfd):
+def test_save_with_4_restore_with_3(ray_session, tmp_path, capfd):
     storage, out = tmp_path / "storage", tmp_path / "out"
     out.mkdir()
     result = fit(storage, out, 4, 3, {2, 3})
@@ -76,18 +76,11 @@ def test_save_with_4_restore_with_3_then_2(ray_session, tmp_path, capfd):
     assert final3["step"] == 4
     assert not torch.equal(final3["state"]["app.model.head.weight"], final4["state"]["app.model.head.weight"])
 
-    fit(storage, out, 2, 4, set())
-    restored2 = torch.load(out / "restored-2.pt", weights_only=False)
-    assert restored2["step"] == 4
-    for key, value in final3["state"].items():
-        assert torch.equal(restored2["state"][key], value), key
-
     # retention (num_to_keep=2) removed the oldest checkpoint directory; the catalog agrees
     run_dir = storage / "toy"
     kept = sorted(p for p in os.listdir(run_dir) if p.startswith("rayckpt-step-"))
     assert kept == ["rayckpt-step-00000003", "rayckpt-step-00000004"]
-    entries = ray.get(get_metadata_actor().checkpoints.remote("toy"))
-    assert [e.step for e in entries if e.status == "committed"] == [3, 4]
+    assert [e.step for e in ls(str(storage), run="toy") if e.status == "committed"] == [3, 4]
     # events live in the actor's memory: the one killed after step 4's commit took 2-4's along
     events = ray.get(get_metadata_actor().events.remote("toy"))
     assert [e["step"] for e in events if e["kind"] == "reported"] == [4]
@@ -127,21 +120,3 @@ def test_worker_failing_mid_save_commits_nothing(ray_session, tmp_path, mode):
         rf"WARNING rayckpt.metadata_actor: save \S+ of run '{name}' \(step 3\) to \S+ failed and was rolled back"
     )
     assert re.search(rolled_back, metadata_actor_log())
-
-
-def test_pyarrow_filesystem_storage(ray_session, tmp_path):
-    """RunConfig(storage_filesystem=...): a non-local pyarrow filesystem (no mmap, ranged reads)."""
-    base = tmp_path / "bucket"
-    base.mkdir()
-    out = tmp_path / "out"
-    out.mkdir()
-    fs = pafs.SubTreeFileSystem(str(base), pafs.LocalFileSystem())
-    result = fit("ckpts", out, 2, 2, {2}, name="fsrun", filesystem=fs)
-    assert result.checkpoint.path == "ckpts/fsrun/rayckpt-step-00000002"
-    assert (base / "ckpts" / "fsrun" / "rayckpt-step-00000002" / "manifest.json").exists()
-    saved = torch.load(out / "final-2.pt", weights_only=False)
-    fit("ckpts", out, 3, 2, set(), name="fsrun", filesystem=fs)
-    restored = torch.load(out / "restored-3.pt", weights_only=False)
-    assert restored["step"] == 2
-    for key, value in saved["state"].items():
-        assert torch.equal(restored["state"][key], value), key

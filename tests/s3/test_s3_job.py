@@ -1,5 +1,7 @@
 """The training job on S3, as a user runs it: `ray start --head`, `ray job submit -- python jobs/train.py
---storage-path s3://...`; four workers save, three resume.
+--storage-path s3://...`; four workers save, three resume. The jobs are watched as a user watches them:
+their status from the dashboard's REST API, rank 0's line per committed checkpoint in their logs, the
+checkpoint metrics on the Prometheus export port.
 
 The first job names the endpoint in the URI's query string, the resume names
 the same place as a plain ``s3://bucket/prefix`` with the endpoint in
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 
 import pyarrow.fs as pafs
 import pytest
@@ -22,7 +26,7 @@ from rayckpt.cli import main as rayckpt_main
 from rayckpt.examples.job_checks import JobConfigError, check_storage
 from rayckpt.storage.catalog import checkpoint_dir_name, latest_committed
 from rayckpt.tools.listing import ls
-from tests.helpers.ray_head import ROOT, TINY, error_line, free_port, ray_head, submit, train_py
+from tests.helpers.ray_head import ROOT, TINY, error_line, free_port, get, ray_head, submit, train_py
 
 pytestmark = pytest.mark.slow
 
@@ -70,8 +74,8 @@ def test_job_saves_with_4_workers_and_resumes_with_3_on_s3(cluster, s3_server, s
     first, logs = submit(cluster, "--num-workers", "4", "--steps", "8", "--storage-path", uri, *common)
     assert first["final_step"] == 8 and first["num_workers"] == 4 and first["resumed_from"] is None
     assert first["last_checkpoint"] == s3_server.fs_path(f"{s3_prefix}/{run}/{checkpoint_dir_name(8)}")
-    for step in (2, 4, 6, 8):
-        assert f"rayckpt: {run} committed step {step} " in logs, logs[-4000:]
+    for step in (2, 4, 6, 8):  # the job's logs have rank 0's line per committed checkpoint
+        assert re.search(rf"rayckpt: {run} committed step {step} \(\d+\.\d MiB, \d+\.\d\d s\)", logs), logs[-4000:]
 
     # The same place, the endpoint from the job's environment (pyarrow's S3 reads AWS_ENDPOINT_URL); the
     # runtime environment reaches the job's driver, Ray Train's controller and the workers.
@@ -114,6 +118,22 @@ def test_job_saves_with_4_workers_and_resumes_with_3_on_s3(cluster, s3_server, s
     assert snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] == checkpoint_dir_name(10)
 
     assert set(local_storage_files(*local_roots)) - there_before == set()  # nothing of these jobs on local disk
+
+    # As a user watches them: both jobs SUCCEEDED in the dashboard's REST API, the metrics on the export port.
+    jobs = json.loads(get(f"{cluster.dashboard}/api/jobs/"))
+    assert [j["status"] for j in jobs if "jobs/train.py" in j.get("entrypoint", "")] == ["SUCCEEDED", "SUCCEEDED"]
+    wanted = {
+        "ray_rayckpt_checkpoints_committed_total",
+        "ray_rayckpt_save_stall_seconds_count",
+        "ray_rayckpt_write_throughput_bytes_per_second",  # a gauge: set again between saves
+    }
+    deadline = time.time() + 60
+    while True:
+        names = {line.split("{")[0] for line in get(cluster.metrics).splitlines() if line.startswith("ray_rayckpt_")}
+        if wanted <= names:
+            break
+        assert time.time() < deadline, f"rayckpt metrics missing from the export port; have {sorted(names)}"
+        time.sleep(0.5)
 
 
 def test_unusable_s3_storage_fails_at_start_with_one_line(cluster, s3_server):

@@ -1,4 +1,5 @@
-"""Ray Train on S3: a TorchTrainer run whose ``RunConfig.storage_filesystem`` is a ``pyarrow.fs.S3FileSystem``."""
+"""Ray Train on S3: a TorchTrainer run whose ``RunConfig.storage_filesystem`` is a ``pyarrow.fs.S3FileSystem``:
+the suite's run on a filesystem given as a ``pyarrow.fs`` object that is not local (no memory maps, ranged reads)."""
 
 from __future__ import annotations
 
