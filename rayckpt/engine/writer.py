@@ -49,8 +49,8 @@ def create_chunk_data(plan: SavePlan, flat: FlatState) -> list[ChunkData]:
     return [spec.with_data(as_bytes(piece.contiguous())) for spec, piece in zip(chunk_specs(plan, flat), pieces)]
 
 
-#: A rank's bytes of one storage type are split into this many bytes or more per file when it has
-#: several times that: the files are written at once, each on its own thread (with its own checksum
+#: A rank's bytes of one storage type are split into files of about this many bytes when it has at
+#: least twice that: the files are written at once, each on its own thread (with its own checksum
 #: thread). One file is written at the speed of one thread, however many cores the node has: on
 #: this 2-core machine 1 GiB into shared memory took 0.56 s as one file, 0.34 s as two.
 PART_BYTES = 256 << 20
