@@ -38,7 +38,7 @@ from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .coordinator import claim as claim_decision
 from .save_layout import agree_on_plan
 from .state import FlatState
-from .writer import MAX_PARTS, create_chunk_data, write_chunks
+from .writer import create_chunk_data, parts_here, write_chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,5 +358,5 @@ def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]
     """Save step write, in this process: this rank's chunks into its shard files."""
     with phase("write"):
         chunks = create_chunk_data(ctx.plan, ctx.flat)
-        spec = ctx.spec
-        return write_chunks(ckdir, chunks, spec.save_id, ctx.rank, spec.block_size, written_files, MAX_PARTS)
+        spec, parts = ctx.spec, parts_here(ctx.spec.world_size, len(ctx.nodes))
+        return write_chunks(ckdir, chunks, spec.save_id, ctx.rank, spec.block_size, written_files, parts)

@@ -58,6 +58,15 @@ PART_BYTES = 256 << 20
 MAX_PARTS = 8
 
 
+def parts_here(world_size: int, num_nodes: int) -> int:
+    """How many files of one type a rank may write at once: the cores this process may run on, shared
+    by the ranks of its node (``LOCAL_WORLD_SIZE``, set by torchrun and Ray Train; else the world size
+    over the nodes), at most ``MAX_PARTS``. 1 where the ranks already fill the cores."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or -(-world_size // max(1, num_nodes))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_PARTS, cores // max(1, local)))
+
+
 def split_parts(chunks: Sequence[ChunkData], max_parts: int) -> list[list[ChunkData]]:
     """``chunks`` (all of one storage type) in consecutive groups, one per file: one group unless they
     hold at least twice ``PART_BYTES``, then one per ``PART_BYTES`` (at most ``max_parts``), cut where the

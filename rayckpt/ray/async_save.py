@@ -26,7 +26,7 @@ from ..engine.coordinator import Coordinator, default_coordinator
 from ..engine.device import needs_bounce
 from ..engine.save import SaveContext, collect_state
 from ..engine.state import FlatState, flatten
-from ..engine.writer import chunk_pieces, chunk_specs, create_chunk_data
+from ..engine.writer import chunk_pieces, chunk_specs, create_chunk_data, parts_here
 from ..errors import InvalidStateError, SaveFailedError
 from ..storage.catalog import CatalogEntry
 from ..storage.checkpoint_dir import CheckpointDir
@@ -125,6 +125,7 @@ class AsyncSaver:
                 chunk_specs(ctx.plan, ctx.flat),
                 run,
                 step,
+                parts_here(ctx.spec.world_size, len(ctx.nodes)),
             )
             write_ref = get_shard_writer(node_id).write.remote(request, staged_ref, incarnation)
             if isinstance(staged_ref, StagedRegion):

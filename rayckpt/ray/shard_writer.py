@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from ..engine.writer import MAX_PARTS, write_chunks
+from ..engine.writer import write_chunks
 from ..format.shard_file import ChunkSpec
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import WrittenShard
@@ -54,6 +54,8 @@ class ShardWrite:
     #: The save's run and step, for a MetadataActor that does not know the save (it restarted).
     run: str = ""
     step: int | None = None
+    #: How many files of one type the share may be written as at once (``engine.writer.parts_here``).
+    max_parts: int = 1
 
 
 class ShardWriter:
@@ -122,7 +124,8 @@ class ShardWriter:
         node when it wrote), ``staging`` ("shm" or "object_store"), ``staged_node`` (the
         node the rank staged on) and ``staged_dir`` (the directory the staging file was
         created in, read from the open file itself), both ``None`` for the object store;
-        ``bytes``, ``files``; ``replicas_received``: the memory tier's replicas peers sent it
+        ``bytes``, ``files``, ``max_parts`` (the files of one type it could write at once);
+        ``replicas_received``: the memory tier's replicas peers sent it
         over the replica link (``files``, ``bytes``).
         """
         return {
@@ -148,10 +151,11 @@ class ShardWriter:
         written_files: list[str] = []
         start = time.perf_counter()
         record = {"save_id": request.save_id, "run": request.run, "step": request.step, "rank": request.rank}
+        record["max_parts"] = request.max_parts
         try:
             with self._views(staged, record) as arrays:
                 chunks = [spec.with_data(a) for spec, a in zip(request.chunks, arrays)]
-                args = (request.save_id, request.rank, request.block_size, written_files, MAX_PARTS)
+                args = (request.save_id, request.rank, request.block_size, written_files, request.max_parts)
                 shard = write_chunks(ckdir, chunks, *args)
                 del chunks
         except Exception as exc:
@@ -218,7 +222,7 @@ def get_shard_writer(node_id: str | None = None) -> Any:
     rank's share: ``save_id``, ``run``, ``step``, ``rank``, ``node``, ``staging``
     (``"shm"`` / ``"object_store"``), ``staged_node`` (where the rank staged) and
     ``staged_dir`` (the directory the staging file was created in, read from the
-    open file itself), both ``None`` for the object store; ``bytes``, ``files``.
+    open file itself), both ``None`` for the object store; ``bytes``, ``files``, ``max_parts``.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -13,6 +13,7 @@ import torch
 
 import rayckpt
 from rayckpt.engine import save as save_engine
+from rayckpt.engine.writer import parts_here
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan as planner
 from rayckpt.ray import async_save, save_handle, staging
@@ -225,6 +226,8 @@ def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path)
         (s, 0, "shm", staging.SHM_DIR) for s in (1, 2, 3)
     ]
     assert stats["staging_dir"] == staging.SHM_DIR and {w["node"] for w in writes} == {stats["node"]}
+    # the rank let its writer write a type as several files at once, one per core it has to itself
+    assert {w["max_parts"] for w in writes} == {parts_here(1, 1)}
     assert not os.path.exists(stale)  # the node's writer removed it
     assert my_staging_files() == [] and os.path.exists(async_save.saver().buffer.path)  # one nameless file, reused
     for s in (1, 2, 3):

@@ -4,6 +4,7 @@ names, the threads, a failing part, and saves that read back the same."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 import rayckpt
 from rayckpt.engine import writer
-from rayckpt.engine.writer import MAX_PARTS, split_parts, write_chunks
+from rayckpt.engine.writer import MAX_PARTS, parts_here, split_parts, write_chunks
 from rayckpt.errors import SaveFailedError
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkSpec
@@ -32,6 +33,24 @@ def chunk(key: str, nbytes: int, dtype: str = "float32") -> object:
 def small_parts(monkeypatch):
     """Parts of 64 KiB, so that a few hundred KiB split."""
     monkeypatch.setattr(writer, "PART_BYTES", 64 * KIB)
+
+
+@pytest.fixture
+def sixteen_cores(monkeypatch):
+    """A process that may run on 16 cores, whatever this machine has."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+
+def test_a_rank_writes_as_many_files_at_once_as_its_share_of_the_node_s_cores(sixteen_cores, monkeypatch):
+    assert parts_here(1, 1) == MAX_PARTS == 8  # one rank alone: capped
+    assert parts_here(8, 2) == 4  # 4 ranks per node, without LOCAL_WORLD_SIZE
+    assert parts_here(3, 1) == 5
+    assert parts_here(64, 2) == 1  # the ranks already fill the cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's and Ray Train's count wins
+    assert parts_here(64, 2) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert parts_here(1, 1) == 1
 
 
 def test_a_share_under_twice_the_part_size_stays_one_file(small_parts):
@@ -123,7 +142,7 @@ def test_a_part_that_fails_names_its_file_after_the_others_ended(small_parts, tm
     assert sorted(ended) == sorted(set(written) - {"s1-r00005-float.1.arrow"})
 
 
-def test_a_one_process_save_splits_its_share_and_loads_back_the_same(small_parts, tmp_path):
+def test_a_one_process_save_splits_its_share_and_loads_back_the_same(small_parts, sixteen_cores, tmp_path):
     gen = torch.Generator().manual_seed(0)
     state = {f"w{i}": torch.randn(64, 128, generator=gen) for i in range(8)}  # 8 x 32 KiB
     state["step"] = torch.arange(5)
@@ -142,3 +161,42 @@ def test_a_one_process_save_splits_its_share_and_loads_back_the_same(small_parts
         assert torch.equal(target["model"][k], v), k
     report = rayckpt.verify(str(tmp_path / "ck"))
     assert report.ok and report.files_checked == 5, report
+
+
+def test_the_node_s_shard_writer_writes_a_share_in_as_many_files_as_its_request_allows(tmp_path, monkeypatch):
+    """``ShardWriter.write`` (called unbound, on a stand-in for the actor's own state: no Ray) passes the
+    rank's ``ShardWrite.max_parts`` to the write step; the rank sets it from ``parts_here``."""
+    import collections
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from rayckpt.ray import shard_writer
+
+    seen: list[int] = []
+    real = shard_writer.write_chunks
+
+    def recording(ckdir, chunks, save_id, rank, block_size, written_files, max_parts=1):
+        seen.append(max_parts)
+        return real(ckdir, chunks, save_id, rank, block_size, written_files, max_parts)
+
+    monkeypatch.setattr(shard_writer, "write_chunks", recording)
+    data = [chunk("k0", 8 * KIB)]
+
+    @contextmanager
+    def views(staged, record):
+        yield [c.data for c in data]
+
+    actor = SimpleNamespace(
+        node_id="n" * 12,
+        records=collections.deque(),
+        node=lambda: "n" * 12,
+        _views=views,
+        _report_written=lambda *args: None,
+    )
+    specs = tuple(ChunkSpec(c.key, c.dtype, c.box) for c in data)
+    for parts in (1, 3):
+        request = shard_writer.ShardWrite(f"s{parts}", str(tmp_path), None, 0, 4 * KIB, specs, max_parts=parts)
+        out = shard_writer.ShardWriter.write(actor, request, [])
+        assert out["files"] == [f"s{parts}-r00000-float.arrow"]
+    assert seen == [1, 3]
+    assert shard_writer.ShardWrite("s", "loc", None, 0, 1, ()).max_parts == 1  # a request that does not say
