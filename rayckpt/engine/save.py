@@ -358,5 +358,5 @@ def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]
     """Save step write, in this process: this rank's chunks into its shard files."""
     with phase("write"):
         chunks = create_chunk_data(ctx.plan, ctx.flat)
-        spec, parts = ctx.spec, parts_here(ctx.spec.world_size, len(ctx.nodes))
-        return write_chunks(ckdir, chunks, spec.save_id, ctx.rank, spec.block_size, written_files, parts)
+        parts = parts_here(ctx.spec.world_size, len(ctx.nodes))
+        return write_chunks(ckdir, chunks, ctx.spec.save_id, ctx.rank, ctx.spec.block_size, written_files, parts)

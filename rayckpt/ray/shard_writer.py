@@ -150,13 +150,19 @@ class ShardWriter:
         ckdir = CheckpointDir.resolve(request.location, request.filesystem)
         written_files: list[str] = []
         start = time.perf_counter()
-        record = {"save_id": request.save_id, "run": request.run, "step": request.step, "rank": request.rank}
-        record["max_parts"] = request.max_parts
+        record = {
+            "save_id": request.save_id,
+            "run": request.run,
+            "step": request.step,
+            "rank": request.rank,
+            "max_parts": request.max_parts,
+        }
         try:
             with self._views(staged, record) as arrays:
                 chunks = [spec.with_data(a) for spec, a in zip(request.chunks, arrays)]
-                args = (request.save_id, request.rank, request.block_size, written_files, request.max_parts)
-                shard = write_chunks(ckdir, chunks, *args)
+                shard = write_chunks(
+                    ckdir, chunks, request.save_id, request.rank, request.block_size, written_files, request.max_parts
+                )
                 del chunks
         except Exception as exc:
             for rel in written_files:
