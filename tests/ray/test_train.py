@@ -81,9 +81,15 @@ def test_save_with_4_restore_with_3(ray_session, tmp_path, capfd):
     kept = sorted(p for p in os.listdir(run_dir) if p.startswith("rayckpt-step-"))
     assert kept == ["rayckpt-step-00000003", "rayckpt-step-00000004"]
     assert [e.step for e in ls(str(storage), run="toy") if e.status == "committed"] == [3, 4]
-    # events live in the actor's memory: the one killed after step 4's commit took 2-4's along
-    events = ray.get(get_metadata_actor().events.remote("toy"))
-    assert [e["step"] for e in events if e["kind"] == "reported"] == [4]
+    # events live in the actor's memory: the one killed after step 4's commit took 2-4's along. The
+    # controller sends its "reported" event without waiting: it may land just after fit() returns.
+    deadline = time.monotonic() + 30
+    while True:
+        reported = [e["step"] for e in ray.get(get_metadata_actor().events.remote("toy")) if e["kind"] == "reported"]
+        if reported or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert reported == [4]
     # a committed checkpoint is a plain rayckpt checkpoint too
     m = rayckpt.read_manifest(CheckpointDir.resolve(str(run_dir / "rayckpt-step-00000004")))
     assert m.world_size == 3 and m.user_metadata["step"] == 4
