@@ -7,7 +7,8 @@ save is then staged and registered, its writer blocked), then waits until the
 file ``<gate>`` exists (the test creates it to let the writer go on). Each path that reached
 the gate is appended to ``<gate>.reached``, one a line, so a test can wait for one rank's file.
 ``gated_filesystem(gate, match)`` gates only the ``.arrow`` files whose path contains ``match``
-(say one checkpoint's directory name); the others pass.
+(say one checkpoint's directory name); the others pass. ``gated_filesystem({match: gate, ...})``
+gates several checkpoints, each at its own gate.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ MAX_WAIT_S = 300.0
 
 
 class GatedHandler(pafs.FileSystemHandler):
-    def __init__(self, gate: str, match: str = "") -> None:
-        self.gate = gate
-        self.match = match
+    def __init__(self, gate: str | dict[str, str], match: str = "") -> None:
+        #: (match, gate) pairs: a path containing ``match`` waits at ``gate``.
+        self.gates = tuple(sorted(gate.items())) if isinstance(gate, dict) else ((match, gate),)
         self.local = pafs.LocalFileSystem()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, GatedHandler) and (other.gate, other.match) == (self.gate, self.match)
+        return isinstance(other, GatedHandler) and other.gates == self.gates
 
     def __ne__(self, other: object) -> bool:
         return not self == other
@@ -73,11 +74,12 @@ class GatedHandler(pafs.FileSystemHandler):
         return self.local.open_input_file(path)
 
     def open_output_stream(self, path: str, metadata):
-        if path.endswith(".arrow") and self.match in path:
-            with open(f"{self.gate}.reached", "a") as f:
+        gate = next((g for match, g in self.gates if match in path), None) if path.endswith(".arrow") else None
+        if gate is not None:
+            with open(f"{gate}.reached", "a") as f:
                 f.write(path + "\n")
             deadline = time.monotonic() + MAX_WAIT_S
-            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            while not os.path.exists(gate) and time.monotonic() < deadline:
                 time.sleep(0.05)
         return self.local.open_output_stream(path, metadata=metadata)
 
@@ -85,7 +87,7 @@ class GatedHandler(pafs.FileSystemHandler):
         return self.local.open_append_stream(path, metadata=metadata)
 
 
-def gated_filesystem(gate: str, match: str = "") -> pafs.PyFileSystem:
+def gated_filesystem(gate: str | dict[str, str], match: str = "") -> pafs.PyFileSystem:
     return pafs.PyFileSystem(GatedHandler(gate, match))
 
 

@@ -15,7 +15,7 @@ from rayckpt.ray import async_save
 from rayckpt.ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from rayckpt.testing.toy import build_fsdp, full_state, train_steps
 from rayckpt.train.checkpointer import Checkpointer
-from tests.helpers.recovery_faults import Faults
+from tests.helpers.recovery_faults import Faults, faults_done
 
 
 def inject_failure(mode: str) -> None:
@@ -29,12 +29,32 @@ def inject_failure(mode: str) -> None:
     async_save.AsyncSaver.stage_share = fail
 
 
+def probe_local_save(location: str, rank: int, out: str) -> None:
+    """Every rank saves a small state to the node-local ``location`` (a collective); rank 0 writes what the
+    save raised to ``out/refused.txt`` (empty if nothing): across nodes it must be refused."""
+    try:
+        async_save.save_async({"x": torch.zeros(4)}, location, run="local-probe").wait()
+        refused = ""
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        refused = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        with open(os.path.join(out, "refused.txt"), "w") as f:
+            f.write(refused)
+
+
+def after_fault(config: dict[str, Any]) -> str:
+    """``-after-<phase>`` naming the fault an attempt restarted after; empty without one."""
+    done = faults_done(config)
+    return f"-after-{done[-1]['phase']}" if done else ""
+
+
 def toy_train_loop(config: dict[str, Any]) -> None:
     """Restore (if any), train to ``config['steps']`` saving at ``config['save_at']``, dump state.
 
-    Rank 0 dumps ``restored-<world>.pt`` (the restored step and state) and ``final-<world>.pt``;
-    with ``dump_saves``, ``state-<step>.pt`` at each save too. ``die``, ``gate`` and ``hold``
-    inject the faults of tests/recovery (``recovery_faults.Faults``).
+    Rank 0 dumps ``restored-<world>.pt`` (the restored step and state; ``restored-<world>-after-<phase>.pt``
+    after a fault of ``die``) and ``final-<world>.pt``; with ``dump_saves``, ``state-<step>.pt`` at each
+    save too. ``die`` and ``hold`` inject the faults of tests/recovery (``recovery_faults.Faults``);
+    ``probe_local`` first saves to that node-local location (``probe_local_save``).
     """
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -65,10 +85,12 @@ def toy_train_loop(config: dict[str, Any]) -> None:
                     "fallbacks": ckpt.fallbacks,
                     "time": time.time(),
                 },
-                os.path.join(out, f"restored-{world}.pt"),
+                os.path.join(out, f"restored-{world}{after_fault(config)}.pt"),
             )
     with open(os.path.join(out, f"node-{world}-{rank}.txt"), "w") as f:
         f.write(ray.get_runtime_context().get_node_id())
+    if config.get("probe_local"):
+        probe_local_save(config["probe_local"], rank, out)
     faults = Faults(config, ckpt.run, rank, world)
     while step < config["steps"]:
         faults.before_step(step + 1)

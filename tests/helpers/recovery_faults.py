@@ -3,18 +3,21 @@ node's ShardWriter, or hold still until Ray Train tears its worker group down.
 
 Set by the train loop config (``tests.helpers.recovery_job`` builds it):
 
-- ``die``: ``{"rank": r, "step": s, "phase": p}``, in the run's first attempt only (the marker
-  ``killed.json`` under ``out`` says a kill happened; the restarted attempt finds it and does not die
-  again). Rank ``r`` SIGKILLs itself: ``"between"``: before training step ``s``, once Ray Train
-  has the previous save reported (the MetadataActor's ``reported`` event); ``"staging"``: inside
-  the save of step ``s``, when its share is about to be copied into shared memory (rank 0 has
-  registered the save, the other ranks go on writing theirs); ``"in_flight"``: right after the
-  save of step ``s`` returned, once the rank's ShardWriter is blocked writing its shard file (the
-  run's storage is a ``gated_fs`` gated on that checkpoint; ``gate`` names the gate).
-  ``"writer"``: the same moment, but the rank SIGKILLs its node's ShardWriter instead of itself.
-  ``killed.json`` records the wall time of the kill, the phase and the process killed.
-- ``gate``: the gate file of the run's gated storage; the restarted attempt opens it (the writers
-  of the failed save then finish, and their late files must be removed).
+- ``die``: a list of faults ``{"rank": r, "step": s, "phase": p}``, each in its own attempt, in
+  order: the run's first attempt meets the first, the attempt Ray Train restarts after it the
+  second, and so on (the marker ``killed-<phase>.json`` under ``out`` says a fault happened; a
+  restarted attempt finds the markers and goes on to the next fault). Rank ``r`` SIGKILLs itself:
+  ``"between"``: before training step ``s``, once Ray Train has the previous save reported (the
+  MetadataActor's ``reported`` event); ``"staging"``: inside the save of step ``s``, when its
+  share is about to be copied into shared memory (rank 0 has registered the save, the other ranks
+  go on writing theirs); ``"in_flight"``: right after the save of step ``s`` returned, once the
+  rank's ShardWriter is blocked writing its shard file (the run's storage is a ``gated_fs``
+  gated on that checkpoint; the fault's ``gate`` names the gate). ``"writer"``: the same moment,
+  but the rank SIGKILLs its node's ShardWriter instead of itself. The marker records the wall
+  time of the kill, the phase and the process killed.
+- a fault's ``gate``: the gate file of the run's gated storage for that fault's checkpoint; the
+  attempt after the fault opens it (the writers of the failed save then finish, and their late
+  files must be removed).
 - ``hold``: ``{"<world size>": step}``: with that many workers, after the save of ``step``
   committed and Ray Train reported it, rank 0 writes ``held-<world size>.json`` and every rank
   sleeps (at most ``HOLD_MAX_S``) until Ray Train stops the group: the driver removes or adds a
@@ -37,7 +40,12 @@ from rayckpt.ray import async_save
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.ray.shard_writer import get_shard_writer
 
-KILLED = "killed.json"
+
+def killed_marker(out: str, phase: str) -> str:
+    """The file a fault of ``phase`` leaves under ``out`` (its time, rank, step and the pid killed)."""
+    return os.path.join(out, f"killed-{phase}.json")
+
+
 #: Bounds of waits that end once something expected happens (a test fails if it never does).
 WAIT_MAX_S = 120.0
 HOLD_MAX_S = 120.0
@@ -65,6 +73,11 @@ def reported(run: str, step: int) -> bool:
     return any(e["kind"] == "reported" and e.get("step") == step for e in events)
 
 
+def faults_done(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The faults of ``config['die']`` that earlier attempts met (their markers exist), in order."""
+    return [f for f in config.get("die", []) if os.path.exists(killed_marker(config["out"], f["phase"]))]
+
+
 class Faults:
     """One attempt's faults (every rank makes one, after ``restore``)."""
 
@@ -72,12 +85,12 @@ class Faults:
         self.out = config["out"]
         self.run, self.rank, self.world = run, rank, world
         self.save_at = sorted(config["save_at"])
-        first = not os.path.exists(os.path.join(self.out, KILLED))
-        die = config.get("die")
-        self.die = die if first and die is not None and die["rank"] == rank else None
-        self.gate = config.get("gate")
-        if not first and self.gate:
-            open(self.gate, "a").close()
+        faults, done = config.get("die", []), faults_done(config)
+        for fault in done:
+            if fault.get("gate"):
+                open(fault["gate"], "a").close()
+        due = faults[len(done)] if len(done) < len(faults) else None
+        self.die = due if due is not None and due["rank"] == rank else None
         self.hold_step = config.get("hold", {}).get(str(world))
         if os.path.exists(self._held_marker()):
             self.hold_step = None
@@ -87,7 +100,7 @@ class Faults:
 
     def _record_kill(self, step: int, phase: str, pid: int) -> None:
         write_json(
-            os.path.join(self.out, KILLED),
+            killed_marker(self.out, phase),
             {"time": time.time(), "phase": phase, "rank": self.rank, "step": step, "pid": pid},
         )
 
@@ -124,7 +137,7 @@ class Faults:
         ShardWriter, each once this rank's shard file is blocked at the gate; ``hold`` holds."""
         if self._dies_at(step, "in_flight") or self._dies_at(step, "writer"):
             mine = f"-r{self.rank:05d}-"
-            reached = f"{self.gate}.reached"
+            reached = f"{self.die['gate']}.reached"
             wait_until(
                 lambda: os.path.exists(reached) and mine in open(reached).read(), "this rank's write at the gate"
             )

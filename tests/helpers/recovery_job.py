@@ -6,33 +6,36 @@ Writes ``OUT_DIR/result.json``; each scenario's dumps (``ray_workers.toy_train_l
 after the scenario).
 
 The cluster: a head with 1 CPU (the driver, Ray Train's controllers, the MetadataActor) and four
-nodes of 2 CPUs, two with 2 ``slot_a`` and two with 2 ``slot_b``; every worker asks for a CPU and
-one of its lane's slots. The fixed scenarios run ``FIXED_WORKERS`` (2) workers spread over their
-lane's two nodes (one rank per node, so a rank's ShardWriter is not the other rank's); the elastic
-run 4, 2 per node. Two lanes of scenarios run side by side, each on its own two nodes (much of a
-run is waiting on Ray Train's restarts). Each node's raylet gets its
-own ``RAYCKPT_SHM_DIR`` (as in ``multinode_s3_job``). Storage is one local directory that every
-node reaches (one machine): ``RAYCKPT_LOCAL_IS_SHARED=1`` for every process.
+nodes of 2 CPUs, two with one ``slot_a`` and two with one ``slot_b``; every worker asks for a CPU
+and its lane's slot, so a lane's workers run one per node (a group that lost a node cannot fit on
+the other). The fixed scenarios run ``FIXED_WORKERS`` (2) workers, one on each of their lane's two
+nodes (so a rank's ShardWriter is not the other rank's); the elastic run 1 or 2. Two lanes of
+scenarios run side by side, each on its own two nodes (much of a run is waiting on Ray Train's
+restarts). Each node's raylet gets its own ``RAYCKPT_SHM_DIR`` (as in ``multinode_s3_job``).
+Storage is one local directory that every node reaches (one machine): ``RAYCKPT_LOCAL_IS_SHARED=1``
+for every process.
 
-Scenarios, each its own ``fit()`` (9 steps, a save at 3, 6 and 9; rank 1 is the victim). A worker
-group start costs most of a run (every worker process imports torch and joins the group; 25-40 s
-for 4 workers on 2 cores): what the fixed scenarios check needs two ranks, not four, and only the
-elastic one changes the worker count.
+Scenarios, each its own ``fit()``. A worker group start costs most of a run (every worker process
+imports torch and joins the group; 25-40 s for 4 workers on 2 cores): what the fixed scenarios
+check needs two ranks, not four; the elastic one changes the worker count, 2 -> 1 -> 2; the faults
+of one worker count follow each other in one run, one per attempt.
 
-- ``baseline``: uninterrupted; dumps its state at each save too.
-- ``between``: rank 1 dies before step 7 (step 6 committed and reported).
-- ``staging``: rank 1 dies staging its share of step 6.
-- ``in_flight``: rank 1 dies after its step-6 save returned, its ShardWriter blocked writing it.
-- ``writer``: the same moment, rank 1 kills its node's ShardWriter instead.
-- ``elastic``: ``num_workers=(2, 4)``. After step 3 committed the driver removes a node (a
-  crash: its processes SIGKILLed): Ray Train restarts with 2 workers, restoring 4 -> 2. After
-  step 6 committed it adds a node back: Ray Train grows the group at its next resize check and
-  4 workers restore 2 -> 4 and finish.
+- ``baseline``: uninterrupted, 12 steps, a save every 3; dumps its state at each save too.
+- ``chain``: the same run, rank 1 the victim, Ray Train restarting it after each of four faults
+  (``CHAIN``, one per attempt): rank 1 dies before step 4 (step 3 committed and reported:
+  ``between``); dies staging its share of step 6 (``staging``); dies after its step-9 save
+  returned, its ShardWriter blocked writing it (``in_flight``); kills its node's ShardWriter at
+  the same moment of step 12's save (``writer``). The fifth attempt finishes.
+- ``elastic``: ``num_workers=(1, 2)`` (``ELASTIC_WORKERS``), one per node, 9 steps, saves at 3, 6
+  and 9. After step 3 committed the driver removes a node (a crash: its processes SIGKILLed): Ray
+  Train restarts with 1 worker, restoring 2 -> 1. After step 6 committed it adds a node back: Ray
+  Train grows the group at its next resize check and 2 workers restore 1 -> 2 and finish.
 
-For ``in_flight`` and ``writer`` the run's storage is a ``gated_fs`` filesystem gated on step 6's
-checkpoint: its shard files wait at the gate until the restarted attempt opens it, so the killed
-save is deterministically in flight. Checkpointers commit within 300 s: a save settled faster
-than that was settled by the rollback (a rank's report or ``RayckptCallback``), not the timeout.
+For ``in_flight`` and ``writer`` the run's storage is a ``gated_fs`` filesystem gating step 9's
+and step 12's checkpoints, each at its own gate: their shard files wait at the gate until the
+attempt after the fault opens it, so the killed save is deterministically in flight.
+Checkpointers commit within 300 s: a save settled faster than that was settled by the rollback
+(a rank's report or ``RayckptCallback``), not the timeout.
 """
 
 from __future__ import annotations
@@ -62,26 +65,26 @@ from .gated_fs import gated_filesystem
 from .ray_head import free_ports
 from .recovery_faults import wait_until
 
-STEPS = 9
-SAVE_AT = [3, 6, 9]
+#: Steps and saves of the fixed scenarios (baseline, chain) and of the elastic one.
+STEPS, SAVE_AT = 12, [3, 6, 9, 12]
+ELASTIC_STEPS, ELASTIC_SAVE_AT = 9, [3, 6, 9]
+#: The elastic run's fewest and most workers (a worker group start is most of a run's time).
+ELASTIC_WORKERS = (1, 2)
 #: Long enough that only a rollback, never the timeout, settles a killed save within the test.
 COMMIT_TIMEOUT_S = 300.0
-#: The checkpoint whose shard files wait at the gate (in_flight, writer).
-GATED = "rayckpt-step-00000006"
-FIXED = {
-    "baseline": None,
-    "between": {"rank": 1, "step": 7, "phase": "between"},
-    "staging": {"rank": 1, "step": 6, "phase": "staging"},
-    "in_flight": {"rank": 1, "step": 6, "phase": "in_flight"},
-    "writer": {"rank": 1, "step": 6, "phase": "writer"},
-}
+#: The chain's faults, one per attempt, in order: phase -> the step it strikes (rank 1 each time).
+CHAIN = {"between": 4, "staging": 6, "in_flight": 9, "writer": 12}
+#: Phase -> the step its restarted attempt restores (the newest checkpoint committed before it).
+RESTORES = {"between": 3, "staging": 3, "in_flight": 6, "writer": 9}
+#: The phases whose save is held at a gate, in flight, when the fault strikes.
+GATED = ("in_flight", "writer")
 #: The worker count of the fixed scenarios (the baseline's too: the others end bit-identical to it).
 FIXED_WORKERS = 2
 #: The two lanes of scenarios that run side by side, each on two nodes with its own resource: lane A
 #: in the main thread (the elastic run, last, changes its nodes: Ray does that only from the main
-#: thread), lane B in the background. The elastic run takes about as long as two fixed ones.
-LANE_A, SLOT_A = ["baseline", "between", "elastic"], "slot_a"
-LANE_B, SLOT_B = ["staging", "in_flight", "writer"], "slot_b"
+#: thread), lane B in the background. The chain takes about as long as the other two.
+LANE_A, SLOT_A = ["baseline", "elastic"], "slot_a"
+LANE_B, SLOT_B = ["chain"], "slot_b"
 NODE = {"num_cpus": 2, "object_store_memory": 150 * 1024 * 1024}
 #: The environment the job runs in (tests/recovery gives it; so must a run by hand).
 ENV = {
@@ -134,10 +137,14 @@ def start_prompt_coordinator() -> None:
     ).remote()
 
 
-def train_config(out: str, name: str, **extra: Any) -> dict[str, Any]:
+def train_config(out: str, name: str, steps: int = STEPS, save_at: list[int] = SAVE_AT, **extra: Any) -> dict[str, Any]:
     scenario_out = os.path.join(out, name)
     os.makedirs(scenario_out)
-    return {"steps": STEPS, "save_at": SAVE_AT, "out": scenario_out, "commit_timeout_s": COMMIT_TIMEOUT_S, **extra}
+    return {"steps": steps, "save_at": save_at, "out": scenario_out, "commit_timeout_s": COMMIT_TIMEOUT_S, **extra}
+
+
+def checkpoint_name(step: int) -> str:
+    return f"rayckpt-step-{step:08d}"
 
 
 def fit(name: str, config: dict[str, Any], storage: str, scaling: ScalingConfig, fs: Any = None) -> None:
@@ -151,7 +158,7 @@ def fit(name: str, config: dict[str, Any], storage: str, scaling: ScalingConfig,
             storage_path=storage,
             storage_filesystem=fs,
             callbacks=[RayckptCallback()],
-            failure_config=FailureConfig(max_failures=3),
+            failure_config=FailureConfig(max_failures=len(CHAIN)),
         ),
     ).fit()
 
@@ -166,12 +173,14 @@ def worker_scaling(workers: int | tuple[int, int], slot: str, placement: str = "
 
 
 def run_fixed(out: str, storage: str, name: str, slot: str) -> None:
-    die = FIXED[name]
-    extra: dict[str, Any] = {"die": die} if die else {"dump_saves": True}
-    fs = None
-    if die is not None and die["phase"] in ("in_flight", "writer"):
-        extra["gate"] = os.path.join(out, f"gate-{name}")
-        fs = gated_filesystem(extra["gate"], GATED)
+    if name == "baseline":
+        extra: dict[str, Any] = {"dump_saves": True}
+        fs = None
+    else:
+        gates = {p: os.path.join(out, f"gate-{p}") for p in GATED}
+        die = [{"rank": 1, "step": step, "phase": p, "gate": gates.get(p)} for p, step in CHAIN.items()]
+        extra = {"die": die}
+        fs = gated_filesystem({checkpoint_name(CHAIN[p]): gate for p, gate in gates.items()})
     fit(name, train_config(out, name, **extra), storage, worker_scaling(FIXED_WORKERS, slot, "SPREAD"), fs)
 
 
@@ -192,24 +201,25 @@ class FitThread(threading.Thread):
 
 
 def run_elastic(out: str, storage: str, cluster: Cluster, victim: Any, slot: str) -> dict[str, Any]:
-    """Remove ``victim`` once 4 workers hold after step 3; add a node once 2 workers hold after step 6
+    """Remove ``victim`` once 2 workers hold after step 3; add a node once 1 worker holds after step 6
     (the markers ``recovery_faults.Faults`` writes); wait for the run to end. Main thread only."""
-    config = train_config(out, "elastic", hold={"4": 3, "2": 6})
+    fewest, most = ELASTIC_WORKERS
+    config = train_config(out, "elastic", ELASTIC_STEPS, ELASTIC_SAVE_AT, hold={str(most): 3, str(fewest): 6})
     held = os.path.join(config["out"], "held-{}.json")
-    run = FitThread("elastic", config, storage, worker_scaling((2, 4), slot))
+    run = FitThread("elastic", config, storage, worker_scaling(ELASTIC_WORKERS, slot, "SPREAD"))
     run.start()
-    times = {}
+    times, added = {}, None
     alive = run.is_alive
-    wait_until(lambda: os.path.exists(held.format(4)) or not alive(), "4 workers holding after step 3", 300)
+    wait_until(lambda: os.path.exists(held.format(most)) or not alive(), f"{most} workers holding after step 3", 300)
     if alive():
         times["removed"] = time.time()
         cluster.remove_node(victim, allow_graceful=False)  # a crash: its processes SIGKILLed
-        wait_until(lambda: os.path.exists(held.format(2)) or not alive(), "2 workers holding after step 6", 300)
+        wait_until(lambda: os.path.exists(held.format(fewest)) or not alive(), f"{fewest} holding after step 6", 300)
     if alive():
         times["added"] = time.time()
-        add_node(cluster, out, slot, "added")
+        added = add_node(cluster, out, slot, "added").node_id
     run.join()
-    return {"node_times": times, "error": run.error}
+    return {"node_times": times, "error": run.error, "added_node": added}
 
 
 class AddressFile:
@@ -247,10 +257,10 @@ def writer_pids(node_ids: list[str]) -> dict[str, int]:
 
 
 def add_node(cluster: Cluster, out: str, slot: str, name: str) -> Any:
-    """A training node: 2 CPUs, 2 ``slot``, its own staging directory ``OUT_DIR/shm-<slot>-<name>``."""
+    """A training node: 2 CPUs, one ``slot``, its own staging directory ``OUT_DIR/shm-<slot>-<name>``."""
     shm = os.path.join(out, f"shm-{slot}-{name}")
     os.makedirs(shm)
-    return cluster.add_node(**NODE, resources={slot: 2}, env_vars={SHM_DIR_ENV: shm})
+    return cluster.add_node(**NODE, resources={slot: 1}, env_vars={SHM_DIR_ENV: shm})
 
 
 def run_scenario(name: str, out: str, storage: str, cluster: Cluster, nodes: list[Any], slot: str) -> dict[str, Any]:
@@ -265,7 +275,7 @@ def run_scenario(name: str, out: str, storage: str, cluster: Cluster, nodes: lis
         entry["error"] = traceback.format_exc()
     entry["seconds"] = time.time() - entry["began"]
     entry["events"] = ray.get(get_metadata_actor().events.remote(name))
-    if name == "writer":
+    if name == "chain":
         entry["writer_pids"] = writer_pids([n.node_id for n in nodes])
     return entry
 

@@ -1,8 +1,8 @@
 """``Checkpointer.restore`` falls back to the last good checkpoint, loudly; when none loads it names them all.
 
 Real TorchTrainer runs on the session's local Ray: a run saves steps 2 and 3, a
-test damages what storage holds, and a second ``fit`` of the same run (Ray Train
-hands it step 3 as its latest) restores.
+test damages (or adds to) a copy of what storage holds, and a second ``fit`` of the
+copy (Ray Train hands it step 3 as its latest) restores.
 """
 
 from __future__ import annotations
@@ -86,40 +86,43 @@ def fallback_events(run: str) -> list[dict]:
     return [e for e in ray.get(get_metadata_actor().events.remote(run)) if e["kind"] == "restore_fallback"]
 
 
-@pytest.mark.parametrize(
-    "damage, reason",
-    # a load that fails (a checksum: a shard file missing takes the same path, see the test below) and a
-    # manifest the catalog lists corrupt
-    [(flip_a_payload_byte, "checksum"), (corrupt_the_manifest, "JSON")],
-    ids=["checksum mismatch", "manifest corrupt"],
-)
-def test_a_damaged_latest_checkpoint_restores_the_one_before_with_one_warning(saved, tmp_path, capfd, damage, reason):
-    run = f"fallback-{damage.__name__}"
+def test_damaged_newest_checkpoints_restore_the_last_good_one_with_a_warning_each(saved, tmp_path, capfd):
+    """Two damaged checkpoints, one restore. Step 4 (committed after Ray Train's latest, so never registered)
+    has a corrupt manifest: the catalog lists it corrupt and it is passed over. Step 3 (Ray Train's latest)
+    has a flipped payload byte: its load fails a checksum. Step 2 is restored, never a fresh start; one
+    WARNING (rank 0's) and one event for each checkpoint passed over, naming both and the reason."""
+    run = "fallback-damaged"
     storage, out = saved_run(saved, tmp_path, run)
-    latest, previous = step_dir(storage, run, 3), step_dir(storage, run, 2)
-    damaged_file = damage(latest)
+    corrupt, latest, previous = (step_dir(storage, run, step) for step in (4, 3, 2))
+    shutil.copytree(latest, corrupt)
+    damaged = {4: corrupt_the_manifest(corrupt), 3: flip_a_payload_byte(latest)}
     capfd.readouterr()
 
-    fit(storage, out, WORKERS, 4, {4}, name=run)
+    fit(storage, out, WORKERS, 5, {5}, name=run)
 
     restored = torch.load(out / f"restored-{WORKERS}.pt", weights_only=False)
-    assert restored["step"] == 2  # step 3 passed over, never a fresh start
+    assert restored["step"] == 2
     assert restored["load"].path.rstrip("/").endswith("rayckpt-step-00000002")
-    # one WARNING (rank 0's) naming both checkpoints and the reason
-    pattern = (
-        rf"rayckpt: run {run}: cannot restore step 3 from {re.escape(latest)} \(.*{reason}.*\); "
-        rf"restoring step 2 from {re.escape(previous)} instead"
-    )
-    seen = driver_output(capfd, [pattern, r"rayckpt: \S+ committed step 4"])
-    assert len(re.findall(pattern, seen)) == 1, seen[-4000:]
-    assert damaged_file in re.search(pattern, seen).group(0)
-    # counted where the driver can see it: the MetadataActor's events
-    (event,) = fallback_events(run)
-    assert (event["step"], event["path"], event["next_step"], event["next"]) == (3, latest, 2, previous)
-    assert reason in event["reason"]
-    # the run went on from step 2 and committed step 4; the damaged step 3 was left as it was
-    assert rayckpt.verify(step_dir(storage, run, 4)).ok
+    falls = [(4, corrupt, "JSON", 3, latest), (3, latest, "checksum", 2, previous)]
+    patterns = [
+        rf"rayckpt: run {run}: cannot restore step {step} from {re.escape(path)} \(.*{reason}.*\); "
+        rf"restoring step {next_step} from {re.escape(next_path)} instead"
+        for step, path, reason, next_step, next_path in falls
+    ]
+    seen = driver_output(capfd, [*patterns, r"rayckpt: \S+ committed step 5"])
+    for (step, *_), pattern in zip(falls, patterns):
+        assert len(re.findall(pattern, seen)) == 1, seen[-4000:]
+        assert damaged[step] in re.search(pattern, seen).group(0)
+    # counted where the driver can see it: the MetadataActor's events, in the order they happened
+    events = fallback_events(run)
+    assert [(e["step"], e["path"], e["next_step"], e["next"]) for e in events] == [
+        (step, path, next_step, next_path) for step, path, _, next_step, next_path in falls
+    ]
+    assert [reason in e["reason"] for (_, _, reason, _, _), e in zip(falls, events)] == [True, True]
+    # the run went on from step 2 and committed step 5; the damaged checkpoints were left as they were
+    assert rayckpt.verify(step_dir(storage, run, 5)).ok
     assert not rayckpt.verify(latest).ok
+    assert os.path.getsize(os.path.join(corrupt, "manifest.json")) == 100
 
 
 def test_a_commit_ray_train_has_not_registered_yet_is_restored(saved, tmp_path):

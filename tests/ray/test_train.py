@@ -104,7 +104,7 @@ def test_worker_failing_mid_save_commits_nothing(ray_session, tmp_path, mode):
     out.mkdir()
     name = f"fail-{mode}"
     with pytest.raises(Exception) as err:
-        fit(storage, out, 3, 3, {2, 3}, name=name, fail_step=3, fail_mode=mode)
+        fit(storage, out, 2, 3, {2, 3}, name=name, fail_step=3, fail_mode=mode)  # rank 1 fails, rank 0 writes
     if mode == "raise":
         assert "No space left on device (injected)" in str(err.value)
     run_dir = storage / name
