@@ -58,6 +58,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rayckpt.ray.metadata_actor import get_metadata_actor
 from rayckpt.ray.shard_writer import get_shard_writer
 from rayckpt.ray.staging import SHM_DIR_ENV
+from rayckpt.storage.catalog import checkpoint_dir_name
 from rayckpt.train.callback import RayckptCallback
 
 from . import ray_workers
@@ -143,10 +144,6 @@ def train_config(out: str, name: str, steps: int = STEPS, save_at: list[int] = S
     return {"steps": steps, "save_at": save_at, "out": scenario_out, "commit_timeout_s": COMMIT_TIMEOUT_S, **extra}
 
 
-def checkpoint_name(step: int) -> str:
-    return f"rayckpt-step-{step:08d}"
-
-
 def fit(name: str, config: dict[str, Any], storage: str, scaling: ScalingConfig, fs: Any = None) -> None:
     TorchTrainer(
         ray_workers.toy_train_loop,
@@ -180,7 +177,7 @@ def run_fixed(out: str, storage: str, name: str, slot: str) -> None:
         gates = {p: os.path.join(out, f"gate-{p}") for p in GATED}
         die = [{"rank": 1, "step": step, "phase": p, "gate": gates.get(p)} for p, step in CHAIN.items()]
         extra = {"die": die}
-        fs = gated_filesystem({checkpoint_name(CHAIN[p]): gate for p, gate in gates.items()})
+        fs = gated_filesystem({checkpoint_dir_name(CHAIN[p]): gate for p, gate in gates.items()})
     fit(name, train_config(out, name, **extra), storage, worker_scaling(FIXED_WORKERS, slot, "SPREAD"), fs)
 
 

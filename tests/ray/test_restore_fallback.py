@@ -118,7 +118,8 @@ def test_damaged_newest_checkpoints_restore_the_last_good_one_with_a_warning_eac
     assert [(e["step"], e["path"], e["next_step"], e["next"]) for e in events] == [
         (step, path, next_step, next_path) for step, path, _, next_step, next_path in falls
     ]
-    assert [reason in e["reason"] for (_, _, reason, _, _), e in zip(falls, events)] == [True, True]
+    for (_, _, reason, _, _), event in zip(falls, events):
+        assert reason in event["reason"], event
     # the run went on from step 2 and committed step 5; the damaged checkpoints were left as they were
     assert rayckpt.verify(step_dir(storage, run, 5)).ok
     assert not rayckpt.verify(latest).ok

@@ -17,6 +17,7 @@ import torch
 
 import rayckpt
 from rayckpt.format.manifest import MANIFEST_NAME
+from rayckpt.storage.catalog import checkpoint_dir_name
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.lease import LEASE_PREFIX
 from tests.helpers import recovery_job
@@ -32,7 +33,6 @@ from tests.helpers.recovery_job import (
     RESTORES,
     SAVE_AT,
     STEPS,
-    checkpoint_name,
 )
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def check_checkpoints(recovery, scenario: str, save_at: list[int] = SAVE_AT) -> 
     files (nothing of a failed save, no lease); no other checkpoint directory. The save id of each step."""
     run_dir = recovery["out"] / "storage" / scenario
     names = sorted(n for n in os.listdir(run_dir) if n.startswith("rayckpt-step-"))
-    assert names == [checkpoint_name(s) for s in save_at], names
+    assert names == [checkpoint_dir_name(s) for s in save_at], names
     save_ids = {}
     for step, name in zip(save_at, names):
         path = str(run_dir / name)
@@ -123,7 +123,7 @@ def test_restart_restores_the_last_committed_checkpoint(recovery, phase):
     assert restored["step"] == step
     committed = [e for e in events(recovery, "chain", "committed") if e["step"] == step]
     assert committed and committed[0]["time"] < killed(recovery, phase)["time"]  # committed before, not re-saved
-    assert restored["load"].path.rstrip("/").endswith(checkpoint_name(step))
+    assert restored["load"].path.rstrip("/").endswith(checkpoint_dir_name(step))
     assert restored["load"].bytes_read > 0
     reference = dump(recovery, "baseline", f"state-{step}.pt")
     assert restored["state"].keys() == reference["state"].keys()
@@ -172,7 +172,7 @@ def test_writes_in_flight_were_held_at_the_gate(recovery):
     had reached its writer's gated write when the fault struck (the gate opened only on restart)."""
     for phase in GATED:
         reached = (recovery["out"] / f"gate-{phase}.reached").read_text().split()
-        assert reached and all(checkpoint_name(CHAIN[phase]) in p for p in reached), reached
+        assert reached and all(checkpoint_dir_name(CHAIN[phase]) in p for p in reached), reached
         assert any("-r00001-" in p for p in reached), reached
 
 
@@ -219,12 +219,12 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(recovery):
     run_dir = recovery["out"] / "storage" / "elastic"
     for restored, step, saved_by in ((shrunk, 3, most), (grown, 6, fewest)):
         assert restored["step"] == step
-        path = str(run_dir / checkpoint_name(step))
+        path = str(run_dir / checkpoint_dir_name(step))
         assert restored["load"].path.rstrip("/") == path
         assert rayckpt.read_manifest(CheckpointDir.resolve(path)).world_size == saved_by
     times = result["node_times"]
     assert times["removed"] < shrunk["time"] < times["added"] < grown["time"]
-    last = str(run_dir / checkpoint_name(ELASTIC_STEPS))
+    last = str(run_dir / checkpoint_dir_name(ELASTIC_STEPS))
     assert rayckpt.read_manifest(CheckpointDir.resolve(last)).world_size == most
     assert dump(recovery, "elastic", f"final-{most}.pt")["step"] == ELASTIC_STEPS
     # one rank per node (SPREAD) in the grown group: the node kept and the one added in the lost one's place
