@@ -1,7 +1,8 @@
-"""Three Ray worker nodes on this machine saving to S3, then a resume on two; run as a subprocess.
+"""Three Ray worker nodes on this machine saving to S3 and to their memory, then, one node removed, a resume
+on two from the memory left; run as a subprocess.
 
 Usage: python -m tests.helpers.multinode_s3_job OUT_DIR HOST:PORT BUCKET PREFIX. Writes OUT_DIR/result.json.
-The first S3 run's ranks first save to a node-local directory, which must be refused.
+The first run's ranks first save to a node-local directory, which must be refused.
 
 A ``ray.cluster_utils.Cluster``: a head with 1 CPU and no ``slot`` (no training
 worker lands there) and three nodes with 1 CPU and 1 ``slot`` each, so a worker
@@ -47,16 +48,27 @@ def fit(
     ).fit()
 
 
+def writer(node_id: str) -> Any:
+    return ray.get_actor(writer_name(node_id), namespace=NAMESPACE)
+
+
 def writers(node_ids: list[str]) -> dict[str, dict]:
     """Each node's ShardWriter's own record (``debug_stats``), by the node id it was looked up for."""
-    return {n: ray.get(ray.get_actor(writer_name(n), namespace=NAMESPACE).debug_stats.remote()) for n in node_ids}
+    return {n: ray.get(writer(n).debug_stats.remote()) for n in node_ids}
 
 
-def committed_writer_nodes(step: int) -> dict[str, str]:
-    """The MetadataActor's ``committed`` event of ``step``: the node whose writer wrote each rank."""
+def storage_save(node_ids: list[str], ranks: dict[str, str], step: int) -> dict[str, Any]:
+    """The storage save of ``step`` (the MetadataActor's ``committed`` event of the run; its memory saves are
+    the run ``nodes@memory``'s): its id, the node whose writer wrote each rank, each node's ShardWriter's record
+    and the node each rank trained on."""
     events = ray.get(get_metadata_actor().events.remote(RUN))
     (event,) = [e for e in events if e["kind"] == "committed" and e.get("step") == step]
-    return {str(k): v for k, v in event["writer_nodes"].items()}
+    return {
+        "save_id": event["save_id"],
+        "committed": {str(k): v for k, v in event["writer_nodes"].items()},
+        "writers": writers(node_ids),
+        "rank_nodes": ranks,
+    }
 
 
 def rank_nodes(out: str, world: int) -> dict[str, str]:
@@ -84,51 +96,23 @@ def main(out: str, host_port: str, bucket: str, prefix: str) -> None:
     ids = [n.node_id for n in nodes]
     result: dict[str, Any] = {"shm_dirs": dict(zip(ids, shm_dirs)), "head": cluster.head_node.node_id}
 
-    # One worker per node, saving step 2 on S3; first each saves to a node-local directory, refused with
-    # ranks on several nodes (this machine's disk: not shared).
-    fit(storage, fs, out, 3, 2, {2}, probe_local=os.path.join(out, "local"))
+    # One worker per node. First each saves to a node-local directory, refused with ranks on several nodes
+    # (this machine's disk: not shared). Then steps 1 and 2 go to the nodes' memory (each shard file also on
+    # the next node of the ring), and step 2 to S3 too.
+    fit(storage, fs, out, 3, 2, {2}, memory_every=1, probe_local=os.path.join(out, "local"))
     result["refused"] = open(os.path.join(out, "refused.txt")).read()
-    result["save3"] = {
-        "writers": writers(ids),
-        "rank_nodes": rank_nodes(out, 3),
-        "committed": committed_writer_nodes(2),
-    }
-
-    cluster.remove_node(nodes[2])  # resume on two nodes, two workers: restore step 2, save step 3
-    fit(storage, fs, out, 2, 3, {3})
-    result["save2"] = {
-        "writers": writers(ids[:2]),
-        "rank_nodes": rank_nodes(out, 2),
-        "committed": committed_writer_nodes(3),
-    }
-
-    # The memory tier across nodes: a third node again; 3 workers hold steps 1 and 2 in memory only (each
-    # shard file also on the next node of the ring); the node of rank 2 is removed; 2 workers restore
-    # step 2 from the memory left, then save step 3 to S3.
-    mem_out, shm = os.path.join(out, "memory"), os.path.join(out, "shm-3")
-    os.makedirs(mem_out)
-    os.makedirs(shm)
-    nodes.append(cluster.add_node(num_cpus=1, resources={"slot": 1}, env_vars={SHM_DIR_ENV: shm}))
-    cluster.wait_for_nodes()
-    live = [nodes[0], nodes[1], nodes[3]]
-    fit(storage, fs, mem_out, 3, 2, set(), name="mem-nodes", memory_every=1, dump_saves=True)
-    held = {
-        n.node_id: ray.get(
-            ray.get_actor(writer_name(n.node_id), namespace=NAMESPACE).mem_listing.remote("mem/mem-nodes", True)
-        )
-        for n in live
-    }
-    received = {
-        n.node_id: ray.get(ray.get_actor(writer_name(n.node_id), namespace=NAMESPACE).debug_stats.remote())[
-            "replicas_received"
-        ]
-        for n in live
-    }
-    ranks = rank_nodes(mem_out, 3)
-    (victim,) = [n for n in live if n.node_id == ranks["2"]]
+    result["save3"] = storage_save(ids, rank_nodes(out, 3), 2)
+    held = {n: ray.get(writer(n).mem_listing.remote(f"mem/{RUN}", True)) for n in ids}
+    received = {n: stats["replicas_received"] for n, stats in result["save3"]["writers"].items()}
+    (victim,) = [n for n in nodes if n.node_id == result["save3"]["rank_nodes"]["2"]]
     cluster.remove_node(victim)
-    fit(storage, fs, mem_out, 2, 3, {3}, name="mem-nodes", memory_every=1)
-    result["memory"] = {"held": held, "rank_nodes": ranks, "victim": victim.node_id, "received": received}
+    result["memory"] = {"held": held, "victim": victim.node_id, "received": received}
+
+    # The resume on the two nodes left, two workers: step 2 restored from the memory the other two hold (rank
+    # 2's files from its ring successor), step 3 saved to S3 (and memory) by each node's writer.
+    kept = [n.node_id for n in nodes if n is not victim]
+    fit(storage, fs, out, 2, 3, {3}, memory_every=1)
+    result["save2"] = storage_save(kept, rank_nodes(out, 2), 3)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)
     ray.shutdown()
