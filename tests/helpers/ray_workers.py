@@ -18,8 +18,20 @@ from rayckpt.train.checkpointer import Checkpointer
 from tests.helpers.recovery_faults import Faults, faults_done
 
 
+def next_failure(config: dict[str, Any]) -> str:
+    """The first of ``config["fail_modes"]`` no attempt has used yet (each leaves ``failed-<mode>`` in the out
+    directory): a run restarted after a failure meets the next one."""
+    for mode in config["fail_modes"]:
+        marker = os.path.join(config["out"], f"failed-{mode}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            return mode
+    raise AssertionError(f"every failure of {config['fail_modes']} was used, and the run failed again")
+
+
 def inject_failure(mode: str) -> None:
-    """Make this rank's next save fail after it registered, while the others write."""
+    """Make this rank's next save fail after it registered, while the others write: ``kill`` ends the
+    process, ``raise`` raises a full disk's error."""
 
     def fail(*args):
         if mode == "kill":
@@ -54,7 +66,8 @@ def toy_train_loop(config: dict[str, Any]) -> None:
     Rank 0 dumps ``restored-<world>.pt`` (the restored step and state; ``restored-<world>-after-<phase>.pt``
     after a fault of ``die``) and ``final-<world>.pt``; with ``dump_saves``, ``state-<step>.pt`` at each
     save too. ``die`` and ``hold`` inject the faults of tests/recovery (``recovery_faults.Faults``);
-    ``probe_local`` first saves to that node-local location (``probe_local_save``).
+    ``probe_local`` first saves to that node-local location (``probe_local_save``); rank 1's save of
+    ``fail_step`` fails as ``fail_modes`` says, one mode per attempt (``next_failure``).
     """
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -99,7 +112,7 @@ def toy_train_loop(config: dict[str, Any]) -> None:
         app.extras["step"] = step
         if step in config["save_at"] or memory_every:
             if step == config.get("fail_step") and rank == 1:
-                inject_failure(config["fail_mode"])
+                inject_failure(next_failure(config))
             persist = (step in config["save_at"]) if memory_every else None
             with faults.saving(step):
                 handle = ckpt.save(step, state, {"loss": float(step)}, persist=persist)
