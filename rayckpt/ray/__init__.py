@@ -1,11 +1,53 @@
-"""Ray-native orchestration: async saves through shared memory, per-node writers, the MetadataActor.
+"""rayckpt on Ray: async saves through shared memory, a ShardWriter per node, the MetadataActor, the memory tier.
 
-``async_save`` stages a rank's share once into shared memory (``staging``) and
-hands it to the ``shard_writer`` actor on its node; ``save_handle`` is how the
-rank learns the save's outcome. The ``metadata_actor`` is a thin Ray shell over
-Ray-free parts (``commit_tracker``: each save's state machine; ``save_history``:
-the bounded record of settled saves; ``plan_cache``: manifests and load plans)
-and the storage catalog; ``load`` serves read plans from it; ``metrics``
-exports ``ray_rayckpt_*``. May import ``engine`` and everything below it, and
-``ray``; never ``train`` or ``tools``.
+The package is laid out by the process a line runs in:
+
+- here, the training rank's side: ``async_save`` (``save_async``), ``save_handle``
+  (``SaveHandle``), ``staging`` (the rank's reusable shared-memory buffer), ``load``;
+- ``metadata/``: the MetadataActor (one per namespace) and the Ray-free parts it calls;
+- ``writer/``: the node's ShardWriter, which writes the ranks' staged shares;
+- ``memory/``: the memory tier the ShardWriters hold, its replication and its filesystem;
+- shared by all of them: ``actors`` (names and lookups), ``records`` (``SaveTarget``),
+  ``shm`` (the node's staging directory, ``StagedRegion``), ``metrics``.
+
+The public names below are importable from ``rayckpt.ray``; each is imported on
+first use. May import ``engine`` and everything below it, and ``ray``; never
+``train`` or ``tools``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "save_async": "rayckpt.ray.async_save",
+    "prepare_staging": "rayckpt.ray.async_save",
+    "release_staging": "rayckpt.ray.async_save",
+    "wait_inflight": "rayckpt.ray.async_save",
+    "SaveHandle": "rayckpt.ray.save_handle",
+    "load": "rayckpt.ray.load",
+    "StagingBuffer": "rayckpt.ray.staging",
+    "StagingUnavailable": "rayckpt.ray.staging",
+    "memory_filesystem": "rayckpt.ray.memory.filesystem",
+    "MemoryBudgetExceeded": "rayckpt.ray.memory.store",
+    "peer_bytes": "rayckpt.ray.memory.store",
+    "get_metadata_actor": "rayckpt.ray.metadata.actor",
+    "get_shard_writer": "rayckpt.ray.writer.actor",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rayckpt.ray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

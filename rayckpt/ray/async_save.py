@@ -33,11 +33,13 @@ from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import remove_failed_save
 from ..storage.lease import release_lease
 from . import metrics
-from .layout_cache import LayoutRef, SpecLayout, split_spec
-from .metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from .metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from .metadata.layout_cache import LayoutRef, SpecLayout, split_spec
+from .records import SaveTarget
 from .save_handle import SaveHandle, actor_location, report_failed
-from .shard_writer import ShardWrite, get_shard_writer
-from .staging import StagedRegion, StagingBuffer, StagingUnavailable, staged_size
+from .shm import StagedRegion
+from .staging import StagingBuffer, StagingUnavailable, staged_size
+from .writer.actor import ShardWrite, get_shard_writer
 
 #: Set to 1 when a local path is on storage every node shares (NFS, a single machine).
 LOCAL_IS_SHARED_ENV = "RAYCKPT_LOCAL_IS_SHARED"
@@ -109,49 +111,48 @@ class AsyncSaver:
                 release_lease(ckdir, ctx.spec.save_id)
                 remove_failed_save(ckdir, ctx.spec.save_id)
             raise
+        target = SaveTarget(
+            save_id=ctx.spec.save_id,
+            run=run,
+            step=step,
+            location=actor_location(ckdir, filesystem),
+            filesystem=filesystem,
+            rank=ctx.rank,
+        )
         registered = None
         if ctx.rank == 0:
-            registered = self._register(ctx, ckdir, filesystem, run, step, commit_timeout_s)
+            registered = self._register(ctx, target, ckdir, commit_timeout_s)
         # The actor incarnation the save begins under (not waited for): its writer and wait() pass it on.
         incarnation = get_metadata_actor().incarnation.remote()
         try:
             staged_ref = self.stage_share(ctx, node_id, staging)  # the one copy: into shared memory
             request = ShardWrite(
-                ctx.spec.save_id,
-                actor_location(ckdir, filesystem),
-                filesystem,
-                ctx.rank,
-                ctx.spec.block_size,
-                chunk_specs(ctx.plan, ctx.flat),
-                run,
-                step,
-                parts_here(ctx.spec.world_size, len(ctx.nodes)),
+                target=target,
+                block_size=ctx.spec.block_size,
+                chunks=chunk_specs(ctx.plan, ctx.flat),
+                max_parts=parts_here(ctx.spec.world_size, len(ctx.nodes)),
             )
             write_ref = get_shard_writer(node_id).write.remote(request, staged_ref, incarnation)
             if isinstance(staged_ref, StagedRegion):
                 self.buffer.busy = write_ref  # the writer reads the buffer until this resolves
         except Exception as exc:
             failed = f"staging: {type(exc).__name__}: {exc}"
-            report_failed(ctx.spec.save_id, ctx.rank, failed, run, step, ckdir, filesystem)
+            report_failed(target, failed)
             raise SaveFailedError(
                 f"save of step {step} to {ckdir.location}: staging failed on rank {ctx.rank}: {exc}"
             ) from exc
         stall = time.perf_counter() - start
         metrics.observe("rayckpt_save_stall_seconds", stall, run=run, rank=ctx.rank)
         self.inflight = SaveHandle(
-            ctx.spec.save_id,
+            target,
             ckdir,
-            run,
-            step,
-            ctx.rank,
-            write_ref,
-            staged_ref,
-            stall,
-            commit_timeout_s,
-            registered,
-            filesystem,
-            self._seen,
-            incarnation,
+            write_ref=write_ref,
+            staged_ref=staged_ref,
+            stall_seconds=stall,
+            timeout=commit_timeout_s,
+            registered=registered,
+            on_outcome=self._seen,
+            incarnation=incarnation,
         )
         return self.inflight
 
@@ -160,9 +161,7 @@ class AsyncSaver:
         if self.inflight is handle:
             self.inflight = None
 
-    def _register(
-        self, ctx: SaveContext, ckdir: CheckpointDir, filesystem: Any, run: str, step: int | None, timeout: float
-    ) -> Any:
+    def _register(self, ctx: SaveContext, target: SaveTarget, ckdir: CheckpointDir, timeout: float) -> Any:
         """Rank 0: register the save with the MetadataActor (sent, not waited for, no collective).
 
         The actor commits a save only once it is registered; ``wait()`` on rank 0
@@ -170,17 +169,16 @@ class AsyncSaver:
         save for every rank. The spec goes without its tensors and paths, with a
         reference to them put in the object store once per layout (``layout_cache``).
         """
-        location = actor_location(ckdir, filesystem)
         try:
             spec, ref = ctx.spec, None
             if ctx.layout:
                 spec, layout = split_spec(ctx.spec)
                 ref = self._layout_ref(ctx.layout, layout)
-            return get_metadata_actor().begin_save.remote(spec, location, filesystem, run, step, timeout, ref)
+            return get_metadata_actor().begin_save.remote(spec, target.for_rank(None), timeout, ref)
         except Exception as exc:
             failed = f"registering with the MetadataActor: {type(exc).__name__}: {exc}"
-            report_failed(ctx.spec.save_id, ctx.rank, failed, run, step, ckdir, filesystem)
-            raise SaveFailedError(f"save of step {step} to {ckdir.location}: {failed}") from exc
+            report_failed(target, failed)
+            raise SaveFailedError(f"save of step {target.step} to {ckdir.location}: {failed}") from exc
 
     def _layout_ref(self, digest: bytes, layout: SpecLayout) -> LayoutRef:
         """The reference to this save's layout: the last save's while its digest repeats (in this Ray job).
@@ -205,7 +203,7 @@ class AsyncSaver:
             try:
                 # With no buffer made beforehand (prepare_staging), this makes it: the first save pays for it.
                 # Through the object store instead, while the buffer is made in the background, that first
-                # stall was longer still (benchmarks/bench_gpu.py, CPU, 1 GiB: 1.05 s against 0.74 s).
+                # stall is longer still (the object store maps and zeroes fresh pages too).
                 return buffer.stage(chunk_pieces(ctx.plan, ctx.flat), node_id, in_use=in_use)
             except StagingUnavailable:
                 if staging == "shm":

@@ -18,8 +18,8 @@ from ..engine.load import LoadInfo, tensor_requests
 from ..engine.load import load as _engine_load
 from ..storage.checkpoint_dir import CheckpointDir
 from . import metrics
-from .async_save import actor_location
-from .metadata_actor import get_metadata_actor
+from .metadata.actor import get_metadata_actor
+from .save_handle import actor_location
 
 
 def load(
@@ -51,8 +51,8 @@ def load(
                 filesystem,
                 tuple(tensor_requests(flat)),
                 tuple(flat.values),
-                strict,
-                run,
+                strict=strict,
+                run=run,
                 rank=coord.rank,
                 world_size=coord.world_size,
             )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -21,8 +22,9 @@ import ray
 from ..errors import SaveFailedError
 from ..storage.catalog import CatalogEntry, describe
 from ..storage.checkpoint_dir import CheckpointDir
-from .metadata_actor import get_metadata_actor
-from .staging import StagedRegion
+from .metadata.actor import get_metadata_actor
+from .records import SaveTarget
+from .shm import StagedRegion
 
 #: The incarnation tag of a save whose registration (or incarnation query) reached an
 #: incarnation that died before answering: every live incarnation is another one.
@@ -47,31 +49,41 @@ class SaveHandle:
 
     def __init__(
         self,
-        save_id: str,
+        target: SaveTarget,
         ckdir: CheckpointDir,
-        run: str,
-        step: int | None,
-        rank: int,
+        *,
         write_ref: Any,
         staged_ref: Any,
         stall_seconds: float,
         timeout: float,
         registered: Any = None,
-        filesystem: Any = None,
         on_outcome: Callable[[SaveHandle], None] | None = None,
         incarnation: Any = None,
     ) -> None:
-        self.save_id = save_id
+        """Made by ``save_async`` (every rank), once the rank's share is staged.
+
+        Args:
+            target: the save and this rank (its location as the actors reach it).
+            ckdir: the checkpoint directory, as the user named it.
+            write_ref: the ShardWriter's ``write`` of this rank's share.
+            staged_ref: what the share was staged in (a ``StagedRegion`` or an object-store ref).
+            stall_seconds: how long ``save_async`` blocked this rank.
+            timeout: the commit timeout.
+            registered: rank 0: the MetadataActor's ``begin_save``, not yet waited for.
+            on_outcome: told once the outcome is known.
+            incarnation: the MetadataActor's ``incarnation()`` when the save began, not yet waited for.
+        """
+        self.target = target
+        self.save_id = target.save_id
         self.location = ckdir.location
-        self.run = run
-        self.step = step
-        self.rank = rank
+        self.run = target.run
+        self.step = target.step
+        self.rank = target.rank
         #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).
         self.stall_seconds = stall_seconds
         #: Where the share was staged: "shm" (the reusable buffer) or "object_store".
         self.staging = "shm" if isinstance(staged_ref, StagedRegion) else "object_store"
         self._ckdir = ckdir
-        self._filesystem = filesystem
         self._write_ref = write_ref
         self._staged_ref = staged_ref
         self._timeout = timeout
@@ -197,10 +209,10 @@ class SaveHandle:
         """The MetadataActor's answer (waiting up to ``limit``): asked again when it died under
         the request, as its next incarnation settles this save at once; storage's answer when
         the actor cannot be reached."""
-        where = (self.rank, self.run, self.step, actor_location(self._ckdir, self._filesystem), self._filesystem)
         for pause in (*_RETRY_AFTER_S, None):
+            asked = replace(self.target, incarnation=began_under)
             try:
-                return ray.get(get_metadata_actor().wait_commit.remote(self.save_id, limit, began_under, *where))
+                return ray.get(get_metadata_actor().wait_commit.remote(asked, limit))
             except ray.exceptions.RayActorError:
                 began_under = began_under or UNKNOWN_INCARNATION  # the incarnation asked is gone
                 if pause is not None:
@@ -208,7 +220,7 @@ class SaveHandle:
         return self._entry_from_storage()
 
     def _report_failed(self, error: str) -> None:
-        report_failed(self.save_id, self.rank, error, self.run, self.step, self._ckdir, self._filesystem)
+        report_failed(self.target, error)
 
     def _entry_from_storage(self) -> CatalogEntry:
         """The MetadataActor cannot be reached: storage says whether the save committed."""
@@ -221,25 +233,17 @@ class SaveHandle:
         return CatalogEntry(self.run, self.step, self._ckdir.uri, "failed", time.time(), 0, 0, self.save_id, error)
 
 
-def report_failed(
-    save_id: str,
-    rank: int,
-    error: str,
-    run: str,
-    step: int | None,
-    ckdir: CheckpointDir,
-    filesystem: Any,
-) -> None:
-    """Tell the MetadataActor that ``rank``'s part of a save failed, with where the save
-    goes: the report may arrive before rank 0's registration, or at a restarted actor.
+def report_failed(target: SaveTarget, error: str) -> None:
+    """Tell the MetadataActor that ``target.rank``'s part of a save failed (a rank).
 
-    Asked again when the actor died under the request; if it cannot be reached the
-    failure is not lost: the rank's ``wait()`` learns the outcome from storage.
+    ``target`` says where the save goes: the report may arrive before rank 0's
+    registration, or at a restarted actor. Asked again when the actor died under
+    the request; if it cannot be reached the failure is not lost: the rank's
+    ``wait()`` learns the outcome from storage.
     """
-    location = actor_location(ckdir, filesystem)
     for pause in (*_RETRY_AFTER_S, None):
         try:
-            ray.get(get_metadata_actor().report_failed.remote(save_id, rank, error, run, step, location, filesystem))
+            ray.get(get_metadata_actor().report_failed.remote(target, error))
             return
         except ray.exceptions.RayActorError:
             if pause is not None:

@@ -1,13 +1,12 @@
-"""Reusable shared-memory staging for async saves.
+"""The rank's side of staging: one reusable file in the node's shared memory per process and lane.
 
 ``save_async`` copies a rank's share once into shared memory and lets training go
-on. A fresh ``ray.put`` lands in object-store pages the kernel must map (and zero)
-first: on the benchmark machine that made the copy 3-6x slower than a ``memcpy``
-into memory already mapped. So each rank keeps one staging file in ``/dev/shm``
-(tmpfs, the memory the object store itself uses; ``RAYCKPT_SHM_DIR`` names another
-directory, read in each process, so each node may have its own), sized to its share
-and reused from save to save; the node's ShardWriter maps the same file and writes
-from it.
+on. A fresh ``ray.put`` lands in object-store pages the kernel must first map and
+zero, so each rank keeps one staging file in ``/dev/shm`` (tmpfs, the memory the
+object store itself uses; ``RAYCKPT_SHM_DIR`` names another directory, see
+``shm``), sized to its share and reused from save to save: the copy lands in memory
+already mapped. The node's ShardWriter maps the same file and writes from it
+(``writer.regions``).
 
 Lifetime: the file is unlinked the moment it is created, so it has no name to
 leak: it lives as long as the rank's descriptor of it (and a writer's mapping),
@@ -19,7 +18,7 @@ read by a writer is never overwritten: a save that finds it busy moves to a new
 file and lets the old one go once the writer unmaps it. Named files (left by an
 older rayckpt, or by a process killed between creating and unlinking one) of
 processes that are gone are removed by the node's ShardWriter, when it starts
-and then periodically (``StaleSweeper``). Space is reserved with
+and then periodically (``writer.regions.StaleSweeper``). Space is reserved with
 ``posix_fallocate``, so a full tmpfs is an error at staging time (and the save
 falls back to ``ray.put``), never a ``SIGBUS`` halfway through a copy.
 """
@@ -30,8 +29,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,49 +37,14 @@ import torch
 
 from ..engine.device import DeviceToHost, needs_bounce, pin_host_memory, unpin_host_memory
 from ..engine.state import as_bytes
+from .shm import POPULATED, PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, staging_dir
 
-SHM_DIR = "/dev/shm"
-#: The staging directory of the processes that read it (ranks and the node's ShardWriter), default ``SHM_DIR``.
-SHM_DIR_ENV = "RAYCKPT_SHM_DIR"
-PREFIX = "rayckpt-stage-"
 _ALIGN = 64
 _GRANULE = 1 << 20
-#: Shared mappings with their page tables filled in one call: faulting page by page
-#: inside ``write()`` made the writer's writes 1.3-1.7x slower (benchmarks/NOTES.md).
-_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-#: How often a ShardWriter removes named staging files of processes that are gone.
-SWEEP_INTERVAL_S = 60.0
 
 
 class StagingUnavailable(RuntimeError):
     """The shared-memory directory cannot hold this save (missing, full, not writable)."""
-
-
-def staging_dir() -> str:
-    """This process's staging directory: ``RAYCKPT_SHM_DIR``, else ``/dev/shm``."""
-    return os.environ.get(SHM_DIR_ENV) or SHM_DIR
-
-
-def created_in(path: str) -> str:
-    """The directory the open file ``path`` (``/proc/<pid>/fd/<fd>``) was created in, named or not."""
-    return os.path.dirname(os.readlink(path).removesuffix(" (deleted)"))
-
-
-@dataclass(frozen=True, slots=True)
-class StagedRegion:
-    """Where a rank's staged chunks are: what a ShardWriter on the same node needs."""
-
-    #: Where a process on the node opens it: ``/proc/<rank pid>/fd/<fd>`` for a staging buffer.
-    path: str
-    node_id: str
-    #: (offset, length) in the file of each chunk, in the save plan's order.
-    spans: tuple[tuple[int, int], ...]
-    #: The file's inode, checked on opening (a descriptor number can be reused); 0: not checked.
-    inode: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(n for _, n in self.spans)
 
 
 def layout(sizes: Sequence[int]) -> tuple[tuple[tuple[int, int], ...], int]:
@@ -140,14 +103,14 @@ class StagingBuffer:
         os.unlink(name)  # from here on nothing can leak: the kernel frees it with the last descriptor and mapping
         try:
             os.posix_fallocate(fd, 0, capacity)  # reserve the pages now: ENOSPC here, not SIGBUS later
-            mapped = mmap.mmap(fd, capacity, flags=_POPULATED)
+            mapped = mmap.mmap(fd, capacity, flags=POPULATED)
         except OSError as exc:
             os.close(fd)
             raise StagingUnavailable(
                 f"cannot reserve {capacity} bytes of shared memory in {self.directory} "
                 f"(the staging directory: {SHM_DIR_ENV}, default {SHM_DIR}): {exc}"
             ) from None
-        return _Mapping(fd, name, os.fstat(fd).st_ino, mapped, capacity)
+        return _Mapping(fd=fd, name=name, inode=os.fstat(fd).st_ino, mapped=mapped, capacity=capacity)
 
     def _install(self, made: _Mapping, pinned: int = 0) -> None:
         # The old file is closed only now, so the new descriptor's number differs from the old one's (a writer
@@ -243,7 +206,7 @@ class StagingBuffer:
             src = piece.detach()
             if not needs_bounce(src) and src.is_contiguous():
                 # one single-threaded memcpy: torch's copy_ fans out to its intra-op threads,
-                # which ranks sharing the node's cores made 2-4x slower (benchmarks/NOTES.md)
+                # which compete with the other ranks sharing the node's cores
                 np.copyto(np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src))
             elif needs_bounce(src):  # device to host directly, on a side stream
                 if not (self._pinned or self.pin_refused):
@@ -281,7 +244,7 @@ class StagingBuffer:
             self.fd, self.name, self.inode, self.capacity = None, None, 0, 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Mapping:
     """A staging file made by ``StagingBuffer._create``, not yet the buffer's."""
 
@@ -304,102 +267,3 @@ def granules(nbytes: int) -> int:
 def staged_size(pieces: Sequence[torch.Tensor]) -> int:
     """Bytes ``pieces`` take in a staging buffer (with their alignment)."""
     return layout([p.numel() * p.element_size() for p in pieces])[1]
-
-
-@contextmanager
-def open_region(region: StagedRegion) -> Iterator[list[memoryview]]:
-    """Read-only views of a staged region's chunks (for the ShardWriter)."""
-    gone = f"staging file {region.path} is gone: the rank that staged it released it or exited"
-    try:
-        fd = os.open(region.path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise FileNotFoundError(gone) from None
-    except PermissionError as exc:  # /proc/<pid>/fd of another process needs the same user and a dumpable process
-        raise PermissionError(
-            f"cannot open staging file {region.path} of the rank's process: {exc}; "
-            "stage through Ray's object store instead (staging='object_store' or RAYCKPT_STAGING=object_store)"
-        ) from None
-    try:
-        stat = os.fstat(fd)
-        if region.inode and stat.st_ino != region.inode:  # the rank closed it and reused the descriptor
-            raise FileNotFoundError(f"{gone} (the descriptor now names another file)")
-        size = stat.st_size
-        end = max((o + n for o, n in region.spans), default=0)
-        if end > size:
-            raise ValueError(f"staging file {region.path} has {size} bytes, the region needs {end}")
-        mapped = mmap.mmap(fd, size, flags=_POPULATED, prot=mmap.PROT_READ) if size else None
-    finally:
-        os.close(fd)
-    if mapped is None:
-        yield [memoryview(b"") for _ in region.spans]
-        return
-    whole = memoryview(mapped)
-    views = [whole[o : o + n] for o, n in region.spans]
-    try:
-        yield views
-    finally:
-        for v in views:
-            v.release()
-        whole.release()
-        try:
-            mapped.close()
-        except BufferError:  # a caller kept a view: the mapping goes when it does
-            pass
-
-
-def sweep_stale(directory: str | None = None) -> list[str]:
-    """Remove staging files whose process is gone from ``directory`` (default ``staging_dir()``); return their names."""
-    directory = directory or staging_dir()
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        pid_text = name[len(PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-class StaleSweeper:
-    """``sweep_stale`` of ``directory`` now and then every ``interval_s`` seconds, on a daemon thread.
-
-    The node's ShardWriter holds one, so named staging files of processes that are
-    gone do not wait for the next save on the node to be removed.
-    """
-
-    def __init__(self, directory: str | None = None, interval_s: float = SWEEP_INTERVAL_S) -> None:
-        self.directory = directory or staging_dir()
-        self.interval_s = interval_s
-        #: Names removed so far, oldest first.
-        self.removed: list[str] = []
-        self._stop = threading.Event()
-        self.removed += sweep_stale(self.directory)
-        self._thread = threading.Thread(target=self._run, name="rayckpt-stale-sweeper", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.removed += sweep_stale(self.directory)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True

@@ -76,7 +76,7 @@ def parent_location(location: str) -> str:
 
 
 #: ``FileSystem.type_name`` of object stores: a "directory" there is a key prefix, there while objects are.
-#: rayckpt's memory tier (``ray.memory_tier``) is one too: whole files, no directories of their own.
+#: rayckpt's memory tier (``ray.memory``) is one too: whole files, no directories of their own.
 MEMORY_TIER = "py::rayckpt-mem"
 OBJECT_STORES = ("s3", "gcs", MEMORY_TIER)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import OrderedDict
 from typing import TextIO
 
+from ..bounded import BoundedMap
 from ..storage.catalog import CatalogEntry
 
 #: Save ids remembered as announced: enough for the few saves a rank can have in sight at once.
@@ -38,7 +38,7 @@ class SaveAnnouncer:
         self.rank = rank
         self._stream = stream
         self._lock = threading.Lock()
-        self._announced: OrderedDict[str, None] = OrderedDict()
+        self._announced: BoundedMap[str, None] = BoundedMap(_REMEMBERED)
 
     def announce(
         self, save_id: str, step: int | None, began: float, entry: CatalogEntry | None = None, error: str | None = None
@@ -50,9 +50,7 @@ class SaveAnnouncer:
         with self._lock:
             if save_id in self._announced:
                 return
-            self._announced[save_id] = None
-            while len(self._announced) > _REMEMBERED:
-                self._announced.popitem(last=False)
+            self._announced.put(save_id, None)
         if entry is not None and entry.status == "committed":
             line = commit_line(self.run, step, entry.bytes, time.perf_counter() - began)
         else:

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 import ray.train
 
-from ..ray.metadata_actor import get_metadata_actor
+from ..ray.metadata.actor import get_metadata_actor
 from .tiers import memory_run
 
 logger = logging.getLogger(__name__)

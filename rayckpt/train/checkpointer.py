@@ -32,10 +32,11 @@ from ..engine.load import LoadInfo
 from ..engine.state import FlatState, flatten
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
-from ..ray.async_save import DEFAULT_LANE, SaveHandle, local_pieces, prepare_staging, save_async, wait_inflight
+from ..ray.async_save import DEFAULT_LANE, local_pieces, prepare_staging, save_async, wait_inflight
 from ..ray.load import load as ray_load
-from ..ray.memory_tier import peer_bytes
-from ..ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from ..ray.memory.store import peer_bytes
+from ..ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from ..ray.save_handle import SaveHandle
 from ..ray.staging import staged_size
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
 from .announce import SaveAnnouncer
@@ -61,7 +62,7 @@ class Checkpointer:
     "step", "bytes_read", "peer_bytes"}``: memory or storage, and the bytes read
     from another node's memory).
 
-    The memory tier (``rayckpt.ray.memory_tier``): with ``memory_every=M`` every
+    The memory tier (``rayckpt.ray.memory``): with ``memory_every=M`` every
     M-th step's ``save`` goes to the nodes' memory, held by each node's
     ShardWriter and copied to one peer node before it commits, and every
     ``persist_every``-th to storage; ``restore`` tries the newest committed
@@ -130,9 +131,7 @@ class Checkpointer:
                 get_metadata_actor().begin_attempt.remote(self.run, _attempt_key(self.run), ctx.get_world_size())
             )
         #: The run's checkpoints when this worker started (the first ``restore`` plans from it, later ones re-scan).
-        self._found: list[CatalogEntry] | None = ray.get(
-            get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem)
-        )
+        self._found: list[CatalogEntry] | None = self._register_run(STORAGE)
         self._found_memory: list[CatalogEntry] | None = None
         if self.memory is not None and self.restarts:
             # A new group of the same fit(): the memory saves the earlier group left in flight are failed
@@ -140,9 +139,13 @@ class Checkpointer:
             reason = f"its worker group was replaced (Ray Train restart {self.restarts})"
             ray.get(get_metadata_actor().fail_pending.remote(self.memory.run, reason))
         if self.memory is not None:
-            self._found_memory = ray.get(
-                get_metadata_actor().register_run.remote(self.memory.run, self.memory.root, self.memory.filesystem)
-            )
+            self._found_memory = self._register_run(MEMORY)
+
+    def _register_run(self, tier: str) -> list[CatalogEntry]:
+        """Make the run's checkpoints of ``tier`` known to the MetadataActor; its catalog of them, oldest first."""
+        m = self.memory if tier == MEMORY else None
+        where = (m.run, m.root, m.filesystem) if m is not None else (self.run, self.run_root, self.filesystem)
+        return ray.get(get_metadata_actor().register_run.remote(*where))
 
     def path(self, step: int) -> str:
         """Where step ``step``'s checkpoint is (or would be): ``<run_root>/rayckpt-step-<step:08d>``."""
@@ -288,8 +291,7 @@ class Checkpointer:
         killed and recreated. A checkpoint whose manifest is damaged is listed as
         corrupt and passed over: the newest good one is returned.
         """
-        entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
-        return latest_committed(entries)
+        return latest_committed(self._register_run(STORAGE))
 
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the newest committed checkpoint that restores into ``state`` (collective; any worker count).
@@ -323,14 +325,12 @@ class Checkpointer:
         """What ``restore`` tries and what it passes over at once (``restore_order.candidates``)."""
         entries, self._found = self._found, None
         if entries is None:
-            entries = ray.get(get_metadata_actor().register_run.remote(self.run, self.run_root, self.filesystem))
+            entries = self._register_run(STORAGE)
         held: list[CatalogEntry] = []
         if self.memory is not None:
             held, self._found_memory = self._found_memory, None
             if held is None:
-                held = ray.get(
-                    get_metadata_actor().register_run.remote(self.memory.run, self.memory.root, self.memory.filesystem)
-                )
+                held = self._register_run(MEMORY)
         ray_ckpt = ray.train.get_checkpoint()
         return candidates(entries, held, ray_ckpt.path if ray_ckpt is not None else None)
 
@@ -440,7 +440,7 @@ class Checkpointer:
 def _attempt_key(run: str) -> str:
     """What identifies one ``TorchTrainer.fit()`` across its restarts: Ray Train's run id (each ``fit`` has
     its own), else the Ray job and the run's name."""
-    try:
+    try:  # Ray Train has no public run id: its internal context is the one place that has it (a test guards it)
         from ray.train.v2._internal.execution.context import get_train_context
 
         return get_train_context().train_run_context.run_id

@@ -1,4 +1,4 @@
-"""Which tier a ``Checkpointer`` save goes to, and the memory tier's side of it (``ray.memory_tier``).
+"""Which tier a ``Checkpointer`` save goes to, and the memory tier's side of it (``ray.memory``).
 
 Every ``memory_every`` steps a save goes to the nodes' memory; every
 ``persist_every`` steps to storage, as without a memory tier (a step due for
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import ray
 
 from ..engine.coordinator import Coordinator
-from ..ray.memory_fs import memory_filesystem
-from ..ray.memory_tier import writers
-from ..ray.shard_writer import get_shard_writer
+from ..ray.actors import writers
+from ..ray.memory.filesystem import memory_filesystem
+from ..ray.writer.actor import get_shard_writer
 from ..storage.catalog import checkpoint_dir_name
 
 logger = logging.getLogger(__name__)

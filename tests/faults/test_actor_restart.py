@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from rayckpt.engine.writer import write_chunks
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkData
 from rayckpt.ray import async_save
-from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.records import SaveTarget
 from rayckpt.ray.save_handle import SaveHandle
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec
@@ -118,14 +120,21 @@ def test_a_rank_waiting_when_the_actor_restarts_is_answered_at_once(ray_session,
     meta = get_metadata_actor()
     path, save_id = str(tmp_path / "waiting"), "sid-waiting"
     spec = SaveSpec(save_id, 2, 64, {"w": ("float32", (4, 4))}, {})
-    registered = meta.begin_save.remote(spec, path, None, "waiting", 7)
+    target = SaveTarget(save_id=save_id, run="waiting", step=7, location=path, rank=0)
+    registered = meta.begin_save.remote(spec, target.for_rank(None))
     incarnation = ray.get(registered)
     rows = np.arange(8, dtype=np.float32)
     chunk = ChunkData("w", "float32", Box((0, 0), (2, 4)), rows.view(np.uint8))
     shard = write_chunks(CheckpointDir.resolve(path), [chunk], save_id, 0, 64, [])
-    ray.get(meta.report_written.remote(save_id, shard, 0.0, "", incarnation, "waiting", 7, path, None))
+    ray.get(meta.report_written.remote(replace(target, incarnation=incarnation), shard, 0.0))
     handle = SaveHandle(
-        save_id, CheckpointDir.resolve(path), "waiting", 7, 0, ray.put(None), None, 0.0, 600.0, registered
+        target,
+        CheckpointDir.resolve(path),
+        write_ref=ray.put(None),
+        staged_ref=None,
+        stall_seconds=0.0,
+        timeout=600.0,
+        registered=registered,
     )
     start = time.monotonic()
     waiter = ErrorCatcher(handle.wait)
@@ -144,7 +153,7 @@ def test_a_save_committed_just_before_the_restart_stays_committed(ray_session, t
     """The actor committed and died before the rank heard: the new incarnation finds it in storage."""
     path = str(tmp_path / "committed")
     handle = async_save.save_async(state(4), path, run="committed", step=4)
-    assert ray.get(get_metadata_actor().wait_commit.remote(handle.save_id, 60)).status == "committed"
+    assert ray.get(get_metadata_actor().wait_commit.remote(handle.target, 60)).status == "committed"
     restart_metadata_actor()
     entry = handle.wait()
     assert entry.status == "committed" and entry.save_id == handle.save_id
@@ -159,15 +168,12 @@ def test_a_save_the_actor_lost_fails_at_its_commit_timeout_and_only_for_its_own_
     path.mkdir()
     (path / "sid-unheard-r00000-float.arrow").write_bytes(b"written, then the report was lost")
     handle = SaveHandle(
-        "sid-unheard",
+        SaveTarget(save_id="sid-unheard", run="unheard", step=3, rank=0),
         CheckpointDir.resolve(str(path)),
-        "unheard",
-        3,
-        0,
-        ray.put(None),
-        None,
-        0.0,
-        2.0,
+        write_ref=ray.put(None),
+        staged_ref=None,
+        stall_seconds=0.0,
+        timeout=2.0,
         on_outcome=saver._seen,
     )
     saver.inflight = handle

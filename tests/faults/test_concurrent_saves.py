@@ -21,7 +21,8 @@ import torch
 
 import rayckpt
 from rayckpt.format.manifest import MANIFEST_NAME
-from rayckpt.ray.commit_tracker import COMMITTED, FAILED, CommitTracker
+from rayckpt.ray.metadata.commit_tracker import COMMITTED, FAILED, CommitTracker
+from rayckpt.ray.records import SaveTarget
 from rayckpt.storage import lease
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec, commit_save
@@ -175,22 +176,24 @@ def test_the_tracker_keeps_the_lease_fresh_and_refuses_a_commit_into_a_location_
     tracker = CommitTracker(600)
     spec = spec_of("20260101T000000-0000000a", state_of(1))
     lease.claim_location(ckdir, spec.save_id)
-    tracker.begin_save(spec, path, None, "run", 1)  # world of 1, no shard reported yet
+    tracker.begin_save(
+        spec, SaveTarget(save_id=spec.save_id, run="run", step=1, location=path)
+    )  # world of 1, no shard reported yet
     before = lease.read_leases(ckdir)[0]
     tracker.refresh_leases(now=time.time() + 3600)
     after = lease.read_leases(ckdir)[0]
     assert after.expires > before.expires and after.pid == os.getpid()
     # Another run's save took the location over (as if this one had stalled): the commit is refused.
     lease.write_lease(ckdir, "20260101T000000-0000000b", lease.HELD)
-    (outcome,) = tracker.report_written(spec.save_id, _no_files())
+    (outcome,) = tracker.report_written(SaveTarget(save_id=spec.save_id), _no_files())
     assert outcome.entry.status == FAILED and "20260101T000000-0000000b" in outcome.entry.error
     assert "owns this location (this save's lease lapsed)" in outcome.entry.error
     assert not os.path.exists(os.path.join(path, MANIFEST_NAME))
     assert {x.save_id for x in lease.read_leases(ckdir)} == {"20260101T000000-0000000b"}  # its own lease went
     lease.release_lease(ckdir, "20260101T000000-0000000b")
     spec2 = spec_of("20260101T000000-0000000c", state_of(2))
-    tracker.begin_save(spec2, path, None, "run", 2)
-    (outcome,) = tracker.report_written(spec2.save_id, _no_files())
+    tracker.begin_save(spec2, SaveTarget(save_id=spec2.save_id, run="run", step=2, location=path))
+    (outcome,) = tracker.report_written(SaveTarget(save_id=spec2.save_id), _no_files())
     assert outcome.entry.status == COMMITTED and lease.read_leases(ckdir) == []
 
 

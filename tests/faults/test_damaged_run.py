@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from rayckpt.ray.metadata_actor import MetadataActor
+from rayckpt.ray.metadata.actor import MetadataActor
 from rayckpt.storage import checkpoint_dir
 from rayckpt.storage.catalog import latest_committed, scan_run
 from rayckpt.storage.checkpoint_dir import CheckpointDir

@@ -17,7 +17,8 @@ import rayckpt
 from rayckpt.engine import device
 from rayckpt.engine.device import HostToDevice
 from rayckpt.ray import async_save, staging
-from rayckpt.ray.staging import StagingBuffer, open_region
+from rayckpt.ray.staging import StagingBuffer
+from rayckpt.ray.writer.regions import open_region
 from rayckpt.testing.multiproc import run_ranks
 from tests.helpers import gpu_workers
 

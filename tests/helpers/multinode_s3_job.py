@@ -27,9 +27,9 @@ from ray.cluster_utils import Cluster
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from rayckpt.ray.metadata_actor import NAMESPACE, get_metadata_actor
-from rayckpt.ray.shard_writer import writer_name
-from rayckpt.ray.staging import SHM_DIR_ENV
+from rayckpt.ray.actors import NAMESPACE, writer_name
+from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.shm import SHM_DIR_ENV
 
 from . import ray_workers
 

@@ -12,7 +12,7 @@ import torch
 
 from rayckpt.engine.app_state import AppState
 from rayckpt.ray import async_save
-from rayckpt.ray.metadata_actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from rayckpt.ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from rayckpt.testing.toy import build_fsdp, full_state, train_steps
 from rayckpt.train.checkpointer import Checkpointer
 from tests.helpers.recovery_faults import Faults, faults_done

@@ -37,8 +37,8 @@ from typing import Any
 import ray
 
 from rayckpt.ray import async_save
-from rayckpt.ray.metadata_actor import get_metadata_actor
-from rayckpt.ray.shard_writer import get_shard_writer
+from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.writer.actor import get_shard_writer
 
 
 def killed_marker(out: str, phase: str) -> str:

@@ -55,9 +55,9 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rayckpt.ray.metadata_actor import get_metadata_actor
-from rayckpt.ray.shard_writer import get_shard_writer
-from rayckpt.ray.staging import SHM_DIR_ENV
+from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.shm import SHM_DIR_ENV
+from rayckpt.ray.writer.actor import get_shard_writer
 from rayckpt.storage.catalog import checkpoint_dir_name
 from rayckpt.train.callback import RayckptCallback
 

@@ -18,8 +18,9 @@ from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan as planner
 from rayckpt.ray import async_save, save_handle, staging
 from rayckpt.ray.load import load as ray_load
-from rayckpt.ray.metadata_actor import get_metadata_actor
-from rayckpt.ray.shard_writer import ShardWrite, get_shard_writer
+from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.records import SaveTarget
+from rayckpt.ray.writer.actor import ShardWrite, get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec
 from tests.helpers import plan_asks
@@ -68,7 +69,9 @@ def test_dim0_loads_are_planned_once_for_every_rank_and_match_the_per_rank_plann
 
     before = ray.get(meta.cached_plans.remote())
     for rank in range(3):
-        bundle = ray.get(meta.read_plan.remote(path, None, requests(rank, 3), ("step",), True, "bulk", rank, 3))
+        bundle = ray.get(
+            meta.read_plan.remote(path, None, requests(rank, 3), ("step",), run="bulk", rank=rank, world_size=3)
+        )
         assert bundle.plan == planner.create_load_plan(m, requests(rank, 3), ("step",))
         assert bundle.values == {"step": 3}
     assert ray.get(meta.cached_plans.remote()) == before + 1  # one all-ranks plan served all three
@@ -77,7 +80,7 @@ def test_dim0_loads_are_planned_once_for_every_rank_and_match_the_per_rank_plann
     odd = tuple(
         planner.TensorRequest(k, "float32", s, Box((1,) + (0,) * (len(s) - 1), (9,) + s[1:])) for k, s in shapes.items()
     )
-    bundle = ray.get(meta.read_plan.remote(path, None, odd, (), True, "bulk", 0, 3))
+    bundle = ray.get(meta.read_plan.remote(path, None, odd, (), run="bulk", rank=0, world_size=3))
     assert bundle.plan == planner.create_load_plan(m, odd)
     assert ray.get(meta.cached_plans.remote()) == before + 2
 
@@ -89,7 +92,9 @@ def test_twelve_checkpoints_planned_at_once_through_the_actor(ray_session, tmp_p
     work = [i for i in range(len(asks)) for _ in range(4)]
     random.Random(0).shuffle(work)  # checkpoints interleaved: each plan races the others' evictions
     refs = [
-        meta.read_plan.remote(a.location, None, a.requests, a.value_keys, True, "many", a.rank, a.world_size)
+        meta.read_plan.remote(
+            a.location, None, a.requests, a.value_keys, run="many", rank=a.rank, world_size=a.world_size
+        )
         for a in (asks[i] for i in work)
     ]
     bundles = ray.get(refs)
@@ -162,8 +167,8 @@ def test_rank_that_never_reports_fails_the_save_after_its_timeout(ray_session, t
     path = str(tmp_path / "t")
     os.makedirs(path)
     spec = SaveSpec("sid-timeout", world_size=2, block_size=64, tensors={}, values={})
-    ray.get(meta.begin_save.remote(spec, path, None, "timeouts", 9, 1.0))
-    entry = ray.get(meta.wait_commit.remote("sid-timeout", 30))
+    ray.get(meta.begin_save.remote(spec, SaveTarget(save_id=spec.save_id, run="timeouts", step=9, location=path), 1.0))
+    entry = ray.get(meta.wait_commit.remote(SaveTarget(save_id="sid-timeout"), 30))
     assert entry.status == "failed"
     assert "rank(s) [0, 1] did not report within 1s" in entry.error
     assert not os.path.exists(os.path.join(path, "manifest.json"))
@@ -290,7 +295,7 @@ def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tm
     path = str(tmp_path / "orphan")
     handle = async_save.save_async(state(8), path, run="orphan", step=8)
     dying = get_metadata_actor()
-    assert ray.get(dying.wait_commit.remote(handle.save_id, 60)).status == "committed"
+    assert ray.get(dying.wait_commit.remote(SaveTarget(save_id=handle.save_id), 60)).status == "committed"
     ray.kill(dying, no_restart=True)
     # the race the Ray Train test hit: this rank looked the actor up just before it was killed
     monkeypatch.setattr(save_handle, "get_metadata_actor", lambda: dying)
@@ -343,10 +348,11 @@ def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_s
     path = tmp_path / "early"
     path.mkdir()
     (path / "sid-early-r00001-float.arrow").write_bytes(b"partial")  # written before rank 1 failed
-    ray.get(meta.report_failed.remote("sid-early", 1, "staging: OSError", "early", 5, str(path), None))
+    early = SaveTarget(save_id="sid-early", run="early", step=5, location=str(path))
+    ray.get(meta.report_failed.remote(early.for_rank(1), "staging: OSError"))
     spec = SaveSpec("sid-early", world_size=2, block_size=64, tensors={}, values={})
-    ray.get(meta.begin_save.remote(spec, str(path), None, "early", 5, 30.0))
-    entry = ray.get(meta.wait_commit.remote("sid-early", 5))
+    ray.get(meta.begin_save.remote(spec, early, 30.0))
+    entry = ray.get(meta.wait_commit.remote(early, 5))
     assert entry.status == "failed" and entry.step == 5 and "rank 1: staging: OSError" in entry.error
     (event,) = [e for e in ray.get(meta.events.remote("early")) if e["kind"] == "failed"]
     assert event["step"] == 5 and event["location"] == str(path)

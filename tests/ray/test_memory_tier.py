@@ -12,9 +12,9 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt.ray.memory_fs import memory_filesystem
-from rayckpt.ray.metadata_actor import get_metadata_actor
-from rayckpt.ray.shard_writer import get_shard_writer
+from rayckpt.ray.memory.filesystem import memory_filesystem
+from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.writer.actor import get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from tests.helpers.ray_train import fit
 

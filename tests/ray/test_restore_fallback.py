@@ -20,7 +20,7 @@ from ray.train import WorkerGroupError
 import rayckpt
 from rayckpt.errors import RestoreFailedError
 from rayckpt.ray import metrics
-from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.train import checkpointer as checkpointer_module
 from rayckpt.train.checkpointer import Checkpointer
 from tests.helpers.checkpoints import flip_byte, manifest_of, rewrite_manifest

@@ -15,8 +15,9 @@ import torch
 
 import rayckpt
 from rayckpt.ray import async_save
-from rayckpt.ray.layout_cache import LayoutRef
-from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.metadata.layout_cache import LayoutRef
+from rayckpt.ray.records import SaveTarget
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec, read_manifest
 from tests.faults.test_actor_restart import restart_metadata_actor
@@ -102,7 +103,8 @@ def test_a_layout_the_actor_cannot_fetch_fails_the_registration_naming_the_save(
     unknown = LayoutRef(b"\x07" * 16, ray.put("not a layout"))
     meta = get_metadata_actor()
     with pytest.raises(ray.exceptions.RayTaskError) as caught:
-        ray.get(meta.begin_save.remote(spec, str(tmp_path / "n"), None, "nolayout", 3, 30.0, unknown))
+        target = SaveTarget(save_id=spec.save_id, run="nolayout", step=3, location=str(tmp_path / "n"))
+        ray.get(meta.begin_save.remote(spec, target, 30.0, unknown))
     assert (
         "save sid-nolayout of run 'nolayout' (step 3): this MetadataActor does not hold its layout "
         f"{'07' * 16} and fetching it from rank 0 gave str"

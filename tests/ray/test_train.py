@@ -12,7 +12,7 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt.ray.metadata_actor import get_metadata_actor
+from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.toy import ToyModel
 from rayckpt.tools.listing import ls

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rayckpt.ray.metadata_actor import MetadataActor
-from rayckpt.ray.save_history import RUNS_KEPT
+from rayckpt.ray.metadata.actor import MetadataActor
+from rayckpt.ray.metadata.save_history import RUNS_KEPT
 
 
 def test_each_worker_group_of_a_run_counts_the_ones_before_it():

@@ -15,8 +15,9 @@ import rayckpt
 from rayckpt.engine.writer import write_chunks
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkData
-from rayckpt.ray.commit_tracker import ORPHAN_TIMEOUT_S, CommitTracker
-from rayckpt.ray.save_history import RUNS_KEPT, SETTLED_KEPT_PER_RUN, SaveHistory, SettledSave
+from rayckpt.ray.metadata.commit_tracker import ORPHAN_TIMEOUT_S, CommitTracker
+from rayckpt.ray.metadata.save_history import RUNS_KEPT, SETTLED_KEPT_PER_RUN, SaveHistory, SettledSave
+from rayckpt.ray.records import SaveTarget
 from rayckpt.storage.catalog import CatalogEntry
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec, WrittenShard, commit_save
@@ -37,6 +38,11 @@ class Clock:
 
 def spec_of(save_id: str, world_size: int = 2) -> SaveSpec:
     return SaveSpec(save_id, world_size, BLOCK, {"w": ("float32", (ROWS, COLS))}, {}, {"note": save_id})
+
+
+def at(save_id: str, **where) -> SaveTarget:
+    """A report's record of the save (``run``, ``step``, ``location``, ``rank`` where it says them)."""
+    return SaveTarget(save_id=save_id, **where)
 
 
 def write_rank(path: str, save_id: str, rank: int, world_size: int = 2) -> WrittenShard:
@@ -72,12 +78,12 @@ def tracker(clock) -> CommitTracker:
 
 def test_registered_first_commits_when_the_last_rank_reports(tracker, clock, tmp_path):
     path = str(tmp_path / "ck")
-    assert tracker.begin_save(spec_of("s1"), path, None, "run", 7) == []
-    assert tracker.report_written("s1", write_rank(path, "s1", 0), "node-a") == []
+    assert tracker.begin_save(spec_of("s1"), at("s1", run="run", step=7, location=path)) == []
+    assert tracker.report_written(at("s1"), write_rank(path, "s1", 0), "node-a") == []
     assert not os.path.exists(os.path.join(path, "manifest.json"))  # rank 1 is missing
     assert tracker.entry("s1").status == "pending"
     clock.now += 2.5
-    (outcome,) = tracker.report_written("s1", write_rank(path, "s1", 1), "node-b")
+    (outcome,) = tracker.report_written(at("s1"), write_rank(path, "s1", 1), "node-b")
     m = rayckpt.read_manifest(CheckpointDir.resolve(path))
     assert outcome.entry.status == "committed" and outcome.entry.bytes == m.total_bytes > 0
     assert outcome.entry.step == 7 and outcome.entry.world_size == 2 and outcome.entry.path == path
@@ -90,38 +96,38 @@ def test_registered_first_commits_when_the_last_rank_reports(tracker, clock, tmp
 def test_reports_before_the_registration_commit_only_once_it_arrives(tracker, tmp_path):
     path = str(tmp_path / "ck")
     for rank in (1, 0):
-        assert tracker.report_written("s2", write_rank(path, "s2", rank)) == []
+        assert tracker.report_written(at("s2"), write_rank(path, "s2", rank)) == []
     assert not os.path.exists(os.path.join(path, "manifest.json"))  # every rank wrote, nobody registered
-    (outcome,) = tracker.begin_save(spec_of("s2"), path, None, "run", 1)
+    (outcome,) = tracker.begin_save(spec_of("s2"), at("s2", run="run", step=1, location=path))
     assert outcome.entry.status == "committed"
     assert np.array_equal(loaded(path), DATA)
 
 
 def test_a_failure_report_fails_the_save_and_removes_its_files(tracker, tmp_path):
     path = str(tmp_path / "ck")
-    tracker.begin_save(spec_of("s3"), path, None, "run", 3)
-    tracker.report_written("s3", write_rank(path, "s3", 0))
+    tracker.begin_save(spec_of("s3"), at("s3", run="run", step=3, location=path))
+    tracker.report_written(at("s3"), write_rank(path, "s3", 0))
     assert shard_files(path) == ["s3-r00000-float.arrow"]
-    (outcome,) = tracker.report_failed("s3", 1, "disk full")
+    (outcome,) = tracker.report_failed(at("s3", rank=1), "disk full")
     assert outcome.entry.status == "failed" and outcome.entry.error == "rank 1: disk full"
     assert not os.path.exists(path)  # its file, then the empty directory
-    assert tracker.report_failed("s3", 0, "again") == []  # settled once
+    assert tracker.report_failed(at("s3", rank=0), "again") == []  # settled once
 
     # A rank whose files became durable only after the failure: removed on arrival.
     late = write_rank(path, "s3", 1)
     assert shard_files(path) == ["s3-r00001-float.arrow"]
-    assert tracker.report_written("s3", late) == []
+    assert tracker.report_written(at("s3"), late) == []
     assert shard_files(path) == [] and tracker.entry("s3").status == "failed"
 
 
 def test_a_failed_save_leaves_the_committed_checkpoint_at_its_location(tracker, tmp_path):
     path = str(tmp_path / "ck")
-    tracker.begin_save(spec_of("old"), path, None, "run", 1)
+    tracker.begin_save(spec_of("old"), at("old", run="run", step=1, location=path))
     for rank in (0, 1):
-        tracker.report_written("old", write_rank(path, "old", rank))
-    tracker.begin_save(spec_of("new"), path, None, "run", 2)
-    tracker.report_written("new", write_rank(path, "new", 0))
-    (outcome,) = tracker.report_failed("new", 1, "oom")
+        tracker.report_written(at("old"), write_rank(path, "old", rank))
+    tracker.begin_save(spec_of("new"), at("new", run="run", step=2, location=path))
+    tracker.report_written(at("new"), write_rank(path, "new", 0))
+    (outcome,) = tracker.report_failed(at("new", rank=1), "oom")
     assert outcome.entry.status == "failed"
     assert shard_files(path) == ["old-r00000-float.arrow", "old-r00001-float.arrow"]
     assert rayckpt.read_manifest(CheckpointDir.resolve(path)).save_id == "old"
@@ -131,18 +137,27 @@ def test_a_failure_before_the_registration_names_and_cleans_the_save(tracker, tm
     path = tmp_path / "early"
     path.mkdir()
     (path / "s4-r00001-float.arrow").write_bytes(b"partial")
-    (outcome,) = tracker.report_failed("s4", 1, "staging: OSError", "early", 5, str(path), None)
+    (outcome,) = tracker.report_failed(at("s4", run="early", step=5, location=str(path), rank=1), "staging: OSError")
     assert (outcome.entry.run, outcome.entry.step, outcome.entry.path) == ("early", 5, str(path))
     assert not path.exists()
-    assert tracker.begin_save(spec_of("s4"), str(path), None, "early", 5) == []  # nothing left to commit
+    assert (
+        tracker.begin_save(spec_of("s4"), at("s4", run="early", step=5, location=str(path))) == []
+    )  # nothing left to commit
     assert tracker.entry("s4").status == "failed" and "rank 1: staging: OSError" in tracker.entry("s4").error
 
 
 def test_a_save_past_its_deadline_fails_naming_the_missing_ranks(tracker, clock, tmp_path):
     path = str(tmp_path / "ck")
-    tracker.begin_save(spec_of("s5", world_size=4), path, None, "run", 1, timeout_s=10.0)
-    tracker.begin_save(spec_of("patient", world_size=2), str(tmp_path / "p"), None, "run", 2)  # the default: 60 s
-    tracker.report_written("s5", write_rank(path, "s5", 2, world_size=4))
+    tracker.begin_save(
+        spec_of("s5", world_size=4),
+        at("s5", run="run", step=1, location=path),
+        timeout_s=10.0,
+    )
+    tracker.begin_save(
+        spec_of("patient", world_size=2),
+        at("patient", run="run", step=2, location=str(tmp_path / "p")),
+    )  # the default: 60 s
+    tracker.report_written(at("s5"), write_rank(path, "s5", 2, world_size=4))
     clock.now += 9
     assert tracker.expire() == []
     clock.now += 2
@@ -157,7 +172,7 @@ def test_a_save_past_its_deadline_fails_naming_the_missing_ranks(tracker, clock,
 
 def test_files_of_a_save_nobody_registers_are_removed_once_the_orphan_timeout_passes(tracker, clock, tmp_path):
     path = str(tmp_path / "ck")
-    tracker.report_written("s6", write_rank(path, "s6", 1), "node-a", location=path)
+    tracker.report_written(at("s6", location=path), write_rank(path, "s6", 1), "node-a")
     assert tracker.has_pending() and tracker.counts()["unregistered"] == 1
     clock.now += ORPHAN_TIMEOUT_S - 1
     assert tracker.expire() == [] and shard_files(path) == ["s6-r00001-float.arrow"]
@@ -169,13 +184,15 @@ def test_files_of_a_save_nobody_registers_are_removed_once_the_orphan_timeout_pa
         f"{ORPHAN_TIMEOUT_S:g}s (it restarted, or rank 0 died)"
     )
     assert not os.path.exists(path) and not tracker.has_pending()
-    assert tracker.begin_save(spec_of("s6"), path, None, "run", 1) == []  # too late: it stays failed
+    assert (
+        tracker.begin_save(spec_of("s6"), at("s6", run="run", step=1, location=path)) == []
+    )  # too late: it stays failed
     assert tracker.entry("s6").status == "failed"
 
 
 def test_the_orphan_timeout_is_never_longer_than_the_commit_timeout(clock, tmp_path):
     tracker = CommitTracker(5.0, clock=clock)
-    tracker.report_written("s6", write_rank(str(tmp_path / "ck"), "s6", 0), location=str(tmp_path / "ck"))
+    tracker.report_written(at("s6", location=str(tmp_path / "ck")), write_rank(str(tmp_path / "ck"), "s6", 0))
     clock.now += 6
     assert [o.entry.status for o in tracker.expire()] == ["failed"]
 
@@ -183,18 +200,18 @@ def test_the_orphan_timeout_is_never_longer_than_the_commit_timeout(clock, tmp_p
 def test_a_save_of_an_earlier_incarnation_fails_at_once_and_its_files_go(tracker, tmp_path):
     path = str(tmp_path / "ck")
     # The writer's report reaches the restarted actor, which never saw the registration.
-    tracker.report_written("s9", write_rank(path, "s9", 0), "node-a", "run", 2, path, None)
-    (outcome,) = tracker.lost("s9", "the MetadataActor restarted", 0, "run", 2, path, None)
+    tracker.report_written(at("s9", run="run", step=2, location=path), write_rank(path, "s9", 0), "node-a")
+    (outcome,) = tracker.lost(at("s9", run="run", step=2, location=path, rank=0), "the MetadataActor restarted")
     assert outcome.entry.status == "failed" and outcome.entry.error == "the MetadataActor restarted"
     assert [(e.step, e.status) for e in tracker.catalog("run")] == [(2, "failed")]
     assert not os.path.exists(path)
     # The waiting rank asks next: already settled, answered at once.
-    assert tracker.lost("s9", "again", 0, "run", 2, path, None) == []
+    assert tracker.lost(at("s9", run="run", step=2, location=path, rank=0), "again") == []
     assert tracker.entry("s9").status == "failed"
     # A rank that only waits (its writer reported to the dead incarnation): its save id's files go too.
     other = str(tmp_path / "other")
     write_rank(other, "s10", 1)
-    (outcome,) = tracker.lost("s10", "the MetadataActor restarted", 1, "run", 3, other, None)
+    (outcome,) = tracker.lost(at("s10", run="run", step=3, location=other, rank=1), "the MetadataActor restarted")
     assert (outcome.entry.run, outcome.entry.step, outcome.entry.status) == ("run", 3, "failed")
     assert not os.path.exists(other)
 
@@ -203,38 +220,42 @@ def test_a_save_an_earlier_incarnation_committed_is_found_in_storage_and_kept(tr
     path = str(tmp_path / "ck")
     shards = [write_rank(path, "s11", r) for r in (0, 1)]
     commit_save(CheckpointDir.resolve(path), spec_of("s11"), shards)  # then that incarnation died
-    (outcome,) = tracker.report_failed("s11", 1, "the writer's report was cut off", "run", 4, path, None)
+    (outcome,) = tracker.report_failed(
+        at("s11", run="run", step=4, location=path, rank=1), "the writer's report was cut off"
+    )
     assert outcome.entry.status == "committed" and outcome.entry.bytes > 0 and outcome.entry.step == 4
-    assert tracker.lost("s11", "restarted", 0, "run", 4, path, None) == []
+    assert tracker.lost(at("s11", run="run", step=4, location=path, rank=0), "restarted") == []
     assert shard_files(path) == ["s11-r00000-float.arrow", "s11-r00001-float.arrow"]
     assert np.array_equal(loaded(path), DATA)
 
 
 def test_lost_spares_a_save_registered_here_unless_the_asking_ranks_files_went_elsewhere(tracker, tmp_path):
     path = str(tmp_path / "ck")
-    tracker.begin_save(spec_of("s12"), path, None, "run", 1)  # rank 0's registration reached this incarnation
-    tracker.report_written("s12", write_rank(path, "s12", 0))
-    assert tracker.lost("s12", "restarted", 0) == []  # rank 0's files were reported here
-    (outcome,) = tracker.lost("s12", "restarted", 1)  # rank 1's report went to the incarnation that died
+    tracker.begin_save(
+        spec_of("s12"), at("s12", run="run", step=1, location=path)
+    )  # rank 0's registration reached this incarnation
+    tracker.report_written(at("s12"), write_rank(path, "s12", 0))
+    assert tracker.lost(at("s12", rank=0), "restarted") == []  # rank 0's files were reported here
+    (outcome,) = tracker.lost(at("s12", rank=1), "restarted")  # rank 1's report went to the incarnation that died
     assert outcome.entry.status == "failed" and not os.path.exists(path)
 
 
 def test_a_repeated_report_of_a_committed_save_leaves_its_files(tracker, tmp_path):
     path = str(tmp_path / "ck")
-    tracker.begin_save(spec_of("s13"), path, None, "run", 1)
+    tracker.begin_save(spec_of("s13"), at("s13", run="run", step=1, location=path))
     shards = [write_rank(path, "s13", r) for r in (0, 1)]
     for shard in shards:
-        tracker.report_written("s13", shard)
-    assert tracker.report_written("s13", shards[1]) == []
+        tracker.report_written(at("s13"), shard)
+    assert tracker.report_written(at("s13"), shards[1]) == []
     assert np.array_equal(loaded(path), DATA)
 
 
 def test_settled_saves_keep_only_a_bounded_history_of_small_entries(tracker, tmp_path):
     def commit(save_id: str, run: str) -> None:
         path = str(tmp_path / save_id)
-        tracker.begin_save(spec_of(save_id), path, None, run, 1)
+        tracker.begin_save(spec_of(save_id), at(save_id, run=run, step=1, location=path))
         for rank in (0, 1):
-            tracker.report_written(save_id, write_rank(path, save_id, rank))
+            tracker.report_written(at(save_id), write_rank(path, save_id, rank))
 
     for i in range(SETTLED_KEPT_PER_RUN + 8):
         commit(f"a{i}", "a")
@@ -267,12 +288,12 @@ def test_save_history_bounds_runs_by_recent_activity():
 def test_fail_pending_fails_only_that_runs_saves_in_flight(tracker, tmp_path):
     def begin(save_id: str, run: str) -> str:
         path = str(tmp_path / save_id)
-        tracker.begin_save(spec_of(save_id), path, None, run, 1)
-        tracker.report_written(save_id, write_rank(path, save_id, 0))
+        tracker.begin_save(spec_of(save_id), at(save_id, run=run, step=1, location=path))
+        tracker.report_written(at(save_id), write_rank(path, save_id, 0))
         return path
 
     done = begin("done", "a")
-    tracker.report_written("done", write_rank(done, "done", 1))
+    tracker.report_written(at("done"), write_rank(done, "done", 1))
     lost, other = begin("lost", "a"), begin("other", "b")
     outcomes = tracker.fail_pending("a", "worker group failed: boom")
     assert [(o.entry.save_id, o.entry.error) for o in outcomes] == [("lost", "worker group failed: boom")]
@@ -283,17 +304,17 @@ def test_fail_pending_fails_only_that_runs_saves_in_flight(tracker, tmp_path):
 
 def test_the_catalog_holds_the_last_tracked_save_per_location(tracker, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    tracker.begin_save(spec_of("a1"), a, None, "run", 1)
+    tracker.begin_save(spec_of("a1"), at("a1", run="run", step=1, location=a))
     assert [(e.save_id, e.status) for e in tracker.catalog("run")] == [("a1", "pending")]
     for rank in (0, 1):
-        tracker.report_written("a1", write_rank(a, "a1", rank))
-    tracker.begin_save(spec_of("b2"), b, None, "run", 2)
-    tracker.report_failed("b2", 0, "boom")
+        tracker.report_written(at("a1"), write_rank(a, "a1", rank))
+    tracker.begin_save(spec_of("b2"), at("b2", run="run", step=2, location=b))
+    tracker.report_failed(at("b2", rank=0), "boom")
     assert [(e.step, e.save_id, e.status) for e in tracker.catalog("run")] == [
         (1, "a1", "committed"),
         (2, "b2", "failed"),
     ]
-    tracker.begin_save(spec_of("a3"), a, None, "run", 3)  # a new save at a's location
+    tracker.begin_save(spec_of("a3"), at("a3", run="run", step=3, location=a))  # a new save at a's location
     assert [(e.step, e.save_id, e.status) for e in tracker.catalog("run")] == [
         (2, "b2", "failed"),
         (3, "a3", "pending"),
@@ -307,9 +328,9 @@ def test_a_commit_that_raises_fails_the_save_and_removes_its_files(clock, tmp_pa
 
     tracker = CommitTracker(60.0, commit=commit, clock=clock)
     path = str(tmp_path / "ck")
-    tracker.begin_save(spec_of("s7"), path, None, "run", 1)
-    tracker.report_written("s7", write_rank(path, "s7", 0))
-    (outcome,) = tracker.report_written("s7", write_rank(path, "s7", 1))
+    tracker.begin_save(spec_of("s7"), at("s7", run="run", step=1, location=path))
+    tracker.report_written(at("s7"), write_rank(path, "s7", 0))
+    (outcome,) = tracker.report_written(at("s7"), write_rank(path, "s7", 1))
     assert outcome.entry.status == "failed" and outcome.entry.error == "commit: OSError: manifest write refused"
     assert not os.path.exists(path)
 
@@ -319,25 +340,26 @@ def test_a_failure_during_the_commit_does_not_remove_the_files_the_manifest_name
 
     def commit(ckdir, spec, shards):
         # Arrives while the manifest is being written: every rank's files are durable, the commit wins.
-        during.append(tracker.report_failed("s8", 0, "late news") + tracker.expire(now=clock.now + 3600))
+        during.append(tracker.report_failed(at("s8", rank=0), "late news") + tracker.expire(now=clock.now + 3600))
         return commit_save(ckdir, spec, shards)
 
     tracker = CommitTracker(60.0, commit=commit, clock=clock)
     path = str(tmp_path / "ck")
-    tracker.begin_save(spec_of("s8"), path, None, "run", 1)
-    tracker.report_written("s8", write_rank(path, "s8", 0))
-    (outcome,) = tracker.report_written("s8", write_rank(path, "s8", 1))
+    tracker.begin_save(spec_of("s8"), at("s8", run="run", step=1, location=path))
+    tracker.report_written(at("s8"), write_rank(path, "s8", 0))
+    (outcome,) = tracker.report_written(at("s8"), write_rank(path, "s8", 1))
     assert during == [[]] and outcome.entry.status == "committed"
     assert np.array_equal(loaded(path), DATA)
 
 
 def test_the_ray_side_parts_import_no_ray():
     script = (
-        "import json, sys, rayckpt.ray.commit_tracker, rayckpt.ray.plan_cache, rayckpt.ray.save_history; "
+        "import json, sys, rayckpt.ray.metadata.commit_tracker, rayckpt.ray.metadata.plan_cache, "
+        "rayckpt.ray.metadata.save_history; "
         "print(json.dumps(sorted(sys.modules)))"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     loaded_modules = json.loads(proc.stdout)
-    assert "rayckpt.ray.plan_cache" in loaded_modules
+    assert "rayckpt.ray.metadata.plan_cache" in loaded_modules
     assert not [m for m in loaded_modules if m == "ray" or m.startswith("ray.")]

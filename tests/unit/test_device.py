@@ -16,7 +16,8 @@ from rayckpt.engine import device, reader, writer
 from rayckpt.engine.device import DeviceToHost, HostToDevice, bounded_pieces, host_like, needs_bounce
 from rayckpt.format.shard_file import ShardReader
 from rayckpt.ray import staging
-from rayckpt.ray.staging import StagingBuffer, open_region
+from rayckpt.ray.staging import StagingBuffer
+from rayckpt.ray.writer.regions import open_region
 from tests.helpers.checkpoints import make_state
 
 

@@ -1,8 +1,10 @@
-"""The layers stay layers: each subpackage imports only the layers below it (DESIGN.md's parts table).
+"""The layers stay layers: each subpackage imports only the layers below it (docs/architecture.md's layers).
 
-Two checks: a static one over every module's import statements (function-level
-imports included), and a run-time one that imports a whole layer in a fresh
-interpreter and looks at what came with it.
+Three checks: a static one over every module's import statements (function-level
+imports included), with the Ray layer's own rooms (the rank side, the MetadataActor,
+the ShardWriter, the memory tier) in their order; no import circle anywhere in the
+package; and a run-time one that imports a whole layer in a fresh interpreter and
+looks at what came with it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import rayckpt
 
 PKG_DIR = os.path.dirname(rayckpt.__file__)
 
-BASE = {"errors", "redaction", "phases"}
+BASE = {"errors", "redaction", "phases", "bounded"}
 #: Subpackage -> the rayckpt subpackages (and top-level modules) it may import.
 ALLOWED = {
     "format": BASE | {"format"},
@@ -45,7 +47,8 @@ UPPER = ("ray", "rayckpt.ray", "rayckpt.train", "rayckpt.tools", "rayckpt.exampl
 
 
 def modules_of(layer: str) -> list[str]:
-    root = os.path.join(PKG_DIR, layer)
+    """The modules of subpackage ``layer`` ("": the whole package)."""
+    root = os.path.join(PKG_DIR, layer) if layer else PKG_DIR
     found = []
     for dirpath, _, files in os.walk(root):
         for name in sorted(files):
@@ -94,6 +97,111 @@ def test_each_layer_imports_only_the_layers_below_it(layer):
     assert not bad, "\n".join(bad)
 
 
+#: The Ray layer's rooms, bottom up: a module of a room may import the rooms listed for it (and its own).
+#: ``shared``: what every process of the layer uses (names and lookups, records, the node's shared memory,
+#: metrics); the MetadataActor's process; the memory tier's node side (held in the ShardWriter's process);
+#: the ShardWriter; the memory tier's filesystem (any process; it starts a node's writer); the rank side.
+RAY_ROOMS = {
+    "shared": set(),
+    "metadata": {"shared"},
+    "memory": {"shared"},
+    "writer": {"shared", "metadata", "memory"},
+    "memory_filesystem": {"shared", "memory", "writer"},
+    "rank": {"shared", "metadata", "memory", "writer", "memory_filesystem"},
+}
+SHARED = {"actors", "records", "shm", "metrics"}
+
+
+def ray_room(module: str) -> str:
+    """The room of a ``rayckpt.ray`` module."""
+    parts = module.split(".")[2:]
+    if not parts or parts[0] in {"async_save", "save_handle", "staging", "load"}:
+        return "rank"
+    if parts[0] in SHARED:
+        return "shared"
+    if parts[:2] == ["memory", "filesystem"]:
+        return "memory_filesystem"
+    return parts[0]
+
+
+def test_the_ray_layer_s_rooms_import_only_the_rooms_below_them():
+    bad = []
+    for module in modules_of("ray"):
+        room = ray_room(module)
+        for target, line in imports_of(module):
+            if target.startswith("rayckpt.ray.") or target == "rayckpt.ray":
+                other = ray_room(target)
+                if other != room and other not in RAY_ROOMS[room]:
+                    bad.append(f"{module}:{line} ({room}) imports {target} ({other})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_ray_rooms_check_sees_a_violation():
+    assert ray_room("rayckpt.ray.metadata.commit_tracker") == "metadata"
+    assert ray_room("rayckpt.ray.memory.filesystem") == "memory_filesystem"
+    assert ray_room("rayckpt.ray.shm") == "shared" and ray_room("rayckpt.ray.async_save") == "rank"
+    assert "writer" not in RAY_ROOMS["metadata"] and "rank" not in RAY_ROOMS["writer"]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package modules it imports, statically (function-level imports
+    included). Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so each module also
+    depends on its parent packages, and an import of a package's name from it counts as that package."""
+    modules = set(modules_of(""))
+    graph: dict[str, set[str]] = {}
+    for module in modules:
+        deps = set()
+        for target, _ in imports_of(module):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]  # ``from pkg.mod import name``: the module
+            if target.startswith("rayckpt"):
+                parts = target.split(".")
+                deps.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+        graph[module] = {d for d in deps if d in modules and d != module and not module.startswith(d + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` (its modules in order), or ``[]``."""
+    done: set[str] = set()
+    for root in sorted(graph):
+        path: list[str] = []
+        on_path: set[str] = set()
+        stack = [(root, iter(sorted(graph[root])))]
+        if root in done:
+            continue
+        path.append(root)
+        on_path.add(root)
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif child in on_path:
+                return path[path.index(child) :] + [child]
+            elif child not in done:
+                stack.append((child, iter(sorted(graph.get(child, ())))))
+                path.append(child)
+                on_path.add(child)
+    return []
+
+
+def test_no_import_circle_anywhere_in_the_package():
+    cycle = find_cycle(import_graph())
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_the_circle_check_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    graph = import_graph()
+    assert "rayckpt.engine.save" in graph["rayckpt.ray.async_save"]
+    assert "rayckpt.ray.memory" in graph["rayckpt.ray.writer.actor"]  # the package of a module it imports runs first
+
+
 def test_the_static_check_sees_a_violation():
     # The checker itself: rayckpt.ray.async_save does import the engine and ray.
     targets = {t for t, _ in imports_of("rayckpt.ray.async_save")}
@@ -134,7 +242,7 @@ def test_the_run_time_check_sees_ray_come_in_with_the_ray_layer():
 
 
 def test_no_module_is_too_long():
-    # STYLE.md: a file past ~450 lines usually holds two concepts.
+    # A file past ~450 lines usually holds two concepts.
     long = []
     for dirpath, _, files in os.walk(PKG_DIR):
         for name in files:

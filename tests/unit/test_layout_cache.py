@@ -20,7 +20,7 @@ from rayckpt.format.manifest import FileEntry
 from rayckpt.format.manifest_files import manifest_file_bytes
 from rayckpt.format.shard_file import WrittenChunk
 from rayckpt.planning.load_plan import dim0_box
-from rayckpt.ray.layout_cache import (
+from rayckpt.ray.metadata.layout_cache import (
     LayoutCache,
     LayoutRef,
     SaveLayouts,

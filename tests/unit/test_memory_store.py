@@ -1,4 +1,4 @@
-"""The memory tier's per-node store (``ray.memory_tier.MemoryStore``) and the tier policy, without Ray."""
+"""The memory tier's per-node store (``ray.memory.store.MemoryStore``) and the tier policy, without Ray."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from rayckpt.format.manifest import MANIFEST_NAME
-from rayckpt.ray import memory_tier
-from rayckpt.ray.memory_tier import MemoryBudgetExceeded, MemoryStore, default_budget
-from rayckpt.ray.replica_link import ReplicaServer
+from rayckpt.ray.memory import replication
+from rayckpt.ray.memory.link import ReplicaServer
+from rayckpt.ray.memory.store import BUDGET_ENV, MemoryBudgetExceeded, MemoryStore, default_budget
 from rayckpt.train.tiers import MEMORY, STORAGE, TierPolicy
 
 
@@ -125,8 +125,8 @@ def test_a_file_whose_replica_cannot_be_made_is_not_held(store, tmp_path, monkey
     peer_dir.mkdir()
     peer = MemoryStore("node-bbbbbbbbbbbb", str(peer_dir), budget=3)  # holds less than the file
     server = ReplicaServer(peer, "127.0.0.1")
-    monkeypatch.setattr(memory_tier, "ring_peer", lambda node: ("node-bbbbbbbbbbbb", "its writer"))
-    monkeypatch.setattr(memory_tier, "_endpoint", lambda node, handle: server.endpoint)
+    monkeypatch.setattr(replication, "ring_peer", lambda node: ("node-bbbbbbbbbbbb", "its writer"))
+    monkeypatch.setattr(replication, "_endpoint", lambda node, handle: server.endpoint)
     try:
         out = store.create("run/s1/shard.arrow", replicate=True)
         out.write(b"payload")
@@ -154,9 +154,9 @@ def test_a_received_file_shorter_than_announced_is_not_held(store, tmp_path):
 def test_the_default_budget_is_half_the_filesystem_or_the_environment(tmp_path, monkeypatch):
     st = os.statvfs(tmp_path)
     assert default_budget(str(tmp_path)) == int(st.f_blocks * st.f_frsize * 0.5)
-    monkeypatch.setenv(memory_tier.BUDGET_ENV, "12345")
+    monkeypatch.setenv(BUDGET_ENV, "12345")
     assert default_budget(str(tmp_path)) == 12345
-    monkeypatch.setenv(memory_tier.BUDGET_ENV, "lots")
+    monkeypatch.setenv(BUDGET_ENV, "lots")
     with pytest.raises(ValueError, match=r"RAYCKPT_MEMORY_BUDGET='lots': expected a number of bytes"):
         default_budget(str(tmp_path))
 

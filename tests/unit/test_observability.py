@@ -136,7 +136,7 @@ def test_throughput_gauge_is_set_again_until_the_next_write(monkeypatch):
     each run's last write throughput set (the most recent ``RUNS_KEPT`` runs)."""
     import asyncio
 
-    from rayckpt.ray import metadata_actor
+    from rayckpt.ray.metadata import actor as metadata_actor
 
     seen: list[tuple[str, float, str]] = []
     monkeypatch.setattr(metadata_actor, "_GAUGE_REFRESH_S", 0.01)

@@ -13,8 +13,8 @@ import pytest
 
 import rayckpt
 from rayckpt.planning.load_plan import LoadPlan
-from rayckpt.ray import plan_cache
-from rayckpt.ray.plan_cache import BULK_PLANS_CACHED, MANIFESTS_CACHED, PLANS_CACHED, PlanCache
+from rayckpt.ray.metadata import plan_cache
+from rayckpt.ray.metadata.plan_cache import BULK_PLANS_CACHED, MANIFESTS_CACHED, PLANS_CACHED, PlanCache
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from tests.helpers.plan_asks import PlanAsk, asks_for, expected_plan, save_small_checkpoints
 
@@ -47,7 +47,7 @@ def counting_reads() -> tuple[Callable, list[str]]:
 
 
 def plan_of(cache: PlanCache, ask: PlanAsk):
-    return cache.plan(ask.location, None, ask.requests, ask.value_keys, True, ask.rank, ask.world_size)
+    return cache.plan(ask.location, None, ask.requests, ask.value_keys, rank=ask.rank, world_size=ask.world_size)
 
 
 def test_a_bundle_carries_the_plan_and_the_manifest_facts(paths):

@@ -1,5 +1,5 @@
 """Memory-tier replicas over the writers' link (``ray.replica_link``): a real TCP stream on the loopback
-between two real ``MemoryStore``s, without Ray; and ``memory_tier.replicate`` falling back to Ray's object
+between two real ``MemoryStore``s, without Ray; and ``memory.replication.replicate`` falling back to Ray's object
 store when the link cannot be reached."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from rayckpt.ray import memory_tier, replica_link
-from rayckpt.ray.memory_tier import MemoryStore
-from rayckpt.ray.replica_link import HEADER, ReplicaServer
+from rayckpt.ray.memory import link as replica_link
+from rayckpt.ray.memory import replication
+from rayckpt.ray.memory.link import HEADER, ReplicaServer
+from rayckpt.ray.memory.store import MemoryStore
 
 PAYLOAD = bytes(range(256)) * 4099  # ~1 MiB, not a multiple of a page
 
@@ -89,12 +90,12 @@ def test_an_unreachable_peer_is_told_once_and_the_replica_goes_through_ray(store
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         dead = ("127.0.0.1", closed.getsockname()[1], b"t" * 16)  # nobody listens there once closed
-    monkeypatch.setattr(memory_tier, "ring_peer", lambda node: ("node-cccccccccccc", "handle"))
-    monkeypatch.setattr(memory_tier, "_endpoint", lambda node, handle: dead)
+    monkeypatch.setattr(replication, "ring_peer", lambda node: ("node-cccccccccccc", "handle"))
+    monkeypatch.setattr(replication, "_endpoint", lambda node, handle: dead)
     sent: list = []
-    monkeypatch.setattr(memory_tier, "_replicate_through_ray", lambda h, path, fd, size: sent.append((h, path, size)))
-    monkeypatch.setattr(memory_tier, "_UNREACHABLE", set())
-    with caplog.at_level(logging.WARNING, logger="rayckpt.ray.memory_tier"):
+    monkeypatch.setattr(replication, "_replicate_through_ray", lambda h, path, fd, size: sent.append((h, path, size)))
+    monkeypatch.setattr(replication, "_UNREACHABLE", set())
+    with caplog.at_level(logging.WARNING, logger="rayckpt.ray.memory.replication"):
         for path in ("p1", "p2"):
             out = a.create(path, replicate=True)
             out.write(b"abc")

@@ -10,21 +10,9 @@ import signal
 import pytest
 import torch
 
-from rayckpt.ray.staging import (
-    PREFIX,
-    SHM_DIR,
-    SHM_DIR_ENV,
-    StagedRegion,
-    StagingBuffer,
-    StagingUnavailable,
-    StaleSweeper,
-    created_in,
-    layout,
-    open_region,
-    staged_size,
-    staging_dir,
-    sweep_stale,
-)
+from rayckpt.ray.shm import PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, created_in, staging_dir
+from rayckpt.ray.staging import StagingBuffer, StagingUnavailable, layout, staged_size
+from rayckpt.ray.writer.regions import StaleSweeper, open_region, sweep_stale
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import torch
 
 from rayckpt.ray import staging
 from rayckpt.ray.staging import StagingBuffer, StagingUnavailable, granules
+from rayckpt.ray.writer.regions import open_region
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_prepare_returns_before_the_buffer_exists_and_the_next_stage_lands_in_it
     pieces = [torch.arange(1000, dtype=torch.float64), torch.ones(7, dtype=torch.int32)]
     region = buffer.stage(pieces, "n")  # waits for what is left of the prepare
     assert not buffer.preparing and buffer.name == made[0].name and buffer.capacity == 3 << 20
-    with staging.open_region(region) as views:
+    with open_region(region) as views:
         assert [bytes(v) for v in views] == [p.numpy().tobytes() for p in pieces]
 
 
@@ -102,7 +103,7 @@ def test_a_mapping_cuda_refuses_to_pin_is_not_tried_again(buffer, monkeypatch):
     piece = torch.arange(1000, dtype=torch.float32)
     for _ in range(2):
         region = buffer.stage([piece], "n")
-        with staging.open_region(region) as views:
+        with open_region(region) as views:
             assert bytes(views[0]) == piece.numpy().tobytes()  # staged all the same
     assert len(tries) == 1
 

@@ -170,7 +170,8 @@ def test_the_node_s_shard_writer_writes_a_share_in_as_many_files_as_its_request_
     from contextlib import contextmanager
     from types import SimpleNamespace
 
-    from rayckpt.ray import shard_writer
+    from rayckpt.ray.records import SaveTarget
+    from rayckpt.ray.writer import actor as shard_writer
 
     seen: list[int] = []
     real = shard_writer.write_chunks
@@ -195,8 +196,11 @@ def test_the_node_s_shard_writer_writes_a_share_in_as_many_files_as_its_request_
     )
     specs = tuple(ChunkSpec(c.key, c.dtype, c.box) for c in data)
     for parts in (1, 3):
-        request = shard_writer.ShardWrite(f"s{parts}", str(tmp_path), None, 0, 4 * KIB, specs, max_parts=parts)
+        target = SaveTarget(save_id=f"s{parts}", location=str(tmp_path), rank=0)
+        request = shard_writer.ShardWrite(target=target, block_size=4 * KIB, chunks=specs, max_parts=parts)
         out = shard_writer.ShardWriter.write(actor, request, [])
         assert out["files"] == [f"s{parts}-r00000-float.arrow"]
     assert seen == [1, 3]
-    assert shard_writer.ShardWrite("s", "loc", None, 0, 1, ()).max_parts == 1  # a request that does not say
+    assert (
+        shard_writer.ShardWrite(target=SaveTarget(save_id="s"), block_size=1, chunks=()).max_parts == 1
+    )  # a request that does not say

@@ -14,21 +14,18 @@ save of the same step.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from ...bounded import BoundedMap
 
 
 class AttemptCounter:
     """Worker groups started per training run, for the ``kept`` most recently active runs."""
 
     def __init__(self, kept: int) -> None:
-        self.kept = kept
         #: Training run (its attempt key) -> worker groups started, least recently active first.
-        self.counts: OrderedDict[str, int] = OrderedDict()
+        self.counts: BoundedMap[str, int] = BoundedMap(kept)
 
     def begin(self, key: str) -> int:
         """Count a group of run ``key``; return how many started before it (0: the first)."""
         before = self.counts.pop(key, 0)
-        self.counts[key] = before + 1
-        while len(self.counts) > self.kept:
-            self.counts.popitem(last=False)
+        self.counts.put(key, before + 1)
         return before

@@ -1,9 +1,9 @@
-"""The memory tier as a ``pyarrow`` filesystem: what ``memory_tier``'s stores hold, opened from any process.
+"""The memory tier as a ``pyarrow`` filesystem: what ``store``'s stores hold, opened from any process.
 
 Writes from a ShardWriter's process land in its own store (and its ring peer's);
 small files written elsewhere (the manifest, a lease) go to every live
 ShardWriter. Reads memory-map a file held on the reader's node, else read its
-ranges from a node that holds it, over Ray (``memory_tier.peer_bytes``).
+ranges from a node that holds it, over Ray (``store.peer_bytes``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
 
-from .memory_tier import TYPE_NAME, _ask_all, count_peer_bytes, local_store, writers
-
-#: A shared read-only mapping with its page tables filled in one call.
-_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+from ..actors import ask_writers, writers
+from ..shm import POPULATED
+from ..writer.actor import get_shard_writer
+from .store import TYPE_NAME, count_peer_bytes, local_store
 
 
 class _RemoteIn(io.RawIOBase):
@@ -73,10 +73,8 @@ class _BroadcastOut(io.RawIOBase):
             return
         super().close()
         data = self.buffer.getvalue()
-        held = _ask_all("mem_put", self.path, data)
+        held = ask_writers("mem_put", self.path, data)
         if not held:  # the run's first file (rank 0's lease): this node's writer is started for it
-            from .shard_writer import get_shard_writer
-
             ray.get(get_shard_writer().mem_put.remote(self.path, data))
 
 
@@ -101,14 +99,14 @@ class MemoryFileSystem(pafs.FileSystemHandler):
     def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
         paths = [self.normalize_path(p) for p in paths]
         found: dict[str, int] = {}
-        for answer in _ask_all("mem_stat", paths).values():
+        for answer in ask_writers("mem_stat", paths).values():
             found.update(answer)
         return [_info(p, found.get(p)) for p in paths]
 
     def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
         base = self.normalize_path(selector.base_dir)
         found: dict[str, int] = {}
-        for answer in _ask_all("mem_listing", base, selector.recursive).values():
+        for answer in ask_writers("mem_listing", base, selector.recursive).values():
             found.update(answer)
         if not found and not selector.allow_not_found:
             raise FileNotFoundError(f"memory tier: no directory {base}")
@@ -118,16 +116,16 @@ class MemoryFileSystem(pafs.FileSystemHandler):
         pass  # a directory is there while files are under it
 
     def delete_dir(self, path: str) -> None:
-        _ask_all("mem_delete", self.normalize_path(path), True)
+        ask_writers("mem_delete", self.normalize_path(path), True)
 
     def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
-        _ask_all("mem_delete", self.normalize_path(path), True)
+        ask_writers("mem_delete", self.normalize_path(path), True)
 
     def delete_root_dir_contents(self) -> None:
-        _ask_all("mem_delete", "", True)
+        ask_writers("mem_delete", "", True)
 
     def delete_file(self, path: str) -> None:
-        if not sum(_ask_all("mem_delete", self.normalize_path(path), False).values()):
+        if not sum(ask_writers("mem_delete", self.normalize_path(path), False).values()):
             raise FileNotFoundError(f"memory tier: no file {path}")
 
     def move(self, src: str, dest: str) -> None:
@@ -173,7 +171,7 @@ class MemoryFileSystem(pafs.FileSystemHandler):
             held = ray.get(handles[here].mem_where.remote(path))
             if held is not None:
                 return _mapped(held)
-        for node, size in _ask_all("mem_stat", [path]).items():
+        for node, size in ask_writers("mem_stat", [path]).items():
             if size.get(path, -1) >= 0:
                 return pa.PythonFile(_RemoteIn(handles[node], path, size[path]), mode="r")
         raise FileNotFoundError(f"memory tier: no file {path} on any live node")
@@ -188,7 +186,7 @@ def _mapped(held: tuple[int, int, int, int]) -> Any:
     try:
         if not size:
             return pa.BufferReader(b"")
-        mapped = mmap.mmap(mine, size, flags=_POPULATED, prot=mmap.PROT_READ)
+        mapped = mmap.mmap(mine, size, flags=POPULATED, prot=mmap.PROT_READ)
     finally:
         os.close(mine)
     return pa.BufferReader(pa.py_buffer(mapped))

@@ -13,25 +13,30 @@ on which node, staged in which directory.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..engine.writer import write_chunks
-from ..format.shard_file import ChunkSpec
-from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import WrittenShard
-from .layout_cache import LAYOUT_WANTED, split_shard
-from .memory_tier import MemoryStore, hold_here
-from .metadata_actor import NAMESPACE, get_metadata_actor
-from .replica_link import ReplicaServer
-from .staging import StagedRegion, StaleSweeper, created_in, open_region, staging_dir, sweep_stale
+from ...bounded import BoundedMap
+from ...engine.writer import write_chunks
+from ...format.shard_file import ChunkSpec
+from ...storage.checkpoint_dir import CheckpointDir
+from ...storage.commit import WrittenShard
+from ..actors import NAMESPACE, named, writer_name
+from ..memory.host import MemoryHost
+from ..metadata.actor import get_metadata_actor
+from ..metadata.layout_cache import LAYOUT_WANTED, split_shard
+from ..records import SaveTarget
+from ..shm import StagedRegion, created_in, staging_dir
+from .regions import StaleSweeper, open_region, sweep_stale
 
 #: How many writes a ShardWriter remembers for ``debug_stats``.
 RECORDS_KEPT = 256
@@ -39,27 +44,24 @@ RECORDS_KEPT = 256
 SENT_LAYOUTS_KEPT = 4096
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ShardWrite:
     """One rank's share of a save, as its ShardWriter needs it (the bytes travel beside it)."""
 
-    save_id: str
-    #: Where the checkpoint goes, as the actors reach it (with ``filesystem``).
-    location: str
-    filesystem: Any
-    rank: int
+    #: The save and the rank; its location is where the checkpoint goes, as the actors reach it.
+    target: SaveTarget
     block_size: int
     #: Each staged chunk, in the order of the staged arrays.
     chunks: tuple[ChunkSpec, ...]
-    #: The save's run and step, for a MetadataActor that does not know the save (it restarted).
-    run: str = ""
-    step: int | None = None
     #: How many files of one type the share may be written as at once (``engine.writer.parts_here``).
     max_parts: int = 1
 
 
-class ShardWriter:
-    """Writes staged shards from this node's object store to storage (a threaded Ray actor)."""
+class ShardWriter(MemoryHost):
+    """Writes staged shards from this node's shared memory to storage (a threaded Ray actor).
+
+    It also holds the node's share of the memory tier (``MemoryHost``: the ``mem_*`` calls).
+    """
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
@@ -70,47 +72,9 @@ class ShardWriter:
         #: The last ``RECORDS_KEPT`` writes, oldest first (see ``debug_stats``).
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECORDS_KEPT)
         #: Digests of the chunk layouts it sent the MetadataActor, most recent last.
-        self.sent_layouts: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.sent_layouts: BoundedMap[bytes, None] = BoundedMap(SENT_LAYOUTS_KEPT)
         self._sent_lock = threading.Lock()
-        #: The node's share of the memory tier (``memory_tier``): freed with this process.
-        self.memory = MemoryStore(node_id, self.staging_dir)
-        hold_here(self.memory)
-        #: Where peers send this node its replicas (``replica_link``).
-        self.replicas = ReplicaServer(self.memory, ray.util.get_node_ip_address())
-
-    # The memory tier's file operations (``memory_tier.MemoryFileSystem`` calls them on every live writer).
-    def mem_put(self, path: str, data: Any) -> int:
-        return self.memory.put(path, data)
-
-    def mem_endpoint(self) -> tuple[str, int, bytes]:
-        """(host, port, token) of this node's replica listener (``replica_link``)."""
-        return self.replicas.endpoint
-
-    def mem_stat(self, paths: list[str]) -> dict[str, int]:
-        return self.memory.stat(paths)
-
-    def mem_listing(self, base: str, recursive: bool) -> dict[str, int]:
-        return self.memory.listing(base, recursive)
-
-    def mem_delete(self, path: str, tree: bool) -> int:
-        return self.memory.delete(path, tree)
-
-    def mem_where(self, path: str) -> tuple[int, int, int, int] | None:
-        return self.memory.where(path)
-
-    def mem_read(self, path: str, offset: int, length: int) -> bytes:
-        return self.memory.read(path, offset, length)
-
-    def mem_room(self, root: str | None = None, keep: int = 0) -> int:
-        """Bytes the node's memory tier may still take (its budget less what it holds); with ``root``, after
-        dropping the checkpoints under it older than its newest ``keep`` committed ones (``MemoryStore.drop_old``)."""
-        return self.memory.room(root, keep)
-
-    def mem_budget(self, nbytes: int | None = None) -> int:
-        """The node's memory-tier budget in bytes; ``nbytes`` sets it (held files stay)."""
-        if nbytes is not None:
-            self.memory.budget = nbytes
-        return self.memory.budget
+        super().__init__(node_id, self.staging_dir)
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -141,36 +105,46 @@ class ShardWriter:
     ) -> dict[str, Any]:
         """Write a rank's staged chunks and report to the MetadataActor (called by the rank).
 
-        ``staged``: the arrays themselves (zero-copy views into the object store)
-        or a ``StagedRegion`` of the rank's staging buffer on this node, one array
-        per ``request.chunks``. ``incarnation``: the MetadataActor's id when the
-        save began, passed on with the report (a restarted actor fails the save at
-        once). Returns what was written.
+        Args:
+            request: the rank's share: where it goes and its chunks.
+            staged: the arrays themselves (zero-copy views into the object store) or a
+                ``StagedRegion`` of the rank's staging buffer on this node, one array per
+                ``request.chunks``.
+            incarnation: the MetadataActor's id when the save began (the rank passes the
+                reference; Ray resolves it), passed on with the report: a restarted actor
+                fails the save at once.
+
+        Returns:
+            What was written: ``node``, ``files``, ``bytes``, ``seconds``.
+
+        Raises:
+            Whatever writing raised, after removing the files written and reporting the
+            failure to the MetadataActor.
         """
-        ckdir = CheckpointDir.resolve(request.location, request.filesystem)
+        target = request.target
+        ckdir = CheckpointDir.resolve(target.location, target.filesystem)
         written_files: list[str] = []
         start = time.perf_counter()
         record = {
-            "save_id": request.save_id,
-            "run": request.run,
-            "step": request.step,
-            "rank": request.rank,
+            "save_id": target.save_id,
+            "run": target.run,
+            "step": target.step,
+            "rank": target.rank,
             "max_parts": request.max_parts,
         }
         try:
             with self._views(staged, record) as arrays:
                 chunks = [spec.with_data(a) for spec, a in zip(request.chunks, arrays)]
                 shard = write_chunks(
-                    ckdir, chunks, request.save_id, request.rank, request.block_size, written_files, request.max_parts
+                    ckdir, chunks, target.save_id, target.rank, request.block_size, written_files, request.max_parts
                 )
                 del chunks
         except Exception as exc:
             for rel in written_files:
                 ckdir.delete(rel)
             msg = f"ShardWriter on node {self.node_id[:12]}: {type(exc).__name__}: {exc}"
-            where = (request.run, request.step, request.location, request.filesystem)
             try:
-                ray.get(get_metadata_actor().report_failed.remote(request.save_id, request.rank, msg, *where))
+                ray.get(get_metadata_actor().report_failed.remote(target, msg))
             except ray.exceptions.RayActorError:
                 pass  # the actor is gone: the rank reports the failure it gets from this task
             raise
@@ -180,22 +154,21 @@ class ShardWriter:
         self._report_written(request, shard, seconds, incarnation)
         return {"node": self.node_id, "files": files, "bytes": shard.nbytes, "seconds": seconds}
 
-    def _report_written(self, request: ShardWrite, shard: WrittenShard, seconds: float, incarnation: Any) -> None:
+    def _report_written(
+        self, request: ShardWrite, shard: WrittenShard, seconds: float, incarnation: str | None
+    ) -> None:
         """Report the rank's durable files: its chunk layout only if not sent before, or if the actor wants it."""
         report = split_shard(shard)
         with self._sent_lock:
             sent = report.layout in self.sent_layouts
-        where = (seconds, self.node_id, incarnation, request.run, request.step, request.location, request.filesystem)
+        target = replace(request.target, incarnation=incarnation)
         actor = get_metadata_actor()
         first = report.without_layout() if sent else report
-        answer = ray.get(actor.report_written.remote(request.save_id, first, *where))
+        answer = ray.get(actor.report_written.remote(target, first, seconds, self.node_id))
         if answer == LAYOUT_WANTED:  # the actor restarted, or dropped it
-            ray.get(actor.report_written.remote(request.save_id, report, *where))
+            ray.get(actor.report_written.remote(target, report, seconds, self.node_id))
         with self._sent_lock:
-            self.sent_layouts[report.layout] = None
-            self.sent_layouts.move_to_end(report.layout)
-            while len(self.sent_layouts) > SENT_LAYOUTS_KEPT:
-                self.sent_layouts.popitem(last=False)
+            self.sent_layouts.put(report.layout, None)
 
     @contextmanager
     def _views(self, staged: list[Any] | StagedRegion, record: dict[str, Any]) -> Iterator[list[Any]]:
@@ -216,10 +189,6 @@ class ShardWriter:
             yield views
 
 
-def writer_name(node_id: str) -> str:
-    return f"rayckpt-writer-{node_id[:12]}"
-
-
 def get_shard_writer(node_id: str | None = None) -> Any:
     """The ShardWriter of ``node_id`` (default: this process's node): ``rayckpt-writer-<node>``, pinned to that node.
 
@@ -229,12 +198,25 @@ def get_shard_writer(node_id: str | None = None) -> Any:
     (``"shm"`` / ``"object_store"``), ``staged_node`` (where the rank staged) and
     ``staged_dir`` (the directory the staging file was created in, read from the
     open file itself), both ``None`` for the object store; ``bytes``, ``files``, ``max_parts``.
-    """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    Args:
+        node_id: the node (default: this process's).
+
+    Returns:
+        Its handle (``actors.named``: Ray's cached handle while the writer lives).
+    """
     node_id = node_id or ray.get_runtime_context().get_node_id()
+    return named(writer_name(node_id), functools.partial(_create_shard_writer, node_id))
+
+
+@functools.cache
+def _remote_class() -> Any:
+    return ray.remote(ShardWriter)
+
+
+def _create_shard_writer(node_id: str) -> Any:
     return (
-        ray.remote(ShardWriter)
+        _remote_class()
         .options(
             name=writer_name(node_id),
             namespace=NAMESPACE,

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..format.manifest import Blocks, Manifest, manifest_values
-from ..planning.bulk import BulkPlan, create_dim0_plans
-from ..planning.chunk_table import ChunkTable
-from ..planning.load_plan import ChunkIndex, LoadPlan, TensorRequest, create_load_plan, is_dim0_layout
-from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import read_manifest
+from ...bounded import BoundedMap
+from ...format.manifest import Blocks, Manifest, manifest_values
+from ...planning.bulk import BulkPlan, create_dim0_plans
+from ...planning.chunk_table import ChunkTable
+from ...planning.load_plan import ChunkIndex, LoadPlan, TensorRequest, create_load_plan, is_dim0_layout
+from ...storage.checkpoint_dir import CheckpointDir
+from ...storage.commit import read_manifest
 
 #: Checkpoints whose manifest (with index and chunk table) is kept.
 MANIFESTS_CACHED = 8
@@ -39,7 +39,7 @@ BULK_PLANS_CACHED = 8
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadBundle:
     """What a loading rank needs besides the shard files: its plan and the manifest facts."""
 
@@ -72,27 +72,21 @@ class _Store:
     """
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.entries: OrderedDict[tuple, Any] = OrderedDict()
+        self.entries: BoundedMap[tuple, Any] = BoundedMap(limit)
         #: Keys being computed by some thread, with the future the others wait on.
         self.flights: dict[tuple, Future] = {}
 
     def get(self, key: tuple) -> Any | None:
-        value = self.entries.get(key)
-        if value is not None:
-            self.entries.move_to_end(key)
-        return value
+        return self.entries.get(key)
 
     def put(self, key: tuple, value: Any) -> None:
-        self.entries[key] = value
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.limit:
-            self.entries.popitem(last=False)
+        self.entries.put(key, value)
 
     def drop(self, location: str) -> None:
-        for table in (self.entries, self.flights):
-            for key in [k for k in table if k[0] == location]:
-                del table[key]
+        for key in [k for k in self.entries if k[0] == location]:
+            self.entries.pop(key)
+        for key in [k for k in self.flights if k[0] == location]:
+            del self.flights[key]
 
 
 def _read(location: str, filesystem: Any) -> Manifest:
@@ -132,6 +126,7 @@ class PlanCache:
         filesystem: Any,
         requests: tuple[TensorRequest, ...],
         value_keys: tuple[str, ...],
+        *,
         strict: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
@@ -147,7 +142,8 @@ class PlanCache:
         ckpt = self.checkpoint(location, filesystem)
         m = ckpt.manifest
         if rank is not None and world_size and is_dim0_layout(requests, rank, world_size):
-            plan = self._bulk_plan(location, ckpt, requests, value_keys, strict, world_size).for_rank(rank)
+            key = (location, m.save_id, tuple((r.key, r.dtype, r.shape) for r in requests), value_keys, strict)
+            plan = self._bulk_plan(key, ckpt, world_size).for_rank(rank)
         else:
             plan = self._get_or_create(
                 self._plans,
@@ -156,25 +152,26 @@ class PlanCache:
             )
         sizes = {f.path: f.size for f in m.files}
         values = manifest_values(m, value_keys)
-        return LoadBundle(plan, m.blocks, sizes, values, m.save_id, time.perf_counter() - start)
+        return LoadBundle(
+            plan=plan,
+            blocks=m.blocks,
+            file_sizes=sizes,
+            values=values,
+            save_id=m.save_id,
+            plan_seconds=time.perf_counter() - start,
+        )
 
-    def _bulk_plan(
-        self,
-        location: str,
-        ckpt: CachedCheckpoint,
-        requests: tuple[TensorRequest, ...],
-        value_keys: tuple[str, ...],
-        strict: bool,
-        world_size: int,
-    ) -> BulkPlan:
+    def _bulk_plan(self, key: tuple, ckpt: CachedCheckpoint, world_size: int) -> BulkPlan:
+        """Every rank's plan at once, for the dim-0 request ``key``: (location, save id, tensor specs,
+        value keys, strict)."""
         m = ckpt.manifest
-        specs = tuple((r.key, r.dtype, r.shape) for r in requests)
+        location, _, specs, value_keys, strict = key
 
         def create() -> BulkPlan:
             table = self._get_or_create(self._tables, (location, ckpt), lambda: ChunkTable.from_manifest(m))
             return create_dim0_plans(m, specs, world_size, value_keys, strict, table=table)
 
-        return self._get_or_create(self._bulk, (location, m.save_id, specs, value_keys, strict, world_size), create)
+        return self._get_or_create(self._bulk, (*key, world_size), create)
 
     def forget(self, location: str) -> None:
         """Drop everything cached for ``location`` (the actor, once a new save there committed).

@@ -27,21 +27,16 @@ from __future__ import annotations
 
 import io
 import logging
-import mmap
 import os
 import threading
-import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-import ray
-
-from ..format.manifest import MANIFEST_NAME
-from ..storage.catalog import checkpoint_step
-from . import replica_link
-from .staging import PREFIX, staging_dir
+from ...format.manifest import MANIFEST_NAME
+from ...storage.catalog import checkpoint_step
+from ..shm import PREFIX, staging_dir
+from . import replication
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +101,8 @@ class MemoryStore:
 
         Committed: the directory holds its manifest (written last). Every node applies the same rule
         to what it holds, so each frees its own room without waiting for the others. The files are
-        no longer held (nor counted) on return; their descriptors are closed in the background: the
-        kernel's freeing of a dropped 1 GB checkpoint's pages took 40 ms of a memory save's stall.
+        no longer held (nor counted) on return; their descriptors are closed in the background, so
+        the kernel's freeing of a dropped checkpoint's pages is not in the stall of the save that made room.
         """
         prefix = root.strip("/") + "/"
         with self._lock:
@@ -263,127 +258,10 @@ class _LocalOut(io.RawIOBase):
         self.store.adopt(self.path, self.name, self.fd)
         if self.replicate:
             try:
-                replicate(self.store, self.path)
+                replication.replicate(self.store.node_id, self.path, self.fd, self.size)
             except BaseException:
                 self.store.delete(self.path, tree=False)  # never held without its replica
                 raise
-
-
-def replicate(store: MemoryStore, path: str) -> str | None:
-    """Copy ``path`` from ``store`` to the ring's peer of its node; the peer's node id (``None``: no peer).
-
-    Over the peers' replica link (``replica_link``: the kernel sends the held file, the
-    peer reads it into its own); where the link cannot be reached, through Ray's object
-    store, with one WARNING per peer.
-    """
-    peer = ring_peer(store.node_id)
-    if peer is None:
-        return None
-    node, handle = peer
-    held = store.where(path)
-    assert held is not None
-    _pid, fd, size, _ino = held
-    try:
-        try:
-            replica_link.send(_endpoint(node, handle), path, fd, size)
-        except replica_link.LinkUnreachable:
-            _ENDPOINTS.pop(node, None)  # a writer restarted since: ask again, once
-            try:
-                replica_link.send(_endpoint(node, handle), path, fd, size)
-            except replica_link.LinkUnreachable as exc:
-                if node not in _UNREACHABLE:
-                    _UNREACHABLE.add(node)
-                    logger.warning("rayckpt: memory tier: %s; replicas to node %s go through Ray instead", exc, node)
-                _replicate_through_ray(handle, path, fd, size)
-    except Exception as exc:
-        raise OSError(f"memory tier: cannot copy {path} to node {node} (its replica): {exc}") from exc
-    return node
-
-
-#: Replica listeners (``replica_link``) by node: asked of each peer's writer once.
-_ENDPOINTS: dict[str, tuple[str, int, bytes]] = {}
-#: Peers whose listener could not be reached (warned once).
-_UNREACHABLE: set[str] = set()
-
-
-def _endpoint(node: str, handle: Any) -> tuple[str, int, bytes]:
-    if node not in _ENDPOINTS:
-        _ENDPOINTS[node] = ray.get(handle.mem_endpoint.remote())
-    return _ENDPOINTS[node]
-
-
-def _replicate_through_ray(handle: Any, path: str, fd: int, size: int) -> None:
-    """The copy through Ray's object store: mapped, not read, so Ray's copy into its store is the one out of here."""
-    mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
-    try:
-        ray.get(handle.mem_put.remote(path, np.frombuffer(mapped, dtype=np.uint8)))
-    finally:
-        if isinstance(mapped, mmap.mmap):
-            try:
-                mapped.close()
-            except BufferError:  # a view is still referenced somewhere: the mapping goes with it
-                pass
-
-
-#: How long a process reuses its list of live ShardWriters (``writers``): a restore opens many files.
-WRITERS_TTL_S = 2.0
-_WRITERS: dict[str, Any] = {"at": -1e9, "found": {}}
-
-
-def writers(fresh: bool = False) -> dict[str, Any]:
-    """The ShardWriters of the live nodes: node id (its first 12 characters, as named) -> actor handle.
-
-    Looked up at most every ``WRITERS_TTL_S`` seconds per process (``fresh``: now); a writer
-    that died since is skipped where it is asked (``_ask_all``) and makes the next call look again.
-    """
-    now = time.monotonic()
-    if fresh or now - _WRITERS["at"] > WRITERS_TTL_S:
-        _WRITERS.update(found=_look_up_writers(), at=now)
-    return dict(_WRITERS["found"])
-
-
-def _look_up_writers() -> dict[str, Any]:
-    from .metadata_actor import NAMESPACE
-    from .shard_writer import writer_name
-
-    alive = {n["NodeID"][:12] for n in ray.nodes() if n.get("Alive")}
-    prefix = writer_name("")
-    found = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name = entry["name"] if isinstance(entry, dict) else entry
-        if isinstance(entry, dict) and entry.get("namespace") != NAMESPACE:
-            continue
-        node = name[len(prefix) :] if name.startswith(prefix) else None
-        if node in alive:
-            try:
-                found[node] = ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:  # gone since it was listed
-                pass
-    return dict(sorted(found.items()))
-
-
-def ring_peer(node_id: str) -> tuple[str, Any] | None:
-    """The node after ``node_id`` in the ring of live nodes with a ShardWriter, and its writer; ``None``: alone."""
-    ring = writers(fresh=True)  # the ring as it is now: a node may have left since the last look
-    nodes = sorted(n for n in ring if n != node_id[:12])
-    if not nodes:
-        return None
-    after = [n for n in nodes if n > node_id[:12]]
-    node = (after or nodes)[0]
-    return node, ring[node]
-
-
-def _ask_all(method: str, *args: Any) -> dict[str, Any]:
-    """``method(*args)`` of every live ShardWriter: node -> answer (a writer that died meanwhile is left out)."""
-    handles = writers()
-    refs = {node: getattr(h, method).remote(*args) for node, h in handles.items()}
-    out = {}
-    for node, ref in refs.items():
-        try:
-            out[node] = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-            _WRITERS["at"] = -1e9  # one is gone: look again next time
-    return out
 
 
 def local_store() -> MemoryStore | None:

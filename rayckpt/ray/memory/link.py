@@ -1,20 +1,20 @@
 """Memory-tier replicas sent from ShardWriter to ShardWriter over one TCP stream each, not through Ray's object store.
 
 A shard file of a memory checkpoint is copied to the ring's peer node before its
-write returns (``memory_tier.replicate``). Through the object store that took
+write returns (``replication.replicate``). Through the object store that took
 three copies of every byte on the CPU (into the sender's store, across to the
 peer's, out into the peer's held file) and object-store memory on both nodes as
 large as the file. Over the link the sender's kernel sends the held file itself
 (``socket.sendfile``: no copy in user space) and the peer moves the stream into the
 new held file with ``splice`` (a kernel pipe: no copy in user space either, and no
-page faults, which made receiving into a mapping twice as slow): no object-store memory.
+page faults, as receiving into a mapping has): no object-store memory.
 
 Each ShardWriter listens (``ReplicaServer``) on its node's IP address, on a port the
 system picks; its ``mem_endpoint()`` gives (host, port, token), through Ray. A
 connection must present the token before anything is read. The peer answers
 ``ok`` once the file is held (within its budget), else the reason, which the sender
 raises. Where the link cannot be reached (a firewall between the nodes, say) the
-sender copies through Ray instead (``memory_tier.replicate``).
+sender copies through Ray instead (``replication.replicate``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class ReplicaServer:
     """A ShardWriter's listener: each connection is one replica, held in ``store`` once fully received."""
 
     def __init__(self, store: Any, host: str) -> None:
-        #: The ``memory_tier.MemoryStore`` replicas go into.
+        #: The ``store.MemoryStore`` replicas go into.
         self.store = store
         self.token = secrets.token_bytes(16)
         self.sock = socket.create_server((host, 0))

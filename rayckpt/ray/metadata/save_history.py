@@ -10,11 +10,11 @@ commits. Storage stays the truth: committed checkpoints are re-read from it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..storage.catalog import CatalogEntry
+from ...bounded import BoundedMap
+from ...storage.catalog import CatalogEntry
 
 #: Settled saves kept per run (``checkpoints()``, late reports and late waits use them).
 SETTLED_KEPT_PER_RUN = 32
@@ -37,31 +37,30 @@ class SaveHistory:
     """
 
     def __init__(self, per_run: int = SETTLED_KEPT_PER_RUN, runs: int = RUNS_KEPT) -> None:
-        self.per_run, self.runs = per_run, runs
+        self.per_run = per_run
         #: run -> save id -> settled save, oldest first; runs least recently active first.
-        self._by_run: OrderedDict[str, OrderedDict[str, SettledSave]] = OrderedDict()
+        self._by_run: BoundedMap[str, BoundedMap[str, SettledSave]] = BoundedMap(runs)
         self._run_of: dict[str, str] = {}
 
     def add(self, done: SettledSave) -> None:
         run, save_id = done.entry.run, done.entry.save_id
         self._drop(save_id)
-        saves = self._by_run.setdefault(run, OrderedDict())
-        self._by_run.move_to_end(run)
-        saves[save_id] = done
-        self._run_of[save_id] = run
-        while len(saves) > self.per_run:
-            del self._run_of[saves.popitem(last=False)[0]]
-        while len(self._by_run) > self.runs:
-            for old in self._by_run.popitem(last=False)[1]:
+        saves = self._by_run.get(run) or BoundedMap(self.per_run)
+        for _, gone_run in self._by_run.put(run, saves):
+            for old in gone_run:
                 del self._run_of[old]
+        self._run_of[save_id] = run
+        for old, _ in saves.put(save_id, done):
+            del self._run_of[old]
 
     def get(self, save_id: str) -> SettledSave | None:
         run = self._run_of.get(save_id)
-        return None if run is None else self._by_run[run][save_id]
+        return None if run is None else self._by_run.peek(run).peek(save_id)
 
     def of_run(self, run: str) -> list[SettledSave]:
         """``run``'s settled saves, oldest first."""
-        return list(self._by_run.get(run, {}).values())
+        saves = self._by_run.peek(run)
+        return [] if saves is None else saves.values()
 
     def run_count(self) -> int:
         return len(self._by_run)
@@ -72,4 +71,4 @@ class SaveHistory:
     def _drop(self, save_id: str) -> None:
         run = self._run_of.pop(save_id, None)
         if run is not None:
-            del self._by_run[run][save_id]
+            self._by_run.peek(run).pop(save_id)

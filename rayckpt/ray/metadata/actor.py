@@ -28,21 +28,24 @@ files removed) instead of waiting out its commit timeout.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
 from typing import Any
 
 import ray
 
-from ..planning.load_plan import TensorRequest
-from ..redaction import redact, redact_fields
-from ..storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
-from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import SaveSpec, WrittenShard
-from . import metrics
+from ...bounded import BoundedMap
+from ...planning.load_plan import TensorRequest
+from ...redaction import redact, redact_fields
+from ...storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
+from ...storage.checkpoint_dir import CheckpointDir
+from ...storage.commit import SaveSpec, WrittenShard
+from .. import metrics
+from ..actors import HEAD_NODE_RESOURCE, METADATA_ACTOR_NAME, NAMESPACE, named
+from ..records import SaveTarget
 from .attempts import AttemptCounter
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
 from .layout_cache import LAYOUT_WANTED, LayoutRef, SaveLayouts, ShardReport, SpecLayout, join_shard, join_spec
@@ -51,8 +54,6 @@ from .save_history import RUNS_KEPT
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "rayckpt"
-METADATA_ACTOR_NAME = "rayckpt-metadata"
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
 
 #: How often the watchdog looks for saves past their deadline.
@@ -80,9 +81,9 @@ class MetadataActor:
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._watchdog: asyncio.Task | None = None
         #: run -> its last ``_EVENTS_KEPT`` events; the ``RUNS_KEPT`` most recently active runs.
-        self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._events: BoundedMap[str, list[dict[str, Any]]] = BoundedMap(RUNS_KEPT)
         #: run -> its last shard write's throughput (bytes/s), the ``RUNS_KEPT`` most recent runs.
-        self._throughput: OrderedDict[str, float] = OrderedDict()
+        self._throughput: BoundedMap[str, float] = BoundedMap(RUNS_KEPT)
         #: Worker groups started per Ray Train run id, the ``RUNS_KEPT`` most recent.
         self._attempts = AttemptCounter(RUNS_KEPT)
         self._gauge_refresher: asyncio.Task | None = None
@@ -141,23 +142,25 @@ class MetadataActor:
     async def begin_save(
         self,
         spec: SaveSpec,
-        location: str,
-        filesystem: Any,
-        run: str,
-        step: int | None,
+        target: SaveTarget,
         commit_timeout_s: float | None = None,
         layout: LayoutRef | None = None,
     ) -> str:
-        """Called by rank 0 once per save; returns this incarnation's id. A save not committed
-        within ``commit_timeout_s`` (default: the actor's) fails.
+        """Register a save (rank 0, once per save).
 
-        ``layout``: the save's layout, when ``spec`` comes without its tensors and paths
-        (``layout_cache``); fetched from rank 0's object store only if this actor lacks it.
+        Args:
+            spec: what every rank agreed on (without its tensors and paths when ``layout`` is given).
+            target: the save's run, step, location and filesystem.
+            commit_timeout_s: the save fails unless committed within it (default: the actor's).
+            layout: the save's layout (``layout_cache``), fetched from rank 0's object store
+                only if this actor lacks it.
+
+        Returns:
+            This incarnation's id.
         """
         if layout is not None:
-            spec = join_spec(spec, await self._layout(layout, spec, run, step))
-        track = self._tracker.begin_save
-        settled = await asyncio.to_thread(track, spec, location, filesystem, run, step, commit_timeout_s)
+            spec = join_spec(spec, await self._layout(layout, spec, target.run, target.step))
+        settled = await asyncio.to_thread(self._tracker.begin_save, spec, target, commit_timeout_s)
         self._watch()  # once the save is registered, so that the watchdog's first look sees it pending
         await self._settle(settled)
         return self._incarnation
@@ -174,44 +177,38 @@ class MetadataActor:
         return held
 
     async def report_written(
-        self,
-        save_id: str,
-        shard: WrittenShard | ShardReport,
-        seconds: float,
-        node: str = "",
-        incarnation: str | None = None,
-        run: str = "",
-        step: int | None = None,
-        location: str = "",
-        filesystem: Any = None,
+        self, target: SaveTarget, shard: WrittenShard | ShardReport, seconds: float, node: str = ""
     ) -> str | None:
-        """Called by a ShardWriter when a rank's shard files are durable.
+        """A rank's shard files are durable (its ShardWriter).
 
-        ``shard``: what the rank wrote, or its ``ShardReport`` (``layout_cache``), which
-        is answered ``LAYOUT_WANTED`` (nothing else done) when it comes without a chunk
-        layout this actor lacks: the writer sends it again with the layout.
-        ``incarnation``: the id the rank heard when its save began; ``run``, ``step``,
-        ``location``, ``filesystem``: whose save and where its files are, for a save
-        this incarnation does not know (to name it, and to remove the files if it never commits).
+        Args:
+            target: the save; its ``incarnation`` is the id the rank heard when the save
+                began, and its run, step, location and filesystem name a save this
+                incarnation does not know (and remove its files if it never commits).
+            shard: what the rank wrote, or its ``ShardReport`` (``layout_cache``).
+            seconds: how long the writer took.
+            node: the writer's node.
+
+        Returns:
+            ``LAYOUT_WANTED`` (nothing else done) when ``shard`` comes without a chunk layout
+            this actor lacks: the writer sends it again with the layout; else ``None``.
         """
         if isinstance(shard, ShardReport):
             joined = await self._written_shard(shard)
             if joined is None:
                 return LAYOUT_WANTED
             shard = joined
-        known = self._tracker.entry(save_id)
+        known = self._tracker.entry(target.save_id)
         if known.status != FAILED:  # a failed save's files are removed: not counted as written
             nbytes = shard.nbytes
             metrics.observe("rayckpt_persist_seconds", seconds, run=known.run)
             metrics.inc("rayckpt_bytes_written", nbytes, run=known.run)
             if seconds > 0:
                 self._set_throughput(known.run, nbytes / seconds)
-        track = self._tracker.report_written
-        where = (run, step, location, filesystem)
-        settled = await asyncio.to_thread(track, save_id, shard, node, *where)
-        if self._restarted_since(incarnation):
-            lost, reason = self._tracker.lost, self._lost_reason(incarnation)
-            settled += await asyncio.to_thread(lost, save_id, reason, shard.rank, *where)
+        settled = await asyncio.to_thread(self._tracker.report_written, target, shard, node)
+        if self._restarted_since(target.incarnation):
+            reason = self._lost_reason(target.incarnation)
+            settled += await asyncio.to_thread(self._tracker.lost, target.for_rank(shard.rank), reason)
         self._watch()  # a save nobody registered expires too
         await self._settle(settled)
         return None
@@ -221,23 +218,15 @@ class MetadataActor:
         layout = self._layouts.chunk_layout(report)
         return None if layout is None else await asyncio.to_thread(join_shard, report, layout)
 
-    async def report_failed(
-        self,
-        save_id: str,
-        rank: int,
-        error: str,
-        run: str = "",
-        step: int | None = None,
-        location: str = "",
-        filesystem: Any = None,
-    ) -> None:
-        """Called by a rank or its writer when its part of the save failed.
+    async def report_failed(self, target: SaveTarget, error: str) -> None:
+        """A rank's part of the save failed (the rank, or its writer).
 
-        ``run``, ``step``, ``location``, ``filesystem``: where the save goes, for a failure
-        that arrives before rank 0's registration (its event and its cleanup).
+        Args:
+            target: the save and the rank that failed; where the save goes, for a failure
+                that arrives before rank 0's registration (its event and its cleanup).
+            error: what failed.
         """
-        track = self._tracker.report_failed
-        settled = await asyncio.to_thread(track, save_id, rank, error, run, step, location, filesystem)
+        settled = await asyncio.to_thread(self._tracker.report_failed, target, error)
         await self._settle(settled)
 
     async def fail_pending(self, run: str, reason: str) -> list[str]:
@@ -246,27 +235,23 @@ class MetadataActor:
         await self._settle(settled)
         return [o.entry.save_id for o in settled]
 
-    async def wait_commit(
-        self,
-        save_id: str,
-        timeout: float | None = None,
-        incarnation: str | None = None,
-        rank: int | None = None,
-        run: str = "",
-        step: int | None = None,
-        location: str = "",
-        filesystem: Any = None,
-    ) -> CatalogEntry:
-        """Block until the save committed or failed, at most ``timeout`` seconds; return its
-        catalog entry ("pending" if it did not settle in time). Called by every rank.
+    async def wait_commit(self, target: SaveTarget, timeout: float | None = None) -> CatalogEntry:
+        """Block until the save committed or failed (every rank).
 
-        ``incarnation``: the id the rank heard when its save began. A save begun under
-        another incarnation (this actor restarted since) is settled at once, with
-        ``rank``, ``run``, ``step``, ``location``, ``filesystem`` saying whose and where.
+        Args:
+            target: the save, as the asking rank knows it. A save begun under another
+                incarnation than ``target.incarnation`` (this actor restarted since) is
+                settled at once, its rank, run, step, location and filesystem saying whose
+                and where.
+            timeout: seconds to wait at most (``None``: until it settles).
+
+        Returns:
+            The save's catalog entry ("pending" if it did not settle in time).
         """
-        if self._restarted_since(incarnation):
-            lost, reason = self._tracker.lost, self._lost_reason(incarnation)
-            await self._settle(await asyncio.to_thread(lost, save_id, reason, rank, run, step, location, filesystem))
+        save_id = target.save_id
+        if self._restarted_since(target.incarnation):
+            reason = self._lost_reason(target.incarnation)
+            await self._settle(await asyncio.to_thread(self._tracker.lost, target, reason))
         if self._tracker.entry(save_id).status == PENDING:
             waiters = self._waiters.setdefault(save_id, set())
             settled = asyncio.Event()
@@ -283,10 +268,7 @@ class MetadataActor:
 
     def _set_throughput(self, run: str, bytes_per_second: float) -> None:
         """Set ``run``'s write throughput gauge, and keep it set until a later write changes it."""
-        self._throughput[run] = bytes_per_second
-        self._throughput.move_to_end(run)
-        while len(self._throughput) > RUNS_KEPT:
-            self._throughput.popitem(last=False)
+        self._throughput.put(run, bytes_per_second)
         metrics.observe("rayckpt_write_throughput_bytes_per_second", bytes_per_second, run=run)
         if self._gauge_refresher is None or self._gauge_refresher.done():
             self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
@@ -360,6 +342,7 @@ class MetadataActor:
         filesystem: Any,
         requests: tuple[TensorRequest, ...],
         value_keys: tuple[str, ...],
+        *,
         strict: bool = True,
         run: str = "",
         rank: int | None = None,
@@ -371,9 +354,8 @@ class MetadataActor:
         shards, the first rank to ask plans every rank at once (vectorized,
         ``BulkPlan``) and the others get their part of that.
         """
-        bundle = await asyncio.to_thread(
-            self._plans.plan, location, filesystem, requests, value_keys, strict, rank, world_size
-        )
+        plan = functools.partial(self._plans.plan, strict=strict, rank=rank, world_size=world_size)
+        bundle = await asyncio.to_thread(plan, location, filesystem, requests, value_keys)
         metrics.observe("rayckpt_plan_seconds", bundle.plan_seconds, run=run)
         return bundle
 
@@ -399,15 +381,13 @@ class MetadataActor:
         return restarts
 
     async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:
-        events = self._events.setdefault(run, [])
-        self._events.move_to_end(run)
+        events = self._events.get(run) or []
         events.append({"time": time.time(), "kind": kind, **redact_fields(data)})
         del events[:-_EVENTS_KEPT]
-        while len(self._events) > RUNS_KEPT:
-            self._events.popitem(last=False)
+        self._events.put(run, events)
 
     async def events(self, run: str) -> list[dict[str, Any]]:
-        return list(self._events.get(run, []))
+        return list(self._events.peek(run) or [])
 
 
 def show_commits_in_log() -> None:
@@ -426,14 +406,26 @@ def show_commits_in_log() -> None:
         logger.addHandler(handler)
 
 
-#: The resource only the head node has (Ray's ``HEAD_NODE_RESOURCE_NAME``).
-HEAD_NODE_RESOURCE = "node:__internal_head__"
-
-
 def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> Any:
-    """The namespace's MetadataActor, created on first use (detached, 0 CPUs, on the head node)."""
+    """The namespace's MetadataActor, created on first use (detached, 0 CPUs, on the head node).
+
+    Args:
+        commit_timeout_s: the actor's default commit timeout, if this call creates it.
+
+    Returns:
+        Its handle (``actors.named``: Ray's cached handle while the actor lives).
+    """
+    return named(METADATA_ACTOR_NAME, functools.partial(_create_metadata_actor, commit_timeout_s))
+
+
+@functools.cache
+def _remote_class() -> Any:
+    return ray.remote(MetadataActor)
+
+
+def _create_metadata_actor(commit_timeout_s: float) -> Any:
     return (
-        ray.remote(MetadataActor)
+        _remote_class()
         .options(
             name=METADATA_ACTOR_NAME,
             namespace=NAMESPACE,

@@ -9,8 +9,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..storage.catalog import CatalogEntry
-from ..storage.commit import SaveSpec, WrittenShard
+from ...storage.catalog import CatalogEntry
+from ...storage.commit import SaveSpec, WrittenShard
 
 PENDING = "pending"
 COMMITTED = "committed"
@@ -38,7 +38,7 @@ class Removal:
     paths: tuple[str, ...]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SaveRecord:
     """One save in flight; changed only under the tracker's lock."""
 

@@ -33,13 +33,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
-from ..format.manifest import Manifest
-from ..storage.catalog import CatalogEntry, describe, entry_order
-from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import SaveSpec, WrittenShard, commit_save, remove_failed_save
-from ..storage.lease import HELD, LEASE_TTL_S, release_lease, write_lease
+from ...format.manifest import Manifest
+from ...storage.catalog import CatalogEntry, describe, entry_order
+from ...storage.checkpoint_dir import CheckpointDir
+from ...storage.commit import SaveSpec, WrittenShard, commit_save, remove_failed_save
+from ...storage.lease import HELD, LEASE_TTL_S, release_lease, write_lease
+from ..records import SaveTarget
 from .save_history import SaveHistory, SettledSave
 from .save_record import COMMITTED, FAILED, PENDING, Removal, SaveOutcome, SaveRecord
 
@@ -82,23 +82,21 @@ class CommitTracker:
 
     # -- reports (each returns the saves it settled) -----------------------------
 
-    def begin_save(
-        self,
-        spec: SaveSpec,
-        location: str,
-        filesystem: Any,
-        run: str,
-        step: int | None,
-        timeout_s: float | None = None,
-    ) -> list[SaveOutcome]:
+    def begin_save(self, spec: SaveSpec, target: SaveTarget, timeout_s: float | None = None) -> list[SaveOutcome]:
         """Register a save (rank 0, once per save, through the actor); commits it if every rank
         already reported. It fails unless committed within ``timeout_s`` (default: the tracker's).
-        A save that already failed (a rank reported first) stays failed."""
+        A save that already failed (a rank reported first) stays failed.
+
+        Args:
+            spec: what every rank agreed on; ``spec.save_id`` names the save.
+            target: its run, step, location and filesystem.
+        """
         with self._lock:
             if self._history.get(spec.save_id) is not None:
                 return []
             s = self._save(spec.save_id)
-            s.spec, s.location, s.filesystem, s.run, s.step = spec, location, filesystem, run, step
+            s.spec, s.location, s.filesystem = spec, target.location, target.filesystem
+            s.run, s.step = target.run, target.step
             s.timeout = timeout_s or self._default_timeout_s
             s.deadline = self._clock() + s.timeout
             s.registered = True
@@ -107,33 +105,30 @@ class CommitTracker:
                 s.committing = True
         return self._commit(s) if ready else []
 
-    def report_written(
-        self,
-        save_id: str,
-        shard: WrittenShard,
-        node: str = "",
-        run: str = "",
-        step: int | None = None,
-        location: str = "",
-        filesystem: Any = None,
-    ) -> list[SaveOutcome]:
+    def report_written(self, target: SaveTarget, shard: WrittenShard, node: str = "") -> list[SaveOutcome]:
         """A rank's shard files are durable (its ShardWriter, through the actor); commits the
         save when it was the last one missing. Files of a save that failed are removed.
 
-        ``run``, ``step``, ``location``, ``filesystem``: whose save and where it goes, to
-        name and clean up a save that is never registered (see ``expire``).
+        Args:
+            target: the save; its run, step, location and filesystem name and clean up a
+                save that is never registered (see ``expire``).
+            shard: what the rank wrote.
+            node: the node of the ShardWriter that wrote it.
         """
+        save_id = target.save_id
         paths = tuple(f.path for f in shard.files)
         with self._lock:
             done = self._history.get(save_id)
             if done is not None:
                 if done.entry.status != FAILED:
                     return []  # a repeated report of a committed save: its files are the checkpoint's
-                removal = Removal(done.entry.path or location, done.filesystem or filesystem, save_id, paths)
+                removal = Removal(
+                    done.entry.path or target.location, done.filesystem or target.filesystem, save_id, paths
+                )
                 ready = False
             else:
                 s = self._save(save_id)
-                self._locate(s, run, step, location, filesystem)
+                self._locate(s, target)
                 s.writer_nodes[shard.rank] = node
                 removal = self._removal(s, paths) if s.status == FAILED else None
                 if removal is None:
@@ -146,55 +141,39 @@ class CommitTracker:
             return []
         return self._commit(s) if ready else []
 
-    def report_failed(
-        self,
-        save_id: str,
-        rank: int,
-        error: str,
-        run: str = "",
-        step: int | None = None,
-        location: str = "",
-        filesystem: Any = None,
-    ) -> list[SaveOutcome]:
+    def report_failed(self, target: SaveTarget, error: str) -> list[SaveOutcome]:
         """A rank's part of the save failed (the rank or its writer, through the actor).
 
-        ``run``, ``step``, ``location``, ``filesystem``: where the save goes, for a
-        failure that arrives before rank 0's registration (its catalog entry and
-        its cleanup).
+        Args:
+            target: the save and the rank that failed (``target.rank``); where the save
+                goes, for a failure that arrives before rank 0's registration (its
+                catalog entry and its cleanup).
+            error: what failed.
         """
         with self._lock:
-            if self._history.get(save_id) is not None:
+            if self._history.get(target.save_id) is not None:
                 return []
-            s = self._save(save_id)
-            self._locate(s, run, step, location, filesystem)
-            s.failures[rank] = error
-        return self._fail(s, f"rank {rank}: {error}")
+            s = self._save(target.save_id)
+            self._locate(s, target)
+            s.failures[target.rank] = error
+        return self._fail(s, f"rank {target.rank}: {error}")
 
-    def lost(
-        self,
-        save_id: str,
-        reason: str,
-        rank: int | None = None,
-        run: str = "",
-        step: int | None = None,
-        location: str = "",
-        filesystem: Any = None,
-    ) -> list[SaveOutcome]:
+    def lost(self, target: SaveTarget, reason: str) -> list[SaveOutcome]:
         """A rank (or its writer) that started the save under an earlier incarnation of the
         actor asks about it: fail it with ``reason`` unless this tracker has what it needs
-        to commit it (its registration and, given ``rank``, that rank's files).
+        to commit it (its registration and, given ``target.rank``, that rank's files).
 
         A save this tracker never saw registered is failed only if storage does not hold
         it committed (the earlier incarnation may have committed it before it died).
         """
         with self._lock:
-            if self._history.get(save_id) is not None:
+            if self._history.get(target.save_id) is not None:
                 return []
-            s = self._saves.get(save_id)
-            if s is not None and s.registered and (rank is None or rank in s.written):
+            s = self._saves.get(target.save_id)
+            if s is not None and s.registered and (target.rank is None or target.rank in s.written):
                 return []
-            s = s or self._save(save_id)
-            self._locate(s, run, step, location, filesystem)
+            s = s or self._save(target.save_id)
+            self._locate(s, target)
         return self._fail(s, reason)
 
     def fail_pending(self, run: str, reason: str) -> list[SaveOutcome]:
@@ -362,16 +341,16 @@ class CommitTracker:
     def _save(self, save_id: str) -> SaveRecord:
         s = self._saves.get(save_id)
         if s is None:
-            s = self._saves[save_id] = SaveRecord(save_id, started=self._clock())
+            s = self._saves[save_id] = SaveRecord(save_id=save_id, started=self._clock())
         return s
 
     @staticmethod
-    def _locate(s: SaveRecord, run: str, step: int | None, location: str, filesystem: Any) -> None:
+    def _locate(s: SaveRecord, target: SaveTarget) -> None:
         """Where an unregistered save goes, from a report that says (the registration says otherwise)."""
         if not s.registered:
-            s.run, s.step = s.run or run, s.step if s.step is not None else step
-            if location:
-                s.location, s.filesystem = location, filesystem
+            s.run, s.step = s.run or target.run, s.step if s.step is not None else target.step
+            if target.location:
+                s.location, s.filesystem = target.location, target.filesystem
 
     def _removal(self, s: SaveRecord, paths: Sequence[str]) -> Removal:
         return Removal(s.location, s.filesystem, s.save_id, tuple(paths))

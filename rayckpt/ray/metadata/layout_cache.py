@@ -28,20 +28,20 @@ Ray-free: the reference is opaque here; the actor's shell resolves it.
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ..errors import SaveFailedError
-from ..format.boxes import Box
-from ..format.manifest import FileEntry
-from ..format.paths import Path
-from ..format.shard_file import WrittenChunk
-from ..planning.save_columns import digest
-from ..storage.commit import SaveSpec, WrittenShard
+from ...bounded import BoundedMap
+from ...errors import SaveFailedError
+from ...format.boxes import Box
+from ...format.manifest import FileEntry
+from ...format.paths import Path
+from ...format.shard_file import WrittenChunk
+from ...planning.save_columns import digest
+from ...storage.commit import SaveSpec, WrittenShard
 
 #: Save layouts the actor keeps (least recently used dropped first): a few runs sharing the actor.
 LAYOUTS_KEPT = 4
@@ -110,7 +110,7 @@ class ChunkLayout:
         return digest(repr(self.keys).encode(), self.ndims.tobytes(), self.boxes.tobytes(), self.files.tobytes())
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class ShardReport:
     """A rank's ``WrittenShard`` as its ShardWriter reports it: what changes per save, columns,
     and its chunk layout's digest; the layout itself only when the actor may lack it."""
@@ -143,14 +143,14 @@ def split_shard(shard: WrittenShard) -> ShardReport:
         np.array([file_index[c.file] for c in chunks], dtype=np.int32),
     )
     return ShardReport(
-        shard.rank,
-        layout.digest(),
-        np.array([c.byte_offset for c in chunks], dtype=np.int64),
-        np.array([c.byte_length for c in chunks], dtype=np.int64),
-        np.array([len(c.checksums) for c in chunks], dtype=np.uint32),
-        np.array([x for c in chunks for x in c.checksums], dtype=np.uint64),
-        shard.files,
-        layout,
+        rank=shard.rank,
+        layout=layout.digest(),
+        byte_offsets=np.array([c.byte_offset for c in chunks], dtype=np.int64),
+        byte_lengths=np.array([c.byte_length for c in chunks], dtype=np.int64),
+        checksum_counts=np.array([len(c.checksums) for c in chunks], dtype=np.uint32),
+        checksums=np.array([x for c in chunks for x in c.checksums], dtype=np.uint64),
+        files=shard.files,
+        chunks=layout,
     )
 
 
@@ -192,30 +192,20 @@ class LayoutCache(Generic[T]):
     ) -> None:
         if kept < 1:
             raise ValueError(f"LayoutCache keeps at least one layout, got kept={kept}")
-        self._names, self._kept, self._weight = names, kept, weight
-        self._layouts: OrderedDict[bytes, T] = OrderedDict()
-        self._held = 0
+        self._names = names
+        self._layouts: BoundedMap[bytes, T] = BoundedMap(kept, weight)
         self._uses = 0
         self._received = 0
 
     def get(self, digest: bytes) -> T | None:
         """The layout of ``digest`` if held (counted as a use)."""
         self._uses += 1
-        layout = self._layouts.get(digest)
-        if layout is not None:
-            self._layouts.move_to_end(digest)
-        return layout
+        return self._layouts.get(digest)
 
     def add(self, digest: bytes, layout: T) -> None:
         """Hold ``layout`` (just received) under ``digest``; drop the least recently used past ``kept``."""
         self._received += 1
-        old = self._layouts.pop(digest, None)
-        if old is not None:
-            self._held -= self._weight(old)
-        self._layouts[digest] = layout
-        self._held += self._weight(layout)
-        while self._held > self._kept and len(self._layouts) > 1:
-            self._held -= self._weight(self._layouts.popitem(last=False)[1])
+        self._layouts.put(digest, layout)
 
     def counts(self) -> dict[str, int]:
         uses, received, held = self._names

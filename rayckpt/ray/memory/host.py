@@ -1,0 +1,61 @@
+"""The memory tier's side of a node's ShardWriter: the store it holds and the calls other processes make on it.
+
+``ShardWriter`` inherits ``MemoryHost``: the ShardWriter's process is the one that
+holds the node's memory checkpoints (``store.MemoryStore``) and receives its peers'
+replicas (``link.ReplicaServer``). The ``mem_*`` methods are what
+``filesystem.MemoryFileSystem`` and the ``Checkpointer`` call on every live writer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from .link import ReplicaServer
+from .store import MemoryStore, hold_here
+
+
+class MemoryHost:
+    """The node's share of the memory tier, held by the actor that inherits this (a threaded Ray actor)."""
+
+    def __init__(self, node_id: str, directory: str) -> None:
+        #: The node's share of the memory tier: freed with this process.
+        self.memory = MemoryStore(node_id, directory)
+        hold_here(self.memory)
+        #: Where peers send this node its replicas.
+        self.replicas = ReplicaServer(self.memory, ray.util.get_node_ip_address())
+
+    def mem_put(self, path: str, data: Any) -> int:
+        """Hold ``data`` as ``path`` (not replicated); its size."""
+        return self.memory.put(path, data)
+
+    def mem_endpoint(self) -> tuple[str, int, bytes]:
+        """(host, port, token) of this node's replica listener."""
+        return self.replicas.endpoint
+
+    def mem_stat(self, paths: list[str]) -> dict[str, int]:
+        return self.memory.stat(paths)
+
+    def mem_listing(self, base: str, recursive: bool) -> dict[str, int]:
+        return self.memory.listing(base, recursive)
+
+    def mem_delete(self, path: str, tree: bool) -> int:
+        return self.memory.delete(path, tree)
+
+    def mem_where(self, path: str) -> tuple[int, int, int, int] | None:
+        return self.memory.where(path)
+
+    def mem_read(self, path: str, offset: int, length: int) -> bytes:
+        return self.memory.read(path, offset, length)
+
+    def mem_room(self, root: str | None = None, keep: int = 0) -> int:
+        """Bytes the node's memory tier may still take (its budget less what it holds); with ``root``, after
+        dropping the checkpoints under it older than its newest ``keep`` committed ones (``MemoryStore.drop_old``)."""
+        return self.memory.room(root, keep)
+
+    def mem_budget(self, nbytes: int | None = None) -> int:
+        """The node's memory-tier budget in bytes; ``nbytes`` sets it (held files stay)."""
+        if nbytes is not None:
+            self.memory.budget = nbytes
+        return self.memory.budget

@@ -1,0 +1,32 @@
+"""The record every report about a save carries across the actors: whose save it is and where it goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveTarget:
+    """Where a save comes from and goes, as a rank, its ShardWriter and the MetadataActor name it.
+
+    Every report about a save carries it (``begin_save``, ``report_written``,
+    ``report_failed``, ``wait_commit``), so that an actor that never saw the save
+    registered (a report that overtook rank 0's registration, or an actor that
+    restarted mid-save) can still name the save and remove its files.
+    """
+
+    save_id: str
+    run: str = ""
+    step: int | None = None
+    #: The checkpoint directory as the actors reach it (with ``filesystem``): ``save_handle.actor_location``.
+    location: str = ""
+    filesystem: Any = None
+    #: The rank whose part this report is about; ``None``: the save as a whole.
+    rank: int | None = None
+    #: The MetadataActor incarnation the save began under (``None``: not known to the sender).
+    incarnation: str | None = None
+
+    def for_rank(self, rank: int | None) -> SaveTarget:
+        """The same save, as reported by ``rank``."""
+        return replace(self, rank=rank)
