@@ -168,7 +168,7 @@ def test_a_save_the_actor_lost_fails_at_its_commit_timeout_and_only_for_its_own_
     path.mkdir()
     (path / "sid-unheard-r00000-float.arrow").write_bytes(b"written, then the report was lost")
     handle = SaveHandle(
-        SaveTarget(save_id="sid-unheard", run="unheard", step=3, rank=0),
+        SaveTarget(save_id="sid-unheard", run="unheard", step=3, location=str(path), rank=0),
         CheckpointDir.resolve(str(path)),
         write_ref=ray.put(None),
         staged_ref=None,

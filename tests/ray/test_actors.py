@@ -288,7 +288,16 @@ def test_writer_refuses_a_region_staged_on_another_node(ray_session, tmp_path):
     region = staging.StagedRegion("/dev/shm/x", "f" * 56, ((0, 4),))
     writer = get_shard_writer()
     with pytest.raises(ray.exceptions.RayTaskError, match=r"staging file /dev/shm/x is on node ffffffffffff"):
-        ray.get(writer.write.remote(ShardWrite("sid-node", str(tmp_path / "n"), None, 0, 64, ()), region))
+        ray.get(
+            writer.write.remote(
+                ShardWrite(
+                    target=SaveTarget(save_id="sid-node", location=str(tmp_path / "n"), rank=0),
+                    block_size=64,
+                    chunks=(),
+                ),
+                region,
+            )
+        )
 
 
 def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tmp_path, monkeypatch):
@@ -303,7 +312,12 @@ def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tm
     assert entry.status == "committed" and entry.save_id == handle.save_id and entry.step == 8
     # a save storage does not hold (another save's manifest is there) failed
     other = async_save.SaveHandle(
-        "sid-never", CheckpointDir.resolve(path), "orphan", 9, 0, ray.put(None), None, 0.0, 30.0
+        SaveTarget(save_id="sid-never", run="orphan", step=9, location=path, rank=0),
+        CheckpointDir.resolve(path),
+        write_ref=ray.put(None),
+        staged_ref=None,
+        stall_seconds=0.0,
+        timeout=30.0,
     )
     with pytest.raises(rayckpt.SaveFailedError, match=r"sid-never.*the MetadataActor died before this save was"):
         other.wait()
@@ -315,16 +329,13 @@ def test_a_registration_that_failed_fails_the_save(ray_session, tmp_path):
         raise RuntimeError("cannot decode the filesystem")
 
     handle = async_save.SaveHandle(
-        "sid-unregistered",
+        SaveTarget(save_id="sid-unregistered", run="unregistered", step=1, location=str(tmp_path / "u"), rank=0),
         CheckpointDir.resolve(str(tmp_path / "u")),
-        "unregistered",
-        1,
-        0,
-        ray.put(None),
-        None,
-        0.0,
-        30.0,
-        begin_save_raising.remote(),
+        write_ref=ray.put(None),
+        staged_ref=None,
+        stall_seconds=0.0,
+        timeout=30.0,
+        registered=begin_save_raising.remote(),
     )
     with pytest.raises(
         rayckpt.SaveFailedError, match=r"(?s)registering with the MetadataActor: .*cannot decode the filesystem"
