@@ -1,5 +1,5 @@
-"""What every conversion shares: the ``convert()`` entry point and its checks, ``ConvertInfo``,
-the defaults, and the helpers exports use to pick keys and report progress.
+"""The ``convert()`` entry point: its checks, the defaults, and the table that sends each
+format to its module.
 
 One module per format holds the format itself:
 
@@ -11,10 +11,15 @@ One module per format holds the format itself:
 - ``safetensors_files``: tensors as safetensors files, split with a Hugging Face style
   ``model.safetensors.index.json`` when larger than ``max_shard_bytes``.
 
-``streaming`` writes any imported source as a rayckpt checkpoint. Everything streams
-tensor by tensor (imports: in groups of at most ``group_bytes``), so one process holds
-about the largest tensor, never the whole model. Imports write a normal rayckpt
-checkpoint with the engine's own shard writer and commit.
+``streaming`` writes any imported source as a rayckpt checkpoint, and ``common`` holds
+what the formats share (``ConvertInfo`` and the export helpers; re-exported here).
+Everything streams tensor by tensor (imports: in groups of at most ``group_bytes``), so
+one process holds about the largest tensor, never the whole model. Imports write a
+normal rayckpt checkpoint with the engine's own shard writer and commit.
+
+Imports run one way only: ``core`` imports the format modules, ``streaming`` and
+``common``; the format modules import ``streaming`` and ``common``; ``streaming``
+imports ``common``; ``common`` imports none of them.
 """
 
 from __future__ import annotations
@@ -24,37 +29,57 @@ import errno
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from types import ModuleType
+from typing import NamedTuple
 
 import pyarrow.fs as pafs
 
 from ...errors import SaveFailedError
-from ...format.paths import Path, strip_prefix
 from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.lease import is_lease_file
-from ..reader import CheckpointReader, Progress, tensor_nbytes
+from ..reader import CheckpointReader, Progress
+from . import dcp_dir, safetensors_files, streaming, torch_file
+from .common import ConvertInfo, output_path, progress_over, selected
 
-FORMATS = ("torch", "dcp", "safetensors")
+__all__ = [
+    "DEFAULT_GROUP_BYTES",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "FORMATS",
+    "ConvertInfo",
+    "convert",
+    "output_path",
+    "progress_over",
+    "publish",
+    "selected",
+]
+
+
+class _Format(NamedTuple):
+    """Where one format's two entry points live: its module and their names in it.
+
+    ``convert()`` looks them up on the module when it runs, so a function replaced
+    on its module (a test's patch) is the one called.
+    """
+
+    module: ModuleType
+    #: ``source(src) -> streaming.Source``: reads ``src`` for an import.
+    source: str
+    #: ``export(reader, dst, prefix, max_shard_bytes, on_progress) -> ConvertInfo``.
+    export: str
+
+
+#: Format name -> its module's source (import) and export functions.
+_DISPATCH: dict[str, _Format] = {
+    "torch": _Format(torch_file, "torch_source", "export_torch"),
+    "dcp": _Format(dcp_dir, "dcp_source", "export_dcp"),
+    "safetensors": _Format(safetensors_files, "safetensors_source", "export_safetensors"),
+}
+
+FORMATS = tuple(_DISPATCH)
 #: Hugging Face's default shard size.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 #: Imports load source tensors in groups of at most this many bytes (a larger tensor alone).
 DEFAULT_GROUP_BYTES = 64 * 2**20
-
-
-@dataclass(frozen=True, slots=True)
-class ConvertInfo:
-    src: str
-    dst: str
-    #: The other format: what was written (``direction="to"``) or read (``"from"``).
-    format: str
-    direction: str
-    tensors: int
-    values: int
-    #: Tensor payload bytes converted.
-    bytes: int
-    #: Files written, relative to ``dst`` (``dst`` itself for a torch file).
-    files: tuple[str, ...]
 
 
 def convert(
@@ -84,12 +109,34 @@ def convert(
     export writes beside ``dst`` and publishes its output in one step
     (``publish``): of two exports to one ``dst`` one wins, the other raises
     ``SaveFailedError`` and removes its output.
-    """
-    # The format modules import this one (ConvertInfo, the helpers below), so they are
-    # imported here rather than at the top; their functions are looked up on the module
-    # at call time, which is also what lets tests patch them there.
-    from . import dcp_dir, safetensors_files, streaming, torch_file
 
+    Args:
+        src: The checkpoint to convert: a rayckpt checkpoint for ``to``, a checkpoint in
+            the ``from_`` format for ``from_``.
+        dst: Where the output goes; must not exist yet (an empty directory is fine).
+            Exports write a local path only.
+        to: Export ``src`` to this format (one of ``FORMATS``).
+        from_: Import ``src`` from this format (one of ``FORMATS``).
+        prefix: Exports keep only keys starting with it and strip it; imports prepend it.
+        max_shard_bytes: Largest safetensors file an export writes.
+        block_size: Block size of an import's shard files (``None``: chosen from the tensors).
+        group_bytes: Imports load source tensors in groups of at most this many bytes.
+        on_progress: Called as ``on_progress(bytes done, bytes total)`` as tensors are written.
+
+    Returns:
+        What was converted: counts, bytes, and the files written.
+
+    Raises:
+        ValueError: Not exactly one of ``to`` and ``from_``, an unknown format, a size
+            that is not positive, an export to a non-local ``dst``, a ``dst`` that exists,
+            a ``prefix`` that selects nothing, or a source that is not a state dict.
+        SaveFailedError: Another conversion or save got to ``dst`` first; this one's
+            output was removed.
+        CheckpointNotFoundError: ``src`` is not there, or holds no checkpoint in that format.
+        CorruptCheckpointError: An imported DCP checkpoint's metadata is unreadable.
+        InvalidStateError: An import's key is both a tensor and a value, or an export's
+            tensor has no safetensors dtype.
+    """
     if (to is None) == (from_ is None):
         raise ValueError("give exactly one of --to FORMAT (export) or --from FORMAT (import)")
     fmt = to if to is not None else from_
@@ -97,6 +144,7 @@ def convert(
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if max_shard_bytes <= 0 or group_bytes <= 0:
         raise ValueError("max_shard_bytes and group_bytes must be positive")
+    entry = _DISPATCH[fmt]
     src, dst = os.fspath(src), os.fspath(dst)
     out = CheckpointDir.resolve(dst)
     if to is not None and not out.is_local:
@@ -107,11 +155,7 @@ def convert(
     if kind != pafs.FileType.NotFound and (kind != pafs.FileType.Directory or found or out.list_dirs()):
         raise ValueError(f"destination {out.location} already exists; remove it or choose a new path")
     if to is not None:
-        export = {
-            "torch": torch_file.export_torch,
-            "dcp": dcp_dir.export_dcp,
-            "safetensors": safetensors_files.export_safetensors,
-        }[to]
+        export = getattr(entry.module, entry.export)
         reader = CheckpointReader(src)
         reader.check_stored(prefix)  # before the destination is touched
         # Written under the same name in a private directory beside dst (the name decides the
@@ -128,11 +172,7 @@ def convert(
             shutil.rmtree(private, ignore_errors=True)
         files = tuple(out.fs_path if f == tmp else f for f in info.files)
         return dataclasses.replace(info, dst=out.fs_path, files=files)
-    source = {
-        "torch": torch_file.torch_source,
-        "dcp": dcp_dir.dcp_source,
-        "safetensors": safetensors_files.safetensors_source,
-    }[fmt](src)
+    source = getattr(entry.module, entry.source)(src)
     return streaming.import_source(source, out, src, prefix, block_size, group_bytes, on_progress)
 
 
@@ -156,31 +196,3 @@ def publish(tmp: str, dst: str) -> None:
             f"{dst}: another writer filled it while this conversion ran; this conversion's output was "
             f"removed and {dst} left as that writer made it"
         ) from None
-
-
-def selected(reader: CheckpointReader, prefix: str) -> list[tuple[str, str]]:
-    """(key in the checkpoint, key in the output) for every entry under ``prefix``."""
-    keys = [(k, k[len(prefix) :]) for k in reader.manifest.entries if k.startswith(prefix)]
-    if not keys:
-        raise ValueError(f"no key in {reader.ckdir.location} starts with prefix {prefix!r}")
-    return keys
-
-
-def output_path(reader: CheckpointReader, key: str, prefix: str) -> Path:
-    """Where ``key`` goes in a nested export: its saved path less the parts that spell ``prefix``."""
-    return strip_prefix(reader.manifest.path(key), key, prefix)
-
-
-def progress_over(reader: CheckpointReader, keys: Iterable[str], on_progress: Progress | None) -> Callable[[str], None]:
-    """A callback to call after each tensor key is written, reporting bytes done."""
-    nbytes = {k: tensor_nbytes(reader.manifest.tensor(k)) for k in keys}
-    total = sum(nbytes.values())
-    done = 0
-
-    def advance(key: str) -> None:
-        nonlocal done
-        done += nbytes[key]
-        if on_progress:
-            on_progress(done, total)
-
-    return advance

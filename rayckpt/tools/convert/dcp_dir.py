@@ -29,7 +29,7 @@ from ...format.manifest import TensorEntry
 from ...format.paths import Path, join_path, nest
 from ...format.values import decode_value
 from ..reader import CheckpointReader, Progress
-from .core import ConvertInfo, output_path, progress_over, selected
+from .common import ConvertInfo, output_path, progress_over, selected
 from .streaming import Source
 
 

@@ -13,12 +13,13 @@ import struct
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from ...engine.state import as_bytes
 from ...errors import CheckpointNotFoundError, InvalidStateError
 from ...format.manifest import TensorEntry
 from ..reader import CheckpointReader, Progress, tensor_nbytes
-from .core import ConvertInfo, progress_over, selected
+from .common import ConvertInfo, progress_over, selected
 from .streaming import Source
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -116,8 +117,6 @@ def export_safetensors(
 
 def safetensors_source(src: str) -> Source:
     """A safetensors file, or a directory of them (with or without an index)."""
-    from safetensors import safe_open
-
     if os.path.isdir(src):
         index = os.path.join(src, SAFETENSORS_INDEX)
         if os.path.isfile(index):

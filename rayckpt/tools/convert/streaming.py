@@ -28,7 +28,7 @@ from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.commit import SaveSpec, commit_save, new_save_id, remove_failed_save
 from ...storage.lease import LeaseKeeper, claim_location, is_lease_file
 from ..reader import Progress
-from .core import ConvertInfo
+from .common import ConvertInfo
 
 
 @dataclass(frozen=True, slots=True)

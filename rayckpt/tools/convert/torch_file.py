@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _open_zipfile_writer
 
 from ...engine.state import FlatState, flatten, torch_dtype
 from ...errors import CheckpointNotFoundError
@@ -23,7 +24,7 @@ from ...format.manifest import TensorEntry
 from ...format.paths import Path, nest
 from ...format.values import decode_value
 from ..reader import CheckpointReader, Progress
-from .core import ConvertInfo, output_path, progress_over, selected
+from .common import ConvertInfo, output_path, progress_over, selected
 from .streaming import Source
 
 
@@ -73,8 +74,6 @@ def export_torch(
     Uses torch's own zip writer (``torch.serialization._open_zipfile_writer``), so the
     file is what ``torch.save`` would write for the same dict.
     """
-    from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _open_zipfile_writer
-
     keys = selected(reader, prefix)
     leaves: list[tuple[Path, Any]] = []
     tensor_keys: list[str] = []
