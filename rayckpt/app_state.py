@@ -1,4 +1,4 @@
-"""``AppState``, where the README has always shown it; it lives in ``rayckpt.engine.app_state``."""
+"""``AppState`` at ``rayckpt.app_state``, the import path the README shows; defined in ``rayckpt.engine.app_state``."""
 
 from .engine.app_state import AppState
 

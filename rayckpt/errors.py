@@ -65,7 +65,13 @@ def describe_error(exc: BaseException) -> str:
     ``; caused by Type: message`` for each exception it was raised from (or while handling).
 
     A rayckpt error's message is kept as written and ends the chain (it names its cause
-    itself); another one's is put on one line.
+    itself); another one's is put on one line. At most ``_CAUSES_SHOWN`` links are named.
+
+    Args:
+        exc: The exception to describe.
+
+    Returns:
+        One string, credentials redacted.
     """
     parts: list[str] = []
     seen: set[int] = set()

@@ -115,7 +115,7 @@ def current() -> PhaseClock | None:
 
 
 def log_phases(what: str, where: str, rank: int, phases: dict[str, float]) -> None:
-    """One DEBUG line per operation: ``rayckpt: save to <where> on rank R: plan 0.012 s, write 0.41 s, ...``."""
+    """One DEBUG line per operation: ``rayckpt: save to <where> on rank R: <phase> <seconds> s, ...``, longest first."""
     if logger.isEnabledFor(logging.DEBUG):
         parts = ", ".join(f"{k} {v:.4f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
         logger.debug("rayckpt: %s %s on rank %d: %s", what, where, rank, parts)

@@ -21,9 +21,16 @@ class AppState:
 
     A Stateful for a model, and its optimizer through ``get_state_dict`` /
     ``set_state_dict``, which also initializes a fresh optimizer's state so it loads
-    in place. Each extra is a Stateful object (an LR scheduler, a data loader with
-    ``state_dict``), a tensor, or a plain JSON-able value. Plain values are
-    restored into ``self.extras`` after load.
+    in place. Pass it to ``rayckpt.save`` and ``rayckpt.load`` inside a dict
+    (``{"app": app}``); its state is stored under ``model``, ``optim`` and
+    ``extra.<name>``.
+
+    Args:
+        model: The model (FSDP2-sharded or not).
+        optimizer: Its optimizer; None: the model alone.
+        **extras: Named further state: Stateful objects (an LR scheduler, a data
+            loader with ``state_dict``), tensors, or plain JSON-able values. Plain
+            values are restored into ``self.extras`` after a load.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **extras: Any):

@@ -7,7 +7,7 @@ buffer (``HostToDevice``: a few reused slots, bounded) to the device with
 ``non_blocking=True`` on a side stream; a save copies device pieces into host
 memory (``DeviceToHost``) on a side stream and waits on one recorded event
 before the bytes are hashed or written. CPU tensors take none of this: their
-copies are the plain ``copy_`` they always were.
+copies are a plain ``copy_``.
 
 The CUDA calls are only made for CUDA tensors, so the host-side logic (which
 pieces go through which slot, the bounds) runs on the CPU too when a test

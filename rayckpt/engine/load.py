@@ -39,40 +39,59 @@ def load(
     filesystem: pafs.FileSystem | None = None,
     plan_source: PlanSource | None = None,
 ) -> LoadInfo:
-    """Fill ``state_dict`` in place from the checkpoint at ``checkpoint_id``; returns this rank's ``LoadInfo``.
+    """Fill ``state_dict`` in place from the checkpoint at ``checkpoint_id``, with any world size.
 
-    Called by every rank, with any world size: each rank reads only the byte
-    ranges its own shards need. Stateful objects get ``load_state_dict()`` with the
-    filled dict once every rank has read its data.
+    Collective when a process group is initialized (every rank calls it, whatever
+    the world size that saved); works in a single process without one. Each rank
+    reads only the byte ranges its shards need, verifying every block's checksum.
 
-    - Checkpoint keys the target does not ask for are ignored.
-    - A key the target asks for that the checkpoint lacks raises
-      ``IncompatibleStateError`` listing the keys; ``strict=False`` skips them and leaves
-      the targets as they were (listed in ``LoadInfo.missing_keys``).
-    - Global shape and dtype mismatches raise ``IncompatibleStateError`` naming the
-      key and both sides. A dtype mismatch is never cast silently.
-    - Every byte read is verified against its block's checksum (XXH3-64; CRC-32 in
-      version-1 checkpoints, which still load); a mismatch raises
-      ``CorruptCheckpointError`` naming file, key and byte range. Missing or truncated
-      shard files, a manifest path escaping the directory, and an unknown format
-      version (``FormatVersionError``) are refused with their own messages. No manifest:
-      ``CheckpointNotFoundError``.
-    - Returns ``LoadInfo(path, bytes_needed, bytes_read, num_reads, missing_keys,
-      requests, bytes_fetched)`` for this rank: ``bytes_needed`` the payload bytes its
-      targets needed; ``bytes_read`` the bytes of the plan's ranges (needed bytes
-      widened to whole checksum blocks); ``num_reads`` the ranges in the plan;
-      ``requests`` the read requests made to storage (ranged GETs on object storage:
-      neighbouring ranges share a GET when the bytes between them are few (at most
-      1 MiB and 5% of the GET, which spans at most 64 MiB), and a GET longer than
-      8 MiB goes as parallel requests of at most 8 MiB, so one large range is not
-      one stream; each shard file is opened with one HEAD, which also checks its
-      size; ``preadv`` calls and memory-map reads on local files); ``bytes_fetched`` the bytes
-      transferred from storage (``bytes_read`` plus the gap bytes coalesced GETs
-      fetched and discarded; equal to ``bytes_read`` on local files).
-      ``read_amplification`` is ``bytes_fetched / bytes_needed``.
-      ``phases``: where this rank's seconds went (plan, check, read, verify, copy,
-      waiting for the other ranks; ``LoadInfo.phases``), also logged at DEBUG by the
-      ``rayckpt.phases`` logger.
+    Call order (the planning and the reads each end in a collective that carries
+    failures, so an error on any rank is raised on every rank and no rank is left
+    waiting):
+
+    1. Each rank flattens ``state_dict`` (calling Stateful objects' ``state_dict()``
+       in sorted key order) and sends rank 0 a digest of what it asks for.
+    2. When every rank asks alike (FSDP2's dim-0 shards), rank 0 reads the
+       manifest, plans every rank's reads at once and sends each rank its slice;
+       otherwise each rank plans from the manifest itself. ``plan_source``
+       replaces this step (the MetadataActor plans on Ray).
+    3. Each rank reads its byte ranges into its targets, verifying every block.
+    4. Once every rank has read, each calls its Stateful objects'
+       ``load_state_dict()`` with their filled dicts.
+
+    What is checked, and what ``LoadInfo`` counts: ``docs/guarantees.md``, "Load
+    semantics".
+
+    Args:
+        state_dict: The target, keys matched by their flattened name: tensors,
+            DTensors and Stateful objects to fill, plain values to replace.
+        checkpoint_id: A local path, a URI ``pyarrow.fs`` understands (``file://``,
+            ``s3://``, ``gs://``, ``hdfs://``), or a path on ``filesystem``.
+        strict: Whether a key the target asks for and the checkpoint lacks is an
+            error. False: such targets are left as they were and listed in
+            ``LoadInfo.missing_keys``. Checkpoint keys the target does not ask for
+            are ignored either way.
+        process_group: The ``torch.distributed`` process group to load across;
+            None: the default group when one is initialized, else this process alone.
+        coordinator: How the ranks agree, in place of ``process_group``; None: from
+            ``process_group``.
+        filesystem: A ``pyarrow.fs.FileSystem`` that ``checkpoint_id`` is a path on.
+        plan_source: Gives each rank its read plan in place of step 2 (the Ray
+            layer passes the MetadataActor's); None: rank 0 plans.
+
+    Returns:
+        This rank's ``LoadInfo``: bytes needed, read and fetched, reads, the keys
+            skipped, and ``phases``, where its seconds went.
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint (no manifest) at
+            ``checkpoint_id``.
+        IncompatibleStateError: A key the target asks for is missing (with
+            ``strict=True``), or a global shape or dtype differs; the message names
+            the key and both sides. A dtype is never cast silently.
+        CorruptCheckpointError: A checksum mismatch (naming file, key and byte
+            range), a missing or truncated shard file, or a bad manifest.
+        FormatVersionError: The manifest was written by an unknown format version.
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)

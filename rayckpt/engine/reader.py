@@ -41,8 +41,12 @@ from .state import FlatState, TensorLeaf, torch_dtype
 
 @dataclass(frozen=True, slots=True)
 class LoadInfo:
-    """What ``load`` returns on every rank (figures are this rank's)."""
+    """What ``load`` returns on every rank: what this rank needed, read and fetched, and where its time went.
 
+    How the counts relate: ``docs/guarantees.md``, "What LoadInfo counts".
+    """
+
+    #: The checkpoint's location, credentials redacted.
     path: str
     #: Payload bytes this rank's targets needed.
     bytes_needed: int
@@ -50,6 +54,7 @@ class LoadInfo:
     bytes_read: int
     #: Ranges in the plan.
     num_reads: int
+    #: Keys the target asked for that the checkpoint lacks, left as they were (``strict=False``).
     missing_keys: tuple[str, ...]
     #: Read requests made to storage: GETs on object storage (several ranges may
     #: share one), ``preadv`` calls and memory-map reads on local files.

@@ -43,11 +43,15 @@ from .writer import create_chunk_data, parts_here, write_chunks
 
 @dataclass(frozen=True, slots=True)
 class SaveInfo:
-    """What ``save`` returns on every rank."""
+    """What ``save`` returns on every rank: the committed checkpoint and where this rank's time went."""
 
+    #: The checkpoint's location, credentials redacted.
     path: str
+    #: The save's id, which its shard files' names start with.
     save_id: str
+    #: Bytes of the checkpoint's shard files, every rank's (the manifest and its chunk table not counted).
     bytes_written: int
+    #: The checkpoint's shard files, every rank's.
     num_files: int
     world_size: int
     #: Where this rank's time went, in seconds (``rayckpt.phases``): ``plan`` (flatten, the planning
@@ -69,113 +73,71 @@ def save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = True,
 ) -> SaveInfo:
-    """Save ``state_dict`` to ``checkpoint_id``; returns a ``SaveInfo`` on every rank.
+    """Save ``state_dict`` to ``checkpoint_id`` as one checkpoint, each rank writing its own shards.
 
-    Collective when a process group is initialized (every rank calls it); works in a
-    single process without one. Sharded DTensors are written by their owners. The
-    checkpoint exists once ``manifest.json`` is committed by rank 0 after every rank's
-    files are durable.
+    Collective when a process group is initialized (every rank calls it); works in
+    a single process without one. The checkpoint exists once rank 0 has committed
+    its ``manifest.json``; until then a previous one at the location stays loadable.
 
-    - ``state_dict``: nested dicts/lists of tensors, DTensors (FSDP2 / HSDP shards,
-      Shard or Replicate placements), plain values (below) and Stateful objects.
-      Containers without tensors are stored whole as one value. Anything else
-      (a function, an arbitrary object) raises ``InvalidStateError`` naming its key.
-      Legacy ``ShardedTensor``s and tensor subclasses that implement DCP's own
-      checkpoint protocol (``__create_write_items__``, e.g. ``LocalShardsWrapper``
-      outside a DTensor) are refused the same way, naming the key and the type,
-      before any file is written.
-    - Plain values, stored as JSON in the manifest (no pickle), come back with the
-      same value and type: ``None``, ``bool``, ``int`` (any size), ``float`` (incl. inf,
-      -inf, nan, -0.0), ``str``, ``bytes``, ``bytearray``, ``io.BytesIO`` (its whole
-      buffer, restored at position 0; e.g. a ``torch.save``d list of losses, an RNG
-      state as bytes), and ``list``, ``tuple``, ``dict`` of these (dict keys: any of the
-      hashable ones, e.g. ``{0: ...}``, ``{(1, 2): ...}``). Subclasses come back as
-      their base type (a ``namedtuple`` or ``torch.Size`` as a ``tuple``, an
-      ``OrderedDict`` as a ``dict``, an ``IntEnum`` as an ``int``). Anything else (a ``set``,
-      a ``memoryview``, a numpy array, a custom object) is refused before anything is
-      written: ``InvalidStateError: value at key 'extra.seen' has type set, which the
-      pickle-free format cannot store; use a tensor, a JSON-able value (...), bytes,
-      bytearray, io.BytesIO or a Stateful object``. Binary values live in the
-      manifest: keep them small (KBs); store large data as tensors.
-    - The structure is kept: the manifest records each key's path through the
-      nested dicts and lists (dict keys with dots, such as a module's
-      ``layers.0.weight``, int keys and list indices included), so ``consolidate``,
-      ``convert --to torch`` and ``--to dcp`` rebuild exactly the nesting that was
-      saved. Loads match keys by their flattened name, as DCP does.
-    - A DTensor may live on a sub-mesh (a ``DeviceMesh`` of some ranks only): ranks
-      outside it save nothing and read nothing for it, ``strict=True`` included. A
-      DTensor whose local tensor is a ``LocalShardsWrapper`` (uneven local shards:
-      any sizes per rank, several or none on a rank) is saved and loaded shard by
-      shard at the shards' own offsets and sizes, and reshards to and from even
-      layouts (FSDP2's ``Shard(0)``, plain tensors) like any other.
-    - Replicated data (plain tensors on every rank, HSDP replicas, Adam ``step``
-      scalars) is written once. Plain tensors and values with the same key on
-      several ranks are assumed equal: the lowest rank's copy is stored. Give
-      per-rank state (e.g. RNG state) a per-rank key.
-    - ``checkpoint_id``: a local path, a URI ``pyarrow.fs`` understands (``file://``,
-      ``s3://``, ``gs://``, ``hdfs://``), or a path on ``filesystem`` (a ``pyarrow.fs.FileSystem``).
-    - ``block_size``: bytes per block checksum; None: 64 KiB, larger for states past
-      32 GiB (``shard_file.auto_block_size``), chosen by rank 0 for every rank.
-    - Saving to a location that holds a checkpoint replaces it atomically: the old
-      one stays loadable until the new manifest is committed, then its files are deleted.
-      With ``overwrite=False`` (DCP's writer option) such a save is refused instead:
-      every rank raises ``CheckpointExistsError`` (a ``SaveFailedError``) naming the
-      location, before anything is written, and the checkpoint there stays untouched.
-      A location holding only a crashed save's shard files has no checkpoint and is
-      saved to.
-    - Two saves to one location at once (two jobs, two Ray runs, two imports) never
-      mix and never lose data silently. Before any rank writes, rank 0 claims the
-      location with a lease file (``.rayckpt-lease-<save_id>``, refreshed while the
-      save runs, deleted when it ends; docs/FORMAT.md, "Leases").
-      A save that finds another save in flight there raises ``SaveFailedError`` on
-      every rank naming the location and that save's id, before writing anything;
-      the save in flight goes on and commits. Of two saves claiming at the same
-      moment exactly one goes on (the smaller save id). Saves one after the other
-      replace each other as before. After a commit only files of saves that are
-      dead or superseded (no live lease) are deleted; a manifest is never written
-      over a checkpoint committed after its save claimed the location. With
-      ``overwrite=False`` two saves into a new location commit at most once. A save
-      that crashed holds the location until its lease expires (60 s after its last
-      refresh), or not at all when it ran on this host (its process is gone); its
-      files go at the next commit there or with ``rayckpt gc``. Claiming costs rank 0
-      about 0.4 ms on a local disk (two small lease writes, a listing).
-    - Stateful objects are called in sorted key order at every level of nesting
-      (``state_dict()`` on save and on load, then ``load_state_dict()``, and loaded plain
-      values are assigned in that order too), whatever order each rank built its dicts
-      in, so ``state_dict()`` / ``load_state_dict()`` methods that run collectives line
-      up across ranks (as DCP does).
-    - A failure on any rank (state, write, commit) raises ``SaveFailedError`` (or the
-      common ``RayckptError`` subclass when every failing rank raised the same) on
-      every rank naming each failed rank; this save's files are removed; nothing is
-      committed, and a previous checkpoint at the same location stays loadable. Any
-      other exception inside ``save`` (not a ``RayckptError``) becomes
-      ``SaveFailedError: save to <location> failed on rank <r>: <type>: <message>``.
-      Messages carry the cause, not the stack: ``<type>: <message>`` and each
-      cause's (``; caused by ...``), the frames in the DEBUG log.
-    - A rank that dies mid-save (SIGKILL, OOM, a lost node) breaks the collective
-      the others wait in: gloo or nccl raise there (after the process group's
-      ``timeout`` at worst). The ranks left raise ``PeerLostError`` (a ``SaveFailedError``)
-      naming the phase, the collective and their rank (``save (writing shards)
-      failed: the all_gather collective failed on rank 0 of 3: RuntimeError: ...``;
-      which peer died is not known to them), never the transport's ``RuntimeError``.
-      Each then settles the save through the process group's store (first claim
-      wins, so it holds however the ranks raced): rank 0 claims "commit" just before
-      writing the manifest, a rank that lost the save claims "abort". If "abort"
-      holds, it removes this save's files (its own, and any others named with the
-      save id, e.g. the dead rank's partial file: "rank 0 removed the files of save
-      ...; nothing was committed") and rank 0 will not commit. If rank 0 took the
-      commit first, the files are kept (the manifest may name them): the save
-      returns normally when the manifest is already there, else ``PeerLostError``
-      says to check the location. With no store to ask (the rank hosting it died)
-      the files are kept too; the next save at that location removes them. The
-      previous checkpoint at the location is untouched either way. The process group
-      cannot be used after a broken collective: destroy it and make a new one (or
-      let Ray Train restart the workers).
-    - CUDA tensors are copied to the CPU (non-blocking copies, one synchronize).
-    - ``metadata``: JSON stored in the manifest's ``user_metadata``.
-    - Returns ``SaveInfo(path, save_id, bytes_written, num_files, world_size, phases)``:
-      ``phases`` says where this rank's seconds went (also logged at DEBUG by the
-      ``rayckpt.phases`` logger: ``rayckpt: save to <location> on rank R: write 0.41 s, ...``).
+    Call order (each step ends in a collective that carries failures, so an error
+    on any rank is raised on every rank and no rank is left waiting):
+
+    1. Each rank flattens ``state_dict`` (calling Stateful objects' ``state_dict()``
+       in sorted key order) and sends its layout to rank 0.
+    2. Rank 0 claims the location with a lease file, picks the save id and block
+       size, plans every rank's writes and sends each rank its own plan.
+    3. Each rank writes its chunks into its own shard files (CUDA tensors copied to
+       the CPU first) and makes them durable.
+    4. Rank 0 (the committer) writes the manifest atomically, deletes the files of
+       the checkpoint it replaced and of dead saves, and releases the lease.
+
+    What a state dict may hold, how replicated data is stored once, and what
+    happens when a rank fails, a rank dies or two saves race for one location:
+    ``docs/guarantees.md``, "Save semantics".
+
+    Args:
+        state_dict: Nested dicts and lists of tensors, DTensors (FSDP2 / HSDP
+            shards), plain values (JSON-able ones, ``bytes``, ``io.BytesIO``) and
+            Stateful objects. A plain tensor or value is stored once, from the lowest
+            rank holding its key: give per-rank state a per-rank key.
+        checkpoint_id: A local path, a URI ``pyarrow.fs`` understands (``file://``,
+            ``s3://``, ``gs://``, ``hdfs://``), or a path on ``filesystem``.
+        process_group: The ``torch.distributed`` process group to save across;
+            None: the default group when one is initialized, else this process alone.
+        coordinator: How the ranks agree, in place of ``process_group`` (tests pass
+            their own); None: from ``process_group``.
+        filesystem: A ``pyarrow.fs.FileSystem`` that ``checkpoint_id`` is a path on.
+        block_size: Bytes per block checksum. None: 64 KiB, larger for states past
+            32 GiB (``shard_file.auto_block_size``), chosen by rank 0 for every rank.
+        metadata: JSON-able data stored in the manifest's ``user_metadata``.
+        overwrite: Whether a checkpoint committed at the location is replaced
+            (atomically). False (DCP's writer option): such a save is refused.
+
+    Returns:
+        This rank's ``SaveInfo``: the location, the save id, the checkpoint's bytes
+            and files, the world size, and ``phases``, where this rank's seconds
+            went (also logged at DEBUG by the ``rayckpt.phases`` logger).
+
+    Raises:
+        InvalidStateError: ``state_dict`` holds something the pickle-free format
+            cannot store (a ``set``, a custom object, a ``ShardedTensor``), named by
+            its key, before any file is written.
+        CheckpointExistsError: ``overwrite=False`` and the location holds a
+            committed checkpoint, which is left untouched.
+        PeerLostError: A collective of the save failed (a rank died); the process
+            group cannot be used again.
+        SaveFailedError: A rank failed, or another save is in flight at the
+            location. Raised on every rank, naming each failed rank; nothing is
+            committed. Any other exception inside ``save`` is wrapped in one.
+
+    Example:
+        ```python
+        from rayckpt.app_state import AppState
+
+        app = AppState(model, optimizer)
+        info = rayckpt.save({"app": app}, "s3://bucket/run/step-100")
+        rayckpt.load({"app": app}, "s3://bucket/run/step-100")
+        ```
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)

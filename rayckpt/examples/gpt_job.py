@@ -155,7 +155,7 @@ def train(
     if resumed_from is not None:
         stored = checkpointer.restored_metadata.get("hparams") or {}
         # The schedule belongs to the run: keep the stored horizon unless --schedule-steps is given
-        # (checkpoints from before it was stored: this launch's --steps).
+        # (a checkpoint that stores no horizon: this launch's --steps).
         horizon = config.get("schedule_steps") or stored.get("schedule_steps") or total
         sched.lr_lambdas = [warmup_cosine(horizon)]
         for group, base_lr in zip(optim.param_groups, sched.base_lrs):

@@ -54,7 +54,8 @@ def find_manifest_problems(m: Manifest, columns: ChunkColumns | None = None) -> 
     return problems
 
 
-#: Chunks checked at once: bounds the memory of the checks (~200 bytes a chunk) for any manifest size.
+#: Chunks checked at once: the checks hold a few numbers per chunk of a batch, so their memory stays
+#: bounded for any manifest size.
 BATCH_CHUNKS = 1 << 18
 
 

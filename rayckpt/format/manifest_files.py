@@ -49,7 +49,7 @@ TABLE_SCHEMA = pa.schema(
     ]
 )
 #: Buffers are zstd-compressed: ids and box columns repeat, so the table shrinks to little
-#: more than its checksums (FORMAT.md, BENCHMARKS.md "Thousands of ranks").
+#: more than its checksums (docs/FORMAT.md).
 COMPRESSION = "zstd"
 
 
@@ -231,8 +231,8 @@ class _Rows:
         self.nulls(arr, name, "is null", None)
         bounds = numpy_of(arr.offsets)
         lengths = np.diff(bounds).astype(np.int64)
-        # The rows' values, as ``arr.flatten()`` gives them without its first call's import of pyarrow.compute
-        # (75 ms: most of a fresh process's manifest read). No row is null (checked above).
+        # The rows' values, as ``arr.flatten()`` gives them without its first call's import of pyarrow.compute,
+        # which would be most of a fresh process's manifest read. No row is null (checked above).
         values = arr.values.slice(int(bounds[0]), int(bounds[-1] - bounds[0])) if len(bounds) else arr.values
         self.nulls(values, name, "holds a null", lengths)
         return lengths, numpy_of(values)
@@ -308,7 +308,7 @@ def arrow_of(values: Any, typ: pa.DataType) -> pa.Array:
     """An Arrow array of ``typ`` over the numpy ``values`` (no copy when they already have its dtype).
 
     Not ``pa.array``: pyarrow's numpy conversions import pandas when it is installed,
-    0.4 s that the first save of a fresh process paid inside its commit.
+    which the first save of a fresh process would pay for inside its commit.
     """
     arr = np.ascontiguousarray(values, dtype=_NUMPY[typ])
     return pa.Array.from_buffers(typ, len(arr), [None, pa.py_buffer(arr)])

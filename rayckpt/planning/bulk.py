@@ -1,8 +1,8 @@
 """Load plans for every target rank at once, vectorized with numpy (FSDP2 targets).
 
-``load_plan.create_load_plan`` plans one rank with per-item dataclasses: at 1024
-saved ranks x 2000 tensors that is ~0.05-0.1 s a rank, a minute or more for
-1000 ranks. When every one of M target ranks holds, for each key,
+``load_plan.create_load_plan`` plans one rank with per-item dataclasses, whose cost
+grows with saved ranks x tensors, and planning every rank that way multiplies it by
+the target ranks. When every one of M target ranks holds, for each key,
 ``dim0_boxes(shape, M)[rank]`` (FSDP2's ``torch.chunk`` on dim 0), the plans of
 all ranks follow from a few numpy passes over a columnar copy of the manifest's
 chunks (``ChunkTable``).

@@ -110,7 +110,20 @@ class CheckpointDir:
 
     @staticmethod
     def resolve(checkpoint_id: str | os.PathLike[str], filesystem: pafs.FileSystem | None = None) -> CheckpointDir:
-        """Turn a local path or a URI (file://, s3://, gs://, mock://) into a directory."""
+        """Turn a local path or a URI (file://, s3://, gs://, mock://) into a directory.
+
+        Args:
+            checkpoint_id: A local path (made absolute) or a URI ``pyarrow.fs``
+                understands; with ``filesystem``, a path on it.
+            filesystem: A ``pyarrow.fs.FileSystem`` to use as given.
+
+        Returns:
+            The ``CheckpointDir``; nothing is created on storage.
+
+        Raises:
+            RayckptError: ``pyarrow.fs`` cannot open the URI (the message has its
+                credentials redacted).
+        """
         text = os.fspath(checkpoint_id)
         if filesystem is not None:
             return CheckpointDir(filesystem, text, text)

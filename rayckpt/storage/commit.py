@@ -56,7 +56,7 @@ def new_save_id() -> str:
 
 def shard_file_name(save_id: str, rank: int, storage_type: str, part: int = 0) -> str:
     """The shard file ``rank`` writes for one storage type; ``part`` > 0: its further files of
-    that type, when its bytes were split to be written at once (FORMAT.md: file naming)."""
+    that type, when its bytes were split to be written at once (docs/FORMAT.md: file naming)."""
     return f"{save_id}-r{rank:05d}-{storage_type}{f'.{part}' if part else ''}.arrow"
 
 
@@ -150,9 +150,30 @@ def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
 def commit_save(ckdir: CheckpointDir, spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
     """Create the save's manifest and commit it (the committer: rank 0, the MetadataActor, an import).
 
-    Refuses (``SaveFailedError``) when another save owns the location or committed
-    there since this one claimed it (``lease.check_commit``). The save's lease is
-    its owner's to release, after this returns.
+    Call order, once every rank's files are durable:
+
+    1. Build and validate the manifest from ``spec`` and every rank's shard.
+    2. Check the lease: refuse when another save owns the location or committed
+       there since this one claimed it (``lease.check_commit``).
+    3. Write the chunk table, then ``manifest.json``, each atomically: the
+       checkpoint exists from this write on.
+    4. Delete the files of the checkpoint replaced and of dead saves.
+
+    The save's lease is its owner's to release, after this returns.
+
+    Args:
+        ckdir: The checkpoint directory the save was written to.
+        spec: The save as the ranks agreed on it (ids, world size, block size,
+            every tensor, value and path).
+        shards: Every rank's ``WrittenShard``, in any order.
+
+    Returns:
+        The committed ``Manifest``.
+
+    Raises:
+        SaveFailedError: The chunks do not tile every tensor exactly, or another
+            save owns the location or committed there since this save claimed it.
+            Nothing is committed.
     """
     with phase("manifest_build"):
         manifest = create_manifest(spec, shards)
@@ -233,12 +254,26 @@ def decode_stored_manifest(ckdir: CheckpointDir) -> Manifest:
 def read_manifest(
     checkpoint: CheckpointDir | str | os.PathLike[str], filesystem: pafs.FileSystem | None = None
 ) -> Manifest:
-    """Read and validate the committed manifest of a checkpoint: a ``CheckpointDir``, or a local
-    path or URI (``s3://...``; on ``filesystem`` when given, as ``rayckpt.load``).
+    """Read and validate the committed manifest of a checkpoint, without reading any shard file.
 
-    ``CheckpointNotFoundError`` naming the location when it holds no manifest. The cyclic garbage
-    collector stays paused through the validation too (as in ``decode_manifest``): its first pass over
-    the millions of new objects would otherwise land there (0.7 s of 1.4 s at 1 M chunks).
+    The manifest's consistency is checked too (dtypes, sizes, checksum counts,
+    chunks tiling every tensor exactly once).
+
+    Args:
+        checkpoint: A ``CheckpointDir``, or a local path or URI (``s3://...``).
+        filesystem: A ``pyarrow.fs.FileSystem`` that ``checkpoint`` is a path on,
+            as for ``rayckpt.load``.
+
+    Returns:
+        The checkpoint's ``Manifest``: its save id, world size, block size, tensor
+            and value entries, files and ``user_metadata``.
+
+    Raises:
+        CheckpointNotFoundError: The location holds no manifest.
+        CorruptCheckpointError: The manifest (or its chunk table) does not parse,
+            or is inconsistent; the message names the file and each problem.
+        FormatVersionError: The manifest was written by an unknown format version.
+        TypeError: ``checkpoint`` is neither a path, a URI nor a ``CheckpointDir``.
     """
     if isinstance(checkpoint, (str, os.PathLike)):
         ckdir = CheckpointDir.resolve(checkpoint, filesystem)
@@ -255,6 +290,9 @@ def read_manifest(
 
 def _read_manifest(ckdir: CheckpointDir) -> Manifest:
     where = join_location(ckdir.location, MANIFEST_NAME)
+    # The cyclic garbage collector stays paused through the validation too (as in ``decode_manifest``):
+    # decoding a large manifest makes millions of objects, and a collector pass over them, which frees
+    # none, would otherwise run in the middle of the read.
     paused = gc.isenabled()
     gc.disable()
     try:

@@ -15,7 +15,7 @@ While a save runs its owner refreshes the lease (``LeaseKeeper``, or the
 MetadataActor for Ray saves); it is deleted once the save committed or failed.
 A lease is *live* until its expiry and, on the host and process namespace that
 wrote it, while its owner process runs. The commit sweep and ``rayckpt gc``
-delete only files of saves without a live lease (FORMAT.md: Leases).
+delete only files of saves without a live lease (docs/FORMAT.md: Leases).
 """
 
 from __future__ import annotations
@@ -166,11 +166,37 @@ def committed_save_id(ckdir: CheckpointDir) -> str:
 def claim_location(ckdir: CheckpointDir, save_id: str, *, overwrite: bool = True, wait_s: float = CLAIM_WAIT_S) -> str:
     """Claim ``ckdir`` for ``save_id`` before anything is written (the save's owner: rank 0, an import).
 
-    Returns the save id of the checkpoint committed there now ("" when none):
-    the commit refuses to replace anything else. Raises ``SaveFailedError``
-    naming the other save when another save owns the location, and
-    ``CheckpointExistsError`` when ``overwrite=False`` and a checkpoint is there;
-    this save's lease is then gone again.
+    Call order of a claimed save (the owner's steps; the ranks write between 1 and 2):
+
+    1. ``claim_location``: write this save's lease as "claiming", list the other
+       leases, give up to a live rival that holds the location or has the smaller
+       save id (waiting up to ``wait_s`` for one with a larger id to give up), then
+       mark the lease "held".
+    2. ``LeaseKeeper`` (or the MetadataActor on Ray) refreshes the lease while the
+       ranks write.
+    3. ``storage.commit.commit_save`` checks, right before the manifest write,
+       that no other save took the location or committed there since step 1
+       (``check_commit``).
+    4. The owner releases the lease (``release_lease``), committed or not.
+
+    On any failure in step 1 this save's lease is removed again, and so is a
+    directory the claim created.
+
+    Args:
+        ckdir: The checkpoint directory the save goes to.
+        save_id: The claiming save's id (``storage.commit.new_save_id``).
+        overwrite: Whether a checkpoint committed at ``ckdir`` may be replaced.
+        wait_s: The longest wait for a rival that claimed at the same moment.
+
+    Returns:
+        The save id of the checkpoint committed at ``ckdir`` now ("" when none),
+            for ``SaveSpec.previous``: the commit refuses to replace anything else.
+
+    Raises:
+        SaveFailedError: Another save owns the location (the message names it), or
+            the lease cannot be written there.
+        CheckpointExistsError: ``overwrite=False`` and a checkpoint is committed
+            at ``ckdir``.
     """
     with phase("lease_claim"):
         return _claim(ckdir, save_id, overwrite, wait_s)
@@ -241,7 +267,15 @@ class LeaseKeeper:
     """Refreshes a claimed lease from a thread while its save runs; deletes it on exit.
 
     The in-process owner of a save (rank 0 of ``rayckpt.save``, an import) uses it
-    as a context manager around writing and committing.
+    as a context manager around writing and committing, after ``claim_location``.
+    A refresh that fails is retried at the next beat; the commit checks whether
+    the lease lapsed meanwhile (``check_commit``).
+
+    Args:
+        ckdir: The checkpoint directory the lease is in.
+        save_id: The save that claimed it.
+        ttl_s: How long each refresh keeps the lease live; it is refreshed four
+            times per ``ttl_s``.
     """
 
     def __init__(self, ckdir: CheckpointDir, save_id: str, ttl_s: float = LEASE_TTL_S) -> None:

@@ -6,11 +6,10 @@ rank's exit code) is raised in the caller, or returned per rank on request; a hu
 group is killed at the timeout.
 
 The ranks are forked by a ``torch.multiprocessing`` fork server that has imported
-torch and its distributed packages once (``PRELOAD``): a spawned rank spent ~2.4 s
-of CPU importing them, every rank of every group. The server is a fresh
-interpreter started at the first call (no state of the caller but its imports
-comes along); each rank takes the caller's environment and working directory as
-they are at its call, as a spawned one did.
+torch and its distributed packages once (``PRELOAD``), so no rank of any group pays
+for importing them again. The server is a fresh interpreter started at the first
+call (no state of the caller but its imports comes along); each rank takes the
+caller's environment and working directory as they are at its call.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ PRELOAD = ["__main__", "torch", "torch.distributed", "torch.distributed.fsdp", "
 
 
 class RankFailedError(RuntimeError):
-    pass
+    """``run_ranks`` failed: a rank raised, died, or did not finish in time; the message has each rank's traceback."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,17 +106,31 @@ def run_ranks(
     pg_timeout: float | None = None,
     allow_failures: bool = False,
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return the results by rank.
 
-    Each process joins a process group (``backend``, gloo by default). ``fn`` must
-    be importable (module-level) and its result picklable. A rank that raises, or
-    whose process dies without reporting (a signal, ``os._exit``; its exit code,
-    e.g. -9), fails the call with ``RankFailedError``; with ``allow_failures=True``
-    its place in the results holds a ``RankFailure(rank, exitcode, error)`` instead.
-    ``pg_timeout``: the process group's timeout in seconds (torch's default
-    otherwise), which bounds how long the other ranks wait in a collective for a
-    rank that died. ``timeout``: how long to wait for the first (then the next)
-    rank's result.
+    Each process joins one process group through a file-store rendezvous, runs
+    ``fn`` and sends back its result; every process is ended before this returns.
+
+    Args:
+        fn: An importable (module-level) function; its result must be picklable.
+        world_size: How many ranks (processes) to start.
+        *args: Passed to ``fn`` after ``rank`` and ``world_size``.
+        backend: The process group's backend.
+        timeout: Seconds to wait for the first rank's result, then as long again
+            for each next one; past it the remaining ranks are killed.
+        pg_timeout: The process group's timeout in seconds (None: torch's
+            default), which bounds how long the other ranks wait in a collective
+            for a rank that died.
+        allow_failures: Return a ``RankFailure(rank, exitcode, error)`` in a
+            failed rank's place instead of raising.
+
+    Returns:
+        Each rank's result (or ``RankFailure``), in rank order.
+
+    Raises:
+        RankFailedError: A rank raised, or its process died without reporting (a
+            signal, ``os._exit``; the message has its exit code, e.g. -9), unless
+            ``allow_failures``; or a rank did not finish within ``timeout``.
     """
     out = _context().Queue()
     deadline = time.monotonic() + timeout

@@ -124,13 +124,26 @@ def start_moto_server(
 ) -> MotoServer:
     """A local S3 endpoint for tests and benchmarks: start ``python -m <module> -H 127.0.0.1 -p <free port> <args>``.
 
-    ``module`` is ``moto.server``, or a module that serves moto's app the same way.
-    Waits until it answers, creates ``bucket``; its output goes to ``log_path``.
-    ``env`` is added to this process's environment (``S3_ENV`` always is). Returns a
-    ``MotoServer``: ``endpoint``, an ``S3Endpoint`` with ``uri(rel)``,
-    ``filesystem()``, ``fs_path(rel)``, ``listing``, ``exists``, ``delete``; ``stop()``
-    ends it by its pid. Clients need the dummy credentials in ``S3_ENV`` (the
-    server gets them).
+    Waits until the server answers, then creates ``bucket``. Clients need the dummy
+    credentials in ``S3_ENV`` (the server gets them). If starting fails, the server
+    is stopped before the error is raised.
+
+    Args:
+        log_path: Where the server's output (its request log) goes.
+        bucket: The bucket to create.
+        module: ``moto.server``, or a module that serves moto's app the same way.
+        env: Added to this process's environment for the server (``S3_ENV``
+            always is).
+        args: Further command-line arguments for the server.
+
+    Returns:
+        A ``MotoServer``: ``endpoint``, an ``S3Endpoint`` with ``uri(rel)``,
+            ``filesystem()``, ``fs_path(rel)``, ``listing``, ``exists``,
+            ``delete``; ``stop()`` ends it by its pid.
+
+    Raises:
+        RuntimeError: The server exited before serving, or did not answer within
+            ``START_TIMEOUT_S``; the message has its log.
     """
     port = free_port()
     with open(log_path, "w") as log:

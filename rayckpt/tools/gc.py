@@ -5,7 +5,7 @@ its lease file, and perhaps a temporary file of an interrupted atomic write. The
 next commit at the same location sweeps them (``storage.commit.sweepable_files``);
 ``gc`` does it for checkpoints nobody saves to again. The rule is the sweep's:
 a shard file goes only when the manifest does not name it and its save holds no
-live lease (FORMAT.md: Leases); a directory whose manifest cannot be read is left
+live lease (docs/FORMAT.md: Leases); a directory whose manifest cannot be read is left
 alone.
 """
 
@@ -61,7 +61,21 @@ def gc(path: str | os.PathLike[str], *, dry_run: bool = False, filesystem: pafs.
     Looks at ``path`` and its direct subdirectories. Removes shard files that no
     manifest names and no live save owns, dead lease files and, in a directory
     no save is writing to, leftover temporary files; then a directory left empty
-    that holds no checkpoint. ``dry_run``: remove nothing, report what would go.
+    that holds no checkpoint. A committed file, or a file of a save in flight, is
+    never removed; a directory whose manifest cannot be read is left alone.
+
+    Args:
+        path: A local path or ``pyarrow.fs`` URI of a checkpoint directory or a
+            directory of them.
+        dry_run: Remove nothing; report what would go.
+        filesystem: A ``pyarrow.fs.FileSystem`` that ``path`` is a path on.
+
+    Returns:
+        A ``GcReport``: each file removed (or that would be) and why, the saves in
+            flight whose files were kept, and the directories skipped.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist or is not a directory.
     """
     root = CheckpointDir.resolve(path, filesystem)
     kind = root.fs.get_file_info(root.fs_path).type

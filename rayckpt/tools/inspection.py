@@ -33,7 +33,7 @@ class TensorInfo:
 @dataclass(frozen=True, slots=True)
 class ValueInfo:
     key: str
-    #: The stored JSON form (tuples and non-string keys tagged; see FORMAT.md).
+    #: The stored JSON form (tuples and non-string keys tagged; see docs/FORMAT.md).
     value: Any
 
     @property
@@ -61,7 +61,25 @@ class CheckpointInfo:
 
 
 def inspect(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointInfo:
-    """Keys, dtypes, global shapes, chunks, files and sizes of a checkpoint, from its manifest."""
+    """Keys, dtypes, global shapes, chunks, files and sizes of a checkpoint, from its manifest.
+
+    Reads the manifest alone (no shard file) and never imports torch.
+
+    Args:
+        ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
+            ``manifest.json`` inside one, or a ``CheckpointDir``.
+
+    Returns:
+        A ``CheckpointInfo``: the save's id, format version, creation time, world
+            size, block size and checksum, its files, and each tensor and plain
+            value it holds.
+
+    Raises:
+        CheckpointNotFoundError: ``ckpt`` does not exist, or holds no committed
+            checkpoint (no ``manifest.json``); the message says what is there.
+        CorruptCheckpointError: The manifest does not parse or is inconsistent
+            (``FormatVersionError``: written by an unknown format version).
+    """
     ckdir, m = open_checkpoint(ckpt)
     tensors = []
     values = []
@@ -113,7 +131,28 @@ _STATS_SLICE = 1 << 20
 
 
 def tensor_summary(ckpt: str | os.PathLike[str] | CheckpointDir, key: str, *, first: int = 8) -> TensorSummary:
-    """Assemble ``key`` from its shards and summarize it (shape, dtype, min/max/mean/norm, first values)."""
+    """Assemble ``key`` from its shards and summarize it (shape, dtype, min/max/mean/norm, first values).
+
+    Imports torch on first call. Holds the one whole tensor in memory; the
+    statistics are computed in float64 over bounded slices of it.
+
+    Args:
+        ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
+            ``manifest.json`` inside one, or a ``CheckpointDir``.
+        key: The tensor's flattened key, as ``inspect`` lists it.
+        first: How many leading elements (row-major) to return.
+
+    Returns:
+        A ``TensorSummary`` of the whole tensor.
+
+    Raises:
+        ValueError: ``key`` is not a tensor of the checkpoint (the message
+            suggests close keys, or names the plain value it holds).
+        CheckpointNotFoundError: ``ckpt`` does not exist, or holds no committed
+            checkpoint (no ``manifest.json``); the message says what is there.
+        CorruptCheckpointError: The manifest is inconsistent, the tensor's shard
+            files cannot hold it, or a byte fails its checksum.
+    """
     import torch  # here, not at the top: ``inspect`` and the CLI's other commands start without torch
 
     from ..engine.state import dtype_name

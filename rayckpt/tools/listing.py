@@ -19,8 +19,19 @@ from ..storage.checkpoint_dir import CheckpointDir
 def ls(storage_path: str | os.PathLike[str], run: str | None = None) -> tuple[CatalogEntry, ...]:
     """Checkpoints under ``storage_path``: ``<storage_path>/<run>/<checkpoint>`` as Ray Train lays them out.
 
-    ``storage_path`` may also be a run directory or a checkpoint itself. With
-    ``run``, only ``<storage_path>/<run>``. Sorted by run, then step.
+    Args:
+        storage_path: A local path or ``pyarrow.fs`` URI: a storage path, a run
+            directory, or a checkpoint itself.
+        run: Only the checkpoints of ``<storage_path>/<run>``; None: every run's.
+
+    Returns:
+        One ``CatalogEntry`` per directory holding a manifest or shard files
+            (status "committed", "incomplete" or "corrupt", with the reason),
+            sorted by run, then step.
+
+    Raises:
+        CheckpointNotFoundError: ``storage_path`` (or ``<storage_path>/<run>``) is
+            not a directory.
     """
     base = CheckpointDir.resolve(storage_path)
     if base.fs.get_file_info(base.fs_path).type != pafs.FileType.Directory:

@@ -26,7 +26,17 @@ Progress = Callable[[int, int], None]
 def resolve_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointDir:
     """The checkpoint directory at ``ckpt``, or ``CheckpointNotFoundError`` saying what is there instead.
 
-    ``ckpt`` is a local path, a ``pyarrow.fs`` URI, or the ``manifest.json`` inside one.
+    Args:
+        ckpt: A local path, a ``pyarrow.fs`` URI, the ``manifest.json`` inside
+            one, or a ``CheckpointDir``.
+
+    Returns:
+        The directory holding the checkpoint's ``manifest.json``.
+
+    Raises:
+        CheckpointNotFoundError: Nothing is at ``ckpt``, it is a file other than a
+            manifest, or it holds no ``manifest.json`` (the message says whether
+            it holds an uncommitted save's shard files).
     """
     ckdir = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir.resolve(ckpt)
     kind = ckdir.fs.get_file_info(ckdir.fs_path).type
@@ -49,7 +59,8 @@ def resolve_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> Checkpoi
 
 
 def open_checkpoint(ckpt: str | os.PathLike[str] | CheckpointDir) -> tuple[CheckpointDir, Manifest]:
-    """The directory and validated manifest of a committed checkpoint."""
+    """The directory and validated manifest of a committed checkpoint (``resolve_checkpoint``, then
+    ``storage.commit.read_manifest``, which raise ``CheckpointNotFoundError`` and ``CorruptCheckpointError``)."""
     ckdir = resolve_checkpoint(ckpt)
     return ckdir, read_manifest(ckdir)
 

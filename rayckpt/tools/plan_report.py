@@ -48,6 +48,23 @@ def plan(ckpt: str | os.PathLike[str] | CheckpointDir, world_size: int) -> Resha
 
     Assumes every tensor is sharded on dim 0 as FSDP2 does (``torch.chunk``), and
     0-dim tensors are replicated on every rank: the same plans ``load`` makes.
+    Reads the manifest alone.
+
+    Args:
+        ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
+            ``manifest.json`` inside one, or a ``CheckpointDir``.
+        world_size: The number of ranks that would load it.
+
+    Returns:
+        A ``ReshardPlan``: per rank, the bytes needed and read, the reads and
+            the files; over all ranks, the read amplification and the balance.
+
+    Raises:
+        ValueError: ``world_size`` is less than 1.
+        CheckpointNotFoundError: ``ckpt`` does not exist, or holds no committed
+            checkpoint (no ``manifest.json``); the message says what is there.
+        CorruptCheckpointError: The manifest does not parse or is inconsistent
+            (``FormatVersionError``: written by an unknown format version).
     """
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")

@@ -37,7 +37,21 @@ def _no_such_key(manifest: Manifest, key: str, kind: str = "key") -> ValueError:
 
 
 class CheckpointReader:
-    """Assembles whole tensors of one checkpoint, one at a time, from verified ranged reads."""
+    """Assembles whole tensors of one checkpoint, one at a time, from verified ranged reads.
+
+    Opening it reads the manifest; each tensor is read when asked for
+    (``read_tensor``, ``items``), so memory stays about the largest tensor.
+
+    Args:
+        ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
+            ``manifest.json`` inside one, or a ``CheckpointDir``.
+
+    Raises:
+        CheckpointNotFoundError: ``ckpt`` does not exist, or holds no committed
+            checkpoint (no ``manifest.json``); the message says what is there.
+        CorruptCheckpointError: The manifest does not parse or is inconsistent
+            (``FormatVersionError``: written by an unknown format version).
+    """
 
     def __init__(self, ckpt: str | os.PathLike[str] | CheckpointDir) -> None:
         self.ckdir, self.manifest = open_checkpoint(ckpt)
@@ -111,7 +125,25 @@ class CheckpointReader:
 
 
 def read_tensor(ckpt: str | os.PathLike[str] | CheckpointDir, key: str) -> torch.Tensor:
-    """Assemble the full tensor ``key`` from its shards without loading anything else."""
+    """Assemble the full tensor ``key`` from its shards without loading anything else.
+
+    Args:
+        ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
+            ``manifest.json`` inside one, or a ``CheckpointDir``.
+        key: The tensor's flattened key, as ``inspect`` lists it.
+
+    Returns:
+        The whole tensor, on the CPU, every byte verified against its checksum.
+
+    Raises:
+        ValueError: ``key`` is not a tensor of the checkpoint (the message
+            suggests close keys, or names the plain value it holds).
+        CheckpointNotFoundError: ``ckpt`` does not exist, or holds no committed
+            checkpoint (no ``manifest.json``); the message says what is there.
+        CorruptCheckpointError: The manifest is inconsistent, the tensor's shard
+            files cannot hold it (refused before it is allocated), or a byte fails
+            its checksum.
+    """
     return CheckpointReader(ckpt).read_tensor(key)
 
 
@@ -124,13 +156,29 @@ def consolidate(
 ) -> dict[Any, Any]:
     """The full (unsharded) state dict in this process: DCP's full-state-dict / rank-0 equivalent.
 
-    The nesting that was saved is rebuilt from the paths the manifest records
-    (``{"app": {"model": {"layers.0.weight": tensor}}}``; before format version 3,
-    flat keys). ``flat=True`` gives the checkpoint's flattened keys instead
-    (``app.model.layers.0.weight``). Values are whole tensors and plain Python
-    values. With ``prefix``, only keys under it, with the prefix removed
-    (``prefix="app.model."`` gives a model's ``state_dict``). Holds the whole
-    selection in memory, by design.
+    Holds the whole selection in memory, by design. Every tensor of it is checked
+    against the files on storage before any is allocated.
+
+    Args:
+        ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
+            ``manifest.json`` inside one, or a ``CheckpointDir``.
+        prefix: Only keys under it, with the prefix removed (``prefix="app.model."``
+            gives a model's ``state_dict``); "": every key.
+        flat: Whether to return the checkpoint's flattened keys
+            (``app.model.layers.0.weight``) instead of the nesting that was saved.
+        on_progress: Called with (tensor bytes read, tensor bytes in all) after
+            each tensor.
+
+    Returns:
+        Whole tensors (on the CPU) and plain Python values, nested as they were
+            saved (``{"app": {"model": {"layers.0.weight": tensor}}}``; flat keys
+            for checkpoints older than format version 3), or flat with ``flat=True``.
+
+    Raises:
+        CheckpointNotFoundError: ``ckpt`` does not exist, or holds no committed
+            checkpoint (no ``manifest.json``); the message says what is there.
+        CorruptCheckpointError: The manifest is inconsistent, a tensor's shard
+            files cannot hold it, or a byte fails its checksum.
     """
     reader = CheckpointReader(ckpt)
     reader.check_stored(prefix)

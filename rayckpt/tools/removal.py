@@ -42,12 +42,31 @@ class RemoveReport:
 def remove(ckpt: str | os.PathLike[str] | CheckpointDir, *, dry_run: bool = False) -> RemoveReport:
     """Remove the checkpoint directory ``ckpt`` and every file in it.
 
-    Refuses, removing nothing: a path that is not a checkpoint directory (no
-    ``manifest.json``; ``CheckpointNotFoundError``), one holding subdirectories (a
-    run directory, say; ``CheckpointNotFoundError``), and one a save is writing
-    to (a live lease; ``SaveInFlightError`` naming the save). A checkpoint whose
-    manifest is damaged is removed like any other. ``dry_run``: check and report,
-    remove nothing.
+    A checkpoint whose manifest is damaged is removed like any other. Call order:
+
+    1. List the directory's files, then refuse if a save holds a live lease there.
+    2. Claim the location with a lease of its own, as a save does, so a save that
+       starts meanwhile is refused until the removal is done.
+    3. Delete the files listed in step 1, ``manifest.json`` first: a removal cut
+       short leaves an uncommitted directory that ``gc`` or the next save cleans,
+       never a checkpoint with missing files.
+    4. Release the lease and remove the directory once it is empty.
+
+    Args:
+        ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
+            ``manifest.json`` inside one, or a ``CheckpointDir``.
+        dry_run: Check and report; remove nothing.
+
+    Returns:
+        A ``RemoveReport``: the save id in the manifest, the files removed (or
+            that would be) and their bytes.
+
+    Raises:
+        CheckpointNotFoundError: ``ckpt`` is not a checkpoint directory (no
+            ``manifest.json``), or holds subdirectories (a run directory, say);
+            nothing is removed.
+        SaveInFlightError: A save is writing to ``ckpt`` (a live lease); the
+            message names it, and nothing is removed.
     """
     ckdir = resolve_checkpoint(ckpt)
     infos = ckdir.fs.get_file_info(pafs.FileSelector(ckdir.fs_path))  # one listing, before the leases are read

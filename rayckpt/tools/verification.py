@@ -52,13 +52,32 @@ class VerifyReport:
 
 
 def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progress | None = None) -> VerifyReport:
-    """Check a checkpoint end to end; collect every problem instead of stopping at the first.
+    """Check a checkpoint end to end, reading every byte; collect every problem instead of stopping at the first.
 
-    Checks: the manifest parses and is consistent (dtypes, sizes, checksum counts,
-    chunks tile each tensor exactly once); every file it names exists, is not a
-    symbolic link, has the recorded size and is a readable Arrow IPC file holding the chunks the manifest
-    says; every byte of every chunk matches its block's checksum (the manifest's
-    ``checksum``: XXH3-64, or CRC-32 in version-1 checkpoints).
+    Checks, in order:
+
+    1. The manifest parses and is consistent (dtypes, sizes, checksum counts,
+       chunks tile each tensor exactly once).
+    2. Every file it names exists, is not a symbolic link, has the recorded size
+       and is a readable Arrow IPC file holding the chunks the manifest says.
+    3. Every byte of every chunk matches its block's checksum (the manifest's
+       ``checksum``: XXH3-64, or CRC-32 in version-1 checkpoints), read in bounded
+       windows so memory stays small whatever the checkpoint's size.
+
+    Args:
+        ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
+            ``manifest.json`` inside one, or a ``CheckpointDir``.
+        on_progress: Called with (bytes checked, bytes in all) as the checksums
+            advance.
+
+    Returns:
+        A ``VerifyReport``: ``ok`` when nothing is wrong, otherwise each
+            ``Problem`` with its kind, file, key and affected byte range. A manifest
+            that does not parse is reported as a problem, not raised.
+
+    Raises:
+        CheckpointNotFoundError: ``ckpt`` does not exist, or holds no committed
+            checkpoint (no ``manifest.json``); the message says what is there.
     """
     ckdir = resolve_checkpoint(ckpt)
     where = join_location(ckdir.location, MANIFEST_NAME)
