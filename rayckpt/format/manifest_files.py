@@ -49,7 +49,7 @@ TABLE_SCHEMA = pa.schema(
     ]
 )
 #: Buffers are zstd-compressed: ids and box columns repeat, so the table shrinks to little
-#: more than its checksums (FORMAT.md, BENCHMARKS.md "Thousands of ranks").
+#: more than its checksums (FORMAT.md; docs/benchmarks.md, "Planning at scale").
 COMPRESSION = "zstd"
 
 

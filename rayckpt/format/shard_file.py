@@ -71,9 +71,9 @@ def auto_block_size(state_bytes: int) -> int:
 
     A ranged read covers whole blocks, so a larger block reads more around a reshard's
     cuts; each block costs 8 bytes of the manifest's chunk table, the largest part of it
-    at small rank counts. States up to 32 GiB keep 64 KiB (1 GB 4 -> 3: 1.003x read); an
-    11.3 B-parameter model with AdamW (136 GB) gets 256 KiB and 4 MB of checksums instead
-    of 17 MB (BENCHMARKS.md "Thousands of ranks").
+    at small rank counts. States up to 32 GiB keep 64 KiB; an 11.3 B-parameter model with
+    AdamW (136 GB) gets 256 KiB, a quarter of the checksums (docs/benchmarks.md, "Planning
+    at scale").
     """
     size = DEFAULT_BLOCK_SIZE
     while state_bytes > size * MAX_AUTO_BLOCKS:
