@@ -1,31 +1,39 @@
-"""mkdocs hooks (mkdocs.yml): bring README.md and the benchmark results from the repository
-root into the site, and rewrite every relative link to its file's place in the site, so the
-Markdown's links stay right where it is read on disk (README's ``docs/guide.md``, a page's
-``../BENCHMARKS.md``) and resolve in the site too. A link to a file that is in neither place is
-left as written, for mkdocs' strict build to report."""
+"""mkdocs hooks (mkdocs.yml): bring README.md (as the home page), LICENSE, benchmarks/README.md and the
+benchmark results (benchmarks/results/, pages outside the nav) into the site, and rewrite every
+relative link to its file's place in the site, so the Markdown's links stay right where it is
+read on disk (README's ``docs/guide.md``, a page's ``../benchmarks/results/...``) and resolve in
+the site too. A link to a file that is in neither place is left as written, for mkdocs' strict
+build to report."""
 
 from __future__ import annotations
 
 import os
 import re
 
-from mkdocs.structure.files import File
+from mkdocs.structure.files import File, InclusionLevel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# repository path -> site path
+RESULTS = "benchmarks/results"
+# repository path -> site path: the home page, then the benchmark files at their repository paths
 EXTRA = {
     "README.md": "index.md",
-    "BENCHMARKS.md": "BENCHMARKS.md",
-    "BENCHMARKS-4GB.md": "BENCHMARKS-4GB.md",
-    "benchmarks/bench_scale_issue15.png": "benchmarks/bench_scale_issue15.png",
-    "benchmarks/bench_scale_issue15_after.png": "benchmarks/bench_scale_issue15_after.png",
+    "LICENSE": "LICENSE",
+    "benchmarks/README.md": "benchmarks/README.md",
+    **{
+        f"{RESULTS}/{name}": f"{RESULTS}/{name}"
+        for name in sorted(os.listdir(os.path.join(ROOT, RESULTS)))
+        if name.endswith((".md", ".json", ".png"))
+    },
 }
 LINK = re.compile(r"(\]\()([^)\s]+)(\))")
 
 
 def on_files(files, config):
     for repo_path, site_path in EXTRA.items():
-        files.append(File.generated(config, site_path, abs_src_path=os.path.join(ROOT, repo_path)))
+        # The benchmark pages are reached from docs/benchmarks.md, not from the nav.
+        inclusion = InclusionLevel.UNDEFINED if repo_path == "README.md" else InclusionLevel.NOT_IN_NAV
+        path = os.path.join(ROOT, repo_path)
+        files.append(File.generated(config, site_path, abs_src_path=path, inclusion=inclusion))
     return files
 
 

@@ -1,6 +1,6 @@
 """The scale benchmark's DCP ``.metadata`` against a real ``dcp.save`` of the same layout (4 gloo ranks).
 
-``benchmarks.scale_dcp.build_metadata`` makes DCP's metadata for thousands of ranks
+``benchmarks.scale.dcp.build_metadata`` makes DCP's metadata for thousands of ranks
 without running DCP; here 4 ranks save that layout (a small GPT's parameters and
 AdamW states as FSDP2 ``Shard(0)`` DTensors, some with empty shards) with
 ``dcp.save`` and the metadata it pickled is compared field by field.
@@ -13,8 +13,8 @@ import pickle
 
 import pytest
 
-from benchmarks import scale_dcp as dcp
-from benchmarks import scale_layout as lay
+from benchmarks.scale import dcp as dcp
+from benchmarks.scale import layout as lay
 from rayckpt.testing.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 
 Everything the tests do goes over HTTP through ``pyarrow.fs.S3FileSystem``, as
 against AWS or MinIO; nothing in boto or pyarrow is mocked. The server is
-started by ``rayckpt.testing.s3_server`` (shared with ``benchmarks/bench_s3.py``).
+started by ``rayckpt.testing.s3_server`` (shared with ``python -m benchmarks.suite --storage s3``).
 Dummy credentials and region go into the standard AWS variables for the whole
 session (restored afterwards), so child processes (gloo ranks, CLI subprocesses)
 inherit them and the user's own AWS configuration is never read.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.bench_gpu import table
+from benchmarks.gpu.run import table
 
 
 def report() -> dict:

@@ -1,7 +1,7 @@
 """The recovery benchmark's arithmetic: synthetic events in, exact phases, steps re-done and tables out.
 
-``benchmarks.bench_recovery`` measures on a real Ray; what it reports is computed
-here from event lists alone (``benchmarks.recovery_report``), so a wrong phase
+``benchmarks.recovery.restart`` measures on a real Ray; what it reports is computed
+here from event lists alone (``benchmarks.recovery.report``), so a wrong phase
 boundary, a wrong "last worker" or a wrong steps-re-done count fails these tests.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.recovery_report import (
+from benchmarks.recovery.report import (
     PHASES,
     RecoveryEventsError,
     markdown,
@@ -139,7 +139,7 @@ def test_summary_and_markdown_over_repeats():
     assert s["group_starts"] == ["4", "4 -> 2"]
     assert s["controller_s"]["rescheduling"]["values"] == [pytest.approx(62.04)]  # only the repeat that had one
     report = {
-        "command": "bench_recovery --size-mb 64",
+        "command": "python -m benchmarks.recovery restart --size-mb 64",
         "date": "today",
         "total_runtime_s": 120.0,
         "machine": {"nproc": 2, "mem_total_gb": 24, "torch": "t", "ray": "r", "pyarrow": "p", "rayckpt": "x"},

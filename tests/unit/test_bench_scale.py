@@ -1,6 +1,6 @@
 """The scale benchmark's measurement functions at a few ranks: the metadata it builds is what each library makes.
 
-``benchmarks.bench_scale`` times rayckpt and DCP on synthetic metadata; these checks
+``benchmarks.scale.run`` times rayckpt and DCP on synthetic metadata; these checks
 keep that metadata honest: rayckpt's manifest validates and its plans agree, DCP's
 ``Metadata`` has a chunk per (tensor, rank) with FSDP2's offsets and sizes and is
 byte for byte what DCP's own planner builds through its collectives' pickling.
@@ -13,11 +13,11 @@ import pickle
 import pytest
 import torch
 
-from benchmarks import bench_scale as bench
-from benchmarks import scale_dcp as dcp
-from benchmarks import scale_layout as lay
-from benchmarks.scale_plot import write_plot
-from benchmarks.scale_report import fit_exponent, markdown, targets
+from benchmarks.scale import dcp as dcp
+from benchmarks.scale import layout as lay
+from benchmarks.scale import run as bench
+from benchmarks.scale.plot import write_plot
+from benchmarks.scale.report import fit_exponent, markdown, targets
 from rayckpt.planning.load_plan import dim0_box
 
 #: A GPT small enough to plan at once; its position table (2 rows) has empty shards past 2 ranks.
@@ -29,7 +29,7 @@ def layout() -> lay.Layout:
     return lay.gpt_layout(20, **SMALL)
 
 
-def test_the_issues_layout_is_a_55_layer_gpt_with_adamw_state():
+def test_the_layout_is_a_55_layer_gpt_with_adamw_state():
     full = lay.gpt_layout()
     assert full.tensors == 1992
     assert len({p[-2] if p[0] == "optim" else p[1] for p in full.paths}) == 664
@@ -143,7 +143,7 @@ def test_sampling_keeps_each_shape_and_scales_by_chunks():
     ) + lay.chunk_count(full.subset(list(range(3, full.tensors))), 4096)
     assert lay.chunk_count(lay.gpt_layout(21, **SMALL).subset([0, 1, 2]), 4) == 4 + 2 + 4  # 16, 2, 8 rows
     step = {"metadata_bytes": 100, "read": {"cpu_s": 2.0, "extra_rss": 10}, "scale": 2.5}
-    from benchmarks.scale_report import figures
+    from benchmarks.scale.report import figures
 
     f = figures({"rayckpt_commit": step, "rayckpt_load": step}, 8)
     assert f["rayckpt_bytes"] == 250 and f["rayckpt_read"] == 5.0 and f["rayckpt_est"] and not f["dcp_est"]

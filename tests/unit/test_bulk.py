@@ -326,7 +326,7 @@ def test_bulk_equals_per_item_property(data):
 
 
 def test_bench_plan_smoke(tmp_path, capsys):
-    from benchmarks.bench_plan import main
+    from benchmarks.micro.plan import main
 
     argv = ["--saved-ranks", "8", "--tensors", "10", "--target-ranks", "6", "--repeats", "1", "--out", str(tmp_path)]
     assert main(argv) == 0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.scale_layout import gpt_layout, rayckpt_save_inputs
+from benchmarks.scale.layout import gpt_layout, rayckpt_save_inputs
 from rayckpt.engine import save_layout
 from rayckpt.engine.save import collect_state
 from rayckpt.errors import SaveFailedError

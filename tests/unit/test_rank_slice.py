@@ -133,7 +133,7 @@ def test_ranks_asking_alike_send_the_same_small_ask():
 
 
 def test_bench_root_plan_smoke(tmp_path, capsys):
-    from benchmarks import bench_root_plan
+    from benchmarks.micro import root_plan as bench_root_plan
 
     out = str(tmp_path / "out")
     argv = ["--saved-ranks", "6", "--target-ranks", "4", "5", "--tensors", "12", "--check", "--repeat", "2"]

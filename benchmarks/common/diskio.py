@@ -1,0 +1,116 @@
+"""Disk helpers shared by the benchmarks: the page cache and the raw-disk anchor.
+
+Checkpoint files are evicted from the page cache before cold loads (fsync +
+``posix_fadvise(DONTNEED)``) or read into it for warm ones, and ``mincore`` tells
+how much of them was resident; the raw-disk anchor writes and reads the same bytes
+as a checkpoint with plain sequential syscalls, the floor a checkpoint system is
+measured against. Used by ``micro.engine`` and the suite (``suite.save``,
+``suite.load``, ``suite.local``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+#: Piece size of the raw-disk anchor's writes and reads (and of the page-cache warm-up).
+RAW_BLOCK = 8 * 1024 * 1024
+
+
+def files_under(path: str) -> list[str]:
+    found = []
+    for root, _dirs, names in os.walk(path):
+        found.extend(os.path.join(root, n) for n in names)
+    return sorted(found)
+
+
+def dir_bytes(path: str) -> tuple[int, int]:
+    files = files_under(path)
+    return sum(os.path.getsize(f) for f in files), len(files)
+
+
+def evict(paths: list[str]) -> bool:
+    """fsync then drop each file's pages from the page cache; False if fadvise is unavailable."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def warm_up(paths: list[str]) -> None:
+    """Read ``paths`` once so their pages are in the page cache (for the warm loads)."""
+    buf = bytearray(RAW_BLOCK)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def resident_fraction(paths: list[str]) -> float | None:
+    """Fraction of the files' pages in the page cache (mincore), or None if it cannot tell."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        page = os.sysconf("SC_PAGE_SIZE")
+        failed = ctypes.c_void_p(-1).value
+        resident = total = 0
+        for p in paths:
+            size = os.path.getsize(p)
+            if size == 0:
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr is None or addr == failed:
+                    return None
+                try:
+                    n = (size + page - 1) // page
+                    vec = (ctypes.c_ubyte * n)()
+                    if libc.mincore(addr, size, vec) != 0:
+                        return None
+                    resident += n - bytes(vec).count(0)
+                    total += n
+                finally:
+                    libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+        return resident / total if total else 0.0
+    except (OSError, AttributeError):
+        return None
+
+
+def write_raw(path: str, nbytes: int, blob: memoryview, fsync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            view = blob[: min(left, len(blob))]
+            while len(view):
+                n = os.write(fd, view)
+                view = view[n:]
+                left -= n
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_raw(path: str) -> int:
+    buf = bytearray(RAW_BLOCK)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                return total
+            total += n

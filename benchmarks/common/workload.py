@@ -1,0 +1,167 @@
+"""The state every benchmark saves and loads: an FSDP2 model with AdamW moments.
+
+Several large, unevenly sized ``nn.Linear`` layers (fp32, each ``fully_shard``-ed on
+a 1-D CPU mesh) with filled AdamW moments, sized so that params + exp_avg +
+exp_avg_sq total about a given number of MiB; plus what the benchmarks need around
+it: its byte counts (global, or one rank's own shards), zeroing it before a load,
+and bit-exact checksums to verify a loaded state against the saved one.
+
+Shared by ``micro.engine``, the suite (``suite.save`` / ``suite.load``) and
+``micro.ray_save``; every function here runs on the spawned ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from rayckpt.engine.app_state import AppState
+
+NUM_LAYERS = 8
+
+
+class BenchModel(nn.Module):
+    """A stack of large linear layers (never run forward: only its state matters)."""
+
+    def __init__(self, shapes: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(cols, rows) for rows, cols in shapes)
+
+
+def layer_shapes(size_mb: float, num_layers: int = NUM_LAYERS) -> list[tuple[int, int]]:
+    """(rows, cols) per layer so that 3 fp32 copies (param, exp_avg, exp_avg_sq) of
+    weights + biases total about ``size_mb`` MiB. Rows (the FSDP2 shard dim) are odd
+    and not multiples of 3, so shards are uneven for 2, 3, 4 and 6 ranks and the
+    shard boundaries of N and M ranks differ."""
+    elements = int(size_mb * 2**20) // 12
+    per_layer = max(elements // num_layers, 64)
+    base = max(int(math.sqrt(per_layer)), 7)
+    shapes = []
+    for i in range(num_layers):
+        rows = base + 6 * i
+        while rows % 2 == 0 or rows % 3 == 0:
+            rows += 1
+        cols = max(per_layer // (rows + 1), 1)
+        shapes.append((rows, cols))
+    return shapes
+
+
+def build_state(
+    world_size: int, rank: int, seed: int, shapes: list[tuple[int, int]], device: str = "cpu"
+) -> tuple[Any, Any, AppState]:
+    """FSDP2 model (meta init, then only local shards materialized) + AdamW with filled moments,
+    on ``device`` ("cpu", or "cuda": this process's current CUDA device, with an nccl group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    mesh = init_device_mesh(kind, (world_size,))
+    with torch.device("meta"):
+        model = BenchModel(shapes)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    target = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    model.to_empty(device=target)
+    gen = torch.Generator(device=target).manual_seed(seed * 1_000_003 + rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(generator=gen)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    app = AppState(model, optim, step=7)
+    app.state_dict()  # get_state_dict initializes the (empty) optimizer state with one zero-grad step
+    with torch.no_grad():
+        for p in model.parameters():
+            st = optim.state[p]
+            st["exp_avg"].to_local().normal_(generator=gen)
+            st["exp_avg_sq"].to_local().uniform_(generator=gen)
+            st["step"].fill_(7.0)
+    return model, optim, app
+
+
+def state_bytes(app: AppState, local: bool = False) -> int:
+    """Bytes of every tensor in the app's state: DTensors counted globally, or with
+    ``local=True`` only this rank's own shards."""
+    total = 0
+
+    def walk(node: Any) -> None:
+        nonlocal total
+        if isinstance(node, torch.Tensor):
+            t = node.to_local() if local and hasattr(node, "to_local") else node
+            total += t.numel() * t.element_size()  # DTensor.numel() is the global count
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+
+    walk(app.state_dict())
+    return total
+
+
+def local_bytes(app: Any) -> int:
+    """Bytes of this rank's own shards (DTensors: the local part) in the app's state."""
+    return state_bytes(app, local=True)
+
+
+def zero_state(model: Any, optim: Any, app: Any) -> None:
+    """Zero every local param and moment (and the steps): a load must then write all of them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().zero_()
+            st = optim.state[p]
+            st["exp_avg"].to_local().zero_()
+            st["exp_avg_sq"].to_local().zero_()
+            st["step"].zero_()
+    app.extras["step"] = 0
+
+
+def tensor_sums(t: torch.Tensor) -> tuple[float, int, int]:
+    """(float64 sum, int sum of the raw bits, position-weighted int sum): the int sums are
+    exact and order-independent, so they compare bit-for-bit across shardings."""
+    flat = t.detach().reshape(-1).contiguous()
+    bits = flat.view(torch.int32).to(torch.int64)
+    weights = torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1
+    return float(flat.double().sum()), int(bits.sum()), int((bits * weights).sum())
+
+
+def checksums(model: nn.Module, optim: torch.optim.Optimizer, compute: bool) -> dict[str, tuple[float, int, int]]:
+    """Checksums of every full (unsharded, via ``DTensor.full_tensor()``) param and AdamW moment.
+    A collective: every rank calls it; only ranks with ``compute`` sum (the others get {})."""
+    out: dict[str, tuple[float, int, int]] = {}
+    for name, p in model.named_parameters():
+        full = {"param": p.full_tensor()}
+        for k in ("exp_avg", "exp_avg_sq"):
+            full[k] = optim.state[p][k].full_tensor()
+        if compute:
+            for k, t in full.items():
+                out[f"{k}:{name}"] = tensor_sums(t)
+            out[f"step:{name}"] = (float(optim.state[p]["step"]), 0, 0)
+        del full
+    return out
+
+
+def verify_loaded(system: str, model: nn.Module, optim: torch.optim.Optimizer, app: AppState, expected: dict) -> int:
+    """Compare the loaded state with the saved checksums (rank 0), then raise on every rank if it differs."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    got = checksums(model, optim, compute=rank == 0)
+    problem = None
+    if rank == 0:
+        bad = [k for k in expected if k not in got or tuple(got[k][1:]) != tuple(expected[k][1:])]
+        bad += [k for k in expected if k.startswith("step:") and got.get(k, (None,))[0] != expected[k][0]]
+        if bad:
+            detail = "; ".join(f"{k}: saved {expected.get(k)} loaded {got.get(k)}" for k in bad[:6])
+            problem = f"{system}: loaded state differs from the saved state in {len(bad)} tensor(s): {detail}"
+    if app.extras.get("step") != 7:
+        problem = f"{system}: extras.step loaded as {app.extras.get('step')!r}, saved 7"
+    verdict = [problem]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise AssertionError(verdict[0])
+    return len(expected)

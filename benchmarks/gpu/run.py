@@ -1,0 +1,316 @@
+"""The GPU path in one process: the copy limit, DCP against rayckpt, first and later async saves, loads.
+
+One command, one run, JSON out::
+
+    python -m benchmarks.gpu --size-gb 4                                 # on a CUDA machine
+    python -m benchmarks.gpu --device cpu --size-gb 0.5                  # the same rows on the CPU
+
+The state is ``--tensors`` fp32 tensors of ``--size-gb`` in all on ``--device``.
+What is timed, each a median over ``--repeats`` (saves go to new directories
+under ``--dir``, removed once measured):
+
+- ``limit``: the state copied into host memory allocated beforehand (page-locked
+  on CUDA): the floor an async save's stall is measured against; ``pageable``:
+  ``.cpu()`` of each tensor (host memory allocated by the copy).
+- ``dcp_save``; ``dcp_async_save`` with its default stager and with each
+  ``DefaultStager(StagingOptions(...))`` configuration: stall (until
+  ``async_save`` and its staging returned) and total; one that raises is
+  reported as a failure with its error, not left out.
+- ``rayckpt_save``; ``save_async`` in two orders, each over ``--saves`` saves:
+  ``unprepared`` (the first save makes nothing ready beforehand) and
+  ``prepared`` (``prepare_staging`` when the state exists, as
+  ``Checkpointer.restore`` does; its background work is timed apart, then the
+  saves), with stall and commit per save and the first save's stall over the
+  later saves' median.
+- loads into ``--device`` targets, cold (files fsynced and dropped from the page
+  cache) and warm: ``dcp.load`` and ``rayckpt.load``.
+
+Every load is checked bit-exact against the saved state (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common.diskio import evict, files_under, warm_up
+from benchmarks.common.harness import machine_info
+
+#: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP stager measured.
+DCP_STAGERS = {
+    "default stager": None,
+    "pinned": (True, False, False, False),
+    "pinned + shared": (True, True, False, False),
+    "pinned + async staging": (True, False, True, True),
+    "all options (DefaultStager's defaults)": (True, True, True, True),
+}
+
+
+#: The orders ``save_async`` is measured in (``async_saves``).
+ASYNC_ORDERS = ("unprepared", "prepared")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", help="where the state lives: cuda (default) or cpu")
+    p.add_argument("--size-gb", type=float, default=4.0, help="the state's size in GiB")
+    p.add_argument("--tensors", type=int, default=32, help="how many fp32 tensors it is made of")
+    p.add_argument("--repeats", type=int, default=2, help="repeats of each timed operation (medians)")
+    p.add_argument("--saves", type=int, default=3, help="save_async saves in each order (the first, then later)")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    p.add_argument("--out", default="bench_out/gpu/bench_gpu.json", help="the JSON report")
+    return p.parse_args(argv)
+
+
+def make_state(device: str, size_gb: float, tensors: int) -> dict[str, torch.Tensor]:
+    numel = int(size_gb * 2**30 / 4 / tensors)
+    g = torch.Generator().manual_seed(0)
+    return {f"t{i:03d}": torch.randn(numel, generator=g).to(device) for i in range(tensors)}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def copy_limit(state: dict[str, torch.Tensor], device: str, repeats: int) -> dict[str, Any]:
+    pinned = device.startswith("cuda")
+    hosts = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pinned) for k, v in state.items()}
+
+    def copy() -> None:
+        for k, v in state.items():
+            hosts[k].copy_(v, non_blocking=pinned)
+
+    limit = [timed(copy, device)[0] for _ in range(repeats)]
+    hosts.clear()
+    pageable = [timed(lambda: [v.cpu() if pinned else v.clone() for v in state.values()], device)[0]]
+    return {"limit_s": median(limit), "pageable_s": median(pageable), "pinned_host": pinned}
+
+
+def check_equal(loaded: dict[str, torch.Tensor], state: dict[str, torch.Tensor], who: str) -> None:
+    for k, v in state.items():
+        if not torch.equal(loaded[k], v):
+            raise AssertionError(f"{who}: tensor {k} differs from the saved state after the load")
+
+
+def dcp_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    out: dict[str, Any] = {"save_s": [], "async": {}}
+    for r in range(repeats):
+        path = os.path.join(root, f"dcp-save-{r}")
+        out["save_s"].append(timed(lambda path=path: dcp.save(state, checkpoint_id=path), device)[0])
+        if r < repeats - 1:
+            shutil.rmtree(path)
+    out["kept"] = path
+    for name, options in DCP_STAGERS.items():
+        try:
+            out["async"][name] = dcp_async(state, device, root, repeats, options)
+        except Exception as exc:  # a configuration this torch cannot run is a result, not a crash
+            out["async"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+    out["save_s"] = median(out["save_s"])
+    return out
+
+
+def dcp_async(state: dict[str, torch.Tensor], device: str, root: str, repeats: int, options: Any) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(*options)) if options is not None else None
+    stalls, totals = [], []
+    try:
+        for r in range(repeats):
+            path = os.path.join(root, f"dcp-async-{r}")
+            sync(device)
+            start = time.perf_counter()
+            response = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
+            upload = getattr(response, "upload_completion", response)
+            staged = getattr(response, "staging_completion", None)
+            if staged is not None:
+                staged.result()
+            stalls.append(time.perf_counter() - start)
+            upload.result()
+            totals.append(time.perf_counter() - start)
+            shutil.rmtree(path)
+    finally:
+        if stager is not None:
+            stager.close()
+    return {"stall_s": stalls, "total_s": totals, "stall_median_s": median(stalls), "total_median_s": median(totals)}
+
+
+def rayckpt_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
+    import rayckpt
+
+    times = []
+    for r in range(repeats):
+        path = os.path.join(root, f"rayckpt-save-{r}")
+        times.append(timed(lambda path=path: rayckpt.save(state, path), device)[0])
+        if r < repeats - 1:
+            shutil.rmtree(path)
+    return {"save_s": median(times), "kept": path}
+
+
+def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: int, order: str) -> dict[str, Any]:
+    """``saves`` save_async calls in a row in a new local Ray (new actors: the first save's fixed costs count).
+
+    ``order``: "unprepared" (nothing made beforehand: the first save makes the
+    staging buffer and starts the ShardWriter), or "prepared" (``prepare_staging``
+    first, as ``Checkpointer.restore`` does; the time its background work and the
+    ShardWriter's start take is reported, then the saves).
+    """
+    import ray
+
+    from rayckpt.ray import async_save
+    from rayckpt.ray.shard_writer import get_shard_writer
+
+    os.sync()  # the earlier writes' dirty pages go to disk now, not during this order's first commit
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    out: dict[str, Any] = {"saves": []}
+    if order == "prepared":
+        start = time.perf_counter()
+        out["prepare_call_s"] = timed(lambda: async_save.prepare_staging(state), device)[0]
+        async_save.saver().buffer.ready()
+        ray.get(get_shard_writer().debug_stats.remote())
+        out["prepare_background_s"] = time.perf_counter() - start
+    for i in range(saves):
+        path = os.path.join(root, f"async-{order}-{i}")
+        sync(device)
+        start = time.perf_counter()
+        handle = async_save.save_async(state, path, run="bench-gpu", step=i + 1)
+        stall = time.perf_counter() - start
+        entry = handle.wait()
+        commit = time.perf_counter() - start
+        if entry.status != "committed":
+            raise RuntimeError(f"save_async of {path}: {entry.status}: {entry.error}")
+        out["saves"].append({"stall_s": stall, "commit_s": commit, "staging": handle.staging})
+        if i < saves - 1:
+            shutil.rmtree(path)
+    async_save.release_staging()
+    ray.shutdown()
+    out["kept"] = path
+    later = [s["stall_s"] for s in out["saves"][1:]]
+    if later:
+        out["first_over_later_stall"] = out["saves"][0]["stall_s"] / median(later)
+    return out
+
+
+def loads(state: dict[str, torch.Tensor], device: str, dcp_path: str, rk_path: str, repeats: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    import rayckpt
+
+    def target() -> dict[str, torch.Tensor]:
+        return {k: torch.zeros_like(v) for k, v in state.items()}
+
+    def dcp_load() -> dict[str, torch.Tensor]:
+        t = target()
+        dcp.load(t, checkpoint_id=dcp_path)
+        return t
+
+    def rk_load() -> dict[str, torch.Tensor]:
+        t = target()
+        rayckpt.load(t, rk_path)
+        return t
+
+    out: dict[str, Any] = {}
+    for temp in ("cold", "warm"):
+        for name, path, fn in (("dcp", dcp_path, dcp_load), ("rayckpt", rk_path, rk_load)):
+            times = []
+            for _ in range(repeats):
+                files = files_under(path)
+                evict(files) if temp == "cold" else warm_up(files)
+                seconds, loaded = timed(fn, device)
+                check_equal(loaded, state, f"{name} {temp} load")
+                del loaded
+                times.append(seconds)
+            out[f"{name}_{temp}_s"] = median(times)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import ray
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (run with --device cpu for the CPU path)")
+    started = time.perf_counter()
+    root = args.dir or tempfile.mkdtemp(prefix="rayckpt-bench-gpu-")
+    os.makedirs(root, exist_ok=True)
+    state = make_state(args.device, args.size_gb, args.tensors)
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    report: dict[str, Any] = {
+        "machine": {
+            **machine_info(),
+            "ray": ray.__version__,
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        },
+        "args": vars(args),
+        "state_bytes": nbytes,
+    }
+    try:
+        report["copy"] = copy_limit(state, args.device, args.repeats)
+        report["dcp"] = dcp_saves(state, args.device, root, args.repeats)
+        report["rayckpt"] = rayckpt_saves(state, args.device, root, args.repeats)
+        report["save_async"] = {
+            order: async_saves(state, args.device, root, args.saves, order) for order in ASYNC_ORDERS
+        }
+        report["loads"] = loads(state, args.device, report["dcp"]["kept"], report["rayckpt"]["kept"], args.repeats)
+    finally:
+        report["seconds"] = time.perf_counter() - started
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        if ray.is_initialized():
+            ray.shutdown()
+    print(table(report))
+    return 0
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as the Markdown rows of its result table (docs/benchmarks.md, "GPUs")."""
+    copy, dcp, loads_ = report["copy"], report["dcp"], report["loads"]
+    rows = [
+        ("limit: copy of the whole state into host memory allocated beforehand", f"{copy['limit_s']:.3f} s"),
+        ("`.cpu()` / `.clone()` of each tensor", f"{copy['pageable_s']:.2f} s"),
+        ("DCP `save`", f"{dcp['save_s']:.2f} s"),
+    ]
+    for name, res in dcp["async"].items():
+        value = res["error"] if "error" in res else f"{res['stall_median_s']:.3f} s / {res['total_median_s']:.2f} s"
+        rows.append((f"DCP `async_save`, {name}: stall / total", value))
+    rows.append(("`rayckpt.save`", f"{report['rayckpt']['save_s']:.2f} s"))
+    for order, res in report["save_async"].items():
+        stalls = ", ".join(f"{s['stall_s']:.3f}" for s in res["saves"])
+        commits = ", ".join(f"{s['commit_s']:.2f}" for s in res["saves"])
+        ratio = res.get("first_over_later_stall")
+        extra = f" (first / later: {ratio:.2f}x)" if ratio else ""
+        if "prepare_background_s" in res:
+            extra += f"; prepare_staging: {res['prepare_call_s']:.3f} s call, {res['prepare_background_s']:.2f} s made"
+        rows.append((f"rayckpt `save_async`, {order}: stall per save", f"{stalls} s{extra}"))
+        rows.append((f"rayckpt `save_async`, {order}: commit per save", f"{commits} s"))
+    for temp in ("cold", "warm"):
+        d, r = loads_[f"dcp_{temp}_s"], loads_[f"rayckpt_{temp}_s"]
+        rows.append((f"load, {temp}: DCP / rayckpt", f"{d:.2f} s / {r:.2f} s ({d / r:.2f}x)"))
+    return "\n".join(f"| {a} | {b} |" for a, b in rows)

@@ -1,0 +1,177 @@
+"""What the recovery benchmark runs inside Ray Train: the workers' loop and the controller's callbacks.
+
+Every process appends timestamped events (``time.time()``: one machine, one clock)
+to one JSON-lines file per repeat (``append_event``); ``recovery.report`` turns
+them into the phases of a recovery. The driver (``recovery.restart``) adds the kill.
+
+- ``train_loop`` (each worker): the 1 GB suite's FSDP2 state (``workload.build_state``),
+  ``Checkpointer().restore``, then steps with a save every K steps. A step stands in
+  for an optimizer step: a deterministic in-place update of every local shard
+  (params, exp_avg, exp_avg_sq, Adam's step), one all-reduce of a scalar (as a
+  gradient all-reduce would, so a lost peer fails the others' next step), then a
+  fixed sleep (``step_sleep_s``) standing in for forward and backward.
+- ``NoticeCallback`` (controller): ``RayckptCallback`` that first writes the time
+  Ray Train's controller noticed the failure (``after_exception``).
+- ``ControllerTimeline`` (controller): the controller's state changes (RESTARTING,
+  SCHEDULING, RUNNING...) and the worker group's shutdown and start, to split
+  Ray's restart into its parts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+from rayckpt.train import RayckptCallback
+
+
+def append_event(path: str, kind: str, **data: Any) -> None:
+    """One JSON line ``{"t": time.time(), "kind": kind, ...}``, appended with one write (O_APPEND)."""
+    line = json.dumps({"t": time.time(), "kind": kind, **data}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def prior_entries(path: str, rank: int) -> int:
+    """How many times rank ``rank`` entered the loop before in this file: this entry's attempt number."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    return sum(1 for e in events if e["kind"] == "enter" and e["rank"] == rank)
+
+
+def one_step(model: Any, optim: Any, step: int, sleep_s: float) -> float:
+    """A stand-in for an optimizer step on the local shards; the all-reduced "loss"."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for p in model.parameters():
+            st = optim.state[p]
+            p.to_local().mul_(0.999).add_(1e-4 * (step % 7))
+            st["exp_avg"].to_local().mul_(0.9).add_(1e-3)
+            st["exp_avg_sq"].to_local().mul_(0.999).add_(1e-6)
+            st["step"].add_(1.0)
+        first = next(iter(model.parameters())).to_local()
+        # float() waits for the device: a step on a GPU is timed to its end
+        loss = torch.tensor([float(first.reshape(-1)[:1].sum()) if first.numel() else 0.0], device=first.device)
+    dist.all_reduce(loss)
+    if sleep_s > 0:
+        time.sleep(sleep_s)
+    return float(loss)
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Each worker: build the state, restore, then step and save every ``save_every`` steps.
+
+    The first attempt runs to ``steps`` (the driver kills it before); a restarted
+    attempt stops ``after_steps`` steps past the step it restored.
+    """
+    import ray
+    import ray.train
+
+    from benchmarks.common.workload import build_state
+    from rayckpt.train import Checkpointer
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    events = config["events"]
+    attempt = prior_entries(events, rank)
+    node = ray.get_runtime_context().get_node_id()
+    append_event(events, "enter", rank=rank, world=world, attempt=attempt, pid=os.getpid(), node=node)
+
+    def log(kind: str, **data: Any) -> None:
+        append_event(events, kind, rank=rank, world=world, attempt=attempt, **data)
+
+    shapes = [tuple(s) for s in config["shapes"]]
+    model, optim, app = build_state(world, rank, seed=0, shapes=shapes)
+    state = {"app": app}
+    memory_every = config.get("memory_every", 0)  # memory saves between the storage saves
+    ckpt = Checkpointer(local_is_shared=config.get("local_is_shared"), memory_every=memory_every)
+    log("restore_begin")
+    t0 = time.perf_counter()
+    restored = ckpt.restore(state)
+    restore_s = time.perf_counter() - t0
+    source_world, tier, peer = None, None, 0
+    if ckpt.last_load is not None:
+        import rayckpt
+
+        tier, peer = ckpt.restored_from["tier"], ckpt.restored_from["peer_bytes"]
+        fs = ckpt.memory.filesystem if tier == "memory" and ckpt.memory is not None else None
+        source_world = rayckpt.read_manifest(ckpt.restored_from["path"], filesystem=fs).world_size
+    passed = [f"step {f['step']}: {f['reason']}" for f in ckpt.fallbacks]
+    log(
+        "restore_done",
+        step=restored,
+        source_world=source_world,
+        restore_s=restore_s,
+        tier=tier,
+        peer_bytes=peer,
+        fallbacks=passed,
+    )
+
+    step = restored or 0
+    stop_at = config["steps"] if attempt == 0 else step + config["after_steps"]
+    while step < stop_at:
+        one_step(model, optim, step, config["step_sleep_s"])
+        step += 1
+        app.extras["step"] = step
+        log("step", step=step)
+        persist = None if not memory_every else step % config["save_every"] == 0
+        if step % config["save_every"] == 0 or (memory_every and step % memory_every == 0):
+            t0 = time.perf_counter()
+            handle = ckpt.save(step, state, {"loss": float(step)}, persist=persist)
+            log(
+                "save",
+                step=step,
+                stall_s=time.perf_counter() - t0,
+                memory=persist is False,
+                skipped=handle is None,
+                memory_skipped=ckpt.memory_skipped,
+            )
+    ckpt.wait()
+    log("done", step=step)
+
+
+class NoticeCallback(RayckptCallback):
+    """``RayckptCallback`` that records when the controller noticed a failure, and when its own part ended."""
+
+    def __init__(self, events: str) -> None:
+        self.events = events
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        append_event(self.events, "noticed", ranks=sorted(worker_exceptions))
+        super().after_exception(run_context, worker_exceptions)
+        append_event(self.events, "callback_done")
+
+
+class ControllerTimeline(ControllerCallback, WorkerGroupCallback):
+    """The Ray Train controller's state changes and worker group starts and shutdowns, timestamped
+    (DeveloperAPI hooks): where Ray's part of a restart goes."""
+
+    def __init__(self, events: str) -> None:
+        self.events = events
+
+    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        if current_state._state_type is not previous_state._state_type:  # RUNNING -> RUNNING at every poll
+            append_event(self.events, "state", state=current_state._state_type.state_name)
+
+    def before_worker_group_shutdown(self, worker_group: Any) -> None:
+        append_event(self.events, "group_shutdown_begin")
+
+    def after_worker_group_shutdown(self, worker_group_context: Any) -> None:
+        append_event(self.events, "group_shutdown_done")
+
+    def before_worker_group_start(self, worker_group_context: Any) -> None:
+        append_event(self.events, "group_start_begin", workers=worker_group_context.num_workers)
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        append_event(self.events, "group_started")

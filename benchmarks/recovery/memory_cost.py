@@ -1,0 +1,378 @@
+"""What checkpointing to memory every step costs a training loop, against its anchors, in one run.
+
+One TorchTrainer run per scenario, 4 gloo CPU workers holding the 1 GB suite's FSDP2
+state (``workload.build_state``). The loop takes the recovery benchmark's steps
+(``recovery.loop.one_step``: an in-place update of every local shard, one all-reduce,
+a sleep standing in for forward and backward) in rounds; each round runs every mode
+for ``--steps`` steps, the order rotated from round to round:
+
+- ``none``: no checkpoint: the step itself.
+- ``copy``: the anchor: each worker copies its whole share once into buffers made
+  beforehand (``Tensor.copy_``), the least any in-memory checkpoint of it costs on
+  the CPU.
+- ``memory``: ``Checkpointer(memory_every=1).save(step, state, persist=False)``
+  (staged, written into the node's memory tier and, across nodes, copied to the
+  ring's peer node in the background; skipped while the one before is unwritten).
+
+Scenarios: ``one-node`` (a local Ray) and ``two-nodes`` (a ``ray.cluster_utils.Cluster``
+of a head and two 2-CPU worker nodes, each with its own ``RAYCKPT_SHM_DIR``: every shard
+file also goes to the other node). A step's time is the slowest worker's (start of the
+update to the end of the save); the table shows medians over every step of a mode
+past each round's first, and ratios to ``none`` and to ``copy``. ``--device cuda`` (one-node only):
+one worker per GPU, nccl, the state on the device, the anchor a copy into page-locked host buffers
+(a DMA, waited for). Run:
+``.venv/bin/python -m benchmarks.recovery memory-cost ``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import time
+from typing import Any
+
+from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.common.workload import layer_shapes
+from benchmarks.recovery.loop import append_event
+
+MODES = ("none", "copy", "memory")
+SCENARIOS = ("one-node", "two-nodes")
+#: Keeps the training workers of ``two-nodes`` off the head.
+SLOT = "memory_cost_slot"
+
+
+def cost_loop(config: dict[str, Any]) -> None:
+    """Each worker: build the state, then ``rounds`` rounds of every mode, ``steps`` steps each."""
+    import ray
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.common.workload import build_state
+    from benchmarks.recovery.loop import one_step
+    from rayckpt.ray.async_save import local_pieces
+    from rayckpt.train import Checkpointer
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cuda = config["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(ray.train.torch.get_device())
+    shapes = [tuple(s) for s in config["shapes"]]
+    model, optim, app = build_state(world, rank, seed=0, shapes=shapes, device=config["device"])
+    state = {"app": app}
+    ckpt = Checkpointer(memory_every=1, persist_every=10**9, local_is_shared=config["shared"])
+    ckpt.restore(state)  # nothing to restore: makes both lanes' staging buffers, as a real run's restore does
+    pieces = local_pieces(state)
+    # made and touched beforehand, like a staging buffer; page-locked for a device's copy (a DMA)
+    copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda).fill_(0) for p in pieces]
+    share = sum(p.numel() * p.element_size() for p in pieces)
+    step = 0
+    for rnd in range(config["rounds"]):
+        for mode in rotated(MODES, rnd):
+            dist.barrier()
+            for i in range(config["steps"]):
+                step += 1
+                t0 = time.perf_counter()
+                one_step(model, optim, step, config["step_sleep_s"])
+                t1 = time.perf_counter()
+                skipped = None
+                if mode == "copy":
+                    for dst, src in zip(copies, local_pieces(state)):
+                        dst.copy_(src, non_blocking=cuda)
+                    if cuda:
+                        torch.cuda.synchronize()
+                elif mode == "memory":
+                    skipped = ckpt.save(step, state, persist=False) is None
+                t2 = time.perf_counter()
+                append_event(
+                    config["events"], "step", rank=rank, round=rnd, mode=mode, i=i, step=step,
+                    step_s=t2 - t0, save_s=t2 - t1, skipped=skipped, share=share,
+                )  # fmt: skip
+            ckpt.wait()  # the memory saves' background work ends inside their own mode
+    if config["restore_rounds"]:
+        restores(config, ckpt, state, step + 1, rank)
+    if rank == 0:
+        writes = [ray.get(h.debug_stats.remote())["writes"] for h in _writers()]
+        append_event(config["events"], "writes", writes=[w for ws in writes for w in ws if "@memory" in w["run"]])
+    ckpt.release_memory()
+
+
+def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int, rank: int) -> None:
+    """Load one step into the same workers from each tier, rounds rotated, barrier to barrier: from the
+    nodes' memory, from local disk with the page cache warm and evicted, and from S3 (``--s3``)."""
+    import torch.distributed as dist
+
+    from benchmarks.common.diskio import evict, files_under
+    from rayckpt.ray.async_save import save_async
+    from rayckpt.ray.load import load
+
+    ckpt.save(step, state, persist=True)  # due for both: to memory, then to storage
+    ckpt.wait()
+    sources = {
+        "memory": (ckpt.memory.path(step), ckpt.memory.filesystem),
+        "disk, warm": (ckpt.path(step), ckpt.filesystem),
+        "disk, cold": (ckpt.path(step), ckpt.filesystem),
+    }
+    if config["s3_uri"]:
+        save_async(state, config["s3_uri"], run="memory-cost-s3", step=step).wait()
+        sources["s3"] = (config["s3_uri"], None)
+    for rnd in range(config["restore_rounds"]):
+        for name in rotated(list(sources), rnd):
+            path, fs = sources[name]
+            if name == "disk, cold" and rank == 0:
+                evict(files_under(path))
+            dist.barrier()
+            t0 = time.perf_counter()
+            info = load(state, path, filesystem=fs)
+            dist.barrier()
+            append_event(
+                config["events"], "restore", rank=rank, round=rnd, source=name, load_s=time.perf_counter() - t0,
+                bytes_read=info.bytes_read,
+            )  # fmt: skip
+
+
+def _writers() -> list[Any]:
+    from rayckpt.ray.memory_tier import writers
+
+    return list(writers(fresh=True).values())
+
+
+def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayckpt.ray.staging import SHM_DIR_ENV
+
+    events = os.path.join(args.out, f"{scenario}.jsonl")
+    if os.path.exists(events):
+        os.remove(events)
+    shm_root = os.path.join(args.shm_root, f"rayckpt-bench-memory-cost-{os.getpid()}-{scenario}")
+    cluster = None
+    gpu = args.device == "cuda"
+    quiet = {"log_to_driver": args.ray_logs, "logging_level": logging.WARNING}
+    store = args.object_store_mb * 2**20
+    s3 = args.s3_endpoint
+    try:
+        if scenario == "one-node":
+            ray.init(
+                address="local", num_cpus=args.workers, object_store_memory=store, include_dashboard=False, **quiet
+            )
+            resources: dict[str, float] = {"CPU": 1}
+            if gpu:
+                resources["GPU"] = 1
+        else:
+            from ray.cluster_utils import Cluster
+
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store})
+            per_node = args.workers // 2
+            for i in range(2):
+                shm = os.path.join(shm_root, f"node-{i}")
+                os.makedirs(shm)
+                cluster.add_node(
+                    num_cpus=per_node,
+                    resources={SLOT: per_node},
+                    object_store_memory=store,
+                    env_vars={SHM_DIR_ENV: shm},
+                )
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, **quiet)
+            resources = {"CPU": 1, SLOT: 1}
+        config = {
+            "events": events,
+            "shapes": layer_shapes(args.size_mb),
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "step_sleep_s": args.step_sleep_s,
+            "device": args.device,
+            "shared": cluster is not None or None,
+            "restore_rounds": args.restore_rounds if scenario == "one-node" else 0,
+            "s3_uri": s3.uri(f"memory-cost/{time.time_ns()}") if s3 is not None and scenario == "one-node" else None,
+        }
+        trainer = TorchTrainer(
+            cost_loop,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=gpu, resources_per_worker=resources),
+            run_config=RunConfig(storage_path=os.path.join(args.out, "storage"), name=f"{scenario}-{time.time_ns()}"),
+        )
+        trainer.fit()
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(shm_root, ignore_errors=True)
+    return summarize(events)
+
+
+def summarize(events: str) -> dict[str, Any]:
+    """Per mode: the slowest worker's step and save time, medians over the steps past each round's first."""
+    with open(events) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    steps = [e for e in lines if e["kind"] == "step"]
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for e in steps:
+        by_step.setdefault(e["step"], []).append(e)
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        rows = [rs for rs in by_step.values() if rs[0]["mode"] == mode and rs[0]["i"] > 0]
+        out[mode] = {
+            "step_s": statistics.median(max(r["step_s"] for r in rs) for rs in rows),
+            "save_s": statistics.median(max(r["save_s"] for r in rs) for rs in rows),
+            "steps": len(rows),
+        }
+    memory = [rs for rs in by_step.values() if rs[0]["mode"] == "memory"]
+    out["memory"]["skipped"] = sum(rs[0]["skipped"] for rs in memory)
+    out["memory"]["saves"] = len(memory)
+    writes = next((e["writes"] for e in lines if e["kind"] == "writes"), [])
+    per_save: dict[str, int] = {}
+    for w in writes:
+        per_save[w["save_id"]] = per_save.get(w["save_id"], 0) + w["bytes"]
+    out["shard_bytes_per_memory_save"] = statistics.median(per_save.values()) if per_save else None
+    out["nodes_written"] = len({w["node"] for w in writes})
+    out["share_bytes"] = [e["share"] for e in steps if e["step"] == 1]
+    restores_by: dict[tuple[str, int], list[float]] = {}
+    for e in lines:
+        if e["kind"] == "restore":
+            restores_by.setdefault((e["source"], e["round"]), []).append(e["load_s"])
+    out["restore_s"] = {}
+    for (source, _), times in sorted(restores_by.items()):
+        out["restore_s"].setdefault(source, []).append(max(times))  # barrier to barrier: every rank's the same
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    load = report["load_average_1min"]
+    where = f" on {report['gpu']} (one GPU each, nccl)" if report.get("gpu") else ""
+    lines = [
+        "## The cost of a memory checkpoint every step",
+        "",
+        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.0f} min: "
+        f"{report['machine']['nproc']} CPUs, torch {report['machine']['torch']}. 1-minute load average "
+        f"{load['before_start']:.2f} before the start; during the run median {load['median']:.2f}, max "
+        f"{load['max']:.2f}; CPU used by processes outside the benchmark: mean "
+        f"{load['other_processes_cpu_cores']['mean']:.2f} cores.",
+        "",
+        f"State: {report['state_bytes'] / 1e9:.3f} GB, {report['workers']} workers{where}; a step: an in-place update "
+        f"of every local shard, one all-reduce and a {report['step_sleep_s']} s sleep standing in for forward "
+        f"and backward. {report['rounds']} rounds of every mode, {report['steps']} steps each, order rotated; "
+        "seconds: the slowest worker's, medians over the steps past each round's first.",
+        "",
+        "| scenario | mode | step s | x none | x copy | save call s | memory saves skipped | shard bytes per "
+        "memory save (each copied to a peer across nodes) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for sc, r in report["scenarios"].items():
+        none, copy = r["none"]["step_s"], r["copy"]["step_s"]
+        for mode in MODES:
+            m = r[mode]
+            skipped = f"{m['skipped']} of {m['saves']}" if mode == "memory" else ""
+            nbytes = (
+                f"{r['shard_bytes_per_memory_save'] / 1e6:.0f} MB"
+                if mode == "memory" and r["shard_bytes_per_memory_save"]
+                else ""
+            )
+            lines.append(
+                f"| {sc} | {mode} | {m['step_s']:.3f} | {m['step_s'] / none:.2f} | {m['step_s'] / copy:.2f} "
+                f"| {m['save_s']:.3f} | {skipped} | {nbytes} |"
+            )
+    restore = {sc: r["restore_s"] for sc, r in report["scenarios"].items() if r.get("restore_s")}
+    for sc, by_source in restore.items():
+        memory = statistics.median(by_source["memory"])
+        lines += [
+            "",
+            f"Restore of one step into the same {report['workers']} workers ({sc}), barrier to barrier, "
+            f"{report['restore_rounds']} rounds rotated; seconds: median (min-max).",
+            "",
+            "| from | load s | / from memory |",
+            "| --- | ---: | ---: |",
+        ]
+        for source, times in by_source.items():
+            med = statistics.median(times)
+            lines.append(f"| {source} | {med:.2f} ({min(times):.2f}-{max(times):.2f}) | {med / memory:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--size-mb", type=float, default=1024, help="state size (params + AdamW moments)")
+    p.add_argument("--workers", type=int, default=4, help="training workers (split over two nodes in two-nodes)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
+    p.add_argument("--steps", type=int, default=6, help="steps per mode per round")
+    p.add_argument("--step-sleep-s", type=float, default=0.5, help="sleep per step standing in for forward+backward")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    p.add_argument("--object-store-mb", type=int, default=1536, help="object store per Ray node")
+    p.add_argument("--shm-root", default="/dev/shm", help="where each node's RAYCKPT_SHM_DIR is made")
+    p.add_argument("--restore-rounds", type=int, default=3, help="rounds of restores by tier (one-node; 0: none)")
+    p.add_argument("--s3", action="store_true", help="also restore from S3 (a local moto server, as the tests')")
+    p.add_argument("--out", default="bench_out/memory_cost", help="directory for memory_cost.json, .md, event files")
+    p.add_argument("--markdown", help="also write the table here")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per worker, nccl, one-node only"
+    )
+    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
+    args = p.parse_args(argv)
+    bad = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
+    if bad:
+        p.error(f"--scenarios: unknown {', '.join(bad)} (expected some of {', '.join(SCENARIOS)})")
+    if args.device == "cuda" and args.scenarios != "one-node":
+        p.error("--device cuda: only --scenarios one-node (one machine's GPUs)")
+    if "two-nodes" in args.scenarios.split(",") and (args.workers < 2 or args.workers % 2):
+        p.error(f"--workers {args.workers}: expected an even number >= 2 (two-nodes puts half on each node)")
+    return args
+
+
+def gpu_name(device: str) -> str | None:
+    """The GPU's name for ``--device cuda`` (``None`` on the CPU); refuses where there is none."""
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (the default --device cpu runs the CPU path)")
+    return torch.cuda.get_device_name()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    shapes = layer_shapes(args.size_mb)
+    report: dict[str, Any] = {
+        "command": "python -m benchmarks.recovery memory-cost " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine_info(),
+        "state_bytes": 12 * sum(rows * cols + rows for rows, cols in shapes),
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "step_sleep_s": args.step_sleep_s,
+        "device": args.device,
+        "gpu": gpu_name(args.device),
+        "restore_rounds": args.restore_rounds,
+        "scenarios": {},
+    }
+    args.s3_endpoint, server = None, None
+    if args.s3:
+        from rayckpt.testing.s3_server import S3_ENV, start_moto_server
+
+        os.environ.update(S3_ENV)  # the local Ray's workers inherit them
+        server = start_moto_server(os.path.join(args.out, "moto.log"), "bench")
+        args.s3_endpoint = server.endpoint
+    try:
+        with load_sampled(report):
+            for sc in args.scenarios.split(","):
+                report["scenarios"][sc] = run_scenario(args, sc)
+    finally:
+        if server is not None:
+            server.stop()
+    md = markdown(report)
+    write_report(args.out, "memory_cost", report, md, args.markdown)
+    print(md)
+    return 0

@@ -1,0 +1,265 @@
+"""The recovery benchmark's arithmetic and tables: events in, phases and markdown out (nothing here measures).
+
+A repeat's events (``recovery.loop.append_event``: ``{"t": time.time(), "kind": ...}``
+from the workers, the controller and the driver) become its phases
+(``recovery_times``): kill -> failure noticed (the controller's ``after_exception``)
+-> workers restarted (every worker of the new group entered the loop) -> state built
+(every worker begins ``Checkpointer.restore``: the model and optimizer made, the
+Checkpointer created) -> state restored (``restore`` returned on every worker) ->
+first step done (on every worker); and the steps re-done (done before the kill,
+minus the restored step). ``summarize`` reduces repeats, ``markdown`` writes the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+from benchmarks.common.harness import fmt, summary
+
+#: (phase, from milestone, to milestone), in order: the phases add up to kill -> first step.
+PHASES = (
+    ("detect", "kill", "noticed"),
+    ("restart", "noticed", "entered"),
+    ("build", "entered", "restore_begun"),
+    ("restore", "restore_begun", "restored"),
+    ("first_step", "restored", "first_step"),
+)
+PHASE_LABELS = {
+    "detect": "kill -> noticed",
+    "restart": "noticed -> workers restarted",
+    "build": "restarted -> state built",
+    "restore": "built -> state restored",
+    "first_step": "restored -> first step done",
+}
+#: Milestones after the kill: (name, event kind, controller state or None, the first or the last such event).
+#: Each is looked for after the one before it (``node_dead``, the GCS's view, after the kill: it runs beside
+#: the controller's);
+#: a repeat without one (no RESCHEDULING, no node death) leaves it out.
+MILESTONES = (
+    ("noticed", "noticed", None, "first"),
+    ("node_dead", "node_dead", None, "first"),
+    ("restarting", "state", "RESTARTING", "first"),
+    ("old_group_shut_down", "group_shutdown_done", None, "first"),
+    ("first_group_start", "group_start_begin", None, "first"),
+    ("rescheduling", "state", "RESCHEDULING", "first"),
+    ("last_group_start", "group_start_begin", None, "last"),
+    ("group_started", "group_started", None, "first"),
+    ("running", "state", "RUNNING", "first"),
+)
+MILESTONE_LABELS = {
+    "noticed": "noticed",
+    "node_dead": "GCS marks the node dead",
+    "restarting": "RESTARTING",
+    "old_group_shut_down": "old group shut down",
+    "first_group_start": "group start begins",
+    "rescheduling": "start given up (RESCHEDULING)",
+    "last_group_start": "last group start begins",
+    "group_started": "group started",
+    "running": "RUNNING",
+}
+
+
+class RecoveryEventsError(ValueError):
+    """A repeat's events do not describe one kill and one complete recovery."""
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    """The events of one repeat, in time order."""
+    with open(path) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    return sorted(events, key=lambda e: e["t"])
+
+
+def _one(values: set[Any], what: str) -> Any:
+    if len(values) != 1:
+        raise RecoveryEventsError(f"the restarted workers disagree on {what}: {sorted(values, key=str)}")
+    return next(iter(values))
+
+
+def recovery_times(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """One repeat's recovery: milestone times (seconds after the kill), phases, steps re-done, worker counts."""
+    kills = [e for e in events if e["kind"] == "kill"]
+    if len(kills) != 1:
+        raise RecoveryEventsError(f"expected one kill event, found {len(kills)}")
+    t_kill = kills[0]["t"]
+    after = [e for e in events if e["t"] >= t_kill]
+    entries = [e for e in after if e["kind"] == "enter"]
+    if not entries:
+        raise RecoveryEventsError("no worker entered the loop after the kill")
+    attempt = min(e["attempt"] for e in entries)
+    new = [e for e in after if e.get("attempt") == attempt and "rank" in e]
+    entered = [e for e in new if e["kind"] == "enter"]
+    world = _one({e["world"] for e in entered}, "the world size")
+    ranks = {e["rank"] for e in entered}
+    if ranks != set(range(world)):
+        raise RecoveryEventsError(f"the restarted group of {world} entered with ranks {sorted(ranks)}")
+
+    def last_of(kind: str) -> dict[str, Any]:
+        """Each rank's first ``kind`` event of the new attempt; the one of the rank that got there last."""
+        got: dict[int, dict[str, Any]] = {}
+        for e in new:
+            if e["kind"] == kind:
+                got.setdefault(e["rank"], e)
+        if set(got) != ranks:
+            raise RecoveryEventsError(f"'{kind}' from ranks {sorted(got)} of {world} after the kill")
+        return max(got.values(), key=lambda e: e["t"])
+
+    noticed = [e for e in after if e["kind"] == "noticed"]
+    if not noticed:
+        raise RecoveryEventsError("the controller never noticed the failure (no 'noticed' event)")
+    done = [e for e in new if e["kind"] == "restore_done"]
+    restored_step = _one({e["step"] for e in done}, "the restored step")
+    source_world = _one({e["source_world"] for e in done}, "the restored checkpoint's world size")
+    tier = _one({e.get("tier") or "storage" for e in done}, "the restored checkpoint's tier")
+    at = {
+        "kill": t_kill,
+        "noticed": noticed[0]["t"],
+        "entered": last_of("enter")["t"],
+        "restore_begun": last_of("restore_begin")["t"],
+        "restored": last_of("restore_done")["t"],
+        "first_step": last_of("step")["t"],
+    }
+    phases = {name: at[b] - at[a] for name, a, b in PHASES}
+    for name, s in phases.items():
+        if s < 0:
+            raise RecoveryEventsError(f"phase {name} is negative ({s:.3f} s): the events are out of order")
+    before = [e for e in events if e["kind"] == "step" and e["t"] <= t_kill]
+    steps_before = max((e["step"] for e in before), default=0)
+    total = at["first_step"] - t_kill
+    return {
+        "world_before": _one({e["world"] for e in events if e["kind"] == "enter" and e["t"] < t_kill}, "world"),
+        "world_after": world,
+        "source_world": source_world,
+        "restored_tier": tier,
+        "restored_step": restored_step,
+        "steps_before_kill": steps_before,
+        "steps_redone": steps_before - (restored_step or 0),
+        "phases_s": phases,
+        "total_s": total,
+        "restore_own_s": max(e["restore_s"] for e in done),
+        "restore_share": phases["restore"] / total if total > 0 else None,
+        "ray_s": phases["detect"] + phases["restart"],
+        "step_s": step_time(events, t_kill),
+        "controller_s": controller_milestones(after, t_kill, at["entered"]),
+        "group_starts": group_starts(after, at["entered"]),
+        "kill": {k: v for k, v in kills[0].items() if k not in ("t", "kind")},
+    }
+
+
+def step_time(events: list[dict[str, Any]], t_kill: float) -> float | None:
+    """Median time between rank 0's consecutive steps before the kill (saves' stalls included)."""
+    ts = [e["t"] for e in events if e["kind"] == "step" and e["rank"] == 0 and e["t"] <= t_kill]
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
+def controller_milestones(after: list[dict[str, Any]], t_kill: float, t_entered: float) -> dict[str, float]:
+    """Seconds after the kill of each of ``MILESTONES`` found before the workers entered the loop."""
+    out: dict[str, float] = {}
+    t_prev = t_kill
+    for name, kind, state, which in MILESTONES:
+        since = t_kill if name == "node_dead" else t_prev
+        hits = [e for e in after if e["kind"] == kind and e.get("state") == state and since <= e["t"] <= t_entered]
+        if hits:
+            hit = hits[0] if which == "first" else hits[-1]
+            out[name] = hit["t"] - t_kill
+            if name != "node_dead":
+                t_prev = hit["t"]
+    return out
+
+
+def group_starts(after: list[dict[str, Any]], t_entered: float) -> list[int]:
+    """The worker counts of the groups the controller began to start, in order, before the workers entered."""
+    return [e["workers"] for e in after if e["kind"] == "group_start_begin" and e["t"] <= t_entered]
+
+
+def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and min-max over repeats of each phase, the total, restore's share and the steps re-done."""
+    out: dict[str, Any] = {
+        "repeats": len(repeats),
+        "phases_s": {name: summary([r["phases_s"][name] for r in repeats]) for name, _, _ in PHASES},
+        "total_s": summary([r["total_s"] for r in repeats]),
+        "restore_own_s": summary([r["restore_own_s"] for r in repeats]),
+        "ray_s": summary([r["ray_s"] for r in repeats]),
+        "restore_share": summary([r["restore_share"] for r in repeats if r["restore_share"] is not None]),
+        "steps_redone": summary([r["steps_redone"] for r in repeats]),
+        "worlds": sorted({f"{r['world_before']}->{r['world_after']}" for r in repeats}),
+        "restored_from": sorted(
+            {
+                f"step {r['restored_step']} of {r['source_world']} workers"
+                + (f" from {r['restored_tier']}" if r.get("restored_tier", "storage") != "storage" else "")
+                for r in repeats
+            }
+        ),
+    }
+    steps = [r["step_s"] for r in repeats if r["step_s"] is not None]
+    out["step_s"] = summary(steps) if steps else None
+    names = [n for n, _, _, _ in MILESTONES if any(n in r["controller_s"] for r in repeats)]
+    out["controller_s"] = {n: summary([r["controller_s"][n] for r in repeats if n in r["controller_s"]]) for n in names}
+    out["group_starts"] = sorted({" -> ".join(str(w) for w in r["group_starts"]) for r in repeats})
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Markdown
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The recovery section: the run, a phase table, the controller's timeline, the method."""
+    m, c = report["machine"], report["config"]
+    la = report.get("load_average_1min") or {}
+    lines = [
+        "## Recovery time",
+        "",
+        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.0f} min: {m['nproc']} CPUs, "
+        f"{m['mem_total_gb']:.0f} GB RAM, torch {m['torch']}, ray {m['ray']}, pyarrow {m['pyarrow']}, "
+        f"rayckpt {m['rayckpt']}."
+        + (
+            f" 1-minute load average: {la['before_start']:.2f} before the start; during the run median "
+            f"{la['median']:.2f}, max {la['max']:.2f}; CPU used by processes outside the benchmark: mean "
+            f"{la['other_processes_cpu_cores']['mean']:.2f} cores."
+            if la
+            else ""
+        ),
+        "",
+        f"State: {report['state_bytes'] / 1e9:.3f} GB ({c['size_mb']:g}MB: the suite's fp32 params + AdamW "
+        f"exp_avg + exp_avg_sq, {len(report['layer_shapes_rows_cols'])} FSDP2 Linear layers), saved every "
+        f"{c['save_every']} steps. A step: an in-place update of every local shard and one all-reduce of a scalar, "
+        f"plus a {c['step_sleep_s']:g} s sleep standing in for forward and backward. Seconds: median (min-max) "
+        f"over {c['repeats']} repeat(s); each phase ends when the last worker reaches it.",
+        "",
+        "| scenario | workers | kill -> noticed | -> restarted | -> state built | -> restored | -> first step "
+        "| kill -> first step | restore's share | steps re-done | restored | step s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for sc in report["scenarios"].values():
+        s = sc["summary"]
+        p = s["phases_s"]
+        step = fmt(s["step_s"]) if s["step_s"] else ""
+        lines.append(
+            f"| {sc['label']} | {', '.join(s['worlds'])} | {fmt(p['detect'])} | {fmt(p['restart'])} | "
+            f"{fmt(p['build'])} | {fmt(p['restore'])} | {fmt(p['first_step'])} | {fmt(s['total_s'])} | "
+            f"{s['restore_share']['median']:.1%} | {fmt(s['steps_redone'], 0)} | {'; '.join(s['restored_from'])} "
+            f"| {step} |"
+        )
+    lines += [
+        "",
+        "Where Ray's part goes: seconds after the kill, median (min-max) over the repeats that reached each "
+        "milestone; 'group starts': the worker counts the controller began to start, in order.",
+        "",
+    ]
+    names = [n for n, _, _, _ in MILESTONES]
+    lines += [
+        "| scenario | " + " | ".join(MILESTONE_LABELS[n] for n in names) + " | workers in loop | group starts |",
+        "| --- | " + " | ".join("---:" for _ in names) + " | ---: | --- |",
+    ]
+    for sc in report["scenarios"].values():
+        s = sc["summary"]
+        entered = summary([r["phases_s"]["detect"] + r["phases_s"]["restart"] for r in sc["repeats"]])
+        cells = [fmt(s["controller_s"][n]) if n in s["controller_s"] else "" for n in names]
+        starts = "; ".join(s["group_starts"])
+        lines.append(f"| {sc['label']} | " + " | ".join(cells) + f" | {fmt(entered)} | {starts} |")
+    lines += ["", "### Method (recovery)", ""] + [f"- {x}" for x in report["method"]]
+    return "\n".join(lines) + "\n"

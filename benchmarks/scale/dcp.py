@@ -1,0 +1,328 @@
+"""DCP's side of the scale benchmark: its ``.metadata``, save plans and load plans for a ``Layout``.
+
+What ``dcp.save`` with ``FileSystemWriter`` (defaults: one ``__{rank}_0.distcp`` file
+per rank, ``torch.save`` per item) and ``DefaultSavePlanner`` would build for the
+layout dim-0 sharded as FSDP2 shards it, made directly so that 4,096 ranks fit:
+
+- ``local_save_plans``: each rank's ``SavePlan`` as ``create_default_local_save_plan``
+  makes it from its DTensors after the state dict is flattened (``planner_data``: the
+  rank's flatten mapping), with the rank's own objects, as the all-gather unpickles them;
+- ``build_metadata``: the ``Metadata`` the coordinator pickles in
+  ``FileSystemWriter.finish``: ``state_dict_metadata`` (a ``TensorStorageMetadata`` per
+  tensor, a ``ChunkStorageMetadata`` per rank's chunk, in rank order), ``planner_data``,
+  ``storage_data`` (``MetadataIndex`` -> ``_StorageInfo`` per chunk, the rank's file,
+  offset and length), ``storage_meta`` and version; the objects shared as the
+  gathers leave them (what the pickle memoizes). Empty shards (ranks past the last
+  row) share one index, which ``dedup_save_plans`` keeps once (here: the lowest rank's).
+
+``metadata_via_planner`` builds the same through DCP's own planner on fake-process-group
+DTensors with the collectives' pickling, for checking ``build_metadata`` at a few ranks.
+Load plans run DCP's ``create_default_local_load_plan`` on one target rank's DTensors
+(meta tensors on a ``fake`` process group of the target world size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .layout import ITEMSIZE, Layout, dim0_rows, row_bytes
+
+METADATA_NAME = ".metadata"
+#: The save id ``FileSystemWriter`` draws (a uuid4 string), fixed for comparable sizes.
+SAVE_ID = "0b1f2e3d-4c5b-4a69-8877-665544332211"
+
+
+def _copy(s: str) -> str:
+    """An equal string that is another object: what each rank's unpickled plan holds."""
+    return s.encode().decode()
+
+
+def file_name(rank: int) -> str:
+    return f"__{rank}_0{DEFAULT_SUFFIX}"
+
+
+_TORCH_SAVE_OVERHEAD: list[int] = []
+
+
+def item_length(nbytes: int) -> int:
+    """The bytes ``torch.save`` writes for a tensor of ``nbytes`` (its zip framing measured once)."""
+    if not _TORCH_SAVE_OVERHEAD:
+        buf = io.BytesIO()
+        torch.save(torch.zeros(1), buf)
+        _TORCH_SAVE_OVERHEAD.append(len(buf.getvalue()) - 4)
+    return _TORCH_SAVE_OVERHEAD[0] + nbytes
+
+
+def _chunks(layout: Layout, world_size: int) -> dict[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Each shape's (offsets, sizes) on every rank, FSDP2's dim-0 shards."""
+    out = {}
+    for shape in set(layout.shapes):
+        rows = [dim0_rows(shape, world_size, r) for r in range(world_size)]
+        out[shape] = [((lo,) + (0,) * (len(shape) - 1), (n,) + shape[1:]) for lo, n in rows]
+    return out
+
+
+def _kept(layout: Layout, chunks: dict[tuple[int, ...], list[Any]]) -> list[list[int]]:
+    """Each rank's tensor indices after ``dedup_save_plans``: an empty shard once, on the lowest such rank."""
+    keep = {}
+    for shape, per_rank in chunks.items():
+        empty = [r for r, (_, sizes) in enumerate(per_rank) if sizes[0] == 0]
+        keep[shape] = [bool(sizes[0]) or r == empty[0] for r, (_, sizes) in enumerate(per_rank)]
+    return [[i for i, s in enumerate(layout.shapes) if keep[s][r]] for r in range(len(next(iter(chunks.values()))))]
+
+
+def _flatten_mapping(layout: Layout) -> dict[str, tuple[str, ...]]:
+    """A rank's ``flatten_state_dict`` mapping: fqn -> path, the path's parts shared as its state dict shares them."""
+    parts: dict[str, str] = {}
+    out = {}
+    for key, path in zip(layout.keys, layout.paths, strict=True):
+        name = path[1] if path[0] == "model" else parts.setdefault(path[2], _copy(path[2]))
+        out[_copy(key)] = (path[0], _copy(name)) if path[0] == "model" else (*path[:2], name, *path[3:])
+    return out
+
+
+def local_save_plans(layout: Layout, world_size: int) -> list[SavePlan]:
+    """Every rank's local ``SavePlan`` as the coordinator receives it (before dedup)."""
+    plans = []
+    chunks = _chunks(layout, world_size)
+    for rank in range(world_size):
+        mapping = _flatten_mapping(layout)
+        items = []
+        for fqn, shape in zip(mapping, layout.shapes, strict=True):
+            offsets, sizes = chunks[shape][rank]
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                        properties=TensorProperties(dtype=torch.float32),
+                        size=torch.Size(shape),
+                    ),
+                )
+            )
+        plans.append(SavePlan(items, planner_data=mapping))
+    return plans
+
+
+def build_metadata(layout: Layout, world_size: int, checkpoint_id: str) -> Metadata:
+    """The ``Metadata`` ``FileSystemWriter.finish`` pickles for a save of ``layout`` by ``world_size`` ranks."""
+    keys = [_copy(k) for k in layout.keys]  # rank 0's plan's fqns
+    md: dict[str, Any] = {
+        k: TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(s), [])
+        for k, s in zip(keys, layout.shapes, strict=True)
+    }
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    per_shape = _chunks(layout, world_size)
+    for rank, kept in enumerate(_kept(layout, per_shape)):
+        name, pos = file_name(rank), 0
+        for i in kept:
+            shape = layout.shapes[i]
+            offsets, sizes = per_shape[shape][rank]
+            chunks = md[keys[i]].chunks
+            index = MetadataIndex(_copy(keys[i]), offsets, len(chunks))
+            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            length = item_length(sizes[0] * row_bytes(shape))
+            storage[index] = _StorageInfo(name, pos, length)
+            pos += length
+    mapping = _flatten_mapping(layout)
+    if world_size > 1:  # keys from the last rank's mapping, values from rank 0's (``dict(ChainMap(...))``)
+        mapping = dict(zip(_flatten_mapping(layout), mapping.values(), strict=True))
+    return Metadata(
+        md,
+        planner_data=mapping,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=SAVE_ID),
+        version=CURRENT_DCP_VERSION,
+    )
+
+
+def metadata_chunks(metadata: Metadata) -> int:
+    return sum(len(m.chunks) for m in metadata.state_dict_metadata.values())
+
+
+def write_metadata(directory: str, metadata: Metadata) -> None:
+    """``FileSystemWriter.finish``: pickle to a temporary file, fsync, rename."""
+    tmp = os.path.join(directory, METADATA_NAME + ".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(metadata, f)
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, METADATA_NAME))
+
+
+def read_metadata(directory: str) -> Metadata:
+    """``FileSystemReader.read_metadata``: unpickle ``.metadata``."""
+    with open(os.path.join(directory, METADATA_NAME), "rb") as f:
+        metadata = pickle.load(f)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = SAVE_ID
+    return metadata
+
+
+# ---------------------------------------------------------------------------
+# Global save plan, with and without the plan cache
+
+
+def global_plan(plans: list[SavePlan], caching: bool = False) -> tuple[list[SavePlan], Metadata]:
+    """``DefaultSavePlanner.create_global_plan`` (dedup, metadata, validation) on the coordinator."""
+    return DefaultSavePlanner(enable_plan_caching=caching).create_global_plan(plans)
+
+
+def clear_plan_cache() -> None:
+    for cache in (
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+        SavePlanner._cached_final_save_plan,
+    ):
+        cache.clear()
+
+
+def hydrate_plan_cache(plans: list[SavePlan]) -> None:
+    """Fill the plan cache as a first cached save would (what the cached path returns, unvalidated)."""
+    key = DefaultSavePlanner.__name__
+    SavePlanner._cached_all_plans[key] = plans
+    SavePlanner._cached_global_plan[key] = plans
+    SavePlanner._cached_metadata[key] = Metadata({})
+
+
+def unchanged_plans(world_size: int) -> list[SavePlan]:
+    """What every rank sends once its local plan equals its cached one (``create_local_plan``)."""
+    return [SavePlan([], usable=False)] * world_size
+
+
+# ---------------------------------------------------------------------------
+# Load plans on a fake process group
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[Any]:
+    """A ``fake`` process group of ``world_size`` as ``rank`` and its 1-D CPU mesh (no communication)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def target_state(layout: Layout, mesh: Any, flat: bool = True) -> dict[str, Any]:
+    """One rank's FSDP2 state dict: a ``Shard(0)`` DTensor per tensor over meta local tensors.
+
+    ``flat``: keyed by fqn, as ``DefaultLoadPlanner`` flattens it; else nested (for ``dcp.save``).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    world_size, rank = mesh.size(), mesh.get_local_rank()
+    out: dict[str, Any] = {}
+    for key, path, shape in zip(layout.keys, layout.paths, layout.shapes, strict=True):
+        _, rows = dim0_rows(shape, world_size, rank)
+        local = torch.empty((rows,) + shape[1:], dtype=torch.float32, device="meta")
+        stride = torch.empty(shape, device="meta").stride()
+        t = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+        if flat:
+            out[key] = t
+        else:
+            node = out
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            # The model's and the optimizer's state dicts name a parameter with strings of their own.
+            node[_copy(path[-1]) if path[0] == "model" else path[-1]] = t
+    return out
+
+
+def local_load_plan(state: dict[str, Any], metadata: Metadata) -> Any:
+    return create_default_local_load_plan(state, metadata, strict=True)
+
+
+def load_items(plan: Any) -> int:
+    return len(plan.items)
+
+
+# ---------------------------------------------------------------------------
+# The same Metadata through DCP's own planner (a check of ``build_metadata`` at a few ranks)
+
+
+def _gathered(obj: Any) -> Any:
+    """What a collective hands the other side: ``obj`` pickled and unpickled."""
+    return pickle.loads(pickle.dumps(obj))
+
+
+def metadata_via_planner(layout: Layout, world_size: int, checkpoint_id: str) -> tuple[Metadata, list[SavePlan]]:
+    """``dcp.save``'s planning and finish for the layout: every rank's ``DefaultSavePlanner`` on its
+    DTensors, the coordinator's global plan, each rank's writes (``item_length`` bytes each), ``finish``.
+
+    Also returns the local plans as gathered (before the global plan).
+    """
+    local = []
+    for rank in range(world_size):
+        with fake_world(world_size, rank) as mesh:
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(target_state(layout, mesh, flat=False), is_coordinator=rank == 0)
+            local.append(_gathered(planner.create_local_plan()))
+    plans, metadata = DefaultSavePlanner().create_global_plan(local)
+    plans = [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+    results = []
+    for plan in map(_gathered, plans):
+        name, pos, written = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}", 0, []
+        for item in plan.items:
+            sizes = item.tensor_data.chunk.sizes
+            length = item_length(sizes.numel() * ITEMSIZE)
+            written.append(WriteResult(item.index, length, _StorageInfo(name, pos, length)))
+            pos += length
+        results.append(_gathered(written))
+    metadata.version = CURRENT_DCP_VERSION
+    metadata.storage_data = {wr.index: wr.storage_data for written in results for wr in written}
+    metadata.storage_meta = StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=SAVE_ID)
+    return metadata, local
+
+
+def real_save_worker(rank: int, world_size: int, layout: Layout, directory: str) -> None:
+    """One rank of a real ``dcp.save`` of ``layout`` (zero-filled FSDP2 shards; ``run_ranks`` on gloo)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state: dict[str, Any] = {}
+    for path, shape in zip(layout.paths, layout.shapes, strict=True):
+        _, rows = dim0_rows(shape, world_size, rank)
+        local = torch.zeros((rows,) + shape[1:])
+        node = state
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = DTensor.from_local(
+            local,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+    dcp.save(state, checkpoint_id=directory)

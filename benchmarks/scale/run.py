@@ -1,0 +1,417 @@
+"""Thousands of ranks, metadata only: rayckpt side by side with DCP.
+
+The layout of ``layout.gpt_layout`` (1,992 float32 tensors: a 55-layer GPT and
+its AdamW state) dim-0 sharded over N ranks, for each N of ``--ranks``. No tensor
+data: each library's own code on the metadata a save of that layout produces
+(``layout`` for rayckpt, ``dcp`` for DCP). For each N, each step runs
+in a fresh process (``--worker``), so its peak memory is its own:
+
+- ``rayckpt_commit``: ``create_manifest`` (build + validate), then ``commit_manifest``
+  (encode + atomic write) into a local directory; its metadata files' bytes;
+- ``rayckpt_load``: ``read_manifest`` (read + decode + validate); one target rank's
+  ``create_load_plan`` for N -> N-1 and N -> N/2 (one rank without Ray = read + that);
+  the whole job's plans as on Ray (``ChunkTable.from_manifest`` + ``create_dim0_plans``);
+- ``rayckpt_save_plan``: ``create_save_plans`` over every rank's shards;
+- ``dcp_commit``: ``.metadata`` pickled to a file (+ fsync), as ``FileSystemWriter.finish``;
+- ``dcp_load``: unpickle ``.metadata``; ``create_default_local_load_plan`` for one target
+  rank's DTensors; the whole job = every target rank's local plan, summed (or the
+  median of ``--dcp-sample-ranks`` ranks x the ranks, "est.", when the sum would
+  pass ``--budget-s``);
+- ``dcp_save_plan``: ``DefaultSavePlanner.create_global_plan`` over N local plans,
+  uncached, and cached (``enable_plan_caching=True``: its second save, where every
+  rank sends an unchanged-plan marker). When the uncached plan would pass
+  ``--budget-s`` (its validation is quadratic in N for tensors wider than tall),
+  it is timed per shape on one tensor of each shape and summed over the tensors
+  ("est."), and the cache is filled with those plans (the cached path's cost does
+  not depend on what the cache holds).
+
+Seconds are CPU seconds of the step's process (wall seconds in the JSON); memory is
+the peak RSS above the RSS before the step (sampled every 20 ms). Growth exponents:
+least squares on log-log over the N points. A system's manifest steps whose process
+would not fit in ``--max-gib`` (or the memory available less 3 GiB), at
+``BYTES_PER_CHUNK``, run on every k-th tensor of each shape and scale their bytes,
+seconds and memory by the chunk ratio ("est."): the machine is shared.
+
+    .venv/bin/python -m benchmarks.scale --ranks 64,256,1024,4096 --tensors 1992
+
+Writes ``{out}/bench_scale.json``, ``{out}/bench_scale.md`` and ``{out}/bench_scale.svg``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common.harness import REPO_ROOT, MemSampler, machine_info
+from benchmarks.scale import layout as lay
+from benchmarks.scale.report import fit_exponent, markdown, targets
+
+#: Tensors of each shape timed for DCP's estimated global save plan.
+SHAPE_SAMPLE = 4
+STEPS = ("rayckpt_commit", "rayckpt_load", "rayckpt_save_plan", "dcp_commit", "dcp_load", "dcp_save_plan")
+
+
+def measured(fn: Callable[[], Any]) -> tuple[dict[str, float], Any]:
+    """Run ``fn`` once: CPU and wall seconds, and peak RSS above the RSS before it."""
+    gc.collect(1)  # the young garbage of what ran before (a full pass over millions of objects takes seconds)
+    sampler = MemSampler({"self": os.getpid()}, interval=0.02).start()
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    mem = sampler.stop()["self"]
+    return {"cpu_s": cpu, "wall_s": wall, "extra_rss": mem["extra_rss"]}, out
+
+
+def repeated(fn: Callable[[], Any], times: int = 5) -> tuple[dict[str, Any], Any]:
+    """``measured`` ``times`` times (steps well under a second, whose single runs vary most): the
+    run of median CPU seconds, with every run's CPU seconds."""
+    runs = [measured(fn) for _ in range(times)]
+    runs.sort(key=lambda r: r[0]["cpu_s"])
+    stats, out = runs[len(runs) // 2]
+    return {**stats, "cpu_s_runs": [r[0]["cpu_s"] for r in runs]}, out
+
+
+def targets_of(n: int) -> list[int]:
+    """The reshard targets of N saved ranks: N-1 and N/2."""
+    return sorted({max(1, n - 1), max(1, n // 2)}, reverse=True)
+
+
+def sample_ranks(world_size: int, count: int) -> list[int]:
+    """``count`` ranks spread over the world: the middle rank of each of ``count`` equal groups."""
+    return sorted({(2 * i + 1) * world_size // (2 * count) for i in range(count)})
+
+
+# ---------------------------------------------------------------------------
+# rayckpt
+
+
+def rayckpt_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    spec, shards = lay.rayckpt_save_inputs(layout, n)
+    out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
+    out["create_manifest"], manifest = measured(lambda: lay.rayckpt_create_manifest(spec, shards))
+    shards.clear()  # the commit needs only the manifest
+    directory = os.path.join(work, f"rayckpt-{n}")
+    out["commit"], _ = measured(lambda: lay.rayckpt_commit(directory, manifest))
+    out["files"] = lay.rayckpt_metadata_bytes(directory)
+    out["metadata_bytes"] = sum(out["files"].values())
+    out["chunks"] = lay.rayckpt_manifest_chunks(manifest)
+    return out
+
+
+def rayckpt_load(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
+    """Read, then the whole job's plans as rank 0 makes them (table, bulk plan, every rank's slice) and one
+    rank's plan from its slice; last, each rank planning alone from the manifest (the fallback), which
+    builds millions of chunk objects and is kept from disturbing the steps before it."""
+    out: dict[str, Any] = {"targets": {}}
+    out["read"], manifest = measured(lambda: lay.rayckpt_read(os.path.join(work, f"rayckpt-{n}")))
+    out["chunk_table"], table = measured(lambda: lay.rayckpt_chunk_table(manifest))
+    for_rank, from_slice = {}, {}
+    for m in targets_of(n):
+        rank = m // 2
+        t = out["targets"][m] = {"rank": rank}
+        t["bulk_plan"], bulk = measured(lambda m=m, table=table: lay.rayckpt_bulk_plan(manifest, layout, m, table))
+        t["for_rank"], for_rank[m] = repeated(lambda bulk=bulk, rank=rank: bulk.for_rank(rank))
+        # Without Ray: rank 0 slices the bulk plan; each rank builds its plan from its slice.
+        t["slices"], slices = measured(lambda bulk=bulk: lay.rayckpt_rank_slices(manifest, layout, bulk))
+        mine = slices[rank]
+        t["slice_bytes"] = mine.nbytes
+        t["from_slice"], from_slice[m] = repeated(lambda mine=mine: lay.rayckpt_plan_from_slice(mine, layout))
+        del bulk, slices, mine
+    del table
+    for m in targets_of(n):
+        t = out["targets"][m]
+        stats, plan = measured(lambda m=m, rank=t["rank"]: lay.rayckpt_rank_plan(manifest, layout, m, rank))
+        t.update(rank_plan=stats, reads=len(plan.reads))
+        t["for_rank_equals_rank_plan"] = for_rank[m] == plan
+        t["from_slice_equals_rank_plan"] = from_slice[m] == plan
+    return out
+
+
+def rayckpt_save_plan(layout: lay.Layout, n: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    shards = lay.rayckpt_local_shards(layout, n)
+    out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
+    layouts = lay.rayckpt_shard_layouts(shards)  # made on each rank, in parallel
+    out["save_plan"], assignment = measured(lambda: lay.rayckpt_global_save_plan(layouts))
+    out["write_items"] = sum(len(w) for w in assignment.written)
+    rank, mine = n // 2, assignment.written[n // 2]
+    out["rank_save_plan"], _ = measured(lambda: lay.rayckpt_rank_save_plan(shards[rank], rank, mine))
+    # The next save of the same layout: each rank hashes its own layout, rank 0 compares the digest.
+    out["rank_layout_hash"], _ = repeated(lambda: lay.rayckpt_layout_hashes(shards[:1]))
+    hashes = lay.rayckpt_layout_hashes(shards)
+    cached = lay.rayckpt_plan_digest(hashes)  # what the first save cached
+    out["cached_save_plan"], hit = repeated(lambda: lay.rayckpt_cached_save_plan(hashes, cached))
+    assert hit
+    return out
+
+
+# ---------------------------------------------------------------------------
+# DCP
+
+
+def dcp_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
+    from benchmarks.scale import dcp
+
+    directory = os.path.join(work, f"dcp-{n}")
+    os.makedirs(directory, exist_ok=True)
+    t0 = time.perf_counter()
+    metadata = dcp.build_metadata(layout, n, directory)
+    out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "chunks": dcp.metadata_chunks(metadata)}
+    out["write"], _ = measured(lambda: dcp.write_metadata(directory, metadata))
+    out["files"] = lay.metadata_bytes(directory)
+    out["metadata_bytes"] = sum(out["files"].values())
+    return out
+
+
+def dcp_load(layout: lay.Layout, n: int, work: str, budget_s: float, samples: int) -> dict[str, Any]:
+    from benchmarks.scale import dcp
+
+    out: dict[str, Any] = {"targets": {}}
+    out["read"], metadata = measured(lambda: dcp.read_metadata(os.path.join(work, f"dcp-{n}")))
+
+    def rank_plan(m: int, rank: int) -> tuple[dict[str, float], int, float]:
+        """Rank ``rank``'s plan among ``m``: its figures, read items, and the wall seconds it all took."""
+        t0 = time.perf_counter()
+        with dcp.fake_world(m, rank) as mesh:
+            state = dcp.target_state(layout, mesh)
+            stats, plan = measured(lambda: dcp.local_load_plan(state, metadata))
+        return stats, dcp.load_items(plan), time.perf_counter() - t0
+
+    for m in targets_of(n):
+        rank = m // 2
+        stats, items, wall = rank_plan(m, rank)
+        t: dict[str, Any] = {"rank": rank, "rank_plan": stats, "read_items": items}
+        if wall * m <= budget_s:  # the DTensors of each rank are built too: the wall seconds decide
+            timed = {r: rank_plan(m, r)[0]["cpu_s"] for r in range(m) if r != rank}
+            timed[rank] = stats["cpu_s"]
+            t["whole_job"] = {"cpu_s": sum(timed.values()), "estimated": False, "method": f"all {m} ranks, summed"}
+        else:
+            ranks = sample_ranks(m, samples)
+            timed = {r: rank_plan(m, r)[0]["cpu_s"] for r in ranks}
+            t["whole_job"] = {
+                "cpu_s": statistics.median(timed.values()) * m,
+                "estimated": True,
+                "sample": timed,
+                "method": f"median of ranks {ranks} x {m} ranks",
+            }
+        out["targets"][m] = t
+    return out
+
+
+def dcp_save_plan(layout: lay.Layout, n: int, budget_s: float) -> dict[str, Any]:
+    from benchmarks.scale import dcp
+
+    out: dict[str, Any] = {"per_shape": []}
+    # What a call costs whatever the tensors (N plans to dedup, merge and validate): counted once.
+    plans = dcp.local_save_plans(layout.subset([]), n)
+    out["fixed"], _ = measured(lambda: dcp.global_plan(plans))
+    estimate = out["fixed"]["cpu_s"]
+    for shape, indices in layout.by_shape().items():
+        sample = indices[:SHAPE_SAMPLE]
+        plans = dcp.local_save_plans(layout.subset(sample), n)
+        stats, _ = measured(lambda plans=plans: dcp.global_plan(plans))
+        out["per_shape"].append({"shape": list(shape), "tensors": len(indices), "timed": len(sample), **stats})
+        estimate += max(0.0, stats["cpu_s"] - out["fixed"]["cpu_s"]) * len(indices) / len(sample)
+    del plans
+    out["estimate_s"] = estimate
+    if estimate <= budget_s:
+        plans = dcp.local_save_plans(layout, n)
+        out["uncached"], _ = measured(lambda: dcp.global_plan(plans))
+        out["uncached"]["estimated"] = False
+    else:
+        out["uncached"] = {
+            "cpu_s": estimate,
+            "estimated": True,
+            "method": f"up to {SHAPE_SAMPLE} tensors of each shape timed at once, less a call on empty plans, "
+            "x its tensors / those, summed, plus that call",
+        }
+        plans = dcp.local_save_plans(layout.subset([0]), n)
+    dcp.clear_plan_cache()
+    if estimate <= budget_s / 2:
+        dcp.global_plan(plans, caching=True)  # the first cached save: the uncached plan, then stored
+    else:  # what the first save would store; the cached path does not look inside it
+        dcp.hydrate_plan_cache(plans)
+    out["cached"], _ = repeated(lambda: dcp.global_plan(dcp.unchanged_plans(n), caching=True))
+    dcp.clear_plan_cache()
+    return out
+
+
+def run_step(step: str, layout: lay.Layout, n: int, work: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One step in this process (the worker; the unit test calls it directly at tiny N)."""
+    if step == "rayckpt_commit":
+        return rayckpt_commit(layout, n, work)
+    if step == "rayckpt_load":
+        return rayckpt_load(layout, n, work)
+    if step == "rayckpt_save_plan":
+        return rayckpt_save_plan(layout, n)
+    if step == "dcp_commit":
+        return dcp_commit(layout, n, work)
+    if step == "dcp_load":
+        return dcp_load(layout, n, work, args.budget_s, args.dcp_sample_ranks)
+    if step == "dcp_save_plan":
+        return dcp_save_plan(layout, n, args.budget_s)
+    raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
+
+
+def vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def worker(args: argparse.Namespace) -> int:
+    full = lay.gpt_layout(args.tensors)
+    layout = lay.sampled(full, args.tensor_stride) if args.tensor_stride > 1 else full
+    import torch  # noqa: F401  (imported by both sides; outside every step's figures)
+
+    from benchmarks.scale import dcp  # noqa: F401
+
+    base = vm_hwm()
+    t0 = time.perf_counter()
+    result = run_step(args.worker, layout, args.n, args.work, args)
+    result.update(step_wall_s=time.perf_counter() - t0, process_peak_extra_rss=vm_hwm() - base)
+    if layout is not full:
+        result["sampled"] = {
+            "stride": args.tensor_stride,
+            "tensors": layout.tensors,
+            "chunks": lay.chunk_count(layout, args.n),
+            "full_chunks": lay.chunk_count(full, args.n),
+        }
+        result["scale"] = result["sampled"]["full_chunks"] / result["sampled"]["chunks"]
+    with open(args.result, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# The driver: every step of every N in its own process
+
+
+#: Peak bytes per chunk of the manifest steps' processes (measured at 1,024 ranks: 1.6 and 4.2 GB for 2.04 M chunks).
+BYTES_PER_CHUNK = {"rayckpt": 900, "dcp": 2200}
+GIB = 2**30
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def tensor_stride(system: str, n: int, args: argparse.Namespace) -> int:
+    """1, or the stride of tensors a system's manifest steps sample when the whole would not fit in memory.
+
+    The room: ``--max-gib``, or what the machine has available less 3 GiB if that is less.
+    """
+    need = BYTES_PER_CHUNK[system] * lay.chunk_count(lay.gpt_layout(args.tensors), n)
+    room = min(args.max_gib * GIB, mem_available() - 3 * GIB)
+    return max(1, int(-(-need // max(room, GIB))))
+
+
+def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:
+    work = os.path.abspath(args.work)
+    for n in args.ranks:
+        per_n = report["results"].setdefault(str(n), {})
+        strides = {system: tensor_stride(system, n, args) for system in BYTES_PER_CHUNK}
+        for step in STEPS:
+            if step in per_n:
+                continue
+            path = os.path.join(out, f"bench_scale.{n}.{step}.json")
+            cmd = [sys.executable, "-m", "benchmarks.scale", "--worker", step, "--n", str(n)]
+            if not step.endswith("save_plan"):
+                cmd += ["--tensor-stride", str(strides[step.split("_")[0]])]
+            cmd += ["--tensors", str(args.tensors), "--work", work, "--result", path]
+            cmd += ["--budget-s", str(args.budget_s), "--dcp-sample-ranks", str(args.dcp_sample_ranks)]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+            if proc.returncode:
+                per_n[step] = {"error": proc.stderr[-2000:]}
+                print(f"[scale] N={n} {step} FAILED:\n{proc.stderr[-2000:]}", flush=True)
+            else:
+                with open(path) as f:
+                    per_n[step] = json.load(f)
+                os.remove(path)
+            print(f"[scale] N={n} {step} {time.perf_counter() - t0:.0f}s", flush=True)
+            write_report(report, out)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def write_report(report: dict[str, Any], out: str) -> str:
+    report["fits"] = fit_exponents(report)
+    report["targets"] = targets(report)
+    md = markdown(report)
+    with open(os.path.join(out, "bench_scale.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(out, "bench_scale.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def fit_exponents(report: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks.scale.report import series
+
+    out = {}
+    for name, points in series(report).items():
+        pts = [(n, v) for n, v in points if v and v > 0]
+        out[name] = {"exponent": fit_exponent(pts) if len(pts) >= 2 else None, "points": pts}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="64,256,1024,4096", help="comma-separated saved rank counts")
+    parser.add_argument("--tensors", type=int, default=1992)
+    parser.add_argument("--budget-s", type=float, default=120.0, help="longest a DCP step runs before sampling")
+    parser.add_argument("--dcp-sample-ranks", type=int, default=3, help="ranks timed for an estimated DCP job")
+    parser.add_argument("--max-gib", type=float, default=12.0, help="memory a manifest step may use (else sampled)")
+    parser.add_argument("--tensor-stride", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--work", default="/tmp/rayckpt-bench-scale", help="where the metadata files go")
+    parser.add_argument("--out", default="bench_out/scale")
+    parser.add_argument("--worker", choices=STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    args.ranks = [int(x) for x in args.ranks.split(",")]
+    if min(args.ranks) < 2 or args.tensors < 1:
+        parser.error("--ranks must be >= 2 and --tensors >= 1")
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    report: dict[str, Any] = {
+        "command": " ".join([".venv/bin/python", "-m", "benchmarks.scale", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "config": {
+            "ranks": args.ranks,
+            "tensors": args.tensors,
+            "budget_s": args.budget_s,
+            "dcp_sample_ranks": args.dcp_sample_ranks,
+            "max_gib": args.max_gib,
+            "block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)),
+            "model": lay.GPT_SHAPE,
+        },
+        "machine": {**machine_info(), "load_average_1min_before": os.getloadavg()[0]},
+        "results": {},
+    }
+    t0 = time.perf_counter()
+    run_all(args, report, out)
+    report["machine"]["load_average_1min_after"] = os.getloadavg()[0]
+    report["total_runtime_s"] = time.perf_counter() - t0
+    md = write_report(report, out)
+    try:
+        from benchmarks.scale.plot import write_plot
+
+        write_plot(report, os.path.join(out, "bench_scale.svg"))
+    except Exception as exc:  # the figures stand without the plot
+        print(f"[scale] no plot: {exc}", flush=True)
+    print(md)
+    print(f"[scale] total {report['total_runtime_s']:.0f}s; wrote {out}/bench_scale.json and bench_scale.md")
+    return 0
