@@ -182,7 +182,7 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
     import ray
 
     from rayckpt.ray import async_save
-    from rayckpt.ray.shard_writer import get_shard_writer
+    from rayckpt.ray.writer.actor import get_shard_writer
 
     os.sync()  # the earlier writes' dirty pages go to disk now, not during this order's first commit
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")

@@ -138,7 +138,7 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
 
 
 def _writers() -> list[Any]:
-    from rayckpt.ray.memory_tier import writers
+    from rayckpt.ray.actors import writers
 
     return list(writers(fresh=True).values())
 
@@ -148,7 +148,7 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rayckpt.ray.staging import SHM_DIR_ENV
+    from rayckpt.ray.shm import SHM_DIR_ENV
 
     events = os.path.join(args.out, f"{scenario}.jsonl")
     if os.path.exists(events):

@@ -106,8 +106,8 @@ def connect_actors(address: str, rank: int, me: dict[str, int]) -> dict[str, int
     memory the Ray save samples (rank 0 also samples the writer's process)."""
     import ray
 
-    from rayckpt.ray.metadata_actor import get_metadata_actor
-    from rayckpt.ray.shard_writer import get_shard_writer
+    from rayckpt.ray.metadata.actor import get_metadata_actor
+    from rayckpt.ray.writer.actor import get_shard_writer
 
     connect_ray(address)
     ray.get(get_metadata_actor().ping.remote())
