@@ -110,7 +110,7 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
 
     from benchmarks.common.diskio import evict, files_under
     from rayckpt.ray.async_save import save_async
-    from rayckpt.ray.load import load
+    from rayckpt.ray.loading import load
 
     ckpt.save(step, state, persist=True)  # due for both: to memory, then to storage
     ckpt.wait()

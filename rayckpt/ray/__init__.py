@@ -3,7 +3,7 @@
 The package is laid out by the process a line runs in:
 
 - here, the training rank's side: ``async_save`` (``save_async``), ``save_handle``
-  (``SaveHandle``), ``staging`` (the rank's reusable shared-memory buffer), ``load``;
+  (``SaveHandle``), ``staging`` (the rank's reusable shared-memory buffer), ``loading`` (``load``);
 - ``metadata/``: the MetadataActor (one per namespace) and the Ray-free parts it calls;
 - ``writer/``: the node's ShardWriter, which writes the ranks' staged shares;
 - ``memory/``: the memory tier the ShardWriters hold, its replication and its filesystem;
@@ -18,7 +18,18 @@ first use. May import ``engine`` and everything below it, and ``ray``; never
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see; at run time each is imported on first use
+    from .async_save import prepare_staging, release_staging, save_async, wait_inflight
+    from .loading import load
+    from .memory.filesystem import memory_filesystem
+    from .memory.store import MemoryBudgetExceeded, peer_bytes
+    from .metadata.actor import MetadataActor, get_metadata_actor
+    from .records import SaveTarget
+    from .save_handle import SaveHandle
+    from .staging import StagingBuffer, StagingUnavailable
+    from .writer.actor import get_shard_writer
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
@@ -27,17 +38,35 @@ _EXPORTS = {
     "release_staging": "rayckpt.ray.async_save",
     "wait_inflight": "rayckpt.ray.async_save",
     "SaveHandle": "rayckpt.ray.save_handle",
-    "load": "rayckpt.ray.load",
+    "load": "rayckpt.ray.loading",
     "StagingBuffer": "rayckpt.ray.staging",
     "StagingUnavailable": "rayckpt.ray.staging",
     "memory_filesystem": "rayckpt.ray.memory.filesystem",
     "MemoryBudgetExceeded": "rayckpt.ray.memory.store",
     "peer_bytes": "rayckpt.ray.memory.store",
     "get_metadata_actor": "rayckpt.ray.metadata.actor",
+    "MetadataActor": "rayckpt.ray.metadata.actor",
+    "SaveTarget": "rayckpt.ray.records",
     "get_shard_writer": "rayckpt.ray.writer.actor",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "MemoryBudgetExceeded",
+    "MetadataActor",
+    "SaveHandle",
+    "SaveTarget",
+    "StagingBuffer",
+    "StagingUnavailable",
+    "get_metadata_actor",
+    "get_shard_writer",
+    "load",
+    "memory_filesystem",
+    "peer_bytes",
+    "prepare_staging",
+    "release_staging",
+    "save_async",
+    "wait_inflight",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ from ..engine.state import FlatState, flatten
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
 from ..ray.async_save import DEFAULT_LANE, local_pieces, prepare_staging, save_async, wait_inflight
-from ..ray.load import load as ray_load
+from ..ray.loading import load as ray_load
 from ..ray.memory.store import peer_bytes
 from ..ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from ..ray.save_handle import SaveHandle

@@ -9,7 +9,7 @@ import ray
 import torch
 
 from rayckpt.ray import async_save
-from rayckpt.ray.load import load as ray_load
+from rayckpt.ray.loading import load as ray_load
 from rayckpt.ray.metadata.actor import _EVENTS_KEPT, get_metadata_actor
 from rayckpt.ray.metadata.plan_cache import MANIFESTS_CACHED
 from rayckpt.ray.metadata.save_history import SETTLED_KEPT_PER_RUN

@@ -17,7 +17,7 @@ from rayckpt.engine.writer import parts_here
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan as planner
 from rayckpt.ray import async_save, save_handle, staging
-from rayckpt.ray.load import load as ray_load
+from rayckpt.ray.loading import load as ray_load
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.records import SaveTarget
 from rayckpt.ray.writer.actor import ShardWrite, get_shard_writer

@@ -65,7 +65,7 @@ def test_ray_actors_open_a_credentialed_location_and_its_events_show_it_redacted
     import ray
 
     from rayckpt.ray import async_save
-    from rayckpt.ray.load import load as ray_load
+    from rayckpt.ray.loading import load as ray_load
     from rayckpt.ray.metadata.actor import get_metadata_actor
 
     ckpt = credentialed(s3_server, f"{s3_prefix}/ray/rayckpt-step-00000002")
