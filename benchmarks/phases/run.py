@@ -1,4 +1,4 @@
-"""The seeds' scenario as a user meets it: N ranks save, M ranks load, rayckpt beside DCP, with rayckpt's phases.
+"""The first call as a user meets it: N ranks save, M ranks load, rayckpt beside DCP, with rayckpt's phases.
 
 A user's first call, beside the suite's method (``python -m benchmarks.suite``): the state is
 ``get_state_dict`` of an FSDP2 model of ``nn.Linear(2048, 2048)`` layers with

@@ -67,7 +67,7 @@ def test_resume_on_two_nodes_restores_what_three_saved_and_saves_per_node(multin
 
 
 def test_memory_checkpoints_are_held_on_two_nodes_and_restore_after_a_node_is_lost(multinode):
-    """Issue 23's replication: every shard file of a memory save is held by its rank's node and by the next
+    """The memory tier's replication: every shard file of a memory save is held by its rank's node and by the next
     node of the ring (node ids sorted, by their first 12 characters), sent over the writers' replica link;
     with rank 2's node gone, 2 workers restore the 3 workers' memory checkpoint of step 2 from what the other
     two hold (``test_resume_on_two_nodes_restores_what_three_saved_and_saves_per_node``: bit-exact)."""
