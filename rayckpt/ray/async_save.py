@@ -1,14 +1,26 @@
 """Async saves through the Ray actors: the rank blocks only for one copy into shared memory.
 
-``save_async`` (every rank) runs the engine's first save step
-(``engine.save.collect_state``: flatten, share, plan), registers the save with
-the MetadataActor (rank 0, not waited for), copies this rank's share once into
-the node's shared memory (its reusable staging buffer, or Ray's object store
-when that buffer cannot be had) and hands it to the node's ShardWriter, which
-runs the engine's write step; the MetadataActor runs the commit step when every
-rank's files are durable. A process's saves are owned by one ``AsyncSaver``:
-the save in flight and the staging buffer it reuses; each save is a
-``save_handle.SaveHandle``, through which the rank learns its outcome.
+A save, across the processes it runs in (every rank calls ``save_async``):
+
+1. Every rank plans (``engine.save.collect_state``: flatten, share, plan); rank 0
+   first claims the location (a lease, ``storage.lease``).
+2. Rank 0 registers the save with the MetadataActor (``begin_save``, not waited
+   for); every rank asks the actor's ``incarnation()`` (not waited for either).
+3. Each rank copies its share once into the node's shared memory (its staging
+   buffer, ``staging``, or Ray's object store) and calls its node's ShardWriter
+   ``write``; ``save_async`` returns a ``SaveHandle`` and training goes on.
+4. The ShardWriter writes the share's files (``engine.writer.write_chunks``) and
+   calls the MetadataActor's ``report_written``; if writing fails it removes the
+   files and calls ``report_failed``.
+5. The MetadataActor commits once the save is registered and every rank's files
+   are durable (``metadata.commit_tracker``: the manifest last), or fails it and
+   removes its files.
+6. Each rank's ``SaveHandle.wait()`` waits for its ShardWriter's ``write``, then
+   asks the MetadataActor's ``wait_commit`` for the outcome.
+
+A process's saves of one lane are owned by one ``AsyncSaver``: the save in flight
+and the staging buffer it reuses (docs/architecture.md, "The staging buffer"
+and "Lanes").
 """
 
 from __future__ import annotations
@@ -167,7 +179,7 @@ class AsyncSaver:
         The actor commits a save only once it is registered; ``wait()`` on rank 0
         checks that it was, and a registration that cannot even be sent fails the
         save for every rank. The spec goes without its tensors and paths, with a
-        reference to them put in the object store once per layout (``layout_cache``).
+        reference to them put in the object store once per layout (``metadata.layout_cache``).
         """
         try:
             spec, ref = ctx.spec, None
@@ -264,7 +276,7 @@ def _device_of(pieces: list[Any]) -> Any:
 
 def _start_actors() -> None:
     """Start this node's ShardWriter (not waited for) and look the MetadataActor up now: the first save
-    then neither waits for the writer's process nor exports the actor's class (0.1 s, once per process)."""
+    then neither waits for the writer's process nor exports the actor's class (a cost paid once per process)."""
     if ray.is_initialized():
         get_shard_writer()
         get_metadata_actor()
@@ -311,59 +323,41 @@ def save_async(
 ) -> SaveHandle:
     """Start a save through the Ray actors; return a ``SaveHandle`` once this rank's share is staged.
 
-    Called by every rank (collective when a process group is initialized), inside
-    a Ray worker or driver. ``state_dict`` may be the ``FlatState`` that
-    ``rayckpt.engine.state.flatten`` made of it (a caller saving one state twice flattens once).
-    Plans like ``rayckpt.save``, registers the save with the
-    MetadataActor (rank 0, without waiting; ``wait()`` on rank 0 raises if the
-    registration failed), copies this rank's share once into shared memory and
-    hands it to the ShardWriter on the rank's node; returns then. Another save
-    writing to the same location (another run's) makes every rank raise
-    ``SaveFailedError`` naming it, before anything is written (rank 0's claim,
-    ``storage.lease``).
+    Called by every rank (collective when a process group is initialized), inside a Ray
+    worker or driver; the order of a save across the ranks, their ShardWriters and the
+    MetadataActor is in this module's docstring. A call first waits for the previous
+    save of its ``lane``. The staging buffer and lanes: docs/architecture.md, "The
+    staging buffer" and "Lanes".
 
-    ``staging`` (default: ``RAYCKPT_STAGING``, else ``"auto"``) says where that copy goes:
+    Args:
+        state_dict: The state to save, or the ``FlatState`` that
+            ``rayckpt.engine.state.flatten`` made of it (to flatten once for two saves).
+        checkpoint_id: A local path, a URI ``pyarrow.fs`` understands, or a path on ``filesystem``.
+        run: The run the save belongs to (its catalog, events and metrics).
+        step: The training step, kept in the manifest's user metadata.
+        filesystem: A ``pyarrow.fs.FileSystem`` that ``checkpoint_id`` is a path on.
+        process_group: The ``torch.distributed`` group to plan across (default: the default group).
+        coordinator: How the ranks agree, in place of ``process_group``.
+        block_size: Bytes per block checksum (default: chosen by rank 0, as for ``rayckpt.save``).
+        metadata: JSON-able data for the manifest's ``user_metadata`` (beside ``step`` and ``run``).
+        commit_timeout_s: The save fails unless committed within it.
+        local_is_shared: Whether a local path is shared storage (NFS); default ``RAYCKPT_LOCAL_IS_SHARED=1``.
+        staging: ``"shm"`` (the process's staging buffer in ``/dev/shm``), ``"object_store"``
+            (one ``ray.put``) or ``"auto"`` (``"shm"``, else the object store); default
+            ``RAYCKPT_STAGING``, else ``"auto"``.
+        lane: Saves of different lanes are in flight side by side, each staged in its own buffer.
 
-    - ``"shm"``: the process's staging buffer, a file in ``/dev/shm`` sized to its
-      share (space reserved with ``posix_fallocate``, so a full ``/dev/shm`` is an
-      error at staging, never a crash mid-copy). It is kept and reused from save
-      to save, so the copy lands in memory already mapped (a fresh ``ray.put`` must
-      first map and zero its pages: 3-6x slower here). It grows when a share
-      outgrows it; a buffer a writer may still read (a previous save that timed
-      out) is never overwritten: the save moves to a new file. The file is
-      unlinked the moment it is made: it has no name (``ls /dev/shm`` does not show
-      it; ``df /dev/shm`` counts it; ``ls -l /proc/<pid>/fd`` shows
-      ``rayckpt-stage-<pid>-<id> (deleted)``), so nothing can leak: the kernel frees
-      it when the process closes it (``release_staging()``) or exits,
-      however it exits: the end of a ``TorchTrainer`` run (Ray kills its workers),
-      a worker that raised, ``ray.shutdown()``, SIGKILL, the OOM killer. The node's
-      ShardWriter opens it through ``/proc/<rank pid>/fd/<fd>`` (checking its
-      inode: a descriptor number the rank reused is refused) and keeps its own
-      mapping, so a write that has begun completes even if the rank exits. Named
-      ``rayckpt-stage-<pid>-*`` files of processes that are gone (from an older
-      rayckpt) are removed by the node's ShardWriter when it starts and every
-      minute. CUDA tensors are copied straight into it. It costs one share of
-      shared memory per process between saves (as DCP's cached staging buffers do).
-      The directory is ``/dev/shm``, or ``RAYCKPT_SHM_DIR`` where set (read by each
-      rank and by the node's ShardWriter from its own environment: set it on the
-      node, e.g. ``RAYCKPT_SHM_DIR=/mnt/stage ray start ...``, so both see the same;
-      any tmpfs, one per node). A directory that is missing or not writable makes
-      staging fail with ``StagingUnavailable`` naming the directory and the variable.
-    - ``"object_store"``: one ``ray.put`` of the share into Ray's object store,
-      released once committed.
-    - ``"auto"``: ``"shm"``, falling back to ``"object_store"`` when ``/dev/shm`` cannot
-      hold the share (missing, full, not writable).
+    Returns:
+        The save's ``SaveHandle``; its ``wait()`` returns the committed ``CatalogEntry``.
 
-    Any other value raises ``ValueError``. A peer dying during the planning
-    collectives (the async save's only ones) raises ``PeerLostError`` on the
-    ranks left, before anything is staged or registered. At most one save in flight
-    per process and ``lane``: a second call first waits for the previous one of its
-    lane and raises its error if it failed. Saves of different lanes (any names) are
-    in flight side by side, each lane staging into its own buffer (one share of
-    ``/dev/shm`` each): a ``Checkpointer`` saves to the nodes' memory in lane
-    ``"memory"`` while its storage save is still being written. A local path while ranks run on more than one node is
-    refused (``InvalidStateError``) unless ``local_is_shared=True`` or
-    ``RAYCKPT_LOCAL_IS_SHARED=1`` says the path is shared storage (NFS).
+    Raises:
+        SaveFailedError: Another save holds the location (naming it, before anything is
+            written); staging or the registration failed; or the previous save of this
+            lane failed and no ``wait()`` raised it.
+        PeerLostError: A peer died during the planning collectives (before anything is staged).
+        InvalidStateError: A node-local path while the ranks run on several nodes, unless
+            ``local_is_shared`` says it is shared storage.
+        ValueError: ``staging`` is none of the three.
     """
     return saver(lane).save(
         state_dict,
@@ -383,20 +377,29 @@ def save_async(
 def prepare_staging(
     state_dict: dict[str, Any], staging: str | None = None, wait: bool = False, lane: str = DEFAULT_LANE
 ) -> int:
-    """Make this process's staging buffer (of ``lane``) before its first ``save_async`` (not collective);
-    returns its size.
+    """Make this process's staging buffer (of ``lane``) before its first ``save_async`` (not collective).
 
-    Sized to every local tensor of ``state_dict``, which a rank's share never
-    exceeds, and page-locked when the state is on a CUDA device. Returns at once
-    (``wait=True``: once it is made): the buffer is made, and this node's
-    ShardWriter started, on a background thread while training goes on, so the first
-    ``save_async`` only copies. A save that comes before the buffer is ready waits for the rest.
-    ``Checkpointer.restore`` calls it. Without it, the first ``save_async`` makes the
-    buffer itself, inside its stall (CPU, 1 GiB: 4.45x a later save's stall, against
-    1.03x prepared; ``benchmarks/bench_gpu.py``). Returns the buffer's size in bytes:
-    0 with ``staging="object_store"`` or when ``/dev/shm`` cannot hold it (``"shm"``
-    raises ``StagingUnavailable``: at once for a directory that cannot be written,
-    else from the first save).
+    Sized to every local tensor of ``state_dict``, which a rank's share never exceeds,
+    and page-locked when the state is on a CUDA device. The buffer is made, and this
+    node's ShardWriter started, on a background thread while training goes on, so the
+    first ``save_async`` only copies; a save that comes before the buffer is ready
+    waits for the rest. Without it the first ``save_async`` makes the buffer inside
+    its own stall. ``Checkpointer.restore`` calls it.
+
+    Args:
+        state_dict: The state the next saves will save (its local tensors size the buffer).
+        staging: As for ``save_async``; ``"object_store"`` makes no buffer.
+        wait: Return once the buffer is made, not at once.
+        lane: The lane whose buffer this is (``save_async``'s ``lane``).
+
+    Returns:
+        The buffer's size in bytes: 0 with ``staging="object_store"``, or with ``"auto"``
+        when ``/dev/shm`` cannot hold it.
+
+    Raises:
+        StagingUnavailable: With ``staging="shm"``, a staging directory that cannot be
+            written (a buffer it cannot hold fails the first save instead).
+        ValueError: ``staging`` is none of the three.
     """
     return saver(lane).prepare_staging(state_dict, staging, wait)
 
@@ -405,10 +408,27 @@ def release_staging(lane: str = DEFAULT_LANE) -> None:
     """Free this process's staging buffer of ``lane`` (the next ``save_async`` makes a new one).
 
     Waits for an in-flight save first, so no writer is still reading it.
+
+    Args:
+        lane: The lane whose buffer to free.
+
+    Raises:
+        SaveFailedError: The save in flight failed (the buffer is freed all the same).
     """
     saver(lane).release_staging()
 
 
 def wait_inflight(lane: str = DEFAULT_LANE) -> CatalogEntry | None:
-    """Wait for this process's in-flight save of ``lane``, if any (raises if it failed)."""
+    """Wait for this process's in-flight save of ``lane``, if any.
+
+    Args:
+        lane: The lane whose save to wait for.
+
+    Returns:
+        The save's ``CatalogEntry`` (``"failed"`` when its handle's ``wait()`` already raised
+        the failure); ``None`` when none is in flight, or its handle already learned the outcome.
+
+    Raises:
+        SaveFailedError: The save failed and no ``wait()`` of its handle raised it.
+    """
     return saver(lane).wait()

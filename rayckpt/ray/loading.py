@@ -34,9 +34,28 @@ def load(
 ) -> LoadInfo:
     """``rayckpt.load`` with the load plan computed (and cached per checkpoint and request) by the MetadataActor.
 
-    Every rank calls it; workers read only their byte ranges. When the ranks hold
-    FSDP2's dim-0 shards, the first rank to ask gets the plans of every rank computed
-    at once by the bulk planner and the others their part of that cached result.
+    Every rank calls it (collective when a process group is initialized); each reads
+    only its byte ranges. When the ranks hold FSDP2's dim-0 shards, the first rank to
+    ask (``MetadataActor.read_plan``) gets the plans of every rank computed at once by
+    the bulk planner and the others their part of that cached result.
+
+    Args:
+        state_dict: The target, filled in place (as for ``rayckpt.load``).
+        checkpoint_id: A local path, a URI ``pyarrow.fs`` understands, or a path on ``filesystem``.
+        strict: Whether a key the target asks for and the checkpoint lacks is an error.
+        run: The run the load's metrics are counted for.
+        filesystem: A ``pyarrow.fs.FileSystem`` that ``checkpoint_id`` is a path on.
+        process_group: The ``torch.distributed`` group to load across (default: the default group).
+        coordinator: How the ranks agree, in place of ``process_group``.
+
+    Returns:
+        This rank's ``LoadInfo``.
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint at ``checkpoint_id``.
+        IncompatibleStateError: The target does not fit the checkpoint (a missing key
+            with ``strict=True``, a shape or dtype that differs).
+        CorruptCheckpointError: A damaged manifest or shard file (as for ``rayckpt.load``).
     """
     start = time.perf_counter()
     coord = coordinator or default_coordinator(process_group)

@@ -40,11 +40,16 @@ def actor_location(ckdir: CheckpointDir, filesystem: Any) -> str:
 
 
 class SaveHandle:
-    """An async save in flight on this rank, returned by ``save_async``. ``wait()`` until committed.
+    """An async save in flight on this rank, returned by ``save_async``; ``wait()`` until committed.
 
-    Besides ``wait()`` and ``done()``: ``stall_seconds`` (how long the save blocked
-    this rank), ``save_id``, and ``staging`` (``"shm"`` or ``"object_store"``: where
-    this save was staged).
+    Attributes:
+        save_id: The save's id (the manifest carries it once committed).
+        location: The checkpoint directory, as the caller named it.
+        run: The run the save belongs to.
+        step: The training step saved.
+        rank: This rank.
+        stall_seconds: How long ``save_async`` blocked this rank (plan and copy).
+        staging: Where the share was staged: ``"shm"`` (the staging buffer) or ``"object_store"``.
     """
 
     def __init__(
@@ -101,24 +106,38 @@ class SaveHandle:
         self._watchers_lock = threading.Lock()
 
     def done(self) -> bool:
-        """Whether this rank's share is written (the commit may still be pending)."""
+        """Whether this rank's share is written (the commit may still be pending).
+
+        Returns:
+            True once this rank's ShardWriter finished its ``write`` (or failed it).
+        """
         ready, _ = ray.wait([self._write_ref], timeout=0)
         return bool(ready)
 
     def wait(self, timeout: float | None = None) -> CatalogEntry:
-        """Block until committed (returns its ``CatalogEntry``); raise ``SaveFailedError`` if the save failed.
+        """Block until the save is committed or failed (any thread; Ray Train's upload thread waits here).
 
-        The error names the save id, step and location, with the failing rank's error.
-        ``TimeoutError`` only when a ``timeout`` shorter than ``commit_timeout_s`` runs
-        out: the save is still in flight, and the next ``save_async`` waits for it. At
-        ``commit_timeout_s`` the save fails (the rank tells the MetadataActor, so it cannot
-        commit afterwards). The outcome is learned once: a failed save's error is raised
-        by its own ``wait()`` (each time it is called), or, if nobody waited for it, once
-        by the next ``save_async``, never by a later save. If the MetadataActor restarts
-        while the save is in flight, ``wait()`` fails within seconds (docs/architecture.md,
-        "When the MetadataActor restarts mid-save"); if it died for good, the rank asks
-        storage: committed when the directory's manifest carries this save's id, failed
-        otherwise. Thread-safe (Ray Train's upload thread waits while training goes on).
+        Waits for this rank's ShardWriter, then asks the MetadataActor (``wait_commit``).
+        The outcome is learned once: a failed save's error is raised by its own
+        ``wait()`` (each time it is called), or, if nobody waited for it, once by the
+        next ``save_async``, never by a later save. If the MetadataActor restarts while
+        the save is in flight, ``wait()`` fails within seconds (docs/architecture.md,
+        "When the MetadataActor restarts mid-save"); if it died for good, storage
+        answers: committed when the directory's manifest carries this save's id.
+
+        Args:
+            timeout: Seconds to wait at most (default ``commit_timeout_s``).
+
+        Returns:
+            The committed checkpoint's ``CatalogEntry``.
+
+        Raises:
+            SaveFailedError: The save failed (naming its id, step and location and the
+                failing rank's error), or was not committed in time (``commit_timeout_s``,
+                or a longer ``timeout``): the rank then tells the MetadataActor, so it
+                cannot commit afterwards.
+            TimeoutError: A ``timeout`` shorter than ``commit_timeout_s`` ran out: the
+                save is still in flight, and the next ``save_async`` waits for it.
         """
         self._count_watcher(+1)
         try:

@@ -26,16 +26,20 @@ ROLLBACK_TIMEOUT_S = 30.0
 class RayckptCallback(ray.train.UserCallback):
     """Controller-side callback: records reported checkpoints and rolls back saves of a failed run.
 
-    Add it to ``RunConfig(callbacks=[RayckptCallback()])`` (a ``ray.train.UserCallback``).
-    Records each reported checkpoint (an event). After a worker exception it tells
-    the MetadataActor to fail the run's in-flight saves (to storage and to the
-    memory tier), which removes their
-    partial files at once instead of after the commit timeout, and prints a
-    WARNING naming them from Ray Train's controller
-    (``rayckpt: rolled back in-flight saves [...] of run <run> after <why>``).
+    Add it to ``RunConfig(callbacks=[RayckptCallback()])`` (a ``ray.train.UserCallback``);
+    it takes no arguments. Ray Train's controller calls it:
+
+    1. ``after_report``, for each checkpoint a worker reported: a ``reported`` event
+       with the MetadataActor.
+    2. ``after_exception``, when the worker group failed: the MetadataActor fails the
+       run's in-flight saves (to storage and to the memory tier, ``fail_pending``),
+       removing their partial files at once instead of after the commit timeout, and
+       the controller logs a WARNING naming them
+       (``rayckpt: rolled back in-flight saves [...] of run <run> after <why>``).
     """
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        """Record a ``reported`` event (step, path) for a reported checkpoint (Ray Train's controller)."""
         if checkpoint is not None:
             run = run_context.get_run_config().name
             step = metrics[0].get("step") if metrics else None
@@ -44,9 +48,13 @@ class RayckptCallback(ray.train.UserCallback):
             get_metadata_actor().record_event.remote(run, "reported", {"step": step, "path": checkpoint.path})
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        """Fail the run's in-flight saves at once. Never raises: an exception here would end the run in
-        Ray Train's controller instead of letting it restart the workers (the MetadataActor may be
-        restarting itself, its node lost with the workers'); the saves then fail at their commit timeout."""
+        """Fail the run's in-flight saves at once (Ray Train's controller, after a worker group failed).
+
+        Never raises: an exception here would end the run in Ray Train's controller
+        instead of letting it restart the workers (the MetadataActor may be restarting
+        itself, its node lost with the workers'); the saves then fail at their commit
+        timeout, with a WARNING saying so.
+        """
         run = run_context.get_run_config().name
         reason = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(worker_exceptions.items()))
         try:

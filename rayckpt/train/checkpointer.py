@@ -49,25 +49,35 @@ logger = logging.getLogger(__name__)
 class Checkpointer:
     """Async sharded checkpoints of a TorchTrainer run. Create one per worker, in the train loop.
 
-    Checkpoints go to ``<storage_path>/<run name>/rayckpt-step-<step:08d>``. The
-    arguments are those of ``save_async`` for every save: ``block_size``,
-    ``commit_timeout_s`` (600 s), ``local_is_shared``, ``staging``; ``report=False``
-    does not announce each save as it settles (see ``save``). Attributes:
-    ``restarts`` (rank 0; ``None`` elsewhere): worker groups of this ``fit()`` that
-    started before this one (0 on the first; Ray Train's restarts and resizes),
-    counted by the MetadataActor (``begin_attempt``); after ``restore``:
-    ``last_load`` (its ``LoadInfo``), ``restored_metadata`` (its user metadata),
-    ``fallbacks`` (checkpoints passed over), ``staging_bytes`` (the staging
-    buffer made in the background) and ``restored_from`` (``{"tier", "path",
-    "step", "bytes_read", "peer_bytes"}``: memory or storage, and the bytes read
-    from another node's memory).
+    Checkpoints go to ``<storage_path>/<run name>/rayckpt-step-<step:08d>``; with a memory
+    tier, also to the nodes' memory (``rayckpt.ray.memory``). Where each save goes and how
+    it is reported: docs/architecture.md, "The Checkpointer's saves".
 
-    The memory tier (``rayckpt.ray.memory``): with ``memory_every=M`` every
-    M-th step's ``save`` goes to the nodes' memory, held by each node's
-    ShardWriter and copied to one peer node before it commits, and every
-    ``persist_every``-th to storage; ``restore`` tries the newest committed
-    checkpoint of either, memory first on the same step; the newest
-    ``memory_keep`` memory checkpoints are kept; ``release_memory()`` frees them.
+    Args:
+        block_size: Bytes per block checksum of every save (as for ``save_async``).
+        report: Report each storage save to Ray Train once committed, announcing it as it
+            settles; False: not reported, announced when ``wait()`` or the next ``save()`` learns it.
+        commit_timeout_s: A save fails unless committed within it.
+        local_is_shared: As for ``save_async``.
+        staging: As for ``save_async``.
+        memory_every: Save every ``memory_every``-th step to the nodes' memory (0: no memory tier).
+        persist_every: Save every ``persist_every``-th step to storage.
+        memory_keep: How many memory checkpoints are kept, the newest (``release_memory()`` frees them).
+        memory_skip_busy: Skip a memory save while the one before it is unwritten on some
+            rank (False: wait for it).
+
+    Attributes:
+        restarts: Rank 0: worker groups of this ``fit()`` started before this one (Ray Train's
+            restarts and resizes, counted by the MetadataActor's ``begin_attempt``); None elsewhere.
+        last_load: After ``restore``: its ``LoadInfo``.
+        restored_metadata: After ``restore``: the checkpoint's user metadata.
+        restored_from: After ``restore``: ``{"tier", "path", "step", "bytes_read", "peer_bytes"}``.
+        fallbacks: After ``restore``: the checkpoints passed over, newest first.
+        staging_bytes: The size of the staging buffers ``restore`` makes in the background.
+        memory_skipped: Memory saves skipped because the one before was still unwritten.
+
+    Raises:
+        ValueError: ``memory_every``, ``persist_every`` or ``memory_keep`` is not a whole number in range.
     """
 
     def __init__(
@@ -105,14 +115,12 @@ class Checkpointer:
         self.last_load: LoadInfo | None = None
         #: The user metadata of the checkpoint the last ``restore`` loaded (``{}``: none loaded).
         self.restored_metadata: dict[str, Any] = {}
-        #: The checkpoints the last ``restore`` passed over, newest first: ``{"path", "step", "reason",
-        #: "next", "next_step"}`` each (``[]``: it restored the newest, or found none).
+        #: The checkpoints the last ``restore`` passed over, newest first: ``{"path", "step", "reason", "next", ...}``.
         self.fallbacks: list[dict[str, Any]] = []
         #: The memory tier of the run (``None``: ``memory_every=0``).
         self.memory = MemoryTier(self.run, self.policy) if self.policy.memory_every else None
         self._local_ranks = ctx.get_local_world_size()
-        #: Where the last ``restore`` read from: ``{"tier", "path", "step", "bytes_read", "peer_bytes"}``
-        #: (``peer_bytes``: read from another node's memory; ``{}``: nothing restored).
+        #: Where the last ``restore`` read from (``peer_bytes``: from another node's memory; ``{}``: nothing restored).
         self.restored_from: dict[str, Any] = {}
         #: Memory saves skipped because the save before them was not yet written on some rank.
         self.memory_skipped = 0
@@ -123,8 +131,7 @@ class Checkpointer:
         #: The last save begun here of each tier and when (``time.perf_counter()``): ``wait()`` announces
         #: their outcomes. Storage and memory saves are in flight side by side (``save_async``'s lanes).
         self._last: dict[str, tuple[SaveHandle, float]] = {}
-        #: Rank 0: how many worker groups of this Ray Train run started before this one (0: the first;
-        #: k after Ray Train's k-th restart or resize), counted by the MetadataActor. ``None`` on other ranks.
+        #: Rank 0: worker groups of this Ray Train run started before this one (0: the first); else ``None``.
         self.restarts: int | None = None
         if self.rank == 0:
             self.restarts = ray.get(
@@ -159,34 +166,27 @@ class Checkpointer:
         metadata: dict[str, Any] | None = None,
         persist: bool | None = None,
     ) -> SaveHandle | None:
-        """Start saving ``state`` as step ``step`` (collective); return the ``SaveHandle`` after staging.
+        """Start saving ``state`` as step ``step`` (collective); return a ``SaveHandle`` once staged.
 
-        Where it goes: to storage when ``step`` is a multiple of ``persist_every``
-        (every step by default) or ``persist=True``; with a memory tier, to the nodes'
-        memory when ``step`` is a multiple of ``memory_every`` (or ``persist=False``):
-        a step due for both goes to both (memory first), so a failure while its storage
-        save is being written still finds it in memory; else nowhere (``None``).
-        Memory saves have their own lane (``save_async``): one is staged and written
-        while the storage save before it is still being written. A memory save is
-        skipped (counted in ``memory_skipped``) while the memory save before it is
-        not yet written on some rank: training never waits for the memory tier
-        (``memory_skip_busy=False``: it waits). A memory save that some node's memory
-        budget cannot hold goes to storage instead, with one WARNING. A memory save is
-        not reported to Ray Train (it is not in its storage), and its line reads
-        ``rayckpt: <run> (memory) committed step N (...)``. Returns the storage save's
-        handle when there is one, else the memory save's, else ``None``.
+        A storage save goes through ``save_async`` and is reported to Ray Train once
+        committed (Ray never copies its files; ``CheckpointConfig`` retention deletes old
+        ones). With a memory tier a step may go to memory, storage or both, and a memory
+        save may be skipped or go to storage instead: docs/architecture.md, "The
+        Checkpointer's saves". Waits first for this worker's previous save of each tier.
 
-        A storage save: ``save_async``, then ``ray.train.report(metrics + {"step"}, checkpoint=...,
-        checkpoint_upload_mode=ASYNC, checkpoint_upload_fn=<wait for commit>)``: Ray
-        records the checkpoint once committed and never copies it; ``CheckpointConfig``
-        retention deletes old ones. The manifest's user metadata holds ``step``, ``run``,
-        ``metrics`` and the JSON-able entries of ``metadata`` (run hyperparameters,
-        say; ``restore`` gives them back as ``restored_metadata``). Waits first for
-        this worker's previous storage save. When the save settles, rank 0 writes
-        ``rayckpt: <run> committed step N (<MiB>, <seconds> s)`` or
-        ``rayckpt: <run> failed to save step N, nothing committed: <error>`` to its
-        stderr (forwarded to the driver), once per save (``rayckpt.train.announce``);
-        with ``report=False``, when ``wait()`` or the next ``save()`` learns the outcome.
+        Args:
+            step: The training step; it names the checkpoint directory.
+            state: The state to save (this rank's share of it is staged).
+            metrics: Reported to Ray Train with ``step``, and kept in the manifest.
+            metadata: JSON-able user metadata for the manifest (``restore`` gives it back).
+            persist: True: to storage whatever ``persist_every`` says; False: to memory only.
+
+        Returns:
+            The storage save's handle when there is one, else the memory save's, else None.
+
+        Raises:
+            SaveFailedError: The previous save of a tier failed (and no ``wait()`` raised it),
+                or this one could not start (as for ``save_async``).
         """
         tiers = self.policy.tiers(step, persist)
         metrics = dict(metrics or {}, step=step)
@@ -296,24 +296,20 @@ class Checkpointer:
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the newest committed checkpoint that restores into ``state`` (collective; any worker count).
 
-        Tries the run's committed checkpoints newest first, every rank trying rank 0's
-        list: those the catalog finds in storage (one Ray Train has not registered yet
-        included) and Ray Train's latest reported one (``ray.train.get_checkpoint()``).
-        A checkpoint that cannot be restored because its data is damaged or gone
-        (``CorruptCheckpointError``, ``CheckpointNotFoundError`` on any rank: a shard file
-        missing or failing its checksum, its manifest corrupt or removed) is passed over
-        for the next older committed one: rank 0 logs one WARNING
-        ``rayckpt: run R: cannot restore step S from <path> (<reason>); restoring step S' from <path'> instead``,
-        counts it in ``rayckpt_restore_fallbacks`` and records a ``restore_fallback``
-        event with the MetadataActor, and every rank lists it in ``fallbacks``. When
-        none restores, raises ``RestoreFailedError`` naming every checkpoint tried and
-        why: never a silent fresh start. A state that does not fit
-        (``IncompatibleStateError``: a changed model) is raised as is. Returns the
-        restored step, or ``None`` when the run has no checkpoint (``state``
-        untouched). ``last_load`` is its ``LoadInfo``, ``restored_metadata`` its user
-        metadata. Either way it then starts making this worker's staging buffer in
-        the background (``prepare_staging``; its size in ``staging_bytes``), so the
-        first save only copies.
+        Every rank tries rank 0's list of the run's committed checkpoints, newest first,
+        passing over one whose data is damaged or gone for the next older one
+        (docs/guarantees.md, "Restoring a run"). Then it starts making this worker's
+        staging buffers in the background (``prepare_staging``), so the first save only copies.
+
+        Args:
+            state: The target, filled in place (as for ``rayckpt.load``).
+
+        Returns:
+            The restored step; None when the run has no checkpoint (``state`` untouched).
+
+        Raises:
+            RestoreFailedError: No committed checkpoint restores (naming each one tried and why).
+            IncompatibleStateError: ``state`` does not fit the checkpoint (a changed model).
         """
         step = self._load_latest(state)
         self.staging_bytes = prepare_staging(state, self.staging)
@@ -398,8 +394,14 @@ class Checkpointer:
         get_metadata_actor().record_event.remote(self.run, "restore_fallback", self.fallbacks[-1])
 
     def wait(self) -> CatalogEntry | None:
-        """Block until this worker's in-flight saves (storage and memory) are committed; returns the newest
-        one's catalog entry. Raises the first failure, once both are settled."""
+        """Block until this worker's in-flight saves (storage and memory) are committed.
+
+        Returns:
+            The newest one's ``CatalogEntry``; None when none was in flight.
+
+        Raises:
+            SaveFailedError: The first failure, once both are settled.
+        """
         newest = max(self._last, key=lambda tier: self._last[tier][1], default=STORAGE)
         entries, failed = {}, []
         for tier in (MEMORY, STORAGE):

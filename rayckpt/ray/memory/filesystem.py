@@ -213,5 +213,12 @@ def _info(path: str, size: int | None) -> pafs.FileInfo:
 
 
 def memory_filesystem() -> pafs.FileSystem:
-    """The memory tier as a filesystem: pass it as ``filesystem=`` to ``save_async``, ``load``, the catalog."""
+    """The memory tier as a filesystem: pass it as ``filesystem=`` to ``save_async``, ``load``, the catalog.
+
+    Files live in the nodes' ShardWriters (``memory.store``), each also on a ring
+    peer; any process may open it (it holds no state: every call asks the live writers).
+
+    Returns:
+        A ``pyarrow.fs.PyFileSystem`` over ``MemoryFileSystem``.
+    """
     return pafs.PyFileSystem(MemoryFileSystem())

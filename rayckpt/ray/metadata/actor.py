@@ -1,28 +1,12 @@
 """The MetadataActor: one per Ray namespace, the coordinator of saves and loads through the actors.
 
-Named ``rayckpt-metadata``, detached, async. A thin Ray shell over Ray-free
-parts, which it calls from worker threads (they do the storage I/O):
-
-- ``commit_tracker.CommitTracker``: each save's state; commits the manifest once
-  every rank's files are durable, fails and cleans up a save that any rank
-  reports failed, that its run gave up on or that times out; keeps each save's
-  lease on its location fresh until then.
-- ``plan_cache.PlanCache``: manifests and the load plans made from them.
-- ``layout_cache.SaveLayouts``: the save layouts (tensors and paths) and the
-  ranks' chunk layouts it holds, so a save whose layout repeats sends digests.
-- ``storage.catalog``: the checkpoints of each registered run, re-read from
-  storage, which stays the truth; the tracker adds the saves in flight.
-
-The shell adds what needs Ray or the event loop: waiting for a save's outcome
-(``wait_commit``), the watchdog that expires late saves, metrics and the event
-log the Ray Train callback and tests read.
-
-Ray restarts the actor when it dies (``max_restarts=-1``), with an empty state.
-Each incarnation has an id (``incarnation()``, also ``begin_save``'s answer);
-ranks and writers tag a save's reports and waits with the id they heard when
-the save began, and a save begun under another incarnation is settled at once
-(``CommitTracker.lost``: committed if storage holds it, else failed and its
-files removed) instead of waiting out its commit timeout.
+Named ``rayckpt-metadata``, detached, async, on the head node: a thin Ray shell over
+the Ray-free parts of ``metadata`` (the commit tracker, the plan and layout caches;
+the catalog, ``storage.catalog``, re-read from storage, which stays the truth), called
+from worker threads (they do the storage I/O). The shell adds what needs Ray or the
+event loop: ``wait_commit``, the watchdog that expires late saves, metrics, events.
+Ray restarts it when it dies, with an empty state and a new incarnation id
+(docs/architecture.md, "When the MetadataActor restarts mid-save").
 """
 
 from __future__ import annotations
@@ -60,13 +44,23 @@ DEFAULT_COMMIT_TIMEOUT_S = 600.0
 _EXPIRE_EVERY_S = 0.5
 #: Events kept per run.
 _EVENTS_KEPT = 100
-#: How often each run's last write throughput is set again: Ray's Prometheus export drops a
-#: gauge not set within two metrics report intervals (20 s by default), even between saves.
+#: How often each run's write throughput gauge is set again: Ray's export drops one not set for two report intervals.
 _GAUGE_REFRESH_S = 5.0
 
 
 class MetadataActor:
-    """Catalog, commit protocol and reshard planning service (an async Ray actor)."""
+    """Catalog, commit protocol and reshard planning service (an async Ray actor).
+
+    Callers, in a save's order: every rank's ``incarnation()`` and rank 0's ``begin_save``;
+    each rank's ShardWriter's ``report_written`` (``report_failed``: the writer's or the
+    rank's); every rank's ``wait_commit``. Loads: every rank's ``read_plan``. The
+    ``Checkpointer``: ``register_run``, ``begin_attempt``, ``user_metadata``. The
+    ``RayckptCallback``: ``fail_pending``, ``record_event``. Operators: ``checkpoints``, ``latest``,
+    ``events``, ``debug_stats`` (docs/architecture.md, "The MetadataActor's interface").
+
+    Args:
+        commit_timeout_s: How long a save may take to commit unless its registration says.
+    """
 
     def __init__(self, commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
         show_commits_in_log()
@@ -89,6 +83,7 @@ class MetadataActor:
         self._gauge_refresher: asyncio.Task | None = None
 
     async def ping(self) -> str:
+        """``"ok"``: the actor answers (operators, benchmarks)."""
         return "ok"
 
     async def incarnation(self) -> str:
@@ -114,7 +109,8 @@ class MetadataActor:
     # -- catalog ---------------------------------------------------------------
 
     async def register_run(self, run: str, run_root: str, filesystem: Any = None) -> list[CatalogEntry]:
-        """Make ``run_root`` (where ``run``'s checkpoint directories live) known; scan it (the Checkpointer)."""
+        """Make ``run_root`` (on ``filesystem``) known as where ``run``'s checkpoints live (every rank's
+        ``Checkpointer``); return the run's checkpoints, oldest first, scanned from storage now."""
         self._roots[run] = (run_root, filesystem)
         return await asyncio.to_thread(self._scan, run)
 
@@ -128,13 +124,14 @@ class MetadataActor:
         return sorted(found.values(), key=entry_order)
 
     async def checkpoints(self, run: str) -> list[CatalogEntry]:
-        """The run's checkpoints, oldest first, re-read from storage when the run is registered."""
+        """The run's checkpoints, oldest first (operators): re-read from storage when the run is
+        registered, else the saves this incarnation tracks."""
         if run not in self._roots:
             return self._tracker.catalog(run)
         return await asyncio.to_thread(self._scan, run)
 
     async def latest(self, run: str) -> CatalogEntry | None:
-        """The run's newest committed checkpoint; a corrupt or incomplete one is passed over."""
+        """The run's newest committed checkpoint (operators); a corrupt or incomplete one is passed over."""
         return latest_committed(await self.checkpoints(run))
 
     # -- commit protocol -------------------------------------------------------
@@ -146,7 +143,7 @@ class MetadataActor:
         commit_timeout_s: float | None = None,
         layout: LayoutRef | None = None,
     ) -> str:
-        """Register a save (rank 0, once per save).
+        """Register a save (rank 0, once per save, not waited for).
 
         Args:
             spec: what every rank agreed on (without its tensors and paths when ``layout`` is given).
@@ -230,7 +227,7 @@ class MetadataActor:
         await self._settle(settled)
 
     async def fail_pending(self, run: str, reason: str) -> list[str]:
-        """Fail every in-flight save of ``run`` (the Ray Train callback, when the worker group died)."""
+        """Fail ``run``'s in-flight saves, files removed; their ids (``RayckptCallback``, rank 0's ``Checkpointer``)."""
         settled = await asyncio.to_thread(self._tracker.fail_pending, run, reason)
         await self._settle(settled)
         return [o.entry.save_id for o in settled]
@@ -348,11 +345,21 @@ class MetadataActor:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> LoadBundle:
-        """A loading rank's read plan for checkpoint ``location``; cached per (checkpoint, request).
+        """A loading rank's read plan for checkpoint ``location``, cached per (checkpoint, request) (every rank).
 
-        With ``rank`` and ``world_size``, when the requests are FSDP2's dim-0
-        shards, the first rank to ask plans every rank at once (vectorized,
-        ``BulkPlan``) and the others get their part of that.
+        Args:
+            location: The checkpoint directory, as the actors reach it.
+            filesystem: The ``pyarrow.fs`` filesystem ``location`` is a path on.
+            requests: The tensors the rank asks for (``engine.load.tensor_requests``).
+            value_keys: The plain values it asks for.
+            strict: Whether a key the checkpoint lacks is an error.
+            run: The run whose metrics count the planning time.
+            rank: The asking rank; with ``world_size``, FSDP2's dim-0 requests are served
+                from one plan of every rank at once (``BulkPlan``), made for the first to ask.
+            world_size: The ranks loading.
+
+        Returns:
+            The rank's ``LoadBundle``: its plan and the manifest facts it needs.
         """
         plan = functools.partial(self._plans.plan, strict=strict, rank=rank, world_size=world_size)
         bundle = await asyncio.to_thread(plan, location, filesystem, requests, value_keys)
@@ -360,19 +367,20 @@ class MetadataActor:
         return bundle
 
     async def user_metadata(self, location: str, filesystem: Any = None) -> dict[str, Any]:
-        """The ``user_metadata`` of a committed checkpoint (step, run, metrics)."""
+        """The ``user_metadata`` of a committed checkpoint: step, run, metrics (``Checkpointer.restore``)."""
         m = await asyncio.to_thread(self._plans.manifest, location, filesystem)
         return dict(m.user_metadata)
 
     async def cached_plans(self) -> int:
-        """Plans held: per-request plans plus all-ranks (bulk) plans."""
+        """Plans held: per-request plans plus all-ranks (bulk) plans (operators, tests)."""
         return self._plans.cached_plans()
 
     # -- events (the actor's own, and the controller callback's) -------------------
 
     async def begin_attempt(self, run: str, attempt_key: str, world_size: int) -> int:
-        """A worker group of training run ``attempt_key`` starts (rank 0's ``Checkpointer``): return how many
-        started before it; from the second on, fail the run's saves still in flight (``attempts``: why)."""
+        """A worker group of ``world_size`` ranks of training run ``attempt_key`` starts (rank 0's
+        ``Checkpointer``): return how many started before it; from the second on, fail ``run``'s saves
+        still in flight (``attempts``: why)."""
         restarts = self._attempts.begin(attempt_key)
         reason = f"its worker group was replaced (Ray Train restart {restarts})"
         failed = await self.fail_pending(run, reason) if restarts else []
@@ -381,23 +389,23 @@ class MetadataActor:
         return restarts
 
     async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:
+        """Add an event ``kind`` with ``data`` to ``run``'s log (the ``RayckptCallback``, ``Checkpointer``)."""
         events = self._events.get(run) or []
         events.append({"time": time.time(), "kind": kind, **redact_fields(data)})
         del events[:-_EVENTS_KEPT]
         self._events.put(run, events)
 
     async def events(self, run: str) -> list[dict[str, Any]]:
+        """``run``'s last events, oldest first: ``time``, ``kind`` and its data (operators, tests)."""
         return list(self._events.peek(run) or [])
 
 
 def show_commits_in_log() -> None:
     """Let the actor's commit (INFO) and rollback (WARNING) lines reach its log file.
 
-    Ray leaves an actor's Python logging unconfigured unless the job passes a
-    ``ray.LoggingConfig``; INFO lines would then be dropped. Without any handler
-    on the root logger, this logger writes to stderr: the actor's
-    ``worker-*.err`` file under ``<session>/logs``, shown by the dashboard's
-    Actors page. With one (a ``LoggingConfig``, pytest), its lines go there.
+    Ray leaves an actor's logging unconfigured unless the job passes a ``ray.LoggingConfig``
+    (INFO lines would be dropped). Without a root handler this logger writes to stderr: the
+    actor's ``worker-*.err`` under ``<session>/logs`` (the dashboard's Actors page).
     """
     logger.setLevel(logging.INFO)
     if not logging.getLogger().handlers and not logger.handlers:

@@ -5,7 +5,7 @@ engine's write step (``engine.writer.write_chunks``) on a rank's share read
 straight from the node's shared memory (the rank's staging buffer or Ray's
 object store), removes its files if writing fails, and reports the outcome to
 the MetadataActor: each rank's chunk layout only the first time
-(``layout_cache.ShardReport``), then only what changes per save. It keeps a
+(``metadata.layout_cache.ShardReport``), then only what changes per save. It keeps a
 record of its last writes (``debug_stats``): which rank's share of which save,
 on which node, staged in which directory.
 """
@@ -190,17 +190,15 @@ class ShardWriter(MemoryHost):
 
 
 def get_shard_writer(node_id: str | None = None) -> Any:
-    """The ShardWriter of ``node_id`` (default: this process's node): ``rayckpt-writer-<node>``, pinned to that node.
+    """The ShardWriter of ``node_id`` (default: this process's node), created on first use.
 
-    Pinned with node affinity. Its ``debug_stats()`` returns its ``node`` (asked of
-    Ray), ``pid``, ``staging_dir`` and ``writes``: its last 256 writes, one record per
-    rank's share: ``save_id``, ``run``, ``step``, ``rank``, ``node``, ``staging``
-    (``"shm"`` / ``"object_store"``), ``staged_node`` (where the rank staged) and
-    ``staged_dir`` (the directory the staging file was created in, read from the
-    open file itself), both ``None`` for the object store; ``bytes``, ``files``, ``max_parts``.
+    Named ``rayckpt-writer-<node>``, detached, pinned to its node with node affinity.
+    A rank calls its ``write`` (``save_async``); operators and tests its ``debug_stats()``
+    (``ShardWriter.debug_stats``: what it wrote, from which staging directory); the
+    memory tier its ``mem_*`` calls.
 
     Args:
-        node_id: the node (default: this process's).
+        node_id: The node (default: this process's).
 
     Returns:
         Its handle (``actors.named``: Ray's cached handle while the writer lives).
