@@ -69,11 +69,17 @@ def build_manifest(saved_ranks: int, tensors: int, rows: int, cols: int, block_s
     for t in range(tensors):
         chunks = []
         for r in range(saved_ranks):
-            chunks.append(ChunkEntry(boxes[r], files[r], pos[r], lengths[r], checksums[r]))
+            chunks.append(
+                ChunkEntry(
+                    box=boxes[r], file=files[r], byte_offset=pos[r], byte_length=lengths[r], checksums=checksums[r]
+                )
+            )
             pos[r] += lengths[r]
         entries[f"layers.{t}.weight"] = TensorEntry(DTYPE, shape, tuple(chunks))
     file_entries = tuple(FileEntry(files[r], pos[r], r) for r in range(saved_ranks))
-    return Manifest("bench_plan", saved_ranks, block_size, entries, file_entries)
+    return Manifest(
+        save_id="bench_plan", world_size=saved_ranks, block_size=block_size, entries=entries, files=file_entries
+    )
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> tuple[dict[str, Any], Any]:

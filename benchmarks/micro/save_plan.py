@@ -95,7 +95,7 @@ def measure(world: int, args: argparse.Namespace) -> dict[str, Any]:
         out["same_plans"] = mine == old
     assert own.items
 
-    header = (True, Header(hash0, None, NODE, {"step": 1}))
+    header = (True, Header(layout=hash0, cached=None, node=NODE, values={"step": 1}))
     answer = (True, (SAVE_ID[0], SAVE_ID[1], None, (NODE,)))
     layout_part = (True, layout0)
     plan_part = (True, (digest(hash0), _bits(assignment.written[1], len(layouts[1].shards.entry))))

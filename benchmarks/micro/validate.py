@@ -54,10 +54,23 @@ def written_shards(manifest: Any) -> tuple[SaveSpec, list[WrittenShard]]:
         tensors[key] = (e.dtype, e.shape)
         for c in e.chunks:
             per_rank[rank_of[c.file]].append(
-                WrittenChunk(key, c.box, c.file, c.byte_offset, c.byte_length, c.checksums)
+                WrittenChunk(
+                    key=key,
+                    box=c.box,
+                    file=c.file,
+                    byte_offset=c.byte_offset,
+                    byte_length=c.byte_length,
+                    checksums=c.checksums,
+                )
             )
     shards = [WrittenShard(f.rank, tuple(per_rank[f.rank]), (f,)) for f in manifest.files]
-    spec = SaveSpec(manifest.save_id, manifest.world_size, manifest.block_size, tensors, {})
+    spec = SaveSpec(
+        save_id=manifest.save_id,
+        world_size=manifest.world_size,
+        block_size=manifest.block_size,
+        tensors=tensors,
+        values={},
+    )
     return spec, shards
 
 

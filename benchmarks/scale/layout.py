@@ -140,13 +140,13 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple
     block = rayckpt_block_size(layout)
     save_id = "20261124T040000-0badcafe"
     spec = SaveSpec(
-        save_id,
-        world_size,
-        block,
-        {k: (DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)},
-        {},
-        {"step": 1000},
-        dict(zip(layout.keys, layout.paths, strict=True)),
+        save_id=save_id,
+        world_size=world_size,
+        block_size=block,
+        tensors={k: (DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)},
+        values={},
+        metadata={"step": 1000},
+        paths=dict(zip(layout.keys, layout.paths, strict=True)),
     )
     boxes = {s: dim0_boxes(s, world_size) for s in set(layout.shapes)}
     rng = np.random.default_rng(seed)
@@ -160,7 +160,11 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple
         sums = rng.integers(0, 2**64, size=sum(blocks), dtype=np.uint64).tolist()
         chunks, pos, at = [], 0, 0
         for (key, box), n, nb in zip(mine, lengths, blocks, strict=True):
-            chunks.append(WrittenChunk(key, box, file, pos, n, tuple(sums[at : at + nb])))
+            chunks.append(
+                WrittenChunk(
+                    key=key, box=box, file=file, byte_offset=pos, byte_length=n, checksums=tuple(sums[at : at + nb])
+                )
+            )
             pos, at = pos + -(-n // 64) * 64, at + nb
         files = (FileEntry(file, pos, rank),) if chunks else ()
         shards.append(WrittenShard(rank, tuple(chunks), files))

@@ -39,7 +39,7 @@ from .device import HostToDevice, needs_bounce
 from .state import FlatState, TensorLeaf, torch_dtype
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadInfo:
     """What ``load`` returns on every rank: what this rank needed, read and fetched, and where its time went.
 
@@ -130,11 +130,11 @@ def read_into(
         if key in values:
             leaf.assign(decode_value(values[key]))
     return LoadInfo(
-        ckdir.location,
-        plan.needed_bytes,
-        plan.read_bytes,
-        len(plan.reads),
-        plan.missing,
+        path=ckdir.location,
+        bytes_needed=plan.needed_bytes,
+        bytes_read=plan.read_bytes,
+        num_reads=len(plan.reads),
+        missing_keys=plan.missing,
         requests=reader.requests - requests,
         bytes_fetched=reader.bytes_fetched - fetched,
     )

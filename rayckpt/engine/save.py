@@ -41,7 +41,7 @@ from .state import FlatState
 from .writer import create_chunk_data, parts_here, write_chunks
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SaveInfo:
     """What ``save`` returns on every rank: the committed checkpoint and where this rank's time went."""
 
@@ -191,13 +191,21 @@ def _save(
         if committed:  # rank 0 wrote the manifest: the checkpoint is complete whatever broke after
             if not isinstance(exc, Exception):
                 raise
-            return SaveInfo(ckdir.location, save_id, committed[0], sum(len(s.files) for s in shards), coord.world_size)
+            return SaveInfo(
+                path=ckdir.location,
+                save_id=save_id,
+                bytes_written=committed[0],
+                num_files=sum(len(s.files) for s in shards),
+                world_size=coord.world_size,
+            )
         if isinstance(exc, RayckptError) and not isinstance(exc, PeerLostError):
             remove_failed_save(ckdir, save_id, written_files)  # every rank saw this failure: nobody commits
             raise
         return _settle_lost(coord, ckdir, save_id, written_files, exc)
     num_files = sum(len(s.files) for s in shards)
-    return SaveInfo(ckdir.location, save_id, total, num_files, coord.world_size)
+    return SaveInfo(
+        path=ckdir.location, save_id=save_id, bytes_written=total, num_files=num_files, world_size=coord.world_size
+    )
 
 
 def _decision_key(save_id: str) -> str:
@@ -224,7 +232,13 @@ def _settle_lost(
         if _committed_id(ckdir) == save_id:
             manifest = read_manifest(ckdir)
             total = sum(f.size for f in manifest.files)
-            return SaveInfo(ckdir.location, save_id, total, len(manifest.files), coord.world_size)
+            return SaveInfo(
+                path=ckdir.location,
+                save_id=save_id,
+                bytes_written=total,
+                num_files=len(manifest.files),
+                world_size=coord.world_size,
+            )
         outcome = (
             f"rank 0 had taken the commit of save {save_id} when this rank lost it, so rank {coord.rank} "
             f"kept its files: check whether {ckdir.location} holds save {save_id} (the next save there "
@@ -249,7 +263,7 @@ def _committed_id(ckdir: CheckpointDir) -> str | None:
         return None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SaveContext:
     """A save after its first step, on one rank: what the ranks agreed on, and this rank's state."""
 
@@ -311,9 +325,18 @@ def collect_state(
             remove_failed_save(claim, claimed[0])
         raise
     spec = SaveSpec(
-        a.save_id, coord.world_size, a.block_size, a.tensors, a.values, dict(metadata or {}), a.paths, a.previous
+        save_id=a.save_id,
+        world_size=coord.world_size,
+        block_size=a.block_size,
+        tensors=a.tensors,
+        values=a.values,
+        metadata=dict(metadata or {}),
+        paths=a.paths,
+        previous=a.previous,
     )
-    return SaveContext(spec, coord.rank, a.plan, a.nodes, a.flat, a.cached, a.layouts)
+    return SaveContext(
+        spec=spec, rank=coord.rank, plan=a.plan, nodes=a.nodes, flat=a.flat, cached=a.cached, layout=a.layouts
+    )
 
 
 def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]) -> WrittenShard:

@@ -104,7 +104,7 @@ def _group_key(coord: Coordinator) -> tuple[Any, ...]:
     return (ident, coord.world_size, coord.rank)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Header:
     """What a rank sends at the start of every save."""
 
@@ -117,7 +117,7 @@ class Header:
     state_bytes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AgreedPlan:
     """A save's plan on one rank, after the collectives."""
 
@@ -165,7 +165,13 @@ def agree_on_plan(
         cached = _CACHE.get(key)
         values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
         nbytes = sum(math.prod(t.shape) * itemsize(t.dtype) for t in flat.tensors.values())
-        return Header(local["layout"].hash, cached.layouts if cached else None, node, values, nbytes)
+        return Header(
+            layout=local["layout"].hash,
+            cached=cached.layouts if cached else None,
+            node=node,
+            values=values,
+            state_bytes=nbytes,
+        )
 
     root: dict[str, Any] = {}  # rank 0: what it learns from the headers
 
@@ -187,7 +193,19 @@ def agree_on_plan(
         PLAN_STATS["cached"] += 1
         values = _merge_values(root["values"], cached.tensors) if coord.rank == 0 else {}
         tensors, paths = dict(cached.tensors), dict(cached.paths)
-        return AgreedPlan(save_id, previous, cached.plan, nodes, tensors, values, paths, True, flat, hit, block)
+        return AgreedPlan(
+            save_id=save_id,
+            previous=previous,
+            plan=cached.plan,
+            nodes=nodes,
+            tensors=tensors,
+            values=values,
+            paths=paths,
+            cached=True,
+            flat=flat,
+            layouts=hit,
+            block_size=block,
+        )
 
     def plan(layouts: list[RankLayout]) -> list[tuple[bytes, bytes]]:
         assignment = assign_writers([lay.shards for lay in layouts])
@@ -208,7 +226,19 @@ def agree_on_plan(
     _CACHE[key] = CachedPlan(layouts, own, tensors, paths)
     PLAN_STATS["planned"] += 1
     merged = root.get("merged", {})
-    return AgreedPlan(save_id, previous, own, nodes, tensors, merged, paths, False, flat, layouts, block)
+    return AgreedPlan(
+        save_id=save_id,
+        previous=previous,
+        plan=own,
+        nodes=nodes,
+        tensors=tensors,
+        values=merged,
+        paths=paths,
+        cached=False,
+        flat=flat,
+        layouts=layouts,
+        block_size=block,
+    )
 
 
 def _bits(indices: np.ndarray, n: int) -> bytes:

@@ -31,7 +31,7 @@ MAX_STRIDE = 16
 DATA_ALPHABET = 256
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GPTConfig:
     """Model shape. The default has about 27M parameters; ``tiny()`` about 110k."""
 

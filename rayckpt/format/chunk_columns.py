@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .shard_file import WrittenChunk
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ChunkColumns:
     """Every tensor chunk of one manifest, a numpy array per field (int64 unless said)."""
 
@@ -158,11 +158,11 @@ class ChunkColumns:
         offsets, sizes = self.box(row)
         lo = int(self.checksum_first[row])
         return ChunkEntry(
-            Box(tuple(offsets), tuple(sizes)),
-            self.files[int(self.file[row])],
-            int(self.byte_offset[row]),
-            int(self.byte_length[row]),
-            tuple(self.checksums[lo : lo + int(self.num_checksums[row])].tolist()),
+            box=Box(tuple(offsets), tuple(sizes)),
+            file=self.files[int(self.file[row])],
+            byte_offset=int(self.byte_offset[row]),
+            byte_length=int(self.byte_length[row]),
+            checksums=tuple(self.checksums[lo : lo + int(self.num_checksums[row])].tolist()),
         )
 
     @cached_property

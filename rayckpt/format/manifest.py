@@ -78,7 +78,7 @@ def itemsize(dtype: str) -> int:
         raise InvalidStateError(f"dtype {dtype!r} is not supported; supported: {sorted(DTYPES)}") from None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkEntry:
     """One stored box of a tensor inside a shard file."""
 
@@ -127,7 +127,7 @@ class FileEntry:
     rank: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Manifest:
     save_id: str
     world_size: int
@@ -377,7 +377,13 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
             if file not in known:
                 raise SchemaError(f"{item_path(field_path(at, 'chunks'), i)}.file", f"{file!r} is missing from 'files'")
             chunks.append(
-                ChunkEntry(Box(tuple(offsets), tuple(sizes)), file, byte_offset, byte_length, tuple(block_sums))
+                ChunkEntry(
+                    box=Box(tuple(offsets), tuple(sizes)),
+                    file=file,
+                    byte_offset=byte_offset,
+                    byte_length=byte_length,
+                    checksums=tuple(block_sums),
+                )
             )
         entries[key] = TensorEntry(dtype, tuple(shape), tuple(chunks), path)
     return Manifest(

@@ -124,7 +124,7 @@ class ChunkData:
     data: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WrittenChunk:
     key: str
     box: Box
@@ -207,7 +207,9 @@ def write_shard_file(
                 fut.cancel()
             raise
         written = [
-            WrittenChunk(c.key, c.box, rel, offset, len(raw), fut.result())
+            WrittenChunk(
+                key=c.key, box=c.box, file=rel, byte_offset=offset, byte_length=len(raw), checksums=fut.result()
+            )
             for c, raw, offset, fut in zip(chunks, raws, offsets, sums)
         ]
     ckdir.sync_file(rel)

@@ -41,7 +41,7 @@ __all__ = ["DIM0", "OTHER", "SCALAR", "BulkPlan", "ChunkTable", "TensorSpec", "c
 TensorSpec = tuple[str, str, tuple[int, ...]]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class BulkPlan:
     """The read plans of all ``world_size`` target ranks, held as numpy columns.
 
@@ -119,7 +119,7 @@ class BulkPlan:
                 continue
             key, _, shape = self._specs[kid]
             box = SCALAR_BOX if kind == SCALAR else Box((f,) + (0,) * (len(shape) - 1), (n,) + shape[1:])
-            items.append(ReadItem(key, entries[key].chunks[j], box, lo_, hi_))  # type: ignore[union-attr]
+            items.append(ReadItem(key=key, chunk=entries[key].chunks[j], box=box, lo=lo_, hi=hi_))  # type: ignore[union-attr]
         reads = []
         q0, q1 = int(self._read_of_rank[rank]), int(self._read_of_rank[rank + 1])
         bounds = self._read_item[q0 : q1 + 1].tolist()

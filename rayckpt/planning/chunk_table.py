@@ -24,7 +24,7 @@ DIM0, SCALAR, OTHER = 0, 1, 2
 SCALAR_BOX = Box((), ())
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ChunkTable:
     """The tensor chunks of one manifest as numpy columns, rows sorted by (file, byte_offset).
 

@@ -28,7 +28,7 @@ class TensorRequest:
     box: Box
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReadItem:
     """Copy ``box`` (global) out of saved ``chunk`` into the target of ``key``."""
 
@@ -197,7 +197,7 @@ def read_span(key: str, chunk: ChunkEntry, common: Box, isz: int, block_size: in
     hi = lo + runs.span * isz
     start = chunk.byte_offset + (lo // block_size) * block_size
     end = chunk.byte_offset + min(-(-hi // block_size) * block_size, chunk.byte_length)
-    return start, end, ReadItem(key, chunk, common, lo, hi)
+    return start, end, ReadItem(key=key, chunk=chunk, box=common, lo=lo, hi=hi)
 
 
 def create_load_plans(

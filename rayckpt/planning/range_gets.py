@@ -35,7 +35,7 @@ MAX_GAP_FRACTION = 0.05
 GET_CONCURRENCY = 8
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RangeGet:
     """One ranged GET: ``length`` bytes at ``offset`` of ``file``, covering ``reads``."""
 
@@ -72,10 +72,10 @@ def create_range_gets(
                 end, gaps = new_end, gaps + gap
                 continue
         if cur:
-            out.append(RangeGet(cur[0].file, start, end - start, tuple(cur), gaps))
+            out.append(RangeGet(file=cur[0].file, offset=start, length=end - start, reads=tuple(cur), gap_bytes=gaps))
         cur, start, end, gaps = [r], r.offset, r.offset + r.length, 0
     if cur:
-        out.append(RangeGet(cur[0].file, start, end - start, tuple(cur), gaps))
+        out.append(RangeGet(file=cur[0].file, offset=start, length=end - start, reads=tuple(cur), gap_bytes=gaps))
     return tuple(out)
 
 

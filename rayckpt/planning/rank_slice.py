@@ -65,7 +65,7 @@ def asked_alike(asks: Sequence[LoadAsk]) -> bool:
     return bool(asks) and all(a.dim0 and a.digest == asks[0].digest for a in asks)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class RankSlice:
     """One rank's part of a bulk load plan: one row per item (a chunk it reads), in plan order."""
 
@@ -131,8 +131,10 @@ class RankSlice:
                 chunk_box, box = Box((s, *zero), (n, *tail)), Box((f, *zero), (c, *tail))
             else:
                 chunk_box = box = SCALAR_BOX
-            chunk = ChunkEntry(chunk_box, files[fid], off, length, tuple(sums[c0:c1]))
-            items.append(ReadItem(key, chunk, box, lo_, hi_))
+            chunk = ChunkEntry(
+                box=chunk_box, file=files[fid], byte_offset=off, byte_length=length, checksums=tuple(sums[c0:c1])
+            )
+            items.append(ReadItem(key=key, chunk=chunk, box=box, lo=lo_, hi=hi_))
             c0 = c1
         bounds = self.read_first.tolist() + [len(items)]
         reads = tuple(

@@ -249,7 +249,17 @@ class SaveHandle:
         return self._failed_entry("the MetadataActor died before this save was committed")
 
     def _failed_entry(self, error: str) -> CatalogEntry:
-        return CatalogEntry(self.run, self.step, self._ckdir.uri, "failed", time.time(), 0, 0, self.save_id, error)
+        return CatalogEntry(
+            run=self.run,
+            step=self.step,
+            path=self._ckdir.uri,
+            status="failed",
+            created=time.time(),
+            world_size=0,
+            bytes=0,
+            save_id=self.save_id,
+            error=error,
+        )
 
 
 def report_failed(target: SaveTarget, error: str) -> None:

@@ -31,7 +31,7 @@ def checkpoint_step(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CatalogEntry:
     """One checkpoint: found in storage or tracked by the MetadataActor."""
 
@@ -71,7 +71,17 @@ def describe(ckdir: CheckpointDir, run: str) -> CatalogEntry | None:
         return _describe(ckdir, run, step)
     except (RayckptError, OSError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return CatalogEntry(run, step, ckdir.uri, "corrupt", 0.0, 0, 0, "", reason)
+        return CatalogEntry(
+            run=run,
+            step=step,
+            path=ckdir.uri,
+            status="corrupt",
+            created=0.0,
+            world_size=0,
+            bytes=0,
+            save_id="",
+            error=reason,
+        )
 
 
 def _describe(ckdir: CheckpointDir, run: str, step: int | None) -> CatalogEntry | None:
@@ -80,19 +90,21 @@ def _describe(ckdir: CheckpointDir, run: str, step: int | None) -> CatalogEntry 
         m = read_manifest(ckdir)
         meta_step = m.user_metadata.get("step")
         return CatalogEntry(
-            str(m.user_metadata.get("run") or run),
-            meta_step if isinstance(meta_step, int) else step,
-            ckdir.uri,
-            "committed",
-            m.created,
-            m.world_size,
-            m.total_bytes,
-            m.save_id,
+            run=str(m.user_metadata.get("run") or run),
+            step=meta_step if isinstance(meta_step, int) else step,
+            path=ckdir.uri,
+            status="committed",
+            created=m.created,
+            world_size=m.world_size,
+            bytes=m.total_bytes,
+            save_id=m.save_id,
         )
     arrow = [f for f in files if f.endswith(".arrow")]
     if arrow:
         size = sum(ckdir.size(f) or 0 for f in arrow)
-        return CatalogEntry(run, step, ckdir.uri, "incomplete", 0.0, 0, size, "")
+        return CatalogEntry(
+            run=run, step=step, path=ckdir.uri, status="incomplete", created=0.0, world_size=0, bytes=size, save_id=""
+        )
     return None
 
 

@@ -66,7 +66,7 @@ def shard_file_save_id(name: str) -> str | None:
     return match.group(1) if match else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SaveSpec:
     """A save as its committer sees it (rank 0, then the MetadataActor on Ray): the ids, world size,
     block size and metadata are the same on every rank; only rank 0 holds every tensor, value and path
@@ -132,12 +132,12 @@ def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
     for key in sorted(spec.values):
         entries[key] = ValueEntry(spec.values[key], spec.paths.get(key, (key,)))
     manifest = Manifest(
-        spec.save_id,
-        spec.world_size,
-        spec.block_size,
-        entries,
-        files,
-        time.time(),
+        save_id=spec.save_id,
+        world_size=spec.world_size,
+        block_size=spec.block_size,
+        entries=entries,
+        files=files,
+        created=time.time(),
         user_metadata=spec.metadata,
         columns=columns,
     )

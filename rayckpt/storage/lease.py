@@ -46,7 +46,7 @@ HELD = "held"
 _POLL_S = 0.05
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Lease:
     """One lease file's content."""
 
@@ -95,7 +95,7 @@ def lease_name(save_id: str) -> str:
 
 def write_lease(ckdir: CheckpointDir, save_id: str, state: str = HELD, ttl_s: float = LEASE_TTL_S) -> Lease:
     """Write (or refresh) ``save_id``'s lease, owned by this process, valid for ``ttl_s``."""
-    lease = Lease(save_id, state, owner_id(), os.getpid(), time.time() + ttl_s)
+    lease = Lease(save_id=save_id, state=state, owner=owner_id(), pid=os.getpid(), expires=time.time() + ttl_s)
     data = json.dumps({"format": "rayckpt-lease", **_fields(lease)}).encode()
     for attempt in range(3):
         ckdir.makedirs()
@@ -137,10 +137,18 @@ def read_leases(ckdir: CheckpointDir) -> list[Lease]:
         save_id = name[len(LEASE_PREFIX) :]
         try:
             raw = json.loads(ckdir.read_bytes(name))
-            leases.append(Lease(save_id, str(raw["state"]), str(raw["owner"]), int(raw["pid"]), float(raw["expires"])))
+            leases.append(
+                Lease(
+                    save_id=save_id,
+                    state=str(raw["state"]),
+                    owner=str(raw["owner"]),
+                    pid=int(raw["pid"]),
+                    expires=float(raw["expires"]),
+                )
+            )
         except Exception:  # noqa: BLE001 - gone or garbled: never trust it more than its age says
             mtime = info.mtime.timestamp() if info.mtime is not None else time.time()
-            leases.append(Lease(save_id, CLAIMING, "?", 0, mtime + LEASE_TTL_S))
+            leases.append(Lease(save_id=save_id, state=CLAIMING, owner="?", pid=0, expires=mtime + LEASE_TTL_S))
     return sorted(leases, key=lambda lease: lease.save_id)
 
 

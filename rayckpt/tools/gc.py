@@ -36,7 +36,7 @@ class RemovedFile:
     why: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GcReport:
     """What ``gc`` found and did under one path."""
 
@@ -96,7 +96,14 @@ def gc(path: str | os.PathLike[str], *, dry_run: bool = False, filesystem: pafs.
                 ckdir.delete(name)
             if not ckdir.exists(MANIFEST_NAME):
                 ckdir.delete_dir_if_empty()  # what a crashed save into a new directory left
-    return GcReport(root.location, dry_run, len(dirs), tuple(removed), tuple(sorted(set(live))), tuple(skipped))
+    return GcReport(
+        path=root.location,
+        dry_run=dry_run,
+        directories=len(dirs),
+        removed=tuple(removed),
+        live_saves=tuple(sorted(set(live))),
+        skipped=tuple(skipped),
+    )
 
 
 def _holds_checkpoint_files(ckdir: CheckpointDir) -> bool:

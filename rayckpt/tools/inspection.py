@@ -18,7 +18,7 @@ from ..storage.checkpoint_dir import CheckpointDir
 from .opening import open_checkpoint, tensor_nbytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TensorInfo:
     key: str
     dtype: str
@@ -41,7 +41,7 @@ class ValueInfo:
         return decode_value(self.value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointInfo:
     """What ``inspect`` finds in a manifest (no shard file is read)."""
 
@@ -87,27 +87,35 @@ def inspect(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointInfo:
         if isinstance(e, TensorEntry):
             files = tuple(sorted({c.file for c in e.chunks}))
             tensors.append(
-                TensorInfo(key, e.dtype, e.shape, math.prod(e.shape), tensor_nbytes(e), len(e.chunks), files)
+                TensorInfo(
+                    key=key,
+                    dtype=e.dtype,
+                    shape=e.shape,
+                    numel=math.prod(e.shape),
+                    nbytes=tensor_nbytes(e),
+                    num_chunks=len(e.chunks),
+                    files=files,
+                )
             )
         else:
             values.append(ValueInfo(key, e.value))
     return CheckpointInfo(
-        ckdir.location,
-        m.save_id,
-        m.version,
-        m.created,
-        m.world_size,
-        m.block_size,
-        m.checksum,
-        m.total_bytes,
-        dict(m.user_metadata),
-        m.files,
-        tuple(tensors),
-        tuple(values),
+        path=ckdir.location,
+        save_id=m.save_id,
+        version=m.version,
+        created=m.created,
+        world_size=m.world_size,
+        block_size=m.block_size,
+        checksum=m.checksum,
+        total_bytes=m.total_bytes,
+        user_metadata=dict(m.user_metadata),
+        files=m.files,
+        tensors=tuple(tensors),
+        values=tuple(values),
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TensorSummary:
     """A look at one full tensor: the ``summon_full_params`` view of a single key."""
 
@@ -174,4 +182,15 @@ def tensor_summary(ckpt: str | os.PathLike[str] | CheckpointDir, key: str, *, fi
         stats = [lo, hi, total / flat.numel(), math.sqrt(squares)]
     head = t.reshape(-1)[:first].tolist()
     head = [str(v) if isinstance(v, complex) else v for v in head]
-    return TensorSummary(key, dtype_name(t.dtype), tuple(t.shape), t.numel(), *stats, tuple(head))
+    lo_stat, hi_stat, mean_stat, norm_stat = stats
+    return TensorSummary(
+        key=key,
+        dtype=dtype_name(t.dtype),
+        shape=tuple(t.shape),
+        numel=t.numel(),
+        min=lo_stat,
+        max=hi_stat,
+        mean=mean_stat,
+        norm=norm_stat,
+        first=tuple(head),
+    )

@@ -16,7 +16,7 @@ from ..storage.checkpoint_dir import CheckpointDir
 from .opening import open_checkpoint
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankPlan:
     rank: int
     bytes_needed: int
@@ -27,7 +27,7 @@ class RankPlan:
     files: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReshardPlan:
     """What loading a checkpoint into ``world_size`` FSDP ranks reads, per rank."""
 
@@ -73,19 +73,19 @@ def plan(ckpt: str | os.PathLike[str] | CheckpointDir, world_size: int) -> Resha
     boxes = {k: dim0_boxes(e.shape, world_size) for k, e in tensors}
     requests = [[TensorRequest(k, e.dtype, e.shape, boxes[k][r]) for k, e in tensors] for r in range(world_size)]
     ranks = tuple(
-        RankPlan(r, p.needed_bytes, p.read_bytes, len(p.reads), p.files)
+        RankPlan(rank=r, bytes_needed=p.needed_bytes, bytes_read=p.read_bytes, reads=len(p.reads), files=p.files)
         for r, p in enumerate(create_load_plans(m, requests))
     )
     needed = sum(r.bytes_needed for r in ranks)
     read = sum(r.bytes_read for r in ranks)
     busiest = max(r.bytes_read for r in ranks)
     return ReshardPlan(
-        ckdir.location,
-        m.world_size,
-        world_size,
-        needed,
-        read,
-        read / needed if needed else 1.0,
-        read / world_size / busiest if busiest else 1.0,
-        ranks,
+        path=ckdir.location,
+        saved_world_size=m.world_size,
+        world_size=world_size,
+        bytes_needed=needed,
+        bytes_read=read,
+        read_amplification=read / needed if needed else 1.0,
+        balance=read / world_size / busiest if busiest else 1.0,
+        ranks=ranks,
     )

@@ -26,7 +26,7 @@ class SaveInFlightError(RayckptError):
     """A checkpoint cannot be removed: a save holds a live lease on its directory."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RemoveReport:
     """What ``remove`` removed (or, with ``dry_run``, would remove)."""
 
@@ -79,7 +79,13 @@ def remove(ckpt: str | os.PathLike[str] | CheckpointDir, *, dry_run: bool = Fals
     sizes = {i.base_name: i.size or 0 for i in infos if i.type == pafs.FileType.File}
     names = sorted(sizes, key=lambda n: (n != MANIFEST_NAME, n))
     _refuse_live_saves(ckdir)
-    report = RemoveReport(ckdir.location, committed_save_id(ckdir), dry_run, tuple(names), sum(sizes.values()))
+    report = RemoveReport(
+        path=ckdir.location,
+        save_id=committed_save_id(ckdir),
+        dry_run=dry_run,
+        files=tuple(names),
+        bytes=sum(sizes.values()),
+    )
     if dry_run:
         return report
     claim = new_save_id()

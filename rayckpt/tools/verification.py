@@ -27,7 +27,7 @@ from .opening import Progress, resolve_checkpoint
 VERIFY_WINDOW_BYTES = 64 * 2**20
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Problem:
     """One thing wrong with a checkpoint."""
 
@@ -41,7 +41,7 @@ class Problem:
     end: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class VerifyReport:
     path: str
     ok: bool
@@ -84,8 +84,17 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
     try:
         m = decode_stored_manifest(ckdir)
     except CorruptCheckpointError as exc:
-        return VerifyReport(ckdir.location, False, 0, 0, 0, (Problem("manifest", str(exc), file=MANIFEST_NAME),))
-    problems = [Problem("manifest", f"{where}: {p}", file=MANIFEST_NAME) for p in find_manifest_problems(m)]
+        return VerifyReport(
+            path=ckdir.location,
+            ok=False,
+            files_checked=0,
+            chunks_checked=0,
+            bytes_checked=0,
+            problems=(Problem(kind="manifest", message=str(exc), file=MANIFEST_NAME),),
+        )
+    problems = [
+        Problem(kind="manifest", message=f"{where}: {p}", file=MANIFEST_NAME) for p in find_manifest_problems(m)
+    ]
     by_file: dict[str, list[tuple[str, ChunkEntry]]] = {f.path: [] for f in m.files}
     for key, e in m.entries.items():
         if isinstance(e, TensorEntry):
@@ -97,13 +106,13 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
         try:
             size = ckdir.size(f.path)
         except CorruptCheckpointError as exc:  # a symbolic link: not followed, not read
-            problems.append(Problem("link", f"{exc}; it holds {_some(keys)}", file=f.path))
+            problems.append(Problem(kind="link", message=f"{exc}; it holds {_some(keys)}", file=f.path))
             continue
         if size is None:
             problems.append(
                 Problem(
-                    "missing",
-                    f"shard file {f.path!r} is missing ({f.size} bytes recorded); it holds {_some(keys)}",
+                    kind="missing",
+                    message=f"shard file {f.path!r} is missing ({f.size} bytes recorded); it holds {_some(keys)}",
                     file=f.path,
                     start=0,
                     end=f.size,
@@ -114,8 +123,11 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
         if size != f.size:
             problems.append(
                 Problem(
-                    "size",
-                    f"shard file {f.path!r} has {size} bytes but the manifest recorded {f.size}: truncated or replaced",
+                    kind="size",
+                    message=(
+                        f"shard file {f.path!r} has {size} bytes but the manifest recorded {f.size}: "
+                        "truncated or replaced"
+                    ),
                     file=f.path,
                     start=min(size, f.size),
                     end=max(size, f.size),
@@ -136,7 +148,14 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
                     on_progress(done, total)
     finally:
         reader.close()
-    return VerifyReport(ckdir.location, not problems, len(actual), chunks, reader.bytes_read, tuple(problems))
+    return VerifyReport(
+        path=ckdir.location,
+        ok=not problems,
+        files_checked=len(actual),
+        chunks_checked=chunks,
+        bytes_checked=reader.bytes_read,
+        problems=tuple(problems),
+    )
 
 
 def _some(keys: list[str], n: int = 5) -> str:
@@ -152,8 +171,8 @@ def _check_chunk(reader: ShardReader, key: str, c: ChunkEntry, file_size: int) -
     if end > file_size:
         return [
             Problem(
-                "truncated",
-                f"shard file {c.file!r}, key {key!r}: bytes [{c.byte_offset}, {end}) of the chunk at offsets "
+                kind="truncated",
+                message=f"shard file {c.file!r}, key {key!r}: bytes [{c.byte_offset}, {end}) of the chunk at offsets "
                 f"{list(c.box.offsets)} lie past the end of the file ({file_size} bytes)",
                 file=c.file,
                 key=key,
@@ -174,7 +193,16 @@ def _check_chunk(reader: ShardReader, key: str, c: ChunkEntry, file_size: int) -
             try:
                 reader.verify([(c.byte_offset + lo, memoryview(buf))], key, c, b_lo, b_hi)
             except CorruptCheckpointError as exc:
-                problems.append(Problem("checksum", str(exc), c.file, key, c.byte_offset + b_lo, c.byte_offset + b_hi))
+                problems.append(
+                    Problem(
+                        kind="checksum",
+                        message=str(exc),
+                        file=c.file,
+                        key=key,
+                        start=c.byte_offset + b_lo,
+                        end=c.byte_offset + b_hi,
+                    )
+                )
         # Unmap what was read, so resident memory stays one window, not the whole checkpoint.
         del buf
         reader.close()
@@ -224,7 +252,7 @@ def _json_ints(text: str | None) -> list[int]:
 
 
 def _arrow_problem(path: str, what: str) -> Problem:
-    return Problem("arrow", f"shard file {path!r}: {what}", file=path)
+    return Problem(kind="arrow", message=f"shard file {path!r}: {what}", file=path)
 
 
 # ---------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_a_rank_waiting_when_the_actor_restarts_is_answered_at_once(ray_session,
     """Rank 1 of 2 never reports; rank 0 waits in ``wait_commit`` when the actor is killed under it."""
     meta = get_metadata_actor()
     path, save_id = str(tmp_path / "waiting"), "sid-waiting"
-    spec = SaveSpec(save_id, 2, 64, {"w": ("float32", (4, 4))}, {})
+    spec = SaveSpec(save_id=save_id, world_size=2, block_size=64, tensors={"w": ("float32", (4, 4))}, values={})
     target = SaveTarget(save_id=save_id, run="waiting", step=7, location=path, rank=0)
     registered = meta.begin_save.remote(spec, target.for_rank(None))
     incarnation = ray.get(registered)

@@ -137,7 +137,9 @@ def test_the_commit_sweep_keeps_the_files_of_a_save_with_a_live_lease(tmp_path):
 
 def spec_of(save_id: str, state: dict) -> SaveSpec:
     """A spec with values only (no tensors), for commits driven by hand."""
-    return SaveSpec(save_id, 1, 64, {}, {"step": state["step"]}, {})
+    return SaveSpec(
+        save_id=save_id, world_size=1, block_size=64, tensors={}, values={"step": state["step"]}, metadata={}
+    )
 
 
 def test_a_live_lease_of_a_dead_process_on_this_host_does_not_block(tmp_path):

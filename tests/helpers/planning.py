@@ -59,11 +59,15 @@ def build(
                 flat = sum(i * s for i, s in zip(idx, strides))
                 buf.extend(value_at(k, flat).to_bytes(isz, "little"))
             n = box.volume * isz
-            chunks.append(ChunkEntry(box, fname, off, n, (0,) * -(-n // block_size)))
+            chunks.append(
+                ChunkEntry(box=box, file=fname, byte_offset=off, byte_length=n, checksums=(0,) * -(-n // block_size))
+            )
         entries[key] = TensorEntry(t.dtype, t.shape, tuple(chunks))
     for key, v in (values or {}).items():
         entries[key] = ValueEntry(encode_value(v, key))
     file_entries = tuple(FileEntry(name, len(buf), i) for i, (name, buf) in enumerate(sorted(files.items())))
-    m = Manifest("test", len(file_entries), block_size, entries, file_entries)
+    m = Manifest(
+        save_id="test", world_size=len(file_entries), block_size=block_size, entries=entries, files=file_entries
+    )
     assert find_manifest_problems(m) == []
     return m, {name: bytes(buf) for name, buf in files.items()}

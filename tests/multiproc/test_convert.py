@@ -253,7 +253,9 @@ def test_imports_load_bounded_groups(ckpt, tmp_path, monkeypatch):
             groups.append(list(keys))
             return source.load(keys)
 
-        return streaming.Source(source.format, source.tensors, source.values, load, source.paths)
+        return streaming.Source(
+            format=source.format, tensors=source.tensors, values=source.values, load=load, paths=source.paths
+        )
 
     monkeypatch.setattr(dcp_dir, "dcp_source", recording)
     convert(out, str(tmp_path / "back"), from_="dcp", group_bytes=160)
@@ -311,7 +313,7 @@ def test_safetensors_export_needs_tensors_with_a_safetensors_dtype(ckpt, tmp_pat
 
 
 def test_a_key_that_is_both_tensor_and_value_is_refused(tmp_path):
-    source = streaming.Source("torch", {"a": ("float32", (2,))}, {"a": 1}, lambda keys: {})
+    source = streaming.Source(format="torch", tensors={"a": ("float32", (2,))}, values={"a": 1}, load=lambda keys: {})
     out = CheckpointDir.resolve(str(tmp_path / "o"))
     with pytest.raises(rayckpt.InvalidStateError, match="key 'a' is both a tensor and a value in src.pt"):
         streaming.import_source(source, out, "src.pt", "", 64, 1024, None)

@@ -166,7 +166,7 @@ def test_rank_that_never_reports_fails_the_save_after_its_timeout(ray_session, t
     meta = get_metadata_actor()
     path = str(tmp_path / "t")
     os.makedirs(path)
-    spec = SaveSpec("sid-timeout", world_size=2, block_size=64, tensors={}, values={})
+    spec = SaveSpec(save_id="sid-timeout", world_size=2, block_size=64, tensors={}, values={})
     ray.get(meta.begin_save.remote(spec, SaveTarget(save_id=spec.save_id, run="timeouts", step=9, location=path), 1.0))
     entry = ray.get(meta.wait_commit.remote(SaveTarget(save_id="sid-timeout"), 30))
     assert entry.status == "failed"
@@ -361,7 +361,7 @@ def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_s
     (path / "sid-early-r00001-float.arrow").write_bytes(b"partial")  # written before rank 1 failed
     early = SaveTarget(save_id="sid-early", run="early", step=5, location=str(path))
     ray.get(meta.report_failed.remote(early.for_rank(1), "staging: OSError"))
-    spec = SaveSpec("sid-early", world_size=2, block_size=64, tensors={}, values={})
+    spec = SaveSpec(save_id="sid-early", world_size=2, block_size=64, tensors={}, values={})
     ray.get(meta.begin_save.remote(spec, early, 30.0))
     entry = ray.get(meta.wait_commit.remote(early, 5))
     assert entry.status == "failed" and entry.step == 5 and "rank 1: staging: OSError" in entry.error

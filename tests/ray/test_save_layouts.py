@@ -99,7 +99,7 @@ def test_the_actor_receives_each_layout_once_and_again_after_a_restart(ray_sessi
 
 
 def test_a_layout_the_actor_cannot_fetch_fails_the_registration_naming_the_save(ray_session, tmp_path):
-    spec = SaveSpec("sid-nolayout", 1, 64, {}, {})
+    spec = SaveSpec(save_id="sid-nolayout", world_size=1, block_size=64, tensors={}, values={})
     unknown = LayoutRef(b"\x07" * 16, ray.put("not a layout"))
     meta = get_metadata_actor()
     with pytest.raises(ray.exceptions.RayTaskError) as caught:

@@ -167,9 +167,9 @@ def test_table_rows_are_in_file_and_offset_order(key_order):
 def test_overlapping_bytes_use_the_per_item_planner():
     # two keys whose chunks alias the same bytes: not what rayckpt writes, still planned exactly
     box = Box((0, 0), (4, 2))
-    chunk = ChunkEntry(box, "f.arrow", 0, 32, (0,))
+    chunk = ChunkEntry(box=box, file="f.arrow", byte_offset=0, byte_length=32, checksums=(0,))
     entries = {"a": TensorEntry("float32", (4, 2), (chunk,)), "b": TensorEntry("float32", (4, 2), (chunk,))}
-    m = Manifest("t", 1, 64, entries, (FileEntry("f.arrow", 32, 0),))
+    m = Manifest(save_id="t", world_size=1, block_size=64, entries=entries, files=(FileEntry("f.arrow", 32, 0),))
     bulk = assert_same_plans(m, [("a", "float32", (4, 2)), ("b", "float32", (4, 2))], 3)
     assert bulk.per_item
 
@@ -181,10 +181,14 @@ def hand_built(chunks_by_key: dict[str, tuple[str, tuple, list[Box]]], block_siz
         chunks = []
         for b in boxes:
             n = b.volume * itemsize(dtype)
-            chunks.append(ChunkEntry(b, "f.arrow", pos, n, (0,) * -(-n // block_size)))
+            chunks.append(
+                ChunkEntry(box=b, file="f.arrow", byte_offset=pos, byte_length=n, checksums=(0,) * -(-n // block_size))
+            )
             pos += n
         entries[key] = TensorEntry(dtype, shape, tuple(chunks))
-    return Manifest("t", 1, block_size, entries, (FileEntry("f.arrow", pos, 0),))
+    return Manifest(
+        save_id="t", world_size=1, block_size=block_size, entries=entries, files=(FileEntry("f.arrow", pos, 0),)
+    )
 
 
 def test_overlapping_rows_are_planned_per_item():

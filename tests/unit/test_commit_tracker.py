@@ -37,7 +37,14 @@ class Clock:
 
 
 def spec_of(save_id: str, world_size: int = 2) -> SaveSpec:
-    return SaveSpec(save_id, world_size, BLOCK, {"w": ("float32", (ROWS, COLS))}, {}, {"note": save_id})
+    return SaveSpec(
+        save_id=save_id,
+        world_size=world_size,
+        block_size=BLOCK,
+        tensors={"w": ("float32", (ROWS, COLS))},
+        values={},
+        metadata={"note": save_id},
+    )
 
 
 def at(save_id: str, **where) -> SaveTarget:
@@ -263,7 +270,9 @@ def test_settled_saves_keep_only_a_bounded_history_of_small_entries(tracker, tmp
     assert tracker._saves == {}  # no spec, no chunk records, no checksums kept
     kept = {e.save_id for e in tracker.catalog("a")}
     assert kept == {f"a{i}" for i in range(8, SETTLED_KEPT_PER_RUN + 8)}  # the newest
-    assert tracker.entry("a0") == CatalogEntry("", None, "", "pending", 0.0, 0, 0, "a0")  # forgotten
+    assert tracker.entry("a0") == CatalogEntry(
+        run="", step=None, path="", status="pending", created=0.0, world_size=0, bytes=0, save_id="a0"
+    )  # forgotten
     assert tracker.entry("a8").status == "committed"
     for r in range(RUNS_KEPT):  # one save in each of as many other runs as are kept: run "a" goes
         commit(f"r{r}", f"run{r}")
@@ -273,7 +282,19 @@ def test_settled_saves_keep_only_a_bounded_history_of_small_entries(tracker, tmp
 
 def test_save_history_bounds_runs_by_recent_activity():
     def settled(run: str, save_id: str) -> SettledSave:
-        return SettledSave(CatalogEntry(run, 1, f"/{save_id}", "committed", 0.0, 1, 0, save_id), None)
+        return SettledSave(
+            CatalogEntry(
+                run=run,
+                step=1,
+                path=f"/{save_id}",
+                status="committed",
+                created=0.0,
+                world_size=1,
+                bytes=0,
+                save_id=save_id,
+            ),
+            None,
+        )
 
     history = SaveHistory(per_run=2, runs=2)
     for run, save_id in (("x", "x1"), ("y", "y1"), ("x", "x2"), ("x", "x3"), ("z", "z1")):

@@ -75,7 +75,7 @@ def rank_shard(world_size: int, rank: int, save_id: str, seed: int) -> WrittenSh
         if box.volume:
             n = box.volume * 4
             sums = tuple(rng.integers(0, 2**64, size=-(-n // 65536), dtype=np.uint64).tolist())
-            chunks.append(WrittenChunk(key, box, file, pos, n, sums))
+            chunks.append(WrittenChunk(key=key, box=box, file=file, byte_offset=pos, byte_length=n, checksums=sums))
             pos += -(-n // 64) * 64
     return WrittenShard(rank, tuple(chunks), (FileEntry(file, pos, rank),))
 

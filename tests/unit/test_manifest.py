@@ -41,7 +41,9 @@ def sample_manifest(block_size: int = 32, version: int = 3) -> Manifest:
 
     def chunk(box, file, off, isz):
         n = box.volume * isz
-        return ChunkEntry(box, file, off, n, tuple(range(100, 100 + -(-n // block_size))))
+        return ChunkEntry(
+            box=box, file=file, byte_offset=off, byte_length=n, checksums=tuple(range(100, 100 + -(-n // block_size)))
+        )
 
     w0 = chunk(B((0, 0), (3, 4)), "shard-0.arrow", 64, 4)
     w1 = chunk(B((3, 0), (3, 4)), "shard-1.arrow", 64, 4)
@@ -170,7 +172,7 @@ def test_value_round_trip_exact(value):
 
 def test_values_round_trip_through_manifest():
     entries = {f"v{i}": ValueEntry(encode_value(v, f"v{i}")) for i, v in enumerate(VALUES)}
-    m = Manifest("s", 1, 16, entries, (), version=3)
+    m = Manifest(save_id="s", world_size=1, block_size=16, entries=entries, files=(), version=3)
     back = decode_manifest(encode_manifest(m))
     for i, v in enumerate(VALUES):
         assert same(decode_value(back.entries[f"v{i}"].value), v)
@@ -401,7 +403,16 @@ def with_chunks(m: Manifest, key: str, *chunks: ChunkEntry) -> Manifest:
     e = m.entries[key]
     entries = dict(m.entries)
     entries[key] = TensorEntry(e.dtype, e.shape, tuple(chunks))
-    return Manifest(m.save_id, m.world_size, m.block_size, entries, m.files, m.created, m.version, m.user_metadata)
+    return Manifest(
+        save_id=m.save_id,
+        world_size=m.world_size,
+        block_size=m.block_size,
+        entries=entries,
+        files=m.files,
+        created=m.created,
+        version=m.version,
+        user_metadata=m.user_metadata,
+    )
 
 
 def replace_chunk(c: ChunkEntry, **kw) -> ChunkEntry:
@@ -474,7 +485,7 @@ def test_problem_unknown_dtype_and_several_at_once():
     entries["model.b"] = TensorEntry("float128", (5,), m.entries["model.b"].chunks)
     w0, w1 = m.entries["model.w"].chunks
     entries["model.w"] = TensorEntry("float32", (6, 4), (replace_chunk(w0, checksums=()), w1))
-    bad = Manifest(m.save_id, m.world_size, m.block_size, entries, m.files)
+    bad = Manifest(save_id=m.save_id, world_size=m.world_size, block_size=m.block_size, entries=entries, files=m.files)
     problems = find_manifest_problems(bad)
     assert len(problems) == 2
     assert "key 'model.b': unknown dtype 'float128'" in problems

@@ -79,13 +79,13 @@ def build(tensors: dict, block_size: int = BLOCK, sizes: dict | None = None, val
             offset = c.get("byte_offset", pos.get(file, 0))
             pos[file] = max(pos.get(file, 0), offset + length)
             sums = c["checksums"] if "checksums" in c else (7,) * -(-length // block_size)
-            out.append(ChunkEntry(c["box"], file, offset, length, sums))
+            out.append(ChunkEntry(box=c["box"], file=file, byte_offset=offset, byte_length=length, checksums=sums))
         entries[key] = TensorEntry(dtype, tuple(shape), tuple(out))
         if values:
             entries[f"{key}.note"] = ValueEntry(i)
     sizes = {**{f: n for f, n in pos.items() if f in ("a.arrow", "b.arrow")}, **(sizes or {})}
     files = tuple(FileEntry(f, n, r) for r, (f, n) in enumerate(sorted(sizes.items())))
-    return Manifest("s", 2, block_size, entries, files)
+    return Manifest(save_id="s", world_size=2, block_size=block_size, entries=entries, files=files)
 
 
 def same_as_reference(m: Manifest) -> list[str]:
@@ -396,9 +396,18 @@ def test_create_and_read_report_problems_in_order_capped_at_20(tmp_path):
     expected = [f"key 'w' chunk [{i}, 0] in file '{'ab'[i % 2]}.arrow': 0 checksums for 1 blocks" for i in range(30)]
     assert find_manifest_problems(bad) == expected
 
-    spec = SaveSpec("s", 2, BLOCK, {"w": ("float32", shape)}, {})
+    spec = SaveSpec(save_id="s", world_size=2, block_size=BLOCK, tensors={"w": ("float32", shape)}, values={})
     shards = [
-        WrittenShard(r, tuple(WrittenChunk("w", c.box, c.file, c.byte_offset, c.byte_length, ()) for c in cs), files)
+        WrittenShard(
+            r,
+            tuple(
+                WrittenChunk(
+                    key="w", box=c.box, file=c.file, byte_offset=c.byte_offset, byte_length=c.byte_length, checksums=()
+                )
+                for c in cs
+            ),
+            files,
+        )
         for r, cs, files in (
             (0, bad.tensor("w").chunks[0::2], bad.files[:1]),
             (1, bad.tensor("w").chunks[1::2], bad.files[1:]),

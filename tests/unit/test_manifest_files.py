@@ -271,10 +271,12 @@ def test_chunks_reported_in_any_order_become_rows_grouped_by_key_in_box_order(se
         d = ndims[key]
         box = Box(tuple(rng.integers(0, 3, d).tolist()), tuple(rng.integers(1, 4, d).tolist()))
         sums = tuple(rng.integers(0, 2**63, int(rng.integers(0, 4))).tolist())
-        written.append(WrittenChunk(key, box, f"f{i % 3}", i * 10, i, sums))
+        written.append(
+            WrittenChunk(key=key, box=box, file=f"f{i % 3}", byte_offset=i * 10, byte_length=i, checksums=sums)
+        )
     cols = ChunkColumns.from_chunks(keys, ["float32"] * 4, [(9,) * ndims[k] for k in keys], ["f0", "f1"], written)
     want = [
-        ChunkEntry(w.box, w.file, w.byte_offset, w.byte_length, w.checksums)
+        ChunkEntry(box=w.box, file=w.file, byte_offset=w.byte_offset, byte_length=w.byte_length, checksums=w.checksums)
         for k in keys
         for w in sorted((w for w in written if w.key == k), key=lambda w: w.box.offsets)
     ]
@@ -284,8 +286,8 @@ def test_chunks_reported_in_any_order_become_rows_grouped_by_key_in_box_order(se
 
 
 def test_a_rank_reporting_chunks_of_an_unknown_key_fails_the_save():
-    spec = SaveSpec("s", 1, 16, {"w": ("float32", (2,))}, {})
-    chunk = WrittenChunk("nope", Box((0,), (2,)), "f", 0, 8, (1,))
+    spec = SaveSpec(save_id="s", world_size=1, block_size=16, tensors={"w": ("float32", (2,))}, values={})
+    chunk = WrittenChunk(key="nope", box=Box((0,), (2,)), file="f", byte_offset=0, byte_length=8, checksums=(1,))
     with pytest.raises(SaveFailedError, match="a rank wrote chunks of 'nope', which is not a tensor of this save"):
         create_manifest(spec, [WrittenShard(0, (chunk,), (FileEntry("f", 8, 0),))])
 

@@ -21,7 +21,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def entry(status: str, nbytes: int = 3 * 2**20, error: str | None = None) -> CatalogEntry:
-    return CatalogEntry("gpt", 5, "/ckpts/gpt/rayckpt-step-00000005", status, 0.0, 4, nbytes, "s-1", error)
+    return CatalogEntry(
+        run="gpt",
+        step=5,
+        path="/ckpts/gpt/rayckpt-step-00000005",
+        status=status,
+        created=0.0,
+        world_size=4,
+        bytes=nbytes,
+        save_id="s-1",
+        error=error,
+    )
 
 
 def test_rank_0_announces_each_commit_once():

@@ -81,7 +81,7 @@ def test_prefixes_strip_and_add_whole_parts():
 
 
 def _manifest(entries, version: int = FORMAT_VERSION) -> Manifest:
-    return Manifest("s", 1, 16, entries, (), version=version)
+    return Manifest(save_id="s", world_size=1, block_size=16, entries=entries, files=(), version=version)
 
 
 def test_paths_round_trip_through_the_manifest():

@@ -68,11 +68,11 @@ def test_every_read_lies_in_exactly_one_get():
 
 
 def test_a_get_is_fetched_in_parts_of_at_most_the_part_size_in_order():
-    get = RangeGet("a", 100, 25, (), 0)
+    get = RangeGet(file="a", offset=100, length=25, reads=(), gap_bytes=0)
     assert get_parts(get, part_bytes=10) == ((100, 10), (110, 10), (120, 5))
     assert get_parts(get, part_bytes=25) == ((100, 25),)
     assert get_parts(get, part_bytes=1000) == ((100, 25),)
-    assert get_parts(RangeGet("a", 7, 0, (), 0), part_bytes=10) == ((7, 0),)
+    assert get_parts(RangeGet(file="a", offset=7, length=0, reads=(), gap_bytes=0), part_bytes=10) == ((7, 0),)
 
 
 def small_tensors() -> dict:

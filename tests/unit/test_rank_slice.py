@@ -75,9 +75,13 @@ def test_block_checksums_reach_the_rank_whatever_their_value(manifest):
     big = manifest.entries["w"].chunks[1]
     sums = (2**64 - 1, 0, 2**63)[: len(big.checksums)]
     chunks = list(manifest.entries["w"].chunks)
-    chunks[1] = type(big)(big.box, big.file, big.byte_offset, big.byte_length, sums)
+    chunks[1] = type(big)(
+        box=big.box, file=big.file, byte_offset=big.byte_offset, byte_length=big.byte_length, checksums=sums
+    )
     entries = dict(manifest.entries, w=type(manifest.entries["w"])("float32", (12, 3), tuple(chunks)))
-    changed = type(manifest)(manifest.save_id, 4, manifest.block_size, entries, manifest.files)
+    changed = type(manifest)(
+        save_id=manifest.save_id, world_size=4, block_size=manifest.block_size, entries=entries, files=manifest.files
+    )
     plan = create_rank_slices(changed, SPECS, 2)[0].plan(SPECS)
     assert plan == create_load_plan(changed, requests(0, 2))
     assert any(i.chunk.checksums == sums for r in plan.reads for i in r.items)

@@ -10,7 +10,17 @@ from rayckpt.train.restore_order import candidates, reason
 
 def entry(step: int | None, status: str = "committed", root: str = "/ck/run", created: float = 0.0, error=None):
     name = "odd" if step is None else f"rayckpt-step-{step:08d}"
-    return CatalogEntry("run", step, f"{root}/{name}", status, created or float(step or 0), 2, 10, "s", error)
+    return CatalogEntry(
+        run="run",
+        step=step,
+        path=f"{root}/{name}",
+        status=status,
+        created=created or float(step or 0),
+        world_size=2,
+        bytes=10,
+        save_id="s",
+        error=error,
+    )
 
 
 def test_the_newest_committed_step_comes_first_and_unfinished_saves_are_never_tried():

@@ -240,7 +240,13 @@ class CommitTracker:
             if s is not None:
                 return s.entry()
             done = self._history.get(save_id)
-            return done.entry if done is not None else CatalogEntry("", None, "", PENDING, 0.0, 0, 0, save_id)
+            return (
+                done.entry
+                if done is not None
+                else CatalogEntry(
+                    run="", step=None, path="", status=PENDING, created=0.0, world_size=0, bytes=0, save_id=save_id
+                )
+            )
 
     def catalog(self, run: str) -> list[CatalogEntry]:
         """The entries of ``run``'s tracked saves, the last one per location, oldest first."""

@@ -170,7 +170,16 @@ def join_shard(report: ShardReport, layout: ChunkLayout) -> WrittenShard:
     for i, key in enumerate(layout.keys):
         n = ndims[i]
         box = Box(tuple(flat[at : at + n]), tuple(flat[at + n : at + 2 * n]))
-        chunks.append(WrittenChunk(key, box, paths[files[i]], offsets[i], lengths[i], tuple(sums[start : ends[i]])))
+        chunks.append(
+            WrittenChunk(
+                key=key,
+                box=box,
+                file=paths[files[i]],
+                byte_offset=offsets[i],
+                byte_length=lengths[i],
+                checksums=tuple(sums[start : ends[i]]),
+            )
+        )
         at, start = at + 2 * n, ends[i]
     return WrittenShard(report.rank, tuple(chunks), report.files)
 

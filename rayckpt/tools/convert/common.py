@@ -14,7 +14,7 @@ from ...format.paths import Path, strip_prefix
 from ..reader import CheckpointReader, Progress, tensor_nbytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConvertInfo:
     src: str
     dst: str

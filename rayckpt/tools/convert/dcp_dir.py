@@ -93,7 +93,16 @@ def export_dcp(
         dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
     files = tuple(sorted(os.listdir(dst)))
     num_values = len(keys) - len(tensors)
-    return ConvertInfo(reader.ckdir.location, dst, "dcp", "to", len(tensors), num_values, planner.bytes, files)
+    return ConvertInfo(
+        src=reader.ckdir.location,
+        dst=dst,
+        format="dcp",
+        direction="to",
+        tensors=len(tensors),
+        values=num_values,
+        bytes=planner.bytes,
+        files=files,
+    )
 
 
 def dcp_source(src: str) -> Source:
@@ -136,7 +145,13 @@ def dcp_source(src: str) -> Source:
 
     paths = _object_paths(metadata.planner_data)
     values, value_paths = regroup_values(load(byte_keys) if byte_keys else {}, paths, tensors)
-    return Source("dcp", tensors, values, load, {**{k: paths[k] for k in tensors if k in paths}, **value_paths})
+    return Source(
+        format="dcp",
+        tensors=tensors,
+        values=values,
+        load=load,
+        paths={**{k: paths[k] for k in tensors if k in paths}, **value_paths},
+    )
 
 
 def _object_paths(planner_data: Any) -> dict[str, Path]:

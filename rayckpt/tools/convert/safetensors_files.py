@@ -112,7 +112,16 @@ def export_safetensors(
         names.append(SAFETENSORS_INDEX)
     skipped = len(selected(reader, prefix)) - len(tensors)
     files = (dst,) if dst.endswith(".safetensors") else tuple(names)
-    return ConvertInfo(reader.ckdir.location, dst, "safetensors", "to", len(tensors), skipped, total, files)
+    return ConvertInfo(
+        src=reader.ckdir.location,
+        dst=dst,
+        format="safetensors",
+        direction="to",
+        tensors=len(tensors),
+        values=skipped,
+        bytes=total,
+        files=files,
+    )
 
 
 def safetensors_source(src: str) -> Source:
@@ -152,4 +161,4 @@ def safetensors_source(src: str) -> Source:
                 out.update({k: handle.get_tensor(k) for k in keys if owner[k] == path})
         return out
 
-    return Source("safetensors", tensors, {}, load)
+    return Source(format="safetensors", tensors=tensors, values={}, load=load)

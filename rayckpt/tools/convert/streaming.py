@@ -31,7 +31,7 @@ from ..reader import Progress
 from .common import ConvertInfo
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Source:
     """A checkpoint in another format, seen as flat keys."""
 
@@ -143,7 +143,16 @@ def import_source(
         previous = claim_location(out, save_id, overwrite=False)
     except CheckpointExistsError as exc:
         raise ValueError(f"destination {out.location} already exists: {exc}") from None
-    spec = SaveSpec(save_id, 1, block_size, tensors, values, metadata, key_paths, previous)
+    spec = SaveSpec(
+        save_id=save_id,
+        world_size=1,
+        block_size=block_size,
+        tensors=tensors,
+        values=values,
+        metadata=metadata,
+        paths=key_paths,
+        previous=previous,
+    )
     written_files: list[str] = []
     try:
         with LeaseKeeper(out, save_id):
@@ -156,4 +165,13 @@ def import_source(
         remove_failed_save(out, spec.save_id, written_files)
         raise
     paths = tuple(f.path for f in shard.files)
-    return ConvertInfo(src, out.location, source.format, "from", len(tensors), len(values), sum(nbytes.values()), paths)
+    return ConvertInfo(
+        src=src,
+        dst=out.location,
+        format=source.format,
+        direction="from",
+        tensors=len(tensors),
+        values=len(values),
+        bytes=sum(nbytes.values()),
+        files=paths,
+    )

@@ -105,7 +105,14 @@ def export_torch(
             del storage
             advance(key)
     return ConvertInfo(
-        reader.ckdir.location, dst, "torch", "to", len(tensor_keys), len(keys) - len(tensor_keys), total, (dst,)
+        src=reader.ckdir.location,
+        dst=dst,
+        format="torch",
+        direction="to",
+        tensors=len(tensor_keys),
+        values=len(keys) - len(tensor_keys),
+        bytes=total,
+        files=(dst,),
     )
 
 
@@ -137,4 +144,4 @@ def torch_source(src: str) -> Source:
         leaves = load_flat().tensors
         return {k: leaves[k].pieces[0].local for k in keys}  # plain tensors: one piece, the whole
 
-    return Source("torch", tensors, values, load, paths)
+    return Source(format="torch", tensors=tensors, values=values, load=load, paths=paths)
