@@ -3,10 +3,11 @@
 The package is laid out by the process a line runs in:
 
 - here, the training rank's side: ``async_save`` (``save_async``), ``save_handle``
-  (``SaveHandle``), ``staging`` (the rank's reusable shared-memory buffer), ``loading`` (``load``);
+  (``SaveHandle``), ``staging`` (the rank's reusable shared-memory buffer), ``loading``
+  (``load``), and ``memory_fs`` (``memory_filesystem``: the memory tier as a filesystem, for any process);
 - ``metadata/``: the MetadataActor (one per namespace) and the Ray-free parts it calls;
 - ``writer/``: the node's ShardWriter, which writes the ranks' staged shares;
-- ``memory/``: the memory tier the ShardWriters hold, its replication and its filesystem;
+- ``memory/``: the memory tier the ShardWriters hold and its replication to a peer node;
 - shared by all of them: ``actors`` (names and lookups), ``records`` (``SaveTarget``),
   ``shm`` (the node's staging directory, ``StagedRegion``), ``metrics``.
 
@@ -23,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see; at run time each is imported on first use
     from .async_save import prepare_staging, release_staging, save_async, wait_inflight
     from .loading import load
-    from .memory.filesystem import memory_filesystem
     from .memory.store import MemoryBudgetExceeded, peer_bytes
+    from .memory_fs import memory_filesystem
     from .metadata.actor import MetadataActor, get_metadata_actor
     from .records import SaveTarget
     from .save_handle import SaveHandle
@@ -41,7 +42,7 @@ _EXPORTS = {
     "load": "rayckpt.ray.loading",
     "StagingBuffer": "rayckpt.ray.staging",
     "StagingUnavailable": "rayckpt.ray.staging",
-    "memory_filesystem": "rayckpt.ray.memory.filesystem",
+    "memory_filesystem": "rayckpt.ray.memory_fs",
     "MemoryBudgetExceeded": "rayckpt.ray.memory.store",
     "peer_bytes": "rayckpt.ray.memory.store",
     "get_metadata_actor": "rayckpt.ray.metadata.actor",

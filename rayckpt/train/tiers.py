@@ -17,7 +17,7 @@ import ray
 
 from ..engine.coordinator import Coordinator
 from ..ray.actors import writers
-from ..ray.memory.filesystem import memory_filesystem
+from ..ray.memory_fs import memory_filesystem
 from ..ray.writer.actor import get_shard_writer
 from ..storage.catalog import checkpoint_dir_name
 

@@ -12,7 +12,7 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt.ray.memory.filesystem import memory_filesystem
+from rayckpt.ray.memory_fs import memory_filesystem
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.writer.actor import get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir

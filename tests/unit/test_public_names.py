@@ -39,3 +39,14 @@ def test_the_train_names():
     from rayckpt.train.checkpointer import Checkpointer
 
     assert rayckpt.train.Checkpointer is Checkpointer and rayckpt.train.RayckptCallback is RayckptCallback
+
+
+def test_no_public_ray_name_is_also_a_module_s_name():
+    """A module ``rayckpt/ray/load.py`` would replace the function ``rayckpt.ray.load`` once imported."""
+    here = os.path.dirname(rayckpt.ray.__file__)
+    clash = [
+        n
+        for n in rayckpt.ray.__all__
+        if os.path.exists(os.path.join(here, n + ".py")) or os.path.isdir(os.path.join(here, n))
+    ]
+    assert not clash, clash
