@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+
+from .lazy import exports
 
 __version__ = "0.1.0"
 
@@ -45,17 +46,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rayckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
 
 
 #: What a process that has imported torch imports with rayckpt: the engine's save and load and what they use

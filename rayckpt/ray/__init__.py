@@ -18,8 +18,9 @@ first use. May import ``engine`` and everything below it, and ``ray``; never
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import exports
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see; at run time each is imported on first use
     from .async_save import prepare_staging, release_staging, save_async, wait_inflight
@@ -70,14 +71,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rayckpt.ray' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _EXPORTS)

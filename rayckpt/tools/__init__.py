@@ -13,9 +13,7 @@ them) start without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ..lazy import exports
 from .gc import GcReport, gc
 from .inspection import CheckpointInfo, TensorSummary, inspect, tensor_summary
 from .listing import ls
@@ -47,14 +45,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rayckpt.tools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, {name: f"rayckpt.tools.{module}" for name, module in _LAZY.items()})

@@ -21,7 +21,7 @@ import rayckpt
 
 PKG_DIR = os.path.dirname(rayckpt.__file__)
 
-BASE = {"errors", "redaction", "phases", "bounded"}
+BASE = {"errors", "redaction", "phases", "bounded", "lazy"}
 #: Subpackage -> the rayckpt subpackages (and top-level modules) it may import.
 ALLOWED = {
     "format": BASE | {"format"},
