@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -81,3 +82,22 @@ def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupte
     assert int(restart.group(1)) != pid and int(restart.group(2)) == resumed
     assert killed["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-6)
     assert killed["last_checkpoint"].endswith("rayckpt-step-00000016")
+
+
+def test_a_submission_the_dashboard_took_is_followed_to_its_end(cluster):
+    """What ``submit`` does when the dashboard dropped its request after taking the job: it follows the job's
+    logs to the end and reads its final status (a loaded dashboard can close a request's connection)."""
+    from tests.helpers.ray_head import BIN, ROOT, _follow, _job_known
+
+    run = [f"{BIN}/ray", "job", "submit", "--address", cluster.dashboard, "--no-wait", "--submission-id"]
+    for submission, code in (("followed-ok", 0), ("followed-bad", 3)):
+        entry = f"import sys; print('hello from {submission}'); sys.exit({code})"
+        taken = subprocess.run(
+            [*run, submission, "--", "python", "-c", entry], cwd=ROOT, env=cluster.env, capture_output=True, text=True
+        )
+        assert taken.returncode == 0, taken.stderr[-2000:]
+        assert _job_known(cluster, submission)
+        followed = _follow(cluster, submission)
+        assert f"hello from {submission}" in followed.stdout
+        assert followed.returncode == (0 if code == 0 else 1), followed.stdout + followed.stderr
+    assert not _job_known(cluster, "never-submitted")

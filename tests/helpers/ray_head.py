@@ -139,25 +139,21 @@ def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tup
 
     ``submit_flags`` go to ``ray job submit`` itself (``--runtime-env-json``, say).
     """
-    cmd = [
-        f"{BIN}/ray",
-        "job",
-        "submit",
-        "--address",
-        head.dashboard,
-        "--working-dir",
-        ".",
-        *submit_flags,
-        "--",
-        "python",
-        "jobs/train.py",
-        *args,
-    ]
+    submission = f"train-{uuid.uuid4().hex[:8]}"
+    cmd = [f"{BIN}/ray", "job", "submit", "--address", head.dashboard, "--submission-id", submission]
+    cmd += ["--working-dir", ".", *submit_flags, "--", "python", "jobs/train.py", *args]
     deadline = time.time() + 300  # generous: a loaded 2-core machine starts the agent slowly
     while True:
         proc = subprocess.run(cmd, cwd=ROOT, env=head.env, capture_output=True, text=True, timeout=400)
         # The head's job agent comes up a little after the dashboard does.
-        if "No available agent to submit job" not in proc.stderr or time.time() > deadline:
+        retry = "No available agent to submit job" in proc.stderr
+        if proc.returncode != 0 and DROPPED in proc.stderr:
+            # A loaded dashboard may drop the connection of the submit request, having taken the job or not.
+            if _job_id(head, submission) is not None or _job_known(head, submission):
+                proc = _follow(head, submission)
+            else:
+                retry = True
+        if not retry or time.time() > deadline:
             break
         time.sleep(1)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -208,6 +204,35 @@ def submit_and_kill_a_worker(head: RayHead, committed: str, *args: str, delay: f
     summaries = [doc for doc in map(_json_object, output.splitlines()) if doc is not None and "final_step" in doc]
     assert summaries, output[-4000:]
     return summaries[-1], output, killed
+
+
+#: What ``ray job submit`` prints when the dashboard closed the connection of its request.
+DROPPED = "Remote end closed connection without response"
+
+
+def _job_known(head: RayHead, submission: str) -> bool:
+    """Whether the dashboard has the submission ``submission`` (its driver may not have started yet)."""
+    try:
+        get(f"{head.dashboard}/api/jobs/{submission}")
+    except OSError:
+        return False
+    return True
+
+
+def _follow(head: RayHead, submission: str) -> subprocess.CompletedProcess:
+    """What ``ray job submit`` would have printed for a submission the dashboard took: the job's logs, followed
+    to its end, and its final status (the return code is 0 only if it succeeded)."""
+    logs = subprocess.run(
+        [f"{BIN}/ray", "job", "logs", submission, "--address", head.dashboard, "--follow"],
+        cwd=ROOT,
+        env=head.env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    status = json.loads(get(f"{head.dashboard}/api/jobs/{submission}")).get("status")
+    ok = logs.returncode == 0 and status == "SUCCEEDED"
+    return subprocess.CompletedProcess(logs.args, 0 if ok else 1, logs.stdout, f"{logs.stderr}job status: {status}\n")
 
 
 def _job_id(head: RayHead, submission: str) -> str | None:
