@@ -79,11 +79,7 @@ class SaveHandle:
             incarnation: the MetadataActor's ``incarnation()`` when the save began, not yet waited for.
         """
         self.target = target
-        self.save_id = target.save_id
         self.location = ckdir.location
-        self.run = target.run
-        self.step = target.step
-        self.rank = target.rank
         #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).
         self.stall_seconds = stall_seconds
         #: Where the share was staged: "shm" (the reusable buffer) or "object_store".
@@ -104,6 +100,22 @@ class SaveHandle:
         #: Callers of ``wait()`` waiting or told the outcome: a failure is theirs to hear.
         self._watchers = 0
         self._watchers_lock = threading.Lock()
+
+    @property
+    def save_id(self) -> str:
+        return self.target.save_id
+
+    @property
+    def run(self) -> str:
+        return self.target.run
+
+    @property
+    def step(self) -> int | None:
+        return self.target.step
+
+    @property
+    def rank(self) -> int | None:
+        return self.target.rank
 
     def done(self) -> bool:
         """Whether this rank's share is written (the commit may still be pending).
