@@ -86,7 +86,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, An
                 handle = async_save.save_async(state, path, run="bench-ray-save", step=rep, staging=system)
                 rec["stall"] = time.perf_counter() - t0
                 rec.update(parts)
-                rec["writer"] = ray.get(handle._write_ref)["seconds"]
+                rec["writer"] = ray.get(handle._copy.write_ref)["seconds"]
                 rec["written"] = time.perf_counter() - t0
                 handle.wait()
             elif system == "dcp":

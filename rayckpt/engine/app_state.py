@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .overlap import guard_optimizer
 from .state import is_stateful
 
 
@@ -23,7 +24,9 @@ class AppState:
     ``set_state_dict``, which also initializes a fresh optimizer's state so it loads
     in place. Pass it to ``rayckpt.save`` and ``rayckpt.load`` inside a dict
     (``{"app": app}``); its state is stored under ``model``, ``optim`` and
-    ``extra.<name>``.
+    ``extra.<name>``. Its optimizer is guarded (``guard_optimizer``): an overlapped async
+    save copies the model's parameters and the optimizer's state beside the next
+    forward and backward, and the optimizer's step waits for that copy.
 
     Args:
         model: The model (FSDP2-sharded or not).
@@ -37,6 +40,8 @@ class AppState:
         self.model = model
         self.optimizer = optimizer
         self.extras = extras
+        if optimizer is not None:  # its steps wait for a save's copy still running beside them
+            guard_optimizer(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is not None:

@@ -64,6 +64,8 @@ class TensorLeaf:
     pieces: tuple[Piece, ...]
     shape: tuple[int, ...]
     dtype: str
+    #: The tensor as the state holds it (a DTensor counts its in-place ops in its own version counter).
+    source: torch.Tensor | None = None
 
     def boxes(self) -> tuple[Box, ...]:
         """The boxes this rank reports to the save and load plans: its pieces'.
@@ -203,7 +205,7 @@ def _add_tensor(key: str, t: torch.Tensor, flat: FlatState) -> None:
         pieces = _dtensor_pieces(key, t)
     else:
         pieces = (Piece(Box.full(shape), t),)
-    flat.tensors[key] = TensorLeaf(key, pieces, shape, dtype_name(t.dtype))
+    flat.tensors[key] = TensorLeaf(key, pieces, shape, dtype_name(t.dtype), source=t)
 
 
 def _dtensor_pieces(key: str, t: DTensor) -> tuple[Piece, ...]:

@@ -35,39 +35,27 @@ import pyarrow.fs as pafs
 import ray
 
 from ..engine.coordinator import Coordinator, default_coordinator
-from ..engine.device import needs_bounce
+from ..engine.overlap import overlap_mode
 from ..engine.save import SaveContext, collect_state
-from ..engine.state import FlatState, flatten
-from ..engine.writer import chunk_pieces, chunk_specs, create_chunk_data, parts_here
+from ..engine.state import FlatState
+from ..engine.writer import chunk_specs, create_chunk_data, parts_here
 from ..errors import InvalidStateError, SaveFailedError
 from ..storage.catalog import CatalogEntry
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import remove_failed_save
 from ..storage.lease import release_lease
 from . import metrics
+from .copier import Copying, CopyJob, launch
 from .metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from .metadata.layout_cache import LayoutRef, SpecLayout, split_spec
 from .records import SaveTarget
 from .save_handle import SaveHandle, actor_location, report_failed
 from .shm import StagedRegion
-from .staging import StagingBuffer, StagingUnavailable, staged_size
+from .staging import StagingBuffer, StagingUnavailable, local_pieces, of_device, staged_size, staging_mode
 from .writer.actor import ShardWrite, get_shard_writer
 
 #: Set to 1 when a local path is on storage every node shares (NFS, a single machine).
 LOCAL_IS_SHARED_ENV = "RAYCKPT_LOCAL_IS_SHARED"
-#: Where ``save_async`` stages: "auto" (the reusable buffer, else the object store), "shm", "object_store".
-STAGING_ENV = "RAYCKPT_STAGING"
-STAGING_MODES = ("auto", "shm", "object_store")
-
-
-def staging_mode(staging: str | None) -> str:
-    """``staging``, else ``RAYCKPT_STAGING``, else "auto"; checked."""
-    mode = staging or os.environ.get(STAGING_ENV) or "auto"
-    if mode not in STAGING_MODES:
-        raise ValueError(f"staging={mode!r}: expected one of {', '.join(STAGING_MODES)}")
-    return mode
-
-
 #: The lane of ``save_async`` when none is named: one save in flight per process and lane.
 DEFAULT_LANE = "default"
 
@@ -103,9 +91,11 @@ class AsyncSaver:
         commit_timeout_s: float,
         local_is_shared: bool | None,
         staging: str | None,
+        overlap: bool | str = True,
     ) -> SaveHandle:
         """``save_async`` (see there)."""
         staging = staging_mode(staging)
+        overlap = overlap_mode(overlap)
         self.wait()
         start = time.perf_counter()
         ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
@@ -137,16 +127,25 @@ class AsyncSaver:
         # The actor incarnation the save begins under (not waited for): its writer and wait() pass it on.
         incarnation = get_metadata_actor().incarnation.remote()
         try:
-            staged_ref = self.stage_share(ctx, node_id, staging)  # the one copy: into shared memory
             request = ShardWrite(
                 target=target,
                 block_size=ctx.spec.block_size,
                 chunks=chunk_specs(ctx.plan, ctx.flat),
                 max_parts=parts_here(ctx.spec.world_size, len(ctx.nodes)),
             )
-            write_ref = get_shard_writer(node_id).write.remote(request, staged_ref, incarnation)
-            if isinstance(staged_ref, StagedRegion):
-                self.buffer.busy = write_ref  # the writer reads the buffer until this resolves
+            writer = get_shard_writer(node_id)
+
+            def send(staged: Any) -> Any:  # once the share is copied: the writer never reads a piece before
+                ref = writer.write.remote(request, staged, incarnation)
+                if isinstance(staged, StagedRegion):
+                    self.buffer.busy = ref  # the writer reads the buffer until this resolves
+                return ref
+
+            def fail(error: str) -> None:  # the copy failed after the call returned
+                report_failed(target, error)
+
+            copying = Copying(overlap, send, fail, start)
+            staged_ref, job = self.stage_share(ctx, node_id, staging, copying)
         except Exception as exc:
             failed = f"staging: {type(exc).__name__}: {exc}"
             report_failed(target, failed)
@@ -158,7 +157,7 @@ class AsyncSaver:
         self.inflight = SaveHandle(
             target,
             ckdir,
-            write_ref=write_ref,
+            copy=job,
             staged_ref=staged_ref,
             stall_seconds=stall,
             timeout=commit_timeout_s,
@@ -205,10 +204,10 @@ class AsyncSaver:
             self.layout = (LayoutRef(digest, ray.put(layout)), job)
         return self.layout[0]
 
-    def stage_share(self, ctx: SaveContext, node_id: str, staging: str) -> Any:
-        """Copy this rank's share into shared memory: a ``StagedRegion`` of the staging
-        buffer, or (``staging="object_store"``, or "auto" without room in ``/dev/shm``)
-        an object-store ref to the chunks' arrays."""
+    def stage_share(self, ctx: SaveContext, node_id: str, staging: str, copying: Copying) -> tuple[Any, CopyJob]:
+        """Copy this rank's share into shared memory and send it to the writer (``copying.send``): into a
+        ``StagedRegion`` of the staging buffer (``copier.launch``: with overlap, partly after this returns),
+        or (``staging="object_store"``, or "auto" without room in ``/dev/shm``) into the object store, now."""
         if staging != "object_store":
             buffer = self._staging_buffer()
             in_use = buffer.busy is not None and not ray.wait([buffer.busy], timeout=0)[0]
@@ -216,11 +215,21 @@ class AsyncSaver:
                 # With no buffer made beforehand (prepare_staging), this makes it: the first save pays for it.
                 # Through the object store instead, while the buffer is made in the background, that first
                 # stall is longer still (the object store maps and zeroes fresh pages too).
-                return buffer.stage(chunk_pieces(ctx.plan, ctx.flat), node_id, in_use=in_use)
+                return launch(
+                    buffer,
+                    ctx,
+                    node_id,
+                    in_use=in_use,
+                    overlap=copying.overlap,
+                    send=copying.send,
+                    fail=copying.fail,
+                    started=copying.started,
+                )
             except StagingUnavailable:
                 if staging == "shm":
                     raise
-        return ray.put([c.data for c in create_chunk_data(ctx.plan, ctx.flat)])
+        staged = ray.put([c.data for c in create_chunk_data(ctx.plan, ctx.flat)])
+        return staged, CopyJob.finished(copying.send(staged), time.perf_counter() - copying.started)
 
     def _staging_buffer(self) -> StagingBuffer:
         if self.buffer is None:
@@ -239,10 +248,12 @@ class AsyncSaver:
         if mode == "object_store":
             return 0
         pieces = local_pieces(state_dict)
+        if self.inflight is not None:
+            self.inflight.wait_copied()  # the buffer may be replaced: not while a copy writes into it
         buffer = self._staging_buffer()
         _start_actors()
         try:
-            planned = buffer.prepare(staged_size(pieces), _device_of(pieces))
+            planned = buffer.prepare(staged_size(pieces), of_device(pieces))
             if wait:
                 buffer.ready()
         except StagingUnavailable:
@@ -259,19 +270,11 @@ class AsyncSaver:
             self.close_buffer()
 
     def close_buffer(self) -> None:
+        if self.inflight is not None:
+            self.inflight.join_copy()  # its thread may still write into the buffer
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
-
-
-def local_pieces(state_dict: dict[str, Any]) -> list[Any]:
-    """Every local tensor of ``state_dict``: what this rank's staging buffer is sized to (a share never exceeds it)."""
-    return [p.local for leaf in flatten(state_dict).tensors.values() for p in leaf.pieces]
-
-
-def _device_of(pieces: list[Any]) -> Any:
-    """The CUDA device of the first device piece (the staging buffer is page-locked for it), or ``None``."""
-    return next((p.device for p in pieces if needs_bounce(p)), None)
 
 
 def _start_actors() -> None:
@@ -320,8 +323,9 @@ def save_async(
     local_is_shared: bool | None = None,
     staging: str | None = None,
     lane: str = DEFAULT_LANE,
+    overlap: bool | str = True,
 ) -> SaveHandle:
-    """Start a save through the Ray actors; return a ``SaveHandle`` once this rank's share is staged.
+    """Start a save through the Ray actors; return a ``SaveHandle`` once this rank's copy is launched.
 
     Called by every rank (collective when a process group is initialized), inside a Ray
     worker or driver; the order of a save across the ranks, their ShardWriters and the
@@ -346,18 +350,27 @@ def save_async(
             (one ``ray.put``) or ``"auto"`` (``"shm"``, else the object store); default
             ``RAYCKPT_STAGING``, else ``"auto"``.
         lane: Saves of different lanes are in flight side by side, each staged in its own buffer.
+        overlap: True: the tensors a guarded optimizer owns (``guard_optimizer``; ``AppState``
+            guards its own) are copied on a background thread beside the next forward and
+            backward, and that optimizer's next step waits for the copy; the rest is copied
+            before the call returns. ``"all"``: every tensor is copied in the background
+            (the caller keeps the state unchanged until ``SaveHandle.wait_copied()``). False:
+            everything is copied before the call returns. Through the object store the copy
+            is always made before the call returns. A tensor changed in place before its
+            copy is done fails the save, naming its key (docs/guarantees.md, "Saves beside training").
 
     Returns:
         The save's ``SaveHandle``; its ``wait()`` returns the committed ``CatalogEntry``.
 
     Raises:
         SaveFailedError: Another save holds the location (naming it, before anything is
-            written); staging or the registration failed; or the previous save of this
-            lane failed and no ``wait()`` raised it.
+            written); staging or the registration failed; a tensor copied before the call
+            returned changed during its copy; or the previous save of this lane failed and
+            no ``wait()`` raised it.
         PeerLostError: A peer died during the planning collectives (before anything is staged).
         InvalidStateError: A node-local path while the ranks run on several nodes, unless
             ``local_is_shared`` says it is shared storage.
-        ValueError: ``staging`` is none of the three.
+        ValueError: ``staging`` is none of the three, or ``overlap`` is not True, False or "all".
     """
     return saver(lane).save(
         state_dict,
@@ -371,6 +384,7 @@ def save_async(
         commit_timeout_s=commit_timeout_s,
         local_is_shared=local_is_shared,
         staging=staging,
+        overlap=overlap,
     )
 
 

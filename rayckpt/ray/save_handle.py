@@ -48,8 +48,10 @@ class SaveHandle:
         run: The run the save belongs to.
         step: The training step saved.
         rank: This rank.
-        stall_seconds: How long ``save_async`` blocked this rank (plan and copy).
+        stall_seconds: How long ``save_async`` blocked this rank (plan, and the part of the copy
+            made before it returned).
         staging: Where the share was staged: ``"shm"`` (the staging buffer) or ``"object_store"``.
+        late_bytes: Bytes of the share copied after ``save_async`` returned (0: none).
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class SaveHandle:
         target: SaveTarget,
         ckdir: CheckpointDir,
         *,
-        write_ref: Any,
+        copy: Any,
         staged_ref: Any,
         stall_seconds: float,
         timeout: float,
@@ -70,7 +72,8 @@ class SaveHandle:
         Args:
             target: the save and this rank (its location as the actors reach it).
             ckdir: the checkpoint directory, as the user named it.
-            write_ref: the ShardWriter's ``write`` of this rank's share.
+            copy: the copy of this rank's share (``copier.CopyJob``): its ShardWriter's ``write``
+                once the copy is done.
             staged_ref: what the share was staged in (a ``StagedRegion`` or an object-store ref).
             stall_seconds: how long ``save_async`` blocked this rank.
             timeout: the commit timeout.
@@ -85,7 +88,8 @@ class SaveHandle:
         #: Where the share was staged: "shm" (the reusable buffer) or "object_store".
         self.staging = "shm" if isinstance(staged_ref, StagedRegion) else "object_store"
         self._ckdir = ckdir
-        self._write_ref = write_ref
+        self._copy = copy
+        self.late_bytes: int = copy.late_bytes
         self._staged_ref = staged_ref
         self._timeout = timeout
         self._entry: CatalogEntry | None = None
@@ -117,13 +121,46 @@ class SaveHandle:
     def rank(self) -> int | None:
         return self.target.rank
 
+    def copied(self) -> bool:
+        """Whether this rank's copy of its share is over: the state may change from then on.
+
+        Returns:
+            True once every tensor of the share is copied (or the copy failed).
+        """
+        return self._copy.copied()
+
+    def wait_copied(self, timeout: float | None = None) -> bool:
+        """Block until this rank's copy of its share is over (an optimizer guarded by
+        ``guard_optimizer`` waits for it by itself, in its step).
+
+        Args:
+            timeout: Seconds to wait at most (default: no limit).
+
+        Returns:
+            True once the copy is over; False if ``timeout`` ran out first.
+        """
+        return self._copy.wait_copied(timeout)
+
+    @property
+    def copy_seconds(self) -> float | None:
+        """Seconds from the ``save_async`` call to the end of this rank's copy (``None`` until it ends)."""
+        return self._copy.seconds
+
+    def join_copy(self) -> None:
+        """Wait for the copy's thread to end (before the buffer it copies into is closed)."""
+        self._copy.join()
+
     def done(self) -> bool:
         """Whether this rank's share is written (the commit may still be pending).
 
         Returns:
-            True once this rank's ShardWriter finished its ``write`` (or failed it).
+            True once this rank's ShardWriter finished its ``write`` (or failed it), or the copy failed.
         """
-        ready, _ = ray.wait([self._write_ref], timeout=0)
+        if not self._copy.copied():
+            return False
+        if self._copy.write_ref is None:
+            return True
+        ready, _ = ray.wait([self._copy.write_ref], timeout=0)
         return bool(ready)
 
     def wait(self, timeout: float | None = None) -> CatalogEntry:
@@ -205,8 +242,11 @@ class SaveHandle:
         return self._failed_entry(gave_up) if entry.status == "pending" else entry
 
     def _wait_outcome(self, limit: float) -> CatalogEntry:
+        if not self._copy.wait_copied(limit):
+            raise TimeoutError(f"save {self.save_id} to {self.location}: not copied within {limit}s")
         try:
-            ray.get(self._write_ref, timeout=limit)
+            if self._copy.write_ref is not None:  # None: the copy failed, and told the MetadataActor
+                ray.get(self._copy.write_ref, timeout=limit)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"save {self.save_id} to {self.location}: not written within {limit}s") from None
         except Exception as exc:  # noqa: BLE001 - the writer died or raised: the save failed

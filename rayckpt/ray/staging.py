@@ -31,13 +31,27 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..engine.device import DeviceToHost, needs_bounce, pin_host_memory, unpin_host_memory
-from ..engine.state import as_bytes
+from ..engine.state import as_bytes, flatten
 from .shm import POPULATED, PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, staging_dir
+
+#: Where ``save_async`` stages: "auto" (the reusable buffer, else the object store), "shm", "object_store".
+STAGING_ENV = "RAYCKPT_STAGING"
+STAGING_MODES = ("auto", "shm", "object_store")
+
+
+def staging_mode(staging: str | None) -> str:
+    """``staging``, else ``RAYCKPT_STAGING``, else "auto"; checked."""
+    mode = staging or os.environ.get(STAGING_ENV) or "auto"
+    if mode not in STAGING_MODES:
+        raise ValueError(f"staging={mode!r}: expected one of {', '.join(STAGING_MODES)}")
+    return mode
+
 
 _ALIGN = 64
 _GRANULE = 1 << 20
@@ -187,38 +201,54 @@ class StagingBuffer:
             self._pinned = ptr
 
     def stage(self, pieces: Sequence[torch.Tensor], node_id: str, in_use: bool = False) -> StagedRegion:
-        """Copy ``pieces`` (any device, any strides) into the buffer, one copy each.
+        """Copy ``pieces`` (any device, any strides) into the buffer, one copy each; the region once all are in.
 
-        ``in_use``: a writer may still read the current file, so stage into a new one.
-        Device (CUDA) pieces are copied straight into the mapping (page-locked the
-        first time, kept so while the file is reused) on a side stream; this
-        returns once they are all in, before any writer reads the region.
+        ``place`` then ``copy_piece`` for each piece, waiting for the device copies before it returns.
+        """
+        region = self.place(pieces, node_id, in_use=in_use)
+        to_host = DeviceToHost()
+        for piece, span in zip(pieces, region.spans):
+            self.copy_piece(piece, span, to_host)
+        to_host.wait()
+        return region
+
+    def place(self, pieces: Sequence[torch.Tensor], node_id: str, in_use: bool = False) -> StagedRegion:
+        """Where ``pieces`` go in the buffer (grown, or a new file, as needed); nothing is copied yet.
+
+        ``in_use``: a writer may still read the current file, so place them in a new one.
         """
         spans, total = layout([p.numel() * p.element_size() for p in pieces])
         self.ready()
         if in_use or self._map is None or total > self.capacity:
             self._open(total)
-        assert self._map is not None and self.path is not None
-        to_host = DeviceToHost()
-        for piece, (offset, n) in zip(pieces, spans):
-            if n == 0:
-                continue
-            src = piece.detach()
-            if not needs_bounce(src) and src.is_contiguous():
-                # one single-threaded memcpy: torch's copy_ fans out to its intra-op threads,
-                # which compete with the other ranks sharing the node's cores
-                np.copyto(np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src))
-            elif needs_bounce(src):  # device to host directly, on a side stream
-                if not (self._pinned or self.pin_refused):
-                    self._pinned = pin_host_memory(self._map, src.device)
-                    self.pin_refused = not self._pinned
-                dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
-                to_host.copy(dst.view(src.dtype).view(src.shape), src)
-            else:  # strided: torch copies it
-                dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
-                dst.view(src.dtype).view(src.shape).copy_(src)
-        to_host.wait()
+        assert self.path is not None
         return StagedRegion(self.path, node_id, spans, self.inode)
+
+    def copy_piece(self, piece: torch.Tensor, span: tuple[int, int], to_host: DeviceToHost) -> None:
+        """Copy ``piece`` into ``span`` (offset, length) of the buffer (a ``place``'s region).
+
+        A CPU piece is copied before this returns. A device (CUDA) piece is queued on
+        ``to_host``'s side stream straight into the mapping (page-locked the first
+        time, kept so while the file is reused): it is in once ``to_host.wait()`` returns.
+        """
+        offset, n = span
+        if n == 0:
+            return
+        assert self._map is not None
+        src = piece.detach()
+        if not needs_bounce(src) and src.is_contiguous():
+            # one single-threaded memcpy: torch's copy_ fans out to its intra-op threads,
+            # which compete with the other ranks sharing the node's cores
+            np.copyto(np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src))
+        elif needs_bounce(src):  # device to host directly, on a side stream
+            if not (self._pinned or self.pin_refused):
+                self._pinned = pin_host_memory(self._map, src.device)
+                self.pin_refused = not self._pinned
+            dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
+            to_host.copy(dst.view(src.dtype).view(src.shape), src)
+        else:  # strided: torch copies it
+            dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
+            dst.view(src.dtype).view(src.shape).copy_(src)
 
     def close(self) -> None:
         """Unmap and close the file; a writer that still maps it keeps reading until it unmaps.
@@ -267,3 +297,13 @@ def granules(nbytes: int) -> int:
 def staged_size(pieces: Sequence[torch.Tensor]) -> int:
     """Bytes ``pieces`` take in a staging buffer (with their alignment)."""
     return layout([p.numel() * p.element_size() for p in pieces])[1]
+
+
+def local_pieces(state_dict: dict[str, Any]) -> list[Any]:
+    """Every local tensor of ``state_dict``: what this rank's staging buffer is sized to (a share never exceeds it)."""
+    return [p.local for leaf in flatten(state_dict).tensors.values() for p in leaf.pieces]
+
+
+def of_device(pieces: list[Any]) -> Any:
+    """The CUDA device of the first device piece (the staging buffer is page-locked for it), or ``None``."""
+    return next((p.device for p in pieces if needs_bounce(p)), None)

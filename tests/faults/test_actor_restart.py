@@ -18,6 +18,7 @@ from rayckpt.engine.writer import write_chunks
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkData
 from rayckpt.ray import async_save
+from rayckpt.ray.copier import CopyJob
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.records import SaveTarget
 from rayckpt.ray.save_handle import SaveHandle
@@ -130,7 +131,7 @@ def test_a_rank_waiting_when_the_actor_restarts_is_answered_at_once(ray_session,
     handle = SaveHandle(
         target,
         CheckpointDir.resolve(path),
-        write_ref=ray.put(None),
+        copy=CopyJob.finished(ray.put(None), 0.0),
         staged_ref=None,
         stall_seconds=0.0,
         timeout=600.0,
@@ -170,7 +171,7 @@ def test_a_save_the_actor_lost_fails_at_its_commit_timeout_and_only_for_its_own_
     handle = SaveHandle(
         SaveTarget(save_id="sid-unheard", run="unheard", step=3, location=str(path), rank=0),
         CheckpointDir.resolve(str(path)),
-        write_ref=ray.put(None),
+        copy=CopyJob.finished(ray.put(None), 0.0),
         staged_ref=None,
         stall_seconds=0.0,
         timeout=2.0,

@@ -17,6 +17,7 @@ from rayckpt.engine.writer import parts_here
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan as planner
 from rayckpt.ray import async_save, save_handle, staging
+from rayckpt.ray.copier import CopyJob
 from rayckpt.ray.loading import load as ray_load
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.records import SaveTarget
@@ -224,7 +225,7 @@ def test_saves_stage_into_one_reused_shared_memory_buffer(ray_session, tmp_path)
     handles = [async_save.save_async(state(s), str(tmp_path / f"s{s}"), run="shm", step=s) for s in (1, 2, 3)]
     assert [h.staging for h in handles] == ["shm", "shm", "shm"]  # the first save made the buffer
     handles[-1].wait()
-    assert ray.get(handles[-1]._write_ref)["seconds"] > 0
+    assert ray.get(handles[-1]._copy.write_ref)["seconds"] > 0
     stats = ray.get(get_shard_writer().debug_stats.remote())  # the writer's own record of what it wrote
     writes = [w for w in stats["writes"] if w["run"] == "shm"]
     assert [(w["step"], w["rank"], w["staging"], w["staged_dir"]) for w in writes] == [
@@ -279,7 +280,7 @@ def test_object_store_staging_and_the_fallback_when_shm_has_no_room(ray_session,
     with pytest.raises(rayckpt.SaveFailedError, match=r"staging failed on rank 0: cannot create a staging file in"):
         async_save.save_async(state(5), str(tmp_path / "shm"), run="stg", step=3, staging="shm")
     assert not os.path.exists(tmp_path / "shm" / "manifest.json")
-    monkeypatch.setenv(async_save.STAGING_ENV, "disk")
+    monkeypatch.setenv(staging.STAGING_ENV, "disk")
     with pytest.raises(ValueError, match=r"staging='disk': expected one of auto, shm, object_store"):
         async_save.save_async(state(6), str(tmp_path / "bad"), run="stg", step=4)
 
@@ -314,7 +315,7 @@ def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tm
     other = async_save.SaveHandle(
         SaveTarget(save_id="sid-never", run="orphan", step=9, location=path, rank=0),
         CheckpointDir.resolve(path),
-        write_ref=ray.put(None),
+        copy=CopyJob.finished(ray.put(None), 0.0),
         staged_ref=None,
         stall_seconds=0.0,
         timeout=30.0,
@@ -331,7 +332,7 @@ def test_a_registration_that_failed_fails_the_save(ray_session, tmp_path):
     handle = async_save.SaveHandle(
         SaveTarget(save_id="sid-unregistered", run="unregistered", step=1, location=str(tmp_path / "u"), rank=0),
         CheckpointDir.resolve(str(tmp_path / "u")),
-        write_ref=ray.put(None),
+        copy=CopyJob.finished(ray.put(None), 0.0),
         staged_ref=None,
         stall_seconds=0.0,
         timeout=30.0,
