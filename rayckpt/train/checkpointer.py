@@ -29,6 +29,7 @@ import ray.train
 
 from ..engine.coordinator import default_coordinator
 from ..engine.load import LoadInfo
+from ..engine.overlap import overlap_mode
 from ..engine.state import FlatState, flatten
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
@@ -41,6 +42,7 @@ from ..ray.staging import staged_size
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
 from .announce import SaveAnnouncer
 from .restore_order import candidates, reason
+from .run_id import attempt_key
 from .tiers import MEMORY, STORAGE, MemoryTier, TierPolicy
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,9 @@ class Checkpointer:
         memory_keep: How many memory checkpoints are kept, the newest (``release_memory()`` frees them).
         memory_skip_busy: Skip a memory save while the one before it is unwritten on some
             rank (False: wait for it).
+        overlap: As for ``save_async``: True copies the tensors of an ``AppState``'s optimizer
+            beside the next forward and backward (its step waits for the copy); False copies
+            everything before ``save`` returns; ``"all"`` copies everything beside training.
 
     Attributes:
         restarts: Rank 0: worker groups of this ``fit()`` started before this one (Ray Train's
@@ -77,7 +82,8 @@ class Checkpointer:
         memory_skipped: Memory saves skipped because the one before was still unwritten.
 
     Raises:
-        ValueError: ``memory_every``, ``persist_every`` or ``memory_keep`` is not a whole number in range.
+        ValueError: ``memory_every``, ``persist_every`` or ``memory_keep`` is not a whole number in range,
+            or ``overlap`` is not True, False or "all".
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class Checkpointer:
         persist_every: int = 1,
         memory_keep: int = 2,
         memory_skip_busy: bool = True,
+        overlap: bool | str = True,
     ) -> None:
         #: Where each step's save goes (``tiers.TierPolicy``): storage every ``persist_every`` steps, the
         #: nodes' memory every ``memory_every`` steps between (0: no memory tier).
@@ -109,6 +116,7 @@ class Checkpointer:
         self.commit_timeout_s = commit_timeout_s
         self.local_is_shared = local_is_shared
         self.staging = staging
+        self.overlap = overlap_mode(overlap)
         #: Size of this worker's staging buffer made by ``restore`` (0: none).
         self.staging_bytes = 0
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
@@ -135,7 +143,7 @@ class Checkpointer:
         self.restarts: int | None = None
         if self.rank == 0:
             self.restarts = ray.get(
-                get_metadata_actor().begin_attempt.remote(self.run, _attempt_key(self.run), ctx.get_world_size())
+                get_metadata_actor().begin_attempt.remote(self.run, attempt_key(self.run), ctx.get_world_size())
             )
         #: The run's checkpoints when this worker started (the first ``restore`` plans from it, later ones re-scan).
         self._found: list[CatalogEntry] | None = self._register_run(STORAGE)
@@ -166,7 +174,7 @@ class Checkpointer:
         metadata: dict[str, Any] | None = None,
         persist: bool | None = None,
     ) -> SaveHandle | None:
-        """Start saving ``state`` as step ``step`` (collective); return a ``SaveHandle`` once staged.
+        """Start saving ``state`` as step ``step`` (collective); return a ``SaveHandle`` once its copy is launched.
 
         A storage save goes through ``save_async`` and is reported to Ray Train once
         committed (Ray never copies its files; ``CheckpointConfig`` retention deletes old
@@ -216,6 +224,7 @@ class Checkpointer:
             commit_timeout_s=self.commit_timeout_s,
             local_is_shared=self.local_is_shared,
             staging=self.staging,
+            overlap=self.overlap,
         )
         self._last[STORAGE] = (handle, began)
         if self.report:
@@ -274,6 +283,7 @@ class Checkpointer:
             local_is_shared=True,
             staging=self.staging,
             lane=MEMORY,
+            overlap=self.overlap,
         )
         self._last[MEMORY] = (handle, began)
         return handle
@@ -437,14 +447,3 @@ class Checkpointer:
         if entry is not None and entry.save_id == handle.save_id:
             announcer.announce(handle.save_id, handle.step, began, entry)
         return entry
-
-
-def _attempt_key(run: str) -> str:
-    """What identifies one ``TorchTrainer.fit()`` across its restarts: Ray Train's run id (each ``fit`` has
-    its own), else the Ray job and the run's name."""
-    try:  # Ray Train has no public run id: its internal context is the one place that has it (a test guards it)
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return get_train_context().train_run_context.run_id
-    except Exception:  # noqa: BLE001 - an internal API: any change in it falls back to the job's id
-        return f"{ray.get_runtime_context().get_job_id()}/{run}"

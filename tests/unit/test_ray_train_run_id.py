@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rayckpt.train import checkpointer
+from rayckpt.train import run_id
 
 
 def test_ray_train_keeps_its_run_id_where_the_checkpointer_reads_it():
@@ -25,5 +25,5 @@ def test_outside_a_train_run_the_key_is_the_job_and_the_run_name(monkeypatch):
         def get_job_id(self) -> str:
             return "job-7"
 
-    monkeypatch.setattr(checkpointer.ray, "get_runtime_context", lambda: Context())
-    assert checkpointer._attempt_key("toy") == "job-7/toy"
+    monkeypatch.setattr(run_id.ray, "get_runtime_context", lambda: Context())
+    assert run_id.attempt_key("toy") == "job-7/toy"
