@@ -55,7 +55,7 @@ class Piece:
     local: torch.Tensor
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class TensorLeaf:
     key: str
     #: The rank's local data: one piece for a plain tensor or a DTensor's local shard;
@@ -205,7 +205,7 @@ def _add_tensor(key: str, t: torch.Tensor, flat: FlatState) -> None:
         pieces = _dtensor_pieces(key, t)
     else:
         pieces = (Piece(Box.full(shape), t),)
-    flat.tensors[key] = TensorLeaf(key, pieces, shape, dtype_name(t.dtype), source=t)
+    flat.tensors[key] = TensorLeaf(key=key, pieces=pieces, shape=shape, dtype=dtype_name(t.dtype), source=t)
 
 
 def _dtensor_pieces(key: str, t: DTensor) -> tuple[Piece, ...]:

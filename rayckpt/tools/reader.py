@@ -101,7 +101,9 @@ class CheckpointReader:
         self._check_stored(key, entry)
         target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         box = Box.full(entry.shape)
-        flat = FlatState(tensors={key: TensorLeaf(key, (Piece(box, target),), entry.shape, entry.dtype)})
+        flat = FlatState(
+            tensors={key: TensorLeaf(key=key, pieces=(Piece(box, target),), shape=entry.shape, dtype=entry.dtype)}
+        )
         request = TensorRequest(key, entry.dtype, entry.shape, box)
         plan = create_load_plan(self.manifest, [request], index=self._index)
         read_into(self.ckdir, plan, flat, self.manifest.blocks, self._sizes, {}, self._reader)

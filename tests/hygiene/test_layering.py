@@ -115,7 +115,7 @@ SHARED = {"actors", "records", "shm", "metrics"}
 def ray_room(module: str) -> str:
     """The room of a ``rayckpt.ray`` module."""
     parts = module.split(".")[2:]
-    if not parts or parts[0] in {"async_save", "save_handle", "staging", "loading"}:
+    if not parts or parts[0] in {"async_save", "copier", "save_handle", "staging", "loading"}:
         return "rank"
     if parts[0] in SHARED:
         return "shared"

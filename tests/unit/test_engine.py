@@ -164,7 +164,9 @@ def test_flipped_byte_outside_the_needed_range_does_not_fail_a_partial_read(tmp_
     plan = load_plan.create_load_plan(m, [req])
     assert plan.read_bytes == plan.needed_bytes == 128
     target = torch.zeros(8, 4)
-    flat = FlatState(tensors={"w": TensorLeaf("w", (Piece(req.box, target),), (16, 4), "float32")})
+    flat = FlatState(
+        tensors={"w": TensorLeaf(key="w", pieces=(Piece(req.box, target),), shape=(16, 4), dtype="float32")}
+    )
     sizes = {f.path: f.size for f in m.files}
     reader.read_into(CheckpointDir.resolve(path), plan, flat, m.blocks, sizes, {})
     assert torch.equal(target, w[:8])

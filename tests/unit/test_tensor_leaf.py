@@ -34,7 +34,7 @@ def rows(lo: int, n: int, cols: int = 2) -> Box:
 def two_piece_leaf(full: torch.Tensor) -> TensorLeaf:
     """Rows [0, 2) and [5, 8) of ``full``, as separate local tensors."""
     pieces = (Piece(rows(0, 2), full[0:2].clone()), Piece(rows(5, 3), full[5:8].clone()))
-    return TensorLeaf("w", pieces, tuple(full.shape), "float32")
+    return TensorLeaf(key="w", pieces=pieces, shape=tuple(full.shape), dtype="float32")
 
 
 def test_region_is_a_view_into_the_piece_holding_the_box():
@@ -52,8 +52,8 @@ def test_boxes_reported_to_the_plans():
     full = torch.zeros(16, 2)
     assert two_piece_leaf(full).boxes() == (rows(0, 2), rows(5, 3))
     # Holding nothing: one empty box keeps the key, shape and dtype in the plans.
-    assert TensorLeaf("w", (), (16, 2), "float32").boxes() == (Box((0, 0), (0, 0)),)
-    assert TensorLeaf("s", (), (), "float32").boxes() == ()
+    assert TensorLeaf(key="w", pieces=(), shape=(16, 2), dtype="float32").boxes() == (Box((0, 0), (0, 0)),)
+    assert TensorLeaf(key="s", pieces=(), shape=(), dtype="float32").boxes() == ()
 
 
 def test_several_pieces_per_rank_plan_and_write_each_piece_once():
