@@ -3,7 +3,8 @@
 The package is laid out by the process a line runs in:
 
 - here, the training rank's side: ``async_save`` (``save_async``), ``save_handle``
-  (``SaveHandle``), ``staging`` (the rank's reusable shared-memory buffer), ``loading``
+  (``SaveHandle``), ``staging`` (the rank's reusable shared-memory buffer), ``copier``
+  (the copy into it, before the call returns or beside the next step), ``loading``
   (``load``), and ``memory_fs`` (``memory_filesystem``: the memory tier as a filesystem, for any process);
 - ``metadata/``: the MetadataActor (one per namespace) and the Ray-free parts it calls;
 - ``writer/``: the node's ShardWriter, which writes the ranks' staged shares;
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 from ..lazy import exports
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see; at run time each is imported on first use
+    from ..engine.overlap import guard_optimizer
     from .async_save import prepare_staging, release_staging, save_async, wait_inflight
     from .loading import load
     from .memory.store import MemoryBudgetExceeded, peer_bytes
@@ -40,6 +42,7 @@ _EXPORTS = {
     "release_staging": "rayckpt.ray.async_save",
     "wait_inflight": "rayckpt.ray.async_save",
     "SaveHandle": "rayckpt.ray.save_handle",
+    "guard_optimizer": "rayckpt.engine.overlap",
     "load": "rayckpt.ray.loading",
     "StagingBuffer": "rayckpt.ray.staging",
     "StagingUnavailable": "rayckpt.ray.staging",
@@ -61,6 +64,7 @@ __all__ = [
     "StagingUnavailable",
     "get_metadata_actor",
     "get_shard_writer",
+    "guard_optimizer",
     "load",
     "memory_filesystem",
     "peer_bytes",

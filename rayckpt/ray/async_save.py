@@ -1,4 +1,4 @@
-"""Async saves through the Ray actors: the rank blocks only for one copy into shared memory.
+"""Async saves through the Ray actors: the rank blocks for planning and the part of its copy no optimizer owns.
 
 A save, across the processes it runs in (every rank calls ``save_async``):
 
@@ -7,8 +7,9 @@ A save, across the processes it runs in (every rank calls ``save_async``):
 2. Rank 0 registers the save with the MetadataActor (``begin_save``, not waited
    for); every rank asks the actor's ``incarnation()`` (not waited for either).
 3. Each rank copies its share once into the node's shared memory (its staging
-   buffer, ``staging``, or Ray's object store) and calls its node's ShardWriter
-   ``write``; ``save_async`` returns a ``SaveHandle`` and training goes on.
+   buffer, or Ray's object store); ``save_async`` returns a ``SaveHandle`` and
+   training goes on, a guarded optimizer's tensors still being copied (``copier``).
+   Once all of it is copied, the rank calls its node's ShardWriter ``write``.
 4. The ShardWriter writes the share's files (``engine.writer.write_chunks``) and
    calls the MetadataActor's ``report_written``; if writing fails it removes the
    files and calls ``report_failed``.
