@@ -49,10 +49,17 @@ def prior_entries(path: str, rank: int) -> int:
 
 
 def one_step(model: Any, optim: Any, step: int, sleep_s: float) -> float:
-    """A stand-in for an optimizer step on the local shards; the all-reduced "loss"."""
+    """A stand-in for an optimizer step on the local shards; the all-reduced "loss".
+
+    Like ``optimizer.step()`` of an optimizer an ``AppState`` guards, it first waits for
+    a save's copy still running beside training (the step pre-hook's wait).
+    """
     import torch
     import torch.distributed as dist
 
+    from rayckpt.engine.overlap import wait_for_copies
+
+    wait_for_copies()
     with torch.no_grad():
         for p in model.parameters():
             st = optim.state[p]
