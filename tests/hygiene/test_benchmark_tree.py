@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "results"
-GROUPS = ["suite", "scale", "recovery", "gpu", "phases", "micro"]
+GROUPS = ["suite", "scale", "recovery", "gpu", "phases", "micro", "overlap"]
 #: <benchmark>_<hardware>_<yyyymmdd>.<ext>
 NAME = re.compile(r"^[a-z0-9_]+_[a-z0-9]+_\d{8}\.(md|json|png)$")
 #: Files in results/ that are not one run's result.
@@ -35,10 +35,13 @@ def test_group_entry_point_parses_help(args):
     assert "usage:" in done.stdout
 
 
-@pytest.mark.parametrize("command", ["restart", "memory-cost"])
-def test_recovery_sub_commands_parse_help(command):
+@pytest.mark.parametrize(
+    ("group", "command"),
+    [("recovery", "restart"), ("recovery", "memory-cost"), ("overlap", "stall"), ("overlap", "step")],
+)
+def test_sub_commands_parse_help(group, command):
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.recovery", command, "--help"], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", f"benchmarks.{group}", command, "--help"], capture_output=True, text=True, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
 

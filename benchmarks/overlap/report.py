@@ -1,0 +1,255 @@
+"""The overlap benchmarks' arithmetic and tables: per-rank records in, medians, ratios and Markdown out.
+
+``stall`` and ``step`` measure on a real Ray; what they report is computed here
+from their records alone (plain dicts, one per rank and save or step), so the
+hygiene tests check it with made-up records.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from benchmarks.common.harness import ratio_row, summary
+
+#: The stall targets: rayckpt's stall at most this fraction of DCP's, and under this many seconds.
+STALL_OVER_DCP = 0.25
+STALL_SECONDS = 0.03
+
+
+# ---------------------------------------------------------------------------
+# stall
+
+
+#: What each mode of ``stall`` does, for its table.
+STALL_MODES = {
+    "copy": "every local tensor copied into host buffers allocated beforehand",
+    "dcp": "`async_save` with one reused `DefaultStager(StagingOptions(True, False, False, False))`",
+    "dcp-async-staging": "the same with `StagingOptions(True, True, True, True)`, its staging waited for before "
+    "the optimizer step",
+    "rayckpt-sync": "`save_async(overlap=False)`",
+    "rayckpt": "`save_async` (overlap: the optimizer's tensors copied beside the next step)",
+    "rayckpt-all": '`save_async(overlap="all")`',
+}
+
+
+def summarize_stall(records: list[dict[str, Any]], errors: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per mode: the stall of each round's slowest rank and of its median rank, over rounds.
+
+    ``records``: one per rank, round and mode (``stall_s``, ``staged_wait_s``, ``opt_wait_s``,
+    ``total_s``, ``late_bytes``, ``copy_s``). ``errors``: modes that failed, with their error.
+    """
+    by_round: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        by_round[r["mode"]][r["round"]].append(r)
+    out: dict[str, Any] = {}
+    for mode, rounds in by_round.items():
+        recs = [rounds[k] for k in sorted(rounds)]
+        copies = [max(r["copy_s"] for r in rs) for rs in recs if all(r["copy_s"] is not None for r in rs)]
+        out[mode] = {
+            "stall_slowest": summary([max(r["stall_s"] for r in rs) for rs in recs]),
+            "stall_rank_median": summary([statistics.median(r["stall_s"] for r in rs) for rs in recs]),
+            "step_waited_s": statistics.median(max(r["staged_wait_s"] + r["opt_wait_s"] for r in rs) for rs in recs),
+            "total_s": statistics.median(max(r["total_s"] for r in rs) for rs in recs),
+            "copy_s": statistics.median(copies) if copies else None,
+            "late_bytes": max(r["late_bytes"] for rs in recs for r in rs),
+            "ranks": len(recs[0]),
+            "rounds": len(recs),
+        }
+    for mode, error in (errors or {}).items():
+        out[mode] = {"error": error}
+    return out
+
+
+def stall_ratio(modes: dict[str, Any], mode: str, to: str) -> float | None:
+    """``mode``'s median slowest-rank stall over ``to``'s (``None`` where either has none)."""
+    a, b = modes.get(mode, {}).get("stall_slowest"), modes.get(to, {}).get("stall_slowest")
+    if a is None or b is None or b["median"] <= 0:
+        return None
+    return a["median"] / b["median"]
+
+
+def stall_targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scenario: rayckpt's stall over DCP's, and rayckpt's stall in seconds, against the targets."""
+    rows = []
+    for name, modes in scenarios.items():
+        rows.append(
+            ratio_row(
+                f"{name}: stall, rayckpt / DCP",
+                stall_ratio(modes, "rayckpt", "dcp"),
+                STALL_OVER_DCP,
+                False,
+                "the slowest rank's stall, median over rounds",
+            )
+        )
+        measured = modes.get("rayckpt", {}).get("stall_slowest", {}).get("median")
+        rows.append(ratio_row(f"{name}: stall, rayckpt, s", measured, STALL_SECONDS, False, "the same, in seconds"))
+    return rows
+
+
+def _gathers(args: dict[str, Any]) -> str:
+    """How FSDP2 gathered the params: once per step, or again for backward."""
+    return "; params gathered again for backward" if args.get("reshard_after_forward") else "; one all-gather a step"
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def stall_markdown(report: dict[str, Any]) -> str:
+    """The stall report: the run, one row per scenario and mode, the targets."""
+    shape, args = report["shape"], report["args"]
+    lines = [
+        "## Save stall beside training: the time the save call blocks",
+        "",
+        run_line(report),
+        "",
+        f"State: {report['state_bytes'] / 2**30:.3f} GiB on {report['machine']['device']} (fp32 params + AdamW "
+        f"exp_avg + exp_avg_sq of {shape['layers']} square `nn.Linear` layers {shape['width']} wide); "
+        f"`one-process`: one process holds all of it, as `AppState(model, opt)`; `four-ranks`: {args['workers']} "
+        f"TorchTrainer workers (gloo{_gathers(args)}), the stack FSDP2-sharded, each holding 1/{args['workers']}. "
+        "Each save: the call timed, one training "
+        f"step ({args['batch']} rows: forward, backward, AdamW step; an overlapped copy runs beside forward and "
+        "backward and the step waits for what is left of it), then the save waited for (DCP: its upload; "
+        "rayckpt: its commit) and removed. Modes: "
+        + "; ".join(f"`{m}`: {STALL_MODES[m]}" for m in report.get("modes", STALL_MODES) if m in STALL_MODES)
+        + f"; rayckpt after `prepare_staging`. {args['rounds']} rounds after "
+        f"{args['warmup']} warm-up round(s), modes rotated; seconds: the slowest rank's per round (and the median "
+        "rank's), median (min-max) over rounds.",
+        "",
+        "| scenario | mode | stall s, slowest rank | stall s, median rank | x DCP | x copy | step waited s "
+        "| save to done s | copied after the call |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, modes in report["summary"].items():
+        for mode, m in modes.items():
+            if "error" in m:
+                lines.append(f"| {name} | {mode} | {m['error']} | | | | | | |")
+                continue
+            s, med = m["stall_slowest"], m["stall_rank_median"]
+            late = f"{m['late_bytes'] / 2**20:,.0f} MiB" if m["late_bytes"] else ""
+            lines.append(
+                f"| {name} | {mode} | {s['median']:.4f} ({s['min']:.4f}-{s['max']:.4f}) | {med['median']:.4f} "
+                f"| {_ratio(stall_ratio(modes, mode, 'dcp'))} | {_ratio(stall_ratio(modes, mode, 'copy'))} "
+                f"| {m['step_waited_s']:.3f} | {m['total_s']:.2f} | {late} |"
+            )
+    lines += ["", "| target | measured | threshold | met |", "| --- | ---: | ---: | --- |"]
+    for t in report["targets"]:
+        measured = "" if t["measured"] is None else f"{t['measured']:.3f}"
+        met = "" if t["met"] is None else ("yes" if t["met"] else "no")
+        lines.append(f"| {t['target']} | {measured} | {t['direction']} {t['threshold']} | {met} |")
+    if report.get("notes"):
+        lines += [""] + [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# step
+
+
+#: What each mode of ``step`` does, for its table.
+STEP_MODES = {
+    "none": "no save",
+    "copy": "each worker's share copied into buffers made beforehand",
+    "dcp": "`async_save` with a reused pinned `DefaultStager`, its staging waited for before the optimizer step, "
+    "the previous upload before the next save",
+    "memory": "`Checkpointer(memory_every=1).save(step, state, persist=False)` (overlap by default)",
+    "memory-sync": "the same with `Checkpointer(overlap=False)`",
+}
+
+
+def summarize_step(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per save interval and mode: the slowest worker's step, median and mean over the steps past each
+    round's first; the save call and the waits before the optimizer step; memory saves skipped.
+
+    ``records``: one per worker and step (``every``, ``round``, ``mode``, ``i``, ``step``, ``step_s``,
+    ``save_s``, ``wait_s``, ``saved``, ``skipped``).
+    """
+    by_step: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_step[(r["every"], r["step"])].append(r)
+    grouped: dict[int, dict[str, list[list[dict[str, Any]]]]] = defaultdict(lambda: defaultdict(list))
+    for (every, _), rs in sorted(by_step.items()):
+        grouped[every][rs[0]["mode"]].append(rs)
+    out: dict[str, Any] = {}
+    for every, modes in grouped.items():
+        out[str(every)] = {}
+        for mode, steps in modes.items():
+            counted = [rs for rs in steps if rs[0]["i"] > 0]
+            slowest = [max(r["step_s"] for r in rs) for rs in counted]
+            saves = [rs for rs in steps if rs[0]["saved"]]
+            calls = [max(r["save_s"] for r in rs) for rs in saves if rs[0]["i"] > 0 and not rs[0]["skipped"]]
+            waits = [max(r["wait_s"] for r in rs) for rs in counted]
+            out[str(every)][mode] = {
+                "step_median_s": statistics.median(slowest),
+                "step_mean_s": statistics.fmean(slowest),
+                "steps": len(counted),
+                "save_call_s": statistics.median(calls) if calls else None,
+                "wait_mean_s": statistics.fmean(waits),
+                "wait_total_s": sum(waits),
+                "saves": len(saves),
+                "skipped": sum(bool(rs[0]["skipped"]) for rs in saves),
+            }
+    return out
+
+
+def step_markdown(report: dict[str, Any]) -> str:
+    """The step report: the run, one row per save interval and mode."""
+    shape, args = report["shape"], report["args"]
+    lines = [
+        "## Step time with a save beside training",
+        "",
+        run_line(report),
+        "",
+        f"State: {report['state_bytes'] / 2**30:.3f} GiB (fp32 params + AdamW exp_avg + exp_avg_sq of "
+        f"{shape['layers']} square `nn.Linear` layers {shape['width']} wide), FSDP2-sharded over "
+        f"{args['workers']} TorchTrainer workers (gloo, CPU{_gathers(args)}), as `AppState(model, opt)`. A step: "
+        f"the save when one is due, then forward and backward of {args['batch']} rows per worker and the AdamW "
+        "step (what a save costs the training beside it counts in its own step). Modes: "
+        + "; ".join(f"`{m}`: {STEP_MODES[m]}" for m in report.get("modes", STEP_MODES) if m in STEP_MODES)
+        + f". {args['rounds']} rounds of every mode, {args['steps']} steps each, order rotated; step s: the slowest "
+        "worker's, median and mean over the steps past each round's first; save call s: median over those "
+        "steps' saves; waited: seconds before the optimizer step (DCP's staging, an overlapped copy), per step.",
+        "",
+        "| save every | mode | step s, median | x none | x copy | step s, mean | mean x none | save call s "
+        "| waited s per step | memory saves skipped |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for every, modes in report["summary"].items():
+        none, copy = modes.get("none"), modes.get("copy")
+        for mode, m in modes.items():
+            x_none = _ratio(m["step_median_s"] / none["step_median_s"]) if none else ""
+            x_copy = _ratio(m["step_median_s"] / copy["step_median_s"]) if copy else ""
+            mean_none = _ratio(m["step_mean_s"] / none["step_mean_s"]) if none else ""
+            call = "" if m["save_call_s"] is None else f"{m['save_call_s']:.4f}"
+            skipped = f"{m['skipped']} of {m['saves']}" if mode.startswith("memory") else ""
+            lines.append(
+                f"| {every} | {mode} | {m['step_median_s']:.3f} | {x_none} | {x_copy} | {m['step_mean_s']:.3f} "
+                f"| {mean_none} | {call} | {m['wait_mean_s']:.4f} | {skipped} |"
+            )
+    if report.get("notes"):
+        lines += [""] + [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# the run
+
+
+def run_line(report: dict[str, Any]) -> str:
+    """The command, when and how long it ran, the machine and versions, the machine's load meanwhile."""
+    m = report["machine"]
+    la = report.get("load_average_1min")
+    line = (
+        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.1f} min: {m['nproc']} CPUs, "
+        f"{m['mem_total_gb']:.0f} GB RAM, torch {m['torch']}, ray {m['ray']}, pyarrow {m['pyarrow']}, "
+        f"rayckpt {m['rayckpt']}."
+    )
+    if la:
+        line += (
+            f" 1-minute load average {la['before_start']:.2f} before the start; during the run median "
+            f"{la['median']:.2f}, max {la['max']:.2f}; CPU used by processes outside the benchmark: mean "
+            f"{la['other_processes_cpu_cores']['mean']:.2f} cores."
+        )
+    return line

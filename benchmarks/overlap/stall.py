@@ -1,0 +1,335 @@
+"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run.
+
+The state is ``model.LinearStack`` (params + AdamW moments about ``--size-gb``
+GiB) after one training step, as ``AppState(model, opt)``, in two scenarios:
+
+- ``one-process``: one process holds all of it (on ``--device``: ``cuda`` puts
+  it on the GPU), in a local Ray.
+- ``four-ranks``: ``--workers`` TorchTrainer workers (gloo, CPU), the stack
+  FSDP2-sharded, each holding its share; each worker times its own save call.
+
+Modes, each saving ``{"app": app}``:
+
+- ``copy``: every local tensor (found once: training updates them in place)
+  copied into host buffers allocated beforehand (page-locked on CUDA, the copy
+  waited for): the floor.
+- ``dcp``: ``torch.distributed.checkpoint.async_save`` with one reused
+  ``DefaultStager(StagingOptions(True, False, False, False))`` (pinned, staged
+  before the call returns: the best stager that runs on a CPU); on ranks, its
+  upload's collectives on a gloo group of their own, as torchtitan does.
+  ``dcp-async-staging`` (on CUDA): ``StagingOptions(True, True, True, True)``,
+  its staging waited for before the optimizer step; a stager that raises is
+  reported with its error.
+- ``rayckpt-sync``: ``save_async(..., overlap=False)``; ``rayckpt``:
+  ``save_async(...)`` (overlap: the optimizer's tensors copied beside the next
+  forward and backward); ``rayckpt-all`` (not run unless named):
+  ``overlap="all"``. ``prepare_staging`` first, as ``Checkpointer.restore`` does.
+
+A round runs every mode once, the order rotated from round to round; one save
+is: the call, timed; one training step (forward, backward, then the optimizer
+step, which waits for an overlapped copy still running); the save waited for
+(DCP: its upload; rayckpt: ``handle.wait()``), then removed. Warm-up rounds
+come first and are not counted. Reported per mode: the slowest rank's stall and
+the median rank's, medians over rounds, their ratios to ``dcp`` and ``copy``,
+and the targets (rayckpt's stall at most 0.25x DCP's and under 0.03 s). Run::
+
+    .venv/bin/python -m benchmarks.overlap stall
+
+A run the docs cite goes to ``benchmarks/results/overlap_stall_<hardware>_<yyyymmdd>.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
+from benchmarks.overlap.ranks import fit, gather_records, init_ray, read_records
+from benchmarks.overlap.report import stall_markdown, stall_targets, summarize_stall
+
+SCENARIOS = ("one-process", "four-ranks")
+#: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP mode.
+DCP_OPTIONS = {"dcp": (True, False, False, False), "dcp-async-staging": (True, True, True, True)}
+#: ``save_async``'s ``overlap`` of each rayckpt mode.
+OVERLAP: dict[str, bool | str] = {"rayckpt-sync": False, "rayckpt": True, "rayckpt-all": "all"}
+ALL_MODES = ("copy", *DCP_OPTIONS, *OVERLAP)
+CPU_MODES = ("copy", "dcp", "rayckpt-sync", "rayckpt")
+CUDA_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt")
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:400]
+
+
+@dataclass
+class Pending:
+    """A save started: what the training step waits for before the optimizer step, and how it ends."""
+
+    before_step: Callable[[], Any] | None = None
+    #: Waits for the save to be done; returns its figures (copied late, copy seconds).
+    finish: Callable[[], dict[str, Any]] = lambda: {}
+
+
+@dataclass
+class Saver:
+    """One process's saves of every mode, and what each needs made beforehand."""
+
+    app: Any
+    device: str
+    modes: tuple[str, ...]
+    run: str
+    #: The group DCP's upload runs its collectives on (``None``: one process, no group).
+    dcp_group: Any = None
+    #: Modes that raised, with their error: not run again.
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        from rayckpt.ray.async_save import local_pieces, prepare_staging
+
+        self.state = {"app": self.app}
+        self.cuda = self.device.startswith("cuda")
+        # The local tensors, found once: training updates them in place. Their copies are allocated
+        # and touched beforehand, as a staging buffer is.
+        self.pieces = local_pieces(self.state) if "copy" in self.modes else []
+        self.buffers = [torch.empty(p.shape, dtype=p.dtype, pin_memory=self.cuda).zero_() for p in self.pieces]
+        self.stagers = {}
+        for mode in (m for m in self.modes if m in DCP_OPTIONS):
+            try:
+                self.stagers[mode] = DefaultStager(StagingOptions(*DCP_OPTIONS[mode]))
+            except Exception as exc:  # a stager this torch cannot run is a result, not a crash
+                self.failed[mode] = error_text(exc)
+        if any(m in OVERLAP for m in self.modes):
+            prepare_staging(self.state, wait=True)
+
+    def start(self, mode: str, path: str, step: int) -> Pending:
+        """Start one save of ``mode`` (the timed call)."""
+        if mode == "copy":
+            for dst, src in zip(self.buffers, self.pieces):
+                dst.copy_(src, non_blocking=self.cuda)
+            if self.cuda:
+                torch.cuda.synchronize()
+            return Pending()
+        if mode in DCP_OPTIONS:
+            import torch.distributed.checkpoint as dcp
+
+            response = dcp.async_save(
+                self.state, checkpoint_id=path, async_stager=self.stagers[mode], process_group=self.dcp_group
+            )
+            upload = getattr(response, "upload_completion", response)
+            staged = getattr(response, "staging_completion", None)
+
+            def uploaded() -> dict[str, Any]:
+                upload.result()
+                return {}
+
+            return Pending(staged.result if staged is not None else None, uploaded)
+        from rayckpt.ray.async_save import save_async
+
+        handle = save_async(self.state, path, run=self.run, step=step, overlap=OVERLAP[mode])
+
+        def finish() -> dict[str, Any]:
+            entry = handle.wait()
+            if entry.status != "committed":
+                raise RuntimeError(f"{mode}: save of step {step}: {entry.status}: {entry.error}")
+            return {"late_bytes": handle.late_bytes, "copy_s": handle.copy_seconds}
+
+        return Pending(None, finish)
+
+    def close(self) -> None:
+        from rayckpt.ray.async_save import release_staging
+
+        for stager in self.stagers.values():
+            stager.close()
+        if any(m in OVERLAP for m in self.modes):
+            release_staging()
+
+
+def run_rounds(saver: Saver, model: Any, optim: Any, x: torch.Tensor, args: dict[str, Any], root: str) -> list[dict]:
+    """``args["warmup"]`` rounds, then ``args["rounds"]`` counted ones, of every mode (see the module)."""
+    import torch.distributed as dist
+
+    from rayckpt.engine import overlap
+
+    ranks = dist.is_initialized()
+    rank = dist.get_rank() if ranks else 0
+    records: list[dict[str, Any]] = []
+    step = 0
+    for rnd in range(-args["warmup"], args["rounds"]):
+        for mode in rotated(saver.modes, rnd):
+            if mode in saver.failed:
+                continue
+            step += 1
+            path = os.path.join(root, f"{mode}-{step}")
+            if ranks:
+                dist.barrier()
+            if saver.cuda:
+                torch.cuda.synchronize()
+            waited = overlap.waited[0]
+            start = time.perf_counter()
+            try:
+                pending = saver.start(mode, path, step)
+                stall = time.perf_counter() - start
+                staged_wait = train_step(model, optim, x, pending.before_step)
+                opt_wait = overlap.waited[0] - waited
+                done = pending.finish() or {}
+            except Exception as exc:
+                if mode not in DCP_OPTIONS or ranks:  # a stager this torch cannot run is a result, not a crash
+                    raise
+                saver.failed[mode] = error_text(exc)
+                continue
+            total = time.perf_counter() - start
+            if ranks:
+                dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            if rnd >= 0:
+                records.append(
+                    {
+                        "round": rnd,
+                        "mode": mode,
+                        "rank": rank,
+                        "stall_s": stall,
+                        "staged_wait_s": staged_wait,
+                        "opt_wait_s": opt_wait,
+                        "total_s": total,
+                        "late_bytes": done.get("late_bytes", 0),
+                        "copy_s": done.get("copy_s"),
+                    }
+                )
+    return records
+
+
+def one_process(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> tuple[list[dict], dict[str, str]]:
+    """The whole state in this process (on ``--device``), in a new local Ray."""
+    import ray
+
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(0)
+    shape = stack_shape(args.size_gb, args.layers)
+    model, optim, app = build(shape, args.device)
+    init_ray(args.workers, args.ray_logs)
+    try:
+        saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}")
+        try:
+            records = run_rounds(saver, model, optim, batch(shape, args.batch, args.device), vars(args), root)
+        finally:
+            saver.close()
+        return records, saver.failed
+    finally:
+        ray.shutdown()
+
+
+def ranks_loop(config: dict[str, Any]) -> None:
+    """Each TorchTrainer worker: its share of the FSDP2 stack, then every round; records to rank 0's file."""
+    import ray.train
+    import torch.distributed as dist
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    shape = StackShape(**config["shape"])
+    model, optim, app = build(shape, "cpu", world, seed=rank, reshard_after_forward=config["reshard_after_forward"])
+    dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
+    saver = Saver(app, "cpu", tuple(config["modes"]), run=config["run"], dcp_group=dcp_group)
+    try:
+        records = run_rounds(saver, model, optim, batch(shape, config["batch"], seed=rank + 1), config, config["root"])
+    finally:
+        saver.close()
+    gather_records(records, config["result"])
+
+
+def four_ranks(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> list[dict]:
+    result = os.path.join(args.out, "overlap_stall.ranks.json")
+    config = {
+        "shape": asdict(stack_shape(args.size_gb, args.layers)),
+        "modes": [m for m in modes if m != "dcp-async-staging"],
+        "run": f"overlap-stall-ranks-{time.time_ns()}",
+        "root": root,
+        "result": result,
+        **{k: getattr(args, k) for k in ("batch", "reshard_after_forward", "rounds", "warmup")},
+    }
+    fit(ranks_loop, config, args.workers, args.out, args.ray_logs)
+    return read_records(result)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_model_args(p)
+    p.add_argument("--rounds", type=int, default=5, help="counted rounds of every mode")
+    p.add_argument("--warmup", type=int, default=1, help="rounds of every mode first, not counted")
+    p.add_argument("--workers", type=int, default=4, help="ranks of four-ranks (and the local Ray's CPUs)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    p.add_argument(
+        "--modes", default=None, help=f"comma-separated, of {', '.join(ALL_MODES)} (default: {', '.join(CPU_MODES)}; "
+        f"on cuda {', '.join(CUDA_MODES)})",
+    )  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where one-process's state lives")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    p.add_argument("--out", default="bench_out/overlap", help="directory for overlap_stall.json and .md")
+    p.add_argument("--markdown", help="also write the table here")
+    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
+    args = p.parse_args(argv)
+    scenarios = args.scenarios.split(",")
+    if bad := [s for s in scenarios if s not in SCENARIOS]:
+        p.error(f"--scenarios: unknown {', '.join(bad)} (expected some of {', '.join(SCENARIOS)})")
+    if args.modes is not None and (bad := [m for m in args.modes.split(",") if m not in ALL_MODES]):
+        p.error(f"--modes: unknown {', '.join(bad)} (expected some of {', '.join(ALL_MODES)})")
+    if args.device == "cuda" and "four-ranks" in scenarios:
+        p.error("--device cuda: only --scenarios one-process (four-ranks runs on gloo CPU workers)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (the default --device cpu runs the CPU path)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import ray
+
+    os.makedirs(args.out, exist_ok=True)
+    cuda = args.device == "cuda"
+    modes = tuple(args.modes.split(",")) if args.modes else (CUDA_MODES if cuda else CPU_MODES)
+    shape = stack_shape(args.size_gb, args.layers)
+    report: dict[str, Any] = {
+        "command": "python -m benchmarks.overlap stall " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {
+            **machine_info(),
+            "ray": ray.__version__,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+        },
+        "args": vars(args),
+        "shape": asdict(shape),
+        "state_bytes": shape.state_bytes,
+        "modes": list(modes),
+        "records": {},
+        "errors": {},
+    }
+    root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-", dir=args.dir)
+    try:
+        with load_sampled(report):
+            for sc in args.scenarios.split(","):
+                if sc == "one-process":
+                    report["records"][sc], report["errors"][sc] = one_process(args, modes, root)
+                else:
+                    report["records"][sc] = four_ranks(args, modes, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report["summary"] = {sc: summarize_stall(recs, report["errors"].get(sc)) for sc, recs in report["records"].items()}
+    report["targets"] = stall_targets(report["summary"])
+    md = stall_markdown(report)
+    write_report(args.out, "overlap_stall", report, md, args.markdown)
+    print(md)
+    return 0

@@ -1,0 +1,264 @@
+"""A training loop's step time with a save every step and every 10 steps, rayckpt beside DCP and a bare copy.
+
+``--workers`` TorchTrainer workers (gloo, CPU) train ``model.LinearStack``
+(params + AdamW moments about ``--size-gb`` GiB), FSDP2-sharded, as
+``AppState(model, opt)``. A step: the save when one is due (every ``--every``
+steps, of the state the step before left; each interval a run of its own
+rounds), then a real forward and backward of ``--batch`` rows per worker and
+AdamW's step; so what a save costs the training beside it counts in its own
+step. A round runs every mode for ``--steps`` steps, the order rotated from
+round to round:
+
+- ``none``: no save.
+- ``copy``: each worker's share (its local tensors, found once: training updates
+  them in place) copied into buffers made beforehand (``Tensor.copy_``).
+- ``dcp``: ``torch.distributed.checkpoint.async_save`` with one reused pinned
+  ``DefaultStager`` (staged before the call returns on a CPU), its upload's
+  collectives on a gloo group of their own; as torchtitan does, its staging is
+  waited for before the next optimizer step and the previous save's upload
+  before the next save.
+- ``memory``: ``rayckpt.train.Checkpointer(memory_every=1).save(step, state,
+  persist=False)``: the memory tier, overlap by default (the optimizer's
+  tensors copied beside the next forward and backward; its step waits).
+- ``memory-sync``: the same with ``Checkpointer(overlap=False)``, where
+  ``Checkpointer`` takes ``overlap`` (otherwise left out, with a note).
+
+A step's time is the slowest worker's (the save call to the optimizer step's end);
+reported per mode: its median and mean over the steps past each round's first
+and their ratios to ``none`` and ``copy``, the save call, the seconds waited
+before the optimizer step (DCP's staging; ``rayckpt.engine.overlap.waited``),
+and the memory saves skipped (``Checkpointer.memory_skipped``: the one before
+still unwritten). Run::
+
+    .venv/bin/python -m benchmarks.overlap step
+
+A run the docs cite goes to ``benchmarks/results/overlap_step_<hardware>_<yyyymmdd>.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
+from benchmarks.overlap.ranks import fit, gather_records, read_records
+from benchmarks.overlap.report import step_markdown, summarize_step
+
+MODES = ("none", "copy", "dcp", "memory", "memory-sync")
+#: ``Checkpointer``'s ``overlap`` of each memory mode.
+MEMORY_MODES: dict[str, bool] = {"memory": True, "memory-sync": False}
+
+
+def checkpointer_takes_overlap() -> bool:
+    """Whether ``rayckpt.train.Checkpointer`` takes an ``overlap`` argument."""
+    from rayckpt.train import Checkpointer
+
+    return "overlap" in inspect.signature(Checkpointer).parameters
+
+
+class LoopSaves:
+    """One worker's saves of every mode in the training loop, and what each needs made beforehand."""
+
+    def __init__(self, app: Any, modes: tuple[str, ...], root: str) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        from rayckpt.ray.async_save import local_pieces
+        from rayckpt.train import Checkpointer
+
+        self.state = {"app": app}
+        self.root = root
+        self.rank = dist.get_rank()
+        # Made before any save: a Checkpointer made later would count as a restarted worker group.
+        self.ckpts = {
+            m: Checkpointer(memory_every=1, persist_every=10**9, **({} if ov else {"overlap": False}))
+            for m, ov in MEMORY_MODES.items()
+            if m in modes
+        }
+        if self.ckpts:  # nothing to restore: makes the staging buffers, as a run's restore does
+            next(iter(self.ckpts.values())).restore(self.state)
+        # The local tensors, found once (training updates them in place), and their copies made beforehand.
+        self.pieces = local_pieces(self.state) if "copy" in modes else []
+        self.copies = [torch.empty(p.shape, dtype=p.dtype).zero_() for p in self.pieces]
+        self.stager = DefaultStager(StagingOptions(True, False, False, False)) if "dcp" in modes else None
+        self.dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
+        #: DCP's save in flight (its upload and directory) and its staging, waited for before the optimizer step.
+        self.upload: tuple[Any, str] | None = None
+        self.staging: list[Any] = []
+
+    def save(self, mode: str, step: int) -> bool | None:
+        """Save ``step`` in ``mode``; for the memory modes, whether the save was skipped."""
+        if mode == "copy":
+            for dst, src in zip(self.copies, self.pieces):
+                dst.copy_(src)
+        elif mode == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            self._finish_dcp()  # the previous save's upload, as torchtitan waits for it
+            path = os.path.join(self.root, f"dcp-{step}")
+            response = dcp.async_save(
+                self.state, checkpoint_id=path, async_stager=self.stager, process_group=self.dcp_group
+            )
+            self.upload = (getattr(response, "upload_completion", response), path)
+            if getattr(response, "staging_completion", None) is not None:
+                self.staging.append(response.staging_completion)
+        elif mode in self.ckpts:
+            skipped = self.ckpts[mode].memory_skipped
+            self.ckpts[mode].save(step, self.state, persist=False)
+            return self.ckpts[mode].memory_skipped > skipped
+        return None
+
+    def before_step(self) -> None:
+        """Before the optimizer step: DCP's staging done (a guarded optimizer waits for rayckpt's copy itself)."""
+        while self.staging:
+            self.staging.pop().result()
+
+    def settle(self, mode: str) -> None:
+        """The mode's background work done, at the end of its steps (untimed)."""
+        self.before_step()
+        self._finish_dcp()
+        if mode in self.ckpts:
+            self.ckpts[mode].wait()
+
+    def _finish_dcp(self) -> None:
+        """Wait for DCP's save in flight (every rank's files are written once it resolves), then remove it."""
+        if self.upload is not None:
+            future, path = self.upload
+            self.upload = None
+            future.result()
+            if self.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        for ckpt in self.ckpts.values():
+            ckpt.release_memory()
+        if self.stager is not None:
+            self.stager.close()
+
+
+def step_loop(config: dict[str, Any]) -> None:
+    """Each TorchTrainer worker: its share of the FSDP2 stack, then every interval's rounds; records to rank 0.
+
+    A step that saves saves first (the state the step before left), then trains: what an overlapped
+    copy costs the forward, backward and optimizer step beside it counts in the same step.
+    """
+    import ray.train
+    import torch.distributed as dist
+
+    from rayckpt.engine import overlap
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    shape = StackShape(**config["shape"])
+    model, optim, app = build(shape, "cpu", world, seed=rank, reshard_after_forward=config["reshard_after_forward"])
+    x = batch(shape, config["batch"], seed=rank + 1)
+    modes = tuple(config["modes"])
+    saves = LoopSaves(app, modes, config["root"])
+    records: list[dict[str, Any]] = []
+    step = 0
+    for every in config["every"]:
+        for rnd in range(config["rounds"]):
+            for mode in rotated(modes, rnd):
+                dist.barrier()
+                for i in range(config["steps"]):
+                    step += 1
+                    start = time.perf_counter()
+                    saved = mode != "none" and i % every == every - 1
+                    skipped = saves.save(mode, step) if saved else None
+                    called = time.perf_counter()
+                    waited = overlap.waited[0]
+                    wait = train_step(model, optim, x, saves.before_step) + overlap.waited[0] - waited
+                    records.append(
+                        {
+                            "every": every,
+                            "round": rnd,
+                            "mode": mode,
+                            "i": i,
+                            "step": step,
+                            "rank": rank,
+                            "step_s": time.perf_counter() - start,
+                            "save_s": called - start,
+                            "wait_s": wait,
+                            "saved": saved,
+                            "skipped": skipped,
+                        }
+                    )
+                saves.settle(mode)
+    gather_records(records, config["result"])
+    saves.close()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_model_args(p)
+    p.add_argument("--every", type=int, nargs="+", default=[1, 10], help="save every N steps (each N its own rounds)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
+    p.add_argument("--steps", type=int, default=20, help="steps per mode per round")
+    p.add_argument("--workers", type=int, default=4, help="TorchTrainer workers (the local Ray's CPUs)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--dir", default=None, help="where DCP's checkpoints go (default: a temporary directory)")
+    p.add_argument("--out", default="bench_out/overlap", help="directory for overlap_step.json and .md")
+    p.add_argument("--markdown", help="also write the table here")
+    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
+    args = p.parse_args(argv)
+    if bad := [m for m in args.modes.split(",") if m not in MODES]:
+        p.error(f"--modes: unknown {', '.join(bad)} (expected some of {', '.join(MODES)})")
+    if any(n < 1 for n in args.every):
+        p.error("--every: expected whole numbers >= 1")
+    if args.steps < 2:
+        p.error("--steps: expected at least 2 (each round's first step of a mode is not counted)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import ray
+
+    os.makedirs(args.out, exist_ok=True)
+    modes = args.modes.split(",")
+    notes = []
+    if "memory-sync" in modes and not checkpointer_takes_overlap():
+        modes.remove("memory-sync")
+        notes.append("memory-sync: not run: rayckpt.train.Checkpointer takes no `overlap` argument in this version.")
+    shape = stack_shape(args.size_gb, args.layers)
+    report: dict[str, Any] = {
+        "command": "python -m benchmarks.overlap step " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {**machine_info(), "ray": ray.__version__, "device": "cpu"},
+        "args": vars(args),
+        "shape": asdict(shape),
+        "state_bytes": shape.state_bytes,
+        "modes": modes,
+        "notes": notes,
+    }
+    root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-step-", dir=args.dir)
+    result = os.path.join(args.out, "overlap_step.ranks.json")
+    config = {
+        "shape": asdict(shape),
+        "modes": modes,
+        "root": root,
+        "result": result,
+        **{k: getattr(args, k) for k in ("batch", "reshard_after_forward", "every", "rounds", "steps")},
+    }
+    try:
+        with load_sampled(report):
+            fit(step_loop, config, args.workers, args.out, args.ray_logs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report["records"] = read_records(result)
+    report["summary"] = summarize_step(report["records"])
+    md = step_markdown(report)
+    write_report(args.out, "overlap_step", report, md, args.markdown)
+    print(md)
+    return 0
