@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..bounded import BoundedMap
 from ..errors import CorruptCheckpointError, InvalidStateError
 from ..format.boxes import Box
 from ..format.paths import Path, join_path, path_part
@@ -222,13 +223,27 @@ def _dtensor_pieces(key: str, t: DTensor) -> tuple[Piece, ...]:
     local = t.to_local()
     if hasattr(local, "__create_chunk_list__"):
         return _listed_pieces(key, shape, local)
-    local_shape, offsets = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+    local_shape, offsets = _local_box(shape, t.device_mesh, t.placements)
     if tuple(local.shape) != tuple(local_shape):
         raise InvalidStateError(
             f"key {key!r}: local shard shape {list(local.shape)} does not match the "
             f"placement's {list(local_shape)} (padded or strided sharding is not supported)"
         )
     return (Piece(Box(tuple(offsets), tuple(local_shape)), local),)
+
+
+#: This rank's (local shape, global offsets) per DTensor (global shape, mesh, placements): the same
+#: for every parameter of one shape, and the computation is the most of what flattening a DTensor costs.
+_LOCAL_BOXES: BoundedMap[tuple[Any, ...], tuple[Any, Any]] = BoundedMap(4096)
+
+
+def _local_box(shape: tuple[int, ...], mesh: Any, placements: Any) -> tuple[Any, Any]:
+    key = (shape, mesh, tuple(placements))
+    found = _LOCAL_BOXES.get(key)
+    if found is None:
+        found = compute_local_shape_and_global_offset(shape, mesh, placements)
+        _LOCAL_BOXES.put(key, found)
+    return found
 
 
 def _listed_pieces(key: str, shape: tuple[int, ...], local: Any) -> tuple[Piece, ...]:
