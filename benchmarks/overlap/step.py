@@ -20,8 +20,7 @@ round to round:
 - ``memory``: ``rayckpt.train.Checkpointer(memory_every=1).save(step, state,
   persist=False)``: the memory tier, overlap by default (the optimizer's
   tensors copied beside the next forward and backward; its step waits).
-- ``memory-sync``: the same with ``Checkpointer(overlap=False)``, where
-  ``Checkpointer`` takes ``overlap`` (otherwise left out, with a note).
+- ``memory-sync``: the same with ``Checkpointer(overlap=False)``.
 
 A step's time is the slowest worker's (the save call to the optimizer step's end);
 reported per mode: its median and mean over the steps past each round's first
@@ -38,7 +37,6 @@ A run the docs cite goes to ``benchmarks/results/overlap_step_<hardware>_<yyyymm
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import shutil
 import sys
@@ -55,13 +53,6 @@ from benchmarks.overlap.report import step_markdown, summarize_step
 MODES = ("none", "copy", "dcp", "memory", "memory-sync")
 #: ``Checkpointer``'s ``overlap`` of each memory mode.
 MEMORY_MODES: dict[str, bool] = {"memory": True, "memory-sync": False}
-
-
-def checkpointer_takes_overlap() -> bool:
-    """Whether ``rayckpt.train.Checkpointer`` takes an ``overlap`` argument."""
-    from rayckpt.train import Checkpointer
-
-    return "overlap" in inspect.signature(Checkpointer).parameters
 
 
 class LoopSaves:
@@ -228,9 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     modes = args.modes.split(",")
     notes = []
-    if "memory-sync" in modes and not checkpointer_takes_overlap():
-        modes.remove("memory-sync")
-        notes.append("memory-sync: not run: rayckpt.train.Checkpointer takes no `overlap` argument in this version.")
     shape = stack_shape(args.size_gb, args.layers)
     report: dict[str, Any] = {
         "command": "python -m benchmarks.overlap step " + " ".join(sys.argv[1:] if argv is None else argv),
