@@ -1,4 +1,5 @@
-"""The GPU path on a real CUDA device: FSDP2 with nccl, loads into CUDA targets, staging from device memory.
+"""The GPU path on a real CUDA device: FSDP2 with nccl, loads into CUDA targets, staging from device memory,
+saves whose copies run on a side stream beside the next step.
 
 Skipped where no CUDA device is visible (CI, the CPU machines); run with
 ``pytest tests/gpu`` on a GPU machine. With one GPU, nccl groups have one rank
@@ -15,12 +16,16 @@ import torch
 
 import rayckpt
 from rayckpt.engine import device
+from rayckpt.engine.app_state import AppState
 from rayckpt.engine.device import HostToDevice
+from rayckpt.errors import SaveFailedError
 from rayckpt.ray import async_save, staging
 from rayckpt.ray.staging import StagingBuffer
 from rayckpt.ray.writer.regions import open_region
 from rayckpt.testing.multiproc import run_ranks
+from rayckpt.testing.toy import full_state
 from tests.helpers import gpu_workers
+from tests.helpers.copy_gate import CopyGate
 
 pytestmark = [
     pytest.mark.slow,
@@ -180,3 +185,63 @@ def test_async_save_from_cuda_stall_measured_by_cuda_events(ray_session, tmp_pat
     target = {"w": torch.zeros(4096, 4096, device="cuda"), "step": 0}
     rayckpt.load(target, path)
     assert torch.equal(target["w"], state["w"]) and target["step"] == 1
+
+
+def trained_on(dev: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small MLP on ``dev`` with AdamW, one step in (the optimizer holds its moments)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)).to(dev)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    one_step(model, optim, seed)
+    return model, optim
+
+
+def one_step(model: torch.nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(seed)).to(next(model.parameters()).device)
+    optim.zero_grad()
+    model(x).pow(2).mean().backward()
+    optim.step()
+
+
+def test_an_overlapped_save_from_cuda_is_copied_beside_the_next_step_which_waits_for_it(
+    ray_session, tmp_path, monkeypatch
+):
+    model, optim = trained_on("cuda", seed=0)
+    ema = torch.randn(300, 7, device="cuda")  # not the optimizer's: copied before save_async returns
+    gate = CopyGate(optim, patch=monkeypatch.setattr)  # the copy's wait on the side stream, held to the next step
+    app = AppState(model, optim, ema=ema)  # guards the optimizer: its step waits for the copy, after the gate opens
+    gate.close()
+    handle = async_save.save_async({"app": app}, str(tmp_path / "ck"), run="gpu-overlap", step=1)
+    expected = full_state(app)  # on the CPU, taken before the next step
+    optim_bytes = sum(t.nbytes for t in model.parameters()) + sum(
+        v.nbytes for s in optim.state.values() for v in s.values()
+    )
+    assert handle.late_bytes == optim_bytes and not handle.copied()
+    ema.add_(1)  # its bytes are in the buffer already
+    one_step(model, optim, seed=1)  # the forward and backward beside the copy; the step waits for it
+    assert handle.copied() and handle.copy_seconds is not None
+    assert handle.wait().status == "committed"
+    target_model, target_optim = trained_on("cpu", seed=1)
+    target = AppState(target_model, target_optim, ema=torch.zeros(300, 7))
+    rayckpt.load({"app": target}, str(tmp_path / "ck"))
+    loaded = full_state(target)
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), key
+    assert not torch.equal(expected["app.model.0.weight"], model[0].weight.detach().cpu())  # the step went on
+
+
+def test_a_parameter_changed_in_place_before_its_copy_from_cuda_is_done_fails_the_save(
+    ray_session, tmp_path, monkeypatch
+):
+    model, optim = trained_on("cuda", seed=0)
+    gate = CopyGate(optim, patch=monkeypatch.setattr)
+    app = AppState(model, optim)
+    gate.close()
+    handle = async_save.save_async({"app": app}, str(tmp_path / "ck"), run="gpu-torn", step=1)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # not by the optimizer's step: nothing waits for the copy
+    gate.open.set()
+    with pytest.raises(SaveFailedError, match=r"key 'app\.model\.0\.weight' was changed in place"):
+        handle.wait()
+    assert not (tmp_path / "ck" / "manifest.json").exists()

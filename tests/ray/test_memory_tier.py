@@ -13,22 +13,15 @@ import torch
 
 import rayckpt
 from rayckpt.ray.memory_fs import memory_filesystem
-from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.writer.actor import get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
-from tests.helpers.ray_train import fit
+from tests.helpers.ray_train import fit, memory_steps
 
 pytestmark = pytest.mark.slow
 
 
 def step_dirs(storage, run: str) -> list[str]:
     return sorted(n for n in os.listdir(storage / run) if n.startswith("rayckpt-step-"))
-
-
-def memory_steps(run: str) -> list[int]:
-    fs = memory_filesystem()
-    entries = ray.get(get_metadata_actor().register_run.remote(f"{run}@memory", f"mem/{run}", fs))
-    return [e.step for e in entries if e.status == "committed"]
 
 
 def flip_a_byte(path: str, offset: int) -> None:
