@@ -296,6 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.out = os.path.abspath(args.out)  # the workers run in another directory
     import ray
 
     os.makedirs(args.out, exist_ok=True)

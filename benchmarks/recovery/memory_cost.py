@@ -342,6 +342,7 @@ def gpu_name(device: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.out = os.path.abspath(args.out)  # the workers run in another directory
     os.makedirs(args.out, exist_ok=True)
     shapes = layer_shapes(args.size_mb)
     report: dict[str, Any] = {
