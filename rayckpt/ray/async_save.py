@@ -216,16 +216,7 @@ class AsyncSaver:
                 # With no buffer made beforehand (prepare_staging), this makes it: the first save pays for it.
                 # Through the object store instead, while the buffer is made in the background, that first
                 # stall is longer still (the object store maps and zeroes fresh pages too).
-                return launch(
-                    buffer,
-                    ctx,
-                    node_id,
-                    in_use=in_use,
-                    overlap=copying.overlap,
-                    send=copying.send,
-                    fail=copying.fail,
-                    started=copying.started,
-                )
+                return launch(buffer, ctx, node_id, in_use=in_use, copying=copying)
             except StagingUnavailable:
                 if staging == "shm":
                     raise

@@ -111,17 +111,15 @@ def launch(
     node_id: str,
     *,
     in_use: bool,
-    overlap: bool | str,
-    send: Callable[[StagedRegion], Any],
-    fail: Callable[[str], None],
-    started: float,
+    copying: Copying,
 ) -> tuple[StagedRegion, CopyJob]:
     """Copy this rank's share into ``buffer``: now, or partly on a background thread (see the module).
 
     Raises (before returning) what the copy now raises: ``StagingUnavailable``, or
     ``TornCopy`` when a tensor copied now changed during it; the background copy
-    reports its failure through ``fail`` instead.
+    reports its failure through ``copying.fail`` instead.
     """
+    overlap, send, fail, started = copying.overlap, copying.send, copying.fail, copying.started
     pieces = chunk_pieces(ctx.plan, ctx.flat)
     versions = versions_of(ctx, pieces)
     late = late_pieces(pieces, overlap)

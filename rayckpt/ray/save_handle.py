@@ -89,7 +89,6 @@ class SaveHandle:
         self.staging = "shm" if isinstance(staged_ref, StagedRegion) else "object_store"
         self._ckdir = ckdir
         self._copy = copy
-        self.late_bytes: int = copy.late_bytes
         self._staged_ref = staged_ref
         self._timeout = timeout
         self._entry: CatalogEntry | None = None
@@ -140,6 +139,11 @@ class SaveHandle:
             True once the copy is over; False if ``timeout`` ran out first.
         """
         return self._copy.wait_copied(timeout)
+
+    @property
+    def late_bytes(self) -> int:
+        """Bytes of this rank's share copied after ``save_async`` returned (0: none)."""
+        return self._copy.late_bytes
 
     @property
     def copy_seconds(self) -> float | None:
