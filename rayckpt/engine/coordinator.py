@@ -3,7 +3,8 @@
 The engine needs ``all_gather`` of small picklable objects, and ``gather`` to rank 0
 plus ``scatter`` from it (``plan_at_root``: one rank plans, each gets its part). With no process
 group there is one rank and every call is local; with ``torch.distributed``
-initialized, calls go over the group (gloo or nccl). On Ray too the ranks agree
+initialized, calls go over the group (gloo or nccl; on a host group ``gather`` and
+``scatter`` take one collective each, ``slots``). On Ray too the ranks agree
 through their process group (Ray Train sets one up); the MetadataActor only
 commits and plans, it is not a collective.
 
@@ -27,6 +28,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 from .. import errors
 from ..errors import RayckptError, describe_error
+from . import slots
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +85,20 @@ class ProcessGroupCoordinator:
         """The global rank of the group's rank 0 (what ``gather_object`` / ``scatter_object_list`` take)."""
         return 0 if self._group is None else self._dist.get_global_rank(self._group, 0)
 
+    def _on_host(self) -> bool:
+        """Whether the group's object collectives run on host tensors (gloo), where ``slots`` applies."""
+        return self._dist.distributed_c10d._get_object_coll_device(self._group) == "cpu"
+
     def gather(self, obj: Any) -> list[Any] | None:
+        if self._on_host():
+            return slots.gather(self._dist, self._group, self.rank, self.world_size, obj)
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         self._dist.gather_object(obj, out, dst=self._root(), group=self._group)
         return out
 
     def scatter(self, objs: list[Any] | None) -> Any:
+        if self._on_host():
+            return slots.scatter(self._dist, self._group, self.rank, self.world_size, objs)
         out: list[Any] = [None]
         self._dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._root(), group=self._group)
         return out[0]

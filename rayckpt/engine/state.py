@@ -220,7 +220,10 @@ def _dtensor_pieces(key: str, t: DTensor) -> tuple[Piece, ...]:
         # A mesh of some ranks only (a sub-mesh): the others hold nothing of it, as in DCP.
         return ()
     shape = tuple(t.shape)
-    local = t.to_local()
+    # The local shard itself: ``to_local()`` runs an autograd function to make a view of it on every call.
+    local = getattr(t, "_local_tensor", None)
+    if local is None:
+        local = t.to_local()
     if hasattr(local, "__create_chunk_list__"):
         return _listed_pieces(key, shape, local)
     local_shape, offsets = _local_box(shape, t.device_mesh, t.placements)

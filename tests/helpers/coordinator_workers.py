@@ -15,6 +15,35 @@ def _plan(values: list[int]) -> list[tuple[int, int]]:
     return [(v, sum(values)) for v in values]
 
 
+def count_collectives() -> dict[str, int]:
+    """Count this process's calls of ``torch.distributed``'s collectives and point-to-point sends, by name."""
+    counts: dict[str, int] = {}
+    for name in ("gather", "scatter", "broadcast", "all_gather", "all_reduce", "send", "recv"):
+        real = getattr(dist, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return counts
+
+
+def payload_worker(rank: int, world_size: int, sizes: list[int]) -> dict[str, Any]:
+    """``plan_at_root`` where rank r sends ``sizes[r]`` bytes and gets back everyone's total and its own bytes;
+    returns what it got and the collectives it ran."""
+    coord = ProcessGroupCoordinator()
+    counts = count_collectives()
+
+    def plan(values: list[bytes]) -> list[tuple[int, bytes]]:
+        total = sum(len(v) for v in values)
+        return [(total, v[::-1]) for v in values]
+
+    mine = bytes([rank + 1]) * sizes[rank]
+    total, back = plan_at_root(coord, "test", lambda: mine, plan, RayckptError)
+    return {"total": total, "back_ok": back == mine[::-1], "counts": dict(counts)}
+
+
 def plan_worker(rank: int, world_size: int, fail: str) -> dict[str, Any]:
     """``plan_at_root`` on the world group, then on the subgroup of ranks 1..N-1 (root: global rank 1).
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from rayckpt.engine.slots import SLOT_BYTES
 from rayckpt.testing.multiproc import run_ranks
-from tests.helpers.coordinator_workers import plan_worker
+from tests.helpers.coordinator_workers import payload_worker, plan_worker
 
 pytestmark = pytest.mark.slow
 
@@ -32,3 +33,16 @@ def test_a_failure_on_any_rank_is_raised_on_every_rank_naming_it(fail, kind, tex
         assert name == kind
         assert msg.startswith("load (planning) failed on 1 of 3 rank(s):") and text in msg
     assert [r["sub"] for r in results[1:]] == [(100, 300), (200, 300)]  # the groups still work afterwards
+
+
+def test_small_objects_take_one_gather_and_one_scatter_and_large_ones_the_rest_point_to_point():
+    small = run_ranks(payload_worker, 3, [10, 20, 30])
+    assert [r["total"] for r in small] == [60] * 3 and all(r["back_ok"] for r in small)
+    assert [r["counts"] for r in small] == [{"gather": 1, "scatter": 1}] * 3
+    # rank 1's object and rank 0's answer to rank 1 overflow their slots: only ranks 0 and 1 exchange the rest
+    sizes = [10, 3 * SLOT_BYTES, 30]
+    large = run_ranks(payload_worker, 3, sizes)
+    assert [r["total"] for r in large] == [sum(sizes)] * 3 and all(r["back_ok"] for r in large)
+    assert large[0]["counts"] == {"gather": 1, "scatter": 1, "recv": 1, "send": 1}
+    assert large[1]["counts"] == {"gather": 1, "scatter": 1, "send": 1, "recv": 1}
+    assert large[2]["counts"] == {"gather": 1, "scatter": 1}
