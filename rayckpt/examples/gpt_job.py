@@ -2,7 +2,8 @@
 
 ``python jobs/train.py`` joins the Ray cluster ``--address`` names (default: Ray's
 own resolution: ``RAY_ADDRESS``, else the cluster last started on this machine
-with ``ray start``, else a new local Ray). ``--resume`` continues the run's latest
+with ``ray start``, else a new local Ray; ``rayckpt.ray.joining`` finds a dead
+address out in seconds). ``--resume`` continues the run's latest
 committed checkpoint with any ``--num-workers``: the global batch of a step is
 fixed and split evenly across workers, and the LR schedule's horizon is stored in
 the checkpoint, so a resumed run follows the same trajectory as one that never
@@ -277,13 +278,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from ..ray.joining import ClusterUnreachableError, cluster_address
     from ..train.callback import RayckptCallback
 
     check_storage(args.storage_path)
     resume = check_resume(args.storage_path, args.run_name, resume=args.resume, resume_if_exists=args.resume_if_exists)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=args.address)
+        try:  # a dead cluster's address is found out in seconds, not retried for minutes by ray.init
+            address = cluster_address(args.address)
+        except ClusterUnreachableError as exc:
+            raise JobConfigError(str(exc)) from exc
+        ray.init(address=address)
     try:
         cluster = ray.cluster_resources()
         if args.skip_resource_check:
@@ -327,8 +333,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, train, print the summary as one JSON object on the last line of stdout.
 
-    A ``JobConfigError`` (the run to resume, the cluster's resources) is one
-    ``error:`` line on stderr and exit status 2, like a bad flag.
+    A ``JobConfigError`` (the run to resume, a cluster that does not answer, the
+    cluster's resources) is one ``error:`` line on stderr and exit status 2, like a bad flag.
     """
     try:
         summary = run(parse_args(argv))

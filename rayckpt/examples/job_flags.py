@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Ray cluster to join, as ray.init(address=...): HOST:PORT, 'auto' (a running cluster or fail), "
         "'local' (always a new one); default: RAY_ADDRESS, else the cluster last started on this machine with "
-        "'ray start', else a new local Ray",
+        "'ray start' (skipped with a warning when it does not answer), else a new local Ray; an address that "
+        "does not answer within seconds is refused",
     )
     p.add_argument("--gpus", action="store_true", help="one GPU per worker with nccl (default: CPU with gloo)")
     p.add_argument(

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
 import subprocess
+import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers.ray_head import TINY, error_line, ray_head, submit, submit_and_kill_a_worker, train_py
+from tests.helpers.ray_head import ROOT, TINY, error_line, ray_head, submit, submit_and_kill_a_worker, train_py
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +54,46 @@ def test_requests_that_cannot_run_fail_at_once_with_one_line(cluster, tmp_path):
     needs = "error: --num-workers 12 x 1 CPUs per worker needs 12 CPUs, but the Ray cluster has 8"
     assert error_line(proc).startswith(needs)
     assert not os.path.exists(os.path.join(storage, "gpt-demo")), "no run directory was made"
+
+
+def dead_address() -> str:
+    """A loopback address nothing listens at (a port bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_head_that_died_without_ray_stop_is_found_out_in_seconds_not_waited_for():
+    tmp = tempfile.mkdtemp(prefix="rk-stale-", dir="/tmp")  # short: Ray's socket paths live under it
+    try:
+        os.makedirs(os.path.join(tmp, "ray"))
+        stale = os.path.join(tmp, "ray", "ray_current_cluster")
+        address = dead_address()
+        with open(stale, "w") as f:
+            f.write(address)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RAY_TMPDIR=tmp, OMP_NUM_THREADS="1")
+
+        def job(*flags: str) -> subprocess.CompletedProcess:
+            storage = os.path.join(tmp, "ckpts")
+            cmd = [sys.executable, "jobs/train.py", "--storage-path", storage, *flags, *TINY]
+            return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+        # --address auto: a running cluster or fail, so it fails, naming the address and the file.
+        line = error_line(job("--address", "auto"))
+        assert line.startswith(f"error: --address auto: the cluster last started on this machine ({address}, from")
+        assert stale in line and "--address local" in line
+        # The default: the stale file is skipped with one WARNING and a new local Ray starts (its 2 CPUs
+        # are what the resource check then reports).
+        proc = job("--num-workers", "12", "--cpus-per-worker", "1")
+        warnings = [x for x in proc.stderr.splitlines() if "does not answer: it stopped without `ray stop`" in x]
+        assert len(warnings) == 1 and address in warnings[0] and stale in warnings[0], proc.stderr[-4000:]
+        assert error_line(proc).startswith("error: --num-workers 12 x 1 CPUs per worker needs 12 CPUs")
+        # An address named outright that does not answer: refused, saying what to do.
+        line = error_line(job("--address", address))
+        assert line.startswith(f"error: the Ray cluster at {address} (from --address) does not answer within")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupted_loss(cluster, tmp_path):

@@ -98,9 +98,10 @@ def test_each_layer_imports_only_the_layers_below_it(layer):
 
 
 #: The Ray layer's rooms, bottom up: a module of a room may import the rooms listed for it (and its own).
-#: ``shared``: what every process of the layer uses (names and lookups, records, the node's shared memory,
-#: metrics); the MetadataActor's process; the memory tier's node side (held in the ShardWriter's process);
-#: the ShardWriter; the memory tier as a filesystem (any process; it starts a node's writer); the rank side.
+#: ``shared``: what every process of the layer uses (names and lookups, the cluster to join, records, the
+#: node's shared memory, metrics); the MetadataActor's process; the memory tier's node side (held in the
+#: ShardWriter's process); the ShardWriter; the memory tier as a filesystem (any process; it starts a
+#: node's writer); the rank side.
 RAY_ROOMS = {
     "shared": set(),
     "metadata": {"shared"},
@@ -109,7 +110,7 @@ RAY_ROOMS = {
     "memory_fs": {"shared", "memory", "writer"},
     "rank": {"shared", "metadata", "memory", "writer", "memory_fs"},
 }
-SHARED = {"actors", "records", "shm", "metrics"}
+SHARED = {"actors", "records", "shm", "metrics", "joining"}
 
 
 def ray_room(module: str) -> str:
