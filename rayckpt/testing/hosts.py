@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 BIN = os.path.dirname(sys.executable)
 #: The tools building hosts takes from PATH.
@@ -132,7 +133,7 @@ class Host:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         graceful: bool = False,
-        **kwargs,
+        **kwargs: Any,
     ) -> subprocess.Popen:
         """Start ``cmd`` on the host, in a session (and process group) of its own, killed by ``close()``.
 
