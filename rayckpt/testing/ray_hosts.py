@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -33,7 +34,14 @@ RAY_ENV = {
 _NODES_SNIPPET = """
 import sys, time, ray
 address, want, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
-ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+while True:  # the head's GCS may answer before it knows the head node
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        break
+    except Exception:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.5)
 while True:
     alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     if len(alive) >= want or time.monotonic() > deadline:
@@ -173,13 +181,27 @@ def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int
         with open(_log_path(hosts, host), "w") as log:
             proc = host.popen(cmd, graceful=True, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         cluster.ray_procs.append(proc)
-        # The others join once the head's GCS answers.
-        if host is head and len(on) > 1 and not head.can_connect(head.ip, RAY_PORT, timeout=START_TIMEOUT_S):
-            raise RuntimeError(f"the Ray head did not listen on {cluster.address}:\n{_log(hosts, head)}")
-    alive = cluster.ray_nodes(want=len(on))
+        if host is head:  # the others join once the head's GCS answers
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not head.can_connect(head.ip, RAY_PORT, timeout=1.0):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the Ray head did not listen on {cluster.address}:\n{_log(hosts, head)}")
+    # One driver on host 0 waits for the nodes, while every node is watched: one that exits ends the wait.
+    args = [cluster.address, str(len(on)), str(START_TIMEOUT_S)]
+    waiter = head.popen([sys.executable, "-c", _NODES_SNIPPET, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while waiter.poll() is None and all(proc.poll() is None for proc in cluster.ray_procs):
+        time.sleep(0.1)
+    if waiter.poll() is None:
+        waiter.kill()
+    out, err = waiter.communicate()
+    for host, proc in zip(on, cluster.ray_procs):
+        if proc.poll() is not None:
+            why = f"status {proc.returncode}"
+            raise RuntimeError(f"`ray start` exited on host {host.index} ({why}):\n{_log(hosts, host)}")
+    alive = out.decode().split()
     if alive != sorted(host.ip for host in on):
         logs = "\n".join(_log(hosts, host) for host in on)
-        raise RuntimeError(f"Ray has the nodes {alive}, not one on each host:\n{logs}")
+        raise RuntimeError(f"Ray has the nodes {alive}, not one on each host:\n{err.decode()[-2000:]}\n{logs}")
     return cluster
 
 

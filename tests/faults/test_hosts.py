@@ -126,3 +126,14 @@ def test_a_build_that_fails_half_way_leaves_nothing():
         build_hosts(2, shm_mb=-1)  # the switch and host 0's namespace made, its tmpfs refused
     assert set(os.listdir("/tmp")) - dirs == set()
     assert set(netns_names()) - namespaces == set()
+
+
+def test_a_ray_node_that_fails_to_start_leaves_nothing():
+    reason = hosts_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    dirs, namespaces = set(os.listdir("/tmp")), set(netns_names())
+    with pytest.raises(RuntimeError, match="`ray start` exited on host 0"):
+        build_ray_hosts(2, object_store_mb=1)  # below Ray's smallest object store: `ray start` exits
+    assert set(os.listdir("/tmp")) - dirs == set()
+    assert set(netns_names()) - namespaces == set()
