@@ -252,7 +252,8 @@ class Hosts:
             except subprocess.TimeoutExpired:
                 pass
         for proc in procs:
-            _signal(proc.pid, signal.SIGKILL, group=True)
+            if proc.poll() is None:  # its pid (and group id) not reaped, so not reused: still this group's
+                _signal(proc.pid, signal.SIGKILL, group=True)
         deadline = time.monotonic() + 30
         while (left := self.pids()) and time.monotonic() < deadline:
             for pid in left:

@@ -188,12 +188,15 @@ def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int
                     raise RuntimeError(f"the Ray head did not listen on {cluster.address}:\n{_log(hosts, head)}")
     # One driver on host 0 waits for the nodes, while every node is watched: one that exits ends the wait.
     args = [cluster.address, str(len(on)), str(START_TIMEOUT_S)]
-    waiter = head.popen([sys.executable, "-c", _NODES_SNIPPET, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    while waiter.poll() is None and all(proc.poll() is None for proc in cluster.ray_procs):
-        time.sleep(0.1)
-    if waiter.poll() is None:
-        waiter.kill()
-    out, err = waiter.communicate()
+    with open(f"{hosts.root}/nodes.log", "w+") as err:
+        waiter = head.popen([sys.executable, "-c", _NODES_SNIPPET, *args], stdout=subprocess.PIPE, stderr=err)
+        while waiter.poll() is None and all(proc.poll() is None for proc in cluster.ray_procs):
+            time.sleep(0.1)
+        if waiter.poll() is None:
+            waiter.kill()
+        out = waiter.communicate()[0]
+        err.seek(0)
+        driver = err.read()[-2000:]
     for host, proc in zip(on, cluster.ray_procs):
         if proc.poll() is not None:
             why = f"status {proc.returncode}"
@@ -201,7 +204,7 @@ def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int
     alive = out.decode().split()
     if alive != sorted(host.ip for host in on):
         logs = "\n".join(_log(hosts, host) for host in on)
-        raise RuntimeError(f"Ray has the nodes {alive}, not one on each host:\n{err.decode()[-2000:]}\n{logs}")
+        raise RuntimeError(f"Ray has the nodes {alive}, not one on each host:\n{driver}\n{logs}")
     return cluster
 
 
