@@ -25,6 +25,28 @@ server = socket.create_server((sys.argv[1], int(sys.argv[2])))
 while True:
     server.accept()[0].close()
 """
+#: Run on host 0: a task on each host given (by address), and an object made on the last one read on the first.
+ON_EACH = """
+import sys, ray, numpy as np
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+ips = sys.argv[2:]
+
+@ray.remote(num_cpus=0)
+def where():
+    return ray.util.get_node_ip_address()
+
+@ray.remote(num_cpus=0)
+def make():
+    return np.arange(4 << 20, dtype=np.uint8)
+
+@ray.remote(num_cpus=0)
+def total(a):
+    return int(a.sum(dtype=np.int64)), ray.util.get_node_ip_address()
+
+print(*ray.get([where.options(resources={f"node:{ip}": 0.01}).remote() for ip in ips]))
+made = make.options(resources={f"node:{ips[-1]}": 0.01}).remote()
+print(*ray.get(total.options(resources={f"node:{ips[0]}": 0.01}).remote(made)))
+"""
 #: Run on a host: write ``argv[3]`` to the object ``argv[2]`` at the S3 endpoint ``argv[1]``, or print it if no
 #: ``argv[3]``.
 S3_OBJECT = """
@@ -83,6 +105,16 @@ def test_three_ray_hosts_with_their_own_addresses_shm_and_disks(hosts: RayHosts)
     assert hosts[2].run(["test", "-e", f"{hosts[2].disk}/{name}"]).returncode == 1
     assert os.listdir(hosts[1].disk_outside) == [name]
     assert os.listdir(hosts[2].disk_outside) == []
+
+
+def test_ray_runs_a_task_on_each_host_and_moves_an_object_between_them(hosts: RayHosts):
+    ips = [host.ip for host in hosts]
+    ran = hosts[0].python(ON_EACH, hosts.address, *ips, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    where, moved = ran.stdout.splitlines()
+    assert where.split() == ips
+    expected = int(sum(range(256)) * ((4 << 20) // 256))
+    assert moved.split() == [str(expected), ips[0]]
 
 
 def test_the_s3_host_serves_every_host(hosts: RayHosts):
