@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import rayckpt.testing.hosts as hosts_module
 from rayckpt.testing.hosts import build_hosts, hosts_unavailable
 from rayckpt.testing.ray_hosts import RAY_PORT, RayHosts, build_ray_hosts
 
@@ -149,23 +150,36 @@ def test_closing_leaves_nothing(hosts: RayHosts):
     hosts.close()  # a second time: nothing to do, nothing raised
 
 
-def test_a_build_that_fails_half_way_leaves_nothing():
+@pytest.fixture
+def prefixes(monkeypatch) -> list[str]:
+    """The name prefix of every set of hosts built in the test (namespaces and ``/tmp/<prefix>``)."""
     reason = hosts_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    dirs, namespaces = set(os.listdir("/tmp")), set(netns_names())
+    made: list[str] = []
+    original = hosts_module.new_prefix
+
+    def new_prefix() -> str:
+        made.append(original())
+        return made[-1]
+
+    monkeypatch.setattr(hosts_module, "new_prefix", new_prefix)
+    return made
+
+
+def left_of(prefixes: list[str]) -> list[str]:
+    """The namespaces and directories of ``prefixes`` still there."""
+    dirs = [f"/tmp/{prefix}" for prefix in prefixes if os.path.exists(f"/tmp/{prefix}")]
+    return dirs + [name for name in netns_names() if name.startswith(tuple(prefixes))]
+
+
+def test_a_build_that_fails_half_way_leaves_nothing(prefixes: list[str]):
     with pytest.raises(RuntimeError, match="mounts failed"):
         build_hosts(2, shm_mb=-1)  # the switch and host 0's namespace made, its tmpfs refused
-    assert set(os.listdir("/tmp")) - dirs == set()
-    assert set(netns_names()) - namespaces == set()
+    assert len(prefixes) == 1 and left_of(prefixes) == []
 
 
-def test_a_ray_node_that_fails_to_start_leaves_nothing():
-    reason = hosts_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    dirs, namespaces = set(os.listdir("/tmp")), set(netns_names())
+def test_a_ray_node_that_fails_to_start_leaves_nothing(prefixes: list[str]):
     with pytest.raises(RuntimeError, match="`ray start` exited on host 0"):
         build_ray_hosts(2, object_store_mb=1)  # below Ray's smallest object store: `ray start` exits
-    assert set(os.listdir("/tmp")) - dirs == set()
-    assert set(netns_names()) - namespaces == set()
+    assert len(prefixes) == 1 and left_of(prefixes) == []
