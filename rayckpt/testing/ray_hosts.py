@@ -1,0 +1,233 @@
+"""A Ray cluster on hosts of one machine (``rayckpt.testing.hosts``): a Ray node on each, and an S3 host.
+
+Host 0 runs ``ray start --head --block``, the others ``ray start --address <head> --block``,
+each with its own address (``--node-ip-address``), CPUs and Ray temp dir, as on
+machines of their own. Optionally one more host, without Ray, serves S3 (``moto_server``
+on its own address). The address of the cluster and of the S3 endpoint are reachable
+from the hosts only: run what talks to them on a host (``Host.run``, ``Host.python``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from rayckpt.testing.hosts import BIN, Host, Hosts, build_hosts
+from rayckpt.testing.s3_server import S3_ENV, S3Endpoint
+
+#: The head's GCS port on host 0, and the S3 host's port (each host has a network stack of its own).
+RAY_PORT = 6379
+S3_PORT = 9000
+START_TIMEOUT_S = 120.0
+#: Every host process's environment has these. A node stops at once on SIGTERM rather than first asking
+#: the GCS to drain it: a node cut off from the GCS would wait out the whole drain.
+RAY_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+}
+
+#: Run on host 0: wait until Ray has ``want`` alive nodes, then print their addresses, one a line.
+_NODES_SNIPPET = """
+import sys, time, ray
+address, want, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+while True:  # the head's GCS may answer before it knows the head node
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        break
+    except Exception:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.5)
+while True:
+    alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+    if len(alive) >= want or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
+print("\\n".join(alive))
+"""
+
+#: Run on the S3 host: create the bucket ``argv[2]`` at the endpoint ``argv[1]``.
+_BUCKET_SNIPPET = """
+import os, sys
+import pyarrow.fs as pafs
+pafs.S3FileSystem(
+    endpoint_override=sys.argv[1], scheme="http", access_key=os.environ["AWS_ACCESS_KEY_ID"],
+    secret_key=os.environ["AWS_SECRET_ACCESS_KEY"], region=os.environ["AWS_REGION"], allow_bucket_creation=True,
+).create_dir(sys.argv[2])
+"""
+
+
+@dataclass(kw_only=True, slots=True)
+class RayHosts:
+    """Hosts with a Ray node each (``ray_hosts``) and, if asked for, an S3 host; ``close()`` removes it all."""
+
+    hosts: Hosts
+    #: The head's GCS address, ``<host 0's ip>:RAY_PORT``.
+    address: str
+    #: The hosts that run a Ray node (host 0 the head), and each one's ``ray start --block`` process.
+    ray_hosts: list[Host]
+    ray_procs: list[subprocess.Popen]
+    #: The S3 host (no Ray) and its endpoint, or None.
+    s3_host: Host | None = None
+    s3: S3Endpoint | None = None
+
+    def __enter__(self) -> RayHosts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getitem__(self, index: int) -> Host:
+        return self.ray_hosts[index]
+
+    def __len__(self) -> int:
+        return len(self.ray_hosts)
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(self.ray_hosts)
+
+    def ray_nodes(self, want: int = 0, timeout: float = START_TIMEOUT_S) -> list[str]:
+        """The addresses of Ray's alive nodes, sorted, as a driver on host 0 sees them.
+
+        Args:
+            want: Wait (up to ``timeout`` seconds) until at least this many nodes are alive.
+            timeout: Seconds to wait for them.
+
+        Returns:
+            The alive nodes' IP addresses (fewer than ``want`` if they did not come up in time).
+
+        Raises:
+            RuntimeError: The driver on host 0 failed; the message has its output.
+        """
+        proc = self.ray_hosts[0].python(_NODES_SNIPPET, self.address, str(want), str(timeout), timeout=timeout + 60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"asking Ray for its nodes failed on host 0:\n{proc.stderr[-3000:]}")
+        return proc.stdout.split()
+
+    def close(self) -> None:
+        """``Hosts.close()``: every process of the hosts ended, every namespace and directory removed."""
+        self.hosts.close()
+
+
+def build_ray_hosts(
+    n: int,
+    *,
+    shm_mb: int = 256,
+    num_cpus: int = 2,
+    object_store_mb: int = 80,
+    s3_bucket: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> RayHosts:
+    """``n`` hosts (``build_hosts``) with a Ray node each, and with ``s3_bucket`` one more serving S3.
+
+    Host 0 is the head. Returns once Ray has all ``n`` nodes alive (and S3 its bucket).
+    If anything fails, everything made is removed before the error is raised.
+
+    Args:
+        n: How many Ray hosts.
+        shm_mb: Size of each host's ``/dev/shm``, in MiB.
+        num_cpus: Each Ray node's CPUs.
+        object_store_mb: Each Ray node's object store, in MiB (within ``shm_mb``).
+        s3_bucket: Add host ``n``, without Ray, running ``moto_server`` on ``<its ip>:S3_PORT``,
+            with this bucket; every host then has ``S3_ENV`` in its environment.
+        env: Added to the environment of every process on the hosts (Ray's included).
+
+    Returns:
+        The ``RayHosts`` (a context manager; ``close()`` tears everything down).
+
+    Raises:
+        RuntimeError: A step failed, or Ray did not bring up all ``n`` nodes (or S3 did not
+            serve) within ``START_TIMEOUT_S``; the message has the logs.
+    """
+    extra = S3_ENV if s3_bucket is not None else {}
+    hosts = build_hosts(n + (s3_bucket is not None), shm_mb=shm_mb, env={**RAY_ENV, **extra, **(env or {})})
+    try:
+        s3_host = hosts[n] if s3_bucket is not None else None
+        if s3_host is not None:  # it starts beside the Ray nodes
+            log_path = f"{hosts.root}/s3.log"
+            with open(log_path, "w") as log:
+                s3_host.popen(
+                    [sys.executable, "-m", "moto.server", "-H", s3_host.ip, "-p", str(S3_PORT)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        cluster = _start_ray(hosts, hosts.hosts[:n], num_cpus, object_store_mb)
+        if s3_host is not None and s3_bucket is not None:
+            cluster.s3_host = s3_host
+            cluster.s3 = _serve_bucket(s3_host, s3_bucket, log_path)
+    except BaseException:
+        hosts.close()
+        raise
+    return cluster
+
+
+def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int) -> RayHosts:
+    """``ray start --block`` on each host of ``on`` (the first the head); wait until Ray has them all alive."""
+    head = on[0]
+    cluster = RayHosts(hosts=hosts, address=f"{head.ip}:{RAY_PORT}", ray_hosts=on, ray_procs=[])
+    for host in on:
+        temp_dir = f"{hosts.root}/h{host.index}"  # short: Ray's socket paths must fit in 107 characters
+        cmd = [f"{BIN}/ray", "start", "--block", "--node-ip-address", host.ip, "--num-cpus", str(num_cpus)]
+        cmd += ["--object-store-memory", str(object_store_mb << 20), "--temp-dir", temp_dir]
+        if host is head:
+            cmd += ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false"]
+        else:
+            cmd += ["--address", cluster.address]
+        with open(_log_path(hosts, host), "w") as log:
+            proc = host.popen(cmd, graceful=True, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        cluster.ray_procs.append(proc)
+        if host is head:  # the others join once the head's GCS answers
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not head.can_connect(head.ip, RAY_PORT, timeout=1.0):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the Ray head did not listen on {cluster.address}:\n{_log(hosts, head)}")
+    # One driver on host 0 waits for the nodes, while every node is watched: one that exits ends the wait.
+    args = [cluster.address, str(len(on)), str(START_TIMEOUT_S)]
+    with open(f"{hosts.root}/nodes.log", "w+") as err:
+        waiter = head.popen([sys.executable, "-c", _NODES_SNIPPET, *args], stdout=subprocess.PIPE, stderr=err)
+        while waiter.poll() is None and all(proc.poll() is None for proc in cluster.ray_procs):
+            time.sleep(0.1)
+        if waiter.poll() is None:
+            waiter.kill()
+        out = waiter.communicate()[0]
+        err.seek(0)
+        driver = err.read()[-2000:]
+    for host, proc in zip(on, cluster.ray_procs):
+        if proc.poll() is not None:
+            why = f"status {proc.returncode}"
+            raise RuntimeError(f"`ray start` exited on host {host.index} ({why}):\n{_log(hosts, host)}")
+    alive = out.decode().split()
+    if alive != sorted(host.ip for host in on):
+        logs = "\n".join(_log(hosts, host) for host in on)
+        raise RuntimeError(f"Ray has the nodes {alive}, not one on each host:\n{driver}\n{logs}")
+    return cluster
+
+
+def _serve_bucket(host: Host, bucket: str, log_path: str) -> S3Endpoint:
+    """Wait until the S3 host serves, then create ``bucket`` there."""
+    endpoint = S3Endpoint(f"{host.ip}:{S3_PORT}", bucket, log_path)
+    made = None
+    if host.can_connect(host.ip, S3_PORT, timeout=START_TIMEOUT_S):
+        made = host.python(_BUCKET_SNIPPET, endpoint.host_port, bucket)
+    if made is None or made.returncode != 0:
+        with open(log_path) as f:
+            why = made.stderr[-2000:] if made is not None else ""
+            raise RuntimeError(f"the S3 host did not serve {bucket} at {endpoint.host_port}:\n{why}{f.read()[-3000:]}")
+    return endpoint
+
+
+def _log_path(hosts: Hosts, host: Host) -> str:
+    return f"{hosts.root}/h{host.index}.ray.log"
+
+
+def _log(hosts: Hosts, host: Host) -> str:
+    try:
+        with open(_log_path(hosts, host)) as f:
+            return f"host {host.index}: {f.read()[-2000:]}"
+    except OSError:
+        return f"host {host.index}: no log"
