@@ -4,8 +4,8 @@
 Ray's temp directory (``ray_current_cluster``). A head that died without ``ray
 stop`` (killed, crashed, its host rebooted) leaves that file behind, and
 ``ray.init`` then retries the dead address for minutes, printing only connection
-warnings. ``cluster_address`` asks the address first (a TCP connect, a few
-seconds at most): a stale file is skipped with one WARNING naming it, and a dead
+warnings. ``cluster_address`` asks the address first (does a gRPC server answer
+there, a few seconds at most): a stale file is skipped with one WARNING naming it, and a dead
 address the caller named is refused with an error that says what to do.
 """
 
@@ -34,14 +34,33 @@ def address_file() -> str:
     return os.path.join(tmp, "ray", ADDRESS_FILE)
 
 
+#: An HTTP/2 client's connection preface and an empty SETTINGS frame: a Ray GCS (a gRPC server) answers
+#: with a SETTINGS frame of its own.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4
+
+
 def answers(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether something accepts TCP connections at ``address`` (``HOST:PORT``) within ``timeout_s``."""
+    """Whether a gRPC server (a Ray GCS) answers at ``address`` (``HOST:PORT``) within ``timeout_s``.
+
+    A TCP connect alone is not enough: a proxy, or another program on a reused port,
+    may accept it. The server must answer an HTTP/2 connection preface with its
+    SETTINGS frame.
+    """
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         return False
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(_HTTP2_HELLO)
+            head = b""
+            while len(head) < 9:  # a frame header: length (3 bytes), type, flags, stream id (4 bytes)
+                got = conn.recv(9 - len(head))
+                if not got:
+                    return False
+                head += got
+            return head[3] == _SETTINGS
     except OSError:
         return False
 

@@ -189,9 +189,13 @@ def test_keep_is_the_number_of_checkpoints_ray_train_keeps(storage, monkeypatch)
     assert asked == {"num_to_keep": 5}
 
 
-@pytest.mark.parametrize("address", [None, "10.0.0.7:6379", "local"])
-def test_address_goes_to_ray_init(address, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("address", "joined"), [(None, "local"), ("10.0.0.7:6379", "10.0.0.7:6379"), ("local", "local")]
+)
+def test_address_goes_to_ray_init_once_it_answers(address, joined, tmp_path, monkeypatch):
     import ray
+
+    from rayckpt.ray import joining
 
     seen = {}
 
@@ -202,13 +206,18 @@ def test_address_goes_to_ray_init(address, tmp_path, monkeypatch):
         seen.update(kwargs)
         raise Stop
 
+    asked = []
+    monkeypatch.setattr(joining, "answers", lambda addr, timeout_s=0: asked.append(addr) or True)  # no traffic
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no cluster was started here
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     argv = ["--storage-path", str(tmp_path)] + (["--address", address] if address else [])
     with pytest.raises(Stop):
         run(parse_args(argv))
-    assert seen == {"address": address}
+    assert seen == {"address": joined}
+    assert asked == ([address] if address not in (None, "local") else [])
 
 
 def test_ray_trains_per_rank_report_lines_are_silenced():

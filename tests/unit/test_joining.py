@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
+from collections.abc import Iterator
 
 import pytest
 
-from rayckpt.ray.joining import ClusterUnreachableError, address_file, cluster_address
+from rayckpt.ray.joining import ClusterUnreachableError, address_file, answers, cluster_address
 
 
 @pytest.fixture
@@ -20,13 +23,36 @@ def ray_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
+@contextlib.contextmanager
+def listener(reply: bytes) -> Iterator[str]:
+    """A loopback address whose server sends ``reply`` to each connection it accepts."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(reply)
+                conn.recv(64)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        server.close()
+
+
 @pytest.fixture
 def live():
-    """A loopback address something listens at."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield f"127.0.0.1:{s.getsockname()[1]}"
+    """A loopback address where a server answers as a gRPC server does: with an HTTP/2 SETTINGS frame."""
+    with listener(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])) as address:
+        yield address
 
 
 def dead() -> str:
@@ -95,3 +121,11 @@ def test_local_and_urls_are_passed_through_untouched(ray_tmp):
     assert cluster_address("ray://head:10001") == "ray://head:10001"
     with pytest.raises(ClusterUnreachableError, match="not-an-address"):
         cluster_address("not-an-address", timeout_s=0.5)
+
+
+def test_a_port_that_accepts_but_is_no_grpc_server_does_not_count(live):
+    assert answers(live)
+    with listener(b"HTTP/1.1 400 Bad Request\r\n\r\n") as other:
+        assert not answers(other, timeout_s=1.0)
+    with listener(b"") as silent:
+        assert not answers(silent, timeout_s=0.5)
