@@ -25,11 +25,14 @@ DASHBOARD_PORT = 8265
 S3_PORT = 9000
 START_TIMEOUT_S = 120.0
 #: Every host process's environment has these. A node stops at once on SIGTERM rather than first asking
-#: the GCS to drain it: a node cut off from the GCS would wait out the whole drain.
+#: the GCS to drain it: a node cut off from the GCS would wait out the whole drain. Gloo (torch.distributed
+#: on CPU) uses the host's own interface: by default it takes the address the hostname resolves to, and the
+#: hosts share the machine's hostname (it resolves to loopback), where machines of their own would not.
 RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    "GLOO_SOCKET_IFNAME": "eth0",
 }
 
 #: Run on host 0: wait until Ray has ``want`` alive nodes, then print their addresses, one a line.

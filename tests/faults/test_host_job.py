@@ -55,10 +55,7 @@ def hosts():
     reason = hosts_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    # Gloo binds to the address the machine's hostname resolves to, which the hosts share (loopback): each
-    # host's own interface instead, as on machines of their own.
-    env = {"GLOO_SOCKET_IFNAME": "eth0"}
-    with build_ray_hosts(3, shm_mb=256, s3_bucket="hostjob", env=env, dashboard=True) as built:
+    with build_ray_hosts(3, shm_mb=256, s3_bucket="hostjob", dashboard=True) as built:
         yield built
 
 
