@@ -18,16 +18,21 @@ from dataclasses import dataclass
 from rayckpt.testing.hosts import BIN, Host, Hosts, build_hosts
 from rayckpt.testing.s3_server import S3_ENV, S3Endpoint
 
-#: The head's GCS port on host 0, and the S3 host's port (each host has a network stack of its own).
+#: The head's GCS port and dashboard port on host 0, and the S3 host's port (each host has a network stack of
+#: its own).
 RAY_PORT = 6379
+DASHBOARD_PORT = 8265
 S3_PORT = 9000
 START_TIMEOUT_S = 120.0
 #: Every host process's environment has these. A node stops at once on SIGTERM rather than first asking
-#: the GCS to drain it: a node cut off from the GCS would wait out the whole drain.
+#: the GCS to drain it: a node cut off from the GCS would wait out the whole drain. Gloo (torch.distributed
+#: on CPU) uses the host's own interface: by default it takes the address the hostname resolves to, and the
+#: hosts share the machine's hostname (it resolves to loopback), where machines of their own would not.
 RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    "GLOO_SOCKET_IFNAME": "eth0",
 }
 
 #: Run on host 0: wait until Ray has ``want`` alive nodes, then print their addresses, one a line.
@@ -74,6 +79,8 @@ class RayHosts:
     #: The S3 host (no Ray) and its endpoint, or None.
     s3_host: Host | None = None
     s3: S3Endpoint | None = None
+    #: The head's dashboard (``http://<host 0's ip>:DASHBOARD_PORT``, where ``ray job submit`` goes), or None.
+    dashboard: str | None = None
 
     def __enter__(self) -> RayHosts:
         return self
@@ -121,6 +128,7 @@ def build_ray_hosts(
     object_store_mb: int = 80,
     s3_bucket: str | None = None,
     env: Mapping[str, str] | None = None,
+    dashboard: bool = False,
 ) -> RayHosts:
     """``n`` hosts (``build_hosts``) with a Ray node each, and with ``s3_bucket`` one more serving S3.
 
@@ -135,6 +143,8 @@ def build_ray_hosts(
         s3_bucket: Add host ``n``, without Ray, running ``moto_server`` on ``<its ip>:S3_PORT``,
             with this bucket; every host then has ``S3_ENV`` in its environment.
         env: Added to the environment of every process on the hosts (Ray's included).
+        dashboard: Start the head's dashboard on ``<host 0's ip>:DASHBOARD_PORT`` (for ``ray job submit``);
+            returns once it answers.
 
     Returns:
         The ``RayHosts`` (a context manager; ``close()`` tears everything down).
@@ -156,7 +166,7 @@ def build_ray_hosts(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
-        cluster = _start_ray(hosts, hosts.hosts[:n], num_cpus, object_store_mb)
+        cluster = _start_ray(hosts, hosts.hosts[:n], num_cpus, object_store_mb, dashboard)
         if s3_host is not None and s3_bucket is not None:
             cluster.s3_host = s3_host
             cluster.s3 = _serve_bucket(s3_host, s3_bucket, log_path)
@@ -166,15 +176,20 @@ def build_ray_hosts(
     return cluster
 
 
-def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int) -> RayHosts:
+def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int, dashboard: bool) -> RayHosts:
     """``ray start --block`` on each host of ``on`` (the first the head); wait until Ray has them all alive."""
     head = on[0]
     cluster = RayHosts(hosts=hosts, address=f"{head.ip}:{RAY_PORT}", ray_hosts=on, ray_procs=[])
+    if dashboard:
+        cluster.dashboard = f"http://{head.ip}:{DASHBOARD_PORT}"
     for host in on:
         temp_dir = f"{hosts.root}/h{host.index}"  # short: Ray's socket paths must fit in 107 characters
         cmd = [f"{BIN}/ray", "start", "--block", "--node-ip-address", host.ip, "--num-cpus", str(num_cpus)]
         cmd += ["--object-store-memory", str(object_store_mb << 20), "--temp-dir", temp_dir]
-        if host is head:
+        if host is head and dashboard:
+            cmd += ["--head", "--port", str(RAY_PORT), "--dashboard-host", head.ip, "--dashboard-port"]
+            cmd += [str(DASHBOARD_PORT)]
+        elif host is head:
             cmd += ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false"]
         else:
             cmd += ["--address", cluster.address]
@@ -205,6 +220,8 @@ def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int
     if alive != sorted(host.ip for host in on):
         logs = "\n".join(_log(hosts, host) for host in on)
         raise RuntimeError(f"Ray has the nodes {alive}, not one on each host:\n{driver}\n{logs}")
+    if dashboard and not head.can_connect(head.ip, DASHBOARD_PORT, timeout=START_TIMEOUT_S):
+        raise RuntimeError(f"the Ray dashboard did not listen on {cluster.dashboard}:\n{_log(hosts, head)}")
     return cluster
 
 

@@ -1,0 +1,172 @@
+"""The main job across real hosts (``rayckpt.testing.ray_hosts``): three Ray nodes, each in its own network and
+mount namespace, and an S3 host; ``ray job submit -- python jobs/train.py`` from host 0, as a user submits it.
+
+Three workers, one per host, save to S3 and to the memory tier, whose replicas cross hosts over the writers'
+replica link; the run resumes with two workers; node-local storage is refused when the ranks run on several hosts.
+
+One set of hosts for the module. The tests run in file order: the resume continues the first test's run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from rayckpt.storage.catalog import checkpoint_dir_name
+from rayckpt.testing.hosts import Host, hosts_unavailable
+from rayckpt.testing.ray_hosts import RayHosts, build_ray_hosts
+from tests.helpers.ray_head import BIN, ROOT, TINY
+
+pytestmark = pytest.mark.slow
+
+RUN = "hostjob"
+#: What Ray Train writes into a run's directory when the run starts.
+RAY_MARKER = ".validate_storage_marker"
+#: Two CPUs per worker on 2-CPU hosts: Ray Train can place each worker only on a host of its own.
+ONE_PER_HOST = ["--cpus-per-worker", "2"]
+#: Run on host 0 after a job: each ShardWriter's host, the replicas it received and the ranks whose shares it wrote.
+WRITERS = """
+import json, sys, ray
+from rayckpt.ray.actors import NAMESPACE, writer_name
+ray.init(address=sys.argv[1], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+found = {}
+for node in ray.nodes():
+    if not node["Alive"]:
+        continue
+    try:
+        writer = ray.get_actor(writer_name(node["NodeID"]))
+    except ValueError:
+        continue
+    stats = ray.get(writer.debug_stats.remote(), timeout=60)
+    found[node["NodeManagerAddress"]] = {
+        "received": stats["replicas_received"],
+        "ranks": sorted({(w["run"], w["rank"]) for w in stats["writes"]}),
+    }
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    reason = hosts_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with build_ray_hosts(3, shm_mb=256, s3_bucket="hostjob", dashboard=True) as built:
+        yield built
+
+
+def submit(hosts: RayHosts, *args: str) -> subprocess.CompletedProcess[str]:
+    """``ray job submit --working-dir . -- python jobs/train.py args`` run on host 0 (the job's output captured)."""
+    assert hosts.dashboard is not None
+    cmd = [f"{BIN}/ray", "job", "submit", "--address", hosts.dashboard, "--working-dir", "."]
+    cmd += ["--", "python", "jobs/train.py", *args]
+    deadline = time.monotonic() + 120
+    while True:
+        proc = hosts[0].run(cmd, cwd=ROOT, timeout=400)
+        # The head's job agent comes up a little after the dashboard does.
+        if "No available agent to submit job" not in proc.stderr or time.monotonic() > deadline:
+            return proc
+        time.sleep(1)
+
+
+def summary(proc: subprocess.CompletedProcess[str]) -> dict:
+    """The job's JSON summary (its last line of that shape), asserting the job succeeded."""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    for line in reversed(proc.stdout.splitlines()):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and "final_step" in doc:
+            return doc
+    raise AssertionError(f"no summary in the job's output: {proc.stdout[-4000:]}")
+
+
+def writers(hosts: RayHosts) -> dict[str, dict]:
+    """What each host's ShardWriter reports (``debug_stats``), by the host's address."""
+    proc = hosts[0].python(WRITERS, hosts.address, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def catalog(host: Host, uri: str) -> list[tuple]:
+    """``rayckpt ls <uri> --json`` on ``host``: (run, step, status, world size) of each checkpoint."""
+    proc = host.run([f"{BIN}/python", "-m", "rayckpt", "ls", uri, "--json"], cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [(e["run"], e["step"], e["status"], e["world_size"]) for e in json.loads(proc.stdout)]
+
+
+def test_three_workers_on_three_hosts_save_to_s3_and_replicate_memory_across_hosts(hosts: RayHosts):
+    assert hosts.s3 is not None
+    uri = hosts.s3.uri("runs")
+    flags = ["--run-name", RUN, "--storage-path", uri, *ONE_PER_HOST, *TINY]
+    proc = submit(hosts, "--num-workers", "3", "--steps", "8", "--checkpoint-every", "4", "--memory-every", "2", *flags)
+    first = summary(proc)
+    assert first["final_step"] == 8 and first["num_workers"] == 3 and first["resumed_from"] is None, first
+    assert first["last_checkpoint"] == hosts.s3.fs_path(f"runs/{RUN}/{checkpoint_dir_name(8)}")
+    assert catalog(hosts[1], uri) == [(RUN, 4, "committed", 3), (RUN, 8, "committed", 3)]
+
+    found = writers(hosts)
+    ips = sorted(host.ip for host in hosts)
+    assert sorted(found) == ips, found
+    # One rank per host: each host's writer wrote the share of one rank, a different one on each.
+    ranks = {ip: {rank for run, rank in found[ip]["ranks"] if run == RUN} for ip in ips}
+    assert sorted(r for got in ranks.values() for r in got) == [0, 1, 2] and all(len(r) == 1 for r in ranks.values())
+    # The memory saves (steps 2 and 6) held each host's share on a peer host too: every host's writer received
+    # replicas over the replica link, from a writer on another host (one writer per host).
+    received = {ip: found[ip]["received"] for ip in ips}
+    assert all(got["files"] > 0 and got["bytes"] > 0 for got in received.values()), received
+
+
+def test_the_run_resumes_with_two_workers(hosts: RayHosts):
+    assert hosts.s3 is not None
+    uri = hosts.s3.uri("runs")
+    flags = ["--run-name", RUN, "--storage-path", uri, *ONE_PER_HOST, *TINY]
+    proc = submit(hosts, "--num-workers", "2", "--steps", "10", "--checkpoint-every", "4", "--resume", *flags)
+    second = summary(proc)
+    assert second["resumed_from"] == 8 and second["num_workers"] == 2 and second["final_step"] == 10, second
+    assert "on 2 rank(s), resumed from step 8" in proc.stdout + proc.stderr
+    # The first job released its memory checkpoints at its end: the resume reads step 8 from S3.
+    assert second["restored_tier"] == "storage", second
+    assert catalog(hosts[2], uri) == [(RUN, 4, "committed", 3), (RUN, 8, "committed", 3), (RUN, 10, "committed", 2)]
+
+
+def test_node_local_storage_is_refused_when_the_ranks_run_on_several_hosts(hosts: RayHosts):
+    assert hosts.s3 is not None
+    storage = f"{hosts[0].disk}/local"  # each host has its own directory at this path
+    puts = s3_puts(hosts.s3.log_path)
+    flags = ["--run-name", "nodelocal", "--storage-path", storage, "--max-failures", "0", *ONE_PER_HOST, *TINY]
+    proc = submit(hosts, "--num-workers", "2", "--steps", "2", "--checkpoint-every", "1", *flags)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    # Ray Train takes the path; the ranks' first save refuses it, naming the checkpoint and the shared storages.
+    location = f"{storage}/nodelocal/{checkpoint_dir_name(1)}"
+    refused = (
+        f"InvalidStateError: checkpoint location {location} is node-local storage but the ranks run on 2 nodes; "
+        "every node must reach the same files: use shared storage (s3://..., gs://..., or an NFS path with "
+        "RAYCKPT_LOCAL_IS_SHARED=1)"
+    )
+    assert refused in output, output[-6000:]
+    # Nothing of a checkpoint on any host's disk (Ray Train's marker of the run's directory on the driver's host
+    # is all), nothing written to S3.
+    files = {host.index: disk_files(host) for host in hosts.hosts.hosts}
+    assert files == {0: [f"local/nodelocal/{RAY_MARKER}"], 1: [], 2: [], 3: []}, files
+    assert s3_puts(hosts.s3.log_path) == puts
+
+
+def disk_files(host: Host) -> list[str]:
+    """Every file on ``host``'s disk, relative to it."""
+    found = []
+    for dirpath, _, filenames in os.walk(host.disk_outside):
+        found += [os.path.relpath(os.path.join(dirpath, name), host.disk_outside) for name in filenames]
+    return sorted(found)
+
+
+def s3_puts(log_path: str) -> int:
+    """How many PUT requests the S3 host has served."""
+    with open(log_path) as f:
+        return sum('"PUT ' in line for line in f)
