@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,14 @@ import torch.distributed as dist
 
 from ..engine.app_state import AppState
 from .gpt import GPT, GPTConfig, shard_model, synthetic_batch
-from .job_checks import JobConfigError, check_resources, check_resume, check_storage, worker_resources
+from .job_checks import (
+    JobConfigError,
+    check_resources,
+    check_resume,
+    check_shared_storage,
+    check_storage,
+    worker_resources,
+)
 from .job_flags import parse_args, workers_asked
 
 __all__ = [
@@ -270,7 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     be used (a bad URI, an endpoint that does not answer, a missing bucket) and
     ``check_resume`` refuses a fresh run over an existing run directory and a
     ``--resume`` of a run with no committed checkpoint; after joining the cluster,
-    ``check_resources`` refuses workers it can never hold. All raise
+    ``check_shared_storage`` refuses a local path on nodes of several machines and
+    ``check_resources`` workers it can never hold. All raise
     ``JobConfigError``. ``--storage-path`` goes to Ray Train as given: it resolves a
     URI, query string and all, with ``pyarrow.fs.FileSystem.from_uri``, as rayckpt does.
     """
@@ -278,6 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from ..ray.async_save import LOCAL_IS_SHARED_ENV
     from ..ray.joining import ClusterUnreachableError, cluster_address
     from ..train.callback import RayckptCallback
 
@@ -291,6 +301,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise JobConfigError(str(exc)) from exc
         ray.init(address=address)
     try:
+        nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+        check_shared_storage(args.storage_path, nodes, os.environ.get(LOCAL_IS_SHARED_ENV, "") == "1")
         cluster = ray.cluster_resources()
         if args.skip_resource_check:
             per_worker = worker_resources(args, cluster.get("CPU", 0.0))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 
 import pyarrow.fs as pafs
 
@@ -24,6 +25,7 @@ __all__ = [
     "check_flags",
     "check_resources",
     "check_resume",
+    "check_shared_storage",
     "check_storage",
     "describe_runs",
     "worker_resources",
@@ -113,6 +115,30 @@ def check_storage(storage_path: str) -> None:
         raise JobConfigError(
             f"--storage-path {base.location}: bucket {bucket!r} does not exist (or these credentials cannot see "
             "it): create it, or fix the bucket name"
+        )
+
+
+def check_shared_storage(storage_path: str, node_addresses: Sequence[str], local_is_shared: bool) -> None:
+    """Refuse a local ``--storage-path`` on a cluster of several machines, before any training.
+
+    Every node writes there (each rank's ShardWriter, the MetadataActor the manifest),
+    so a path private to one machine cannot hold a checkpoint; the first save would
+    refuse it after training started (``save_async``), and Ray Train would retry the
+    failing group. Nodes on one machine (one address) share its disk.
+
+    Args:
+        storage_path: ``--storage-path``.
+        node_addresses: The address of each alive node (``ray.nodes()``'s ``NodeManagerAddress``).
+        local_is_shared: The path is storage every node mounts (``RAYCKPT_LOCAL_IS_SHARED=1``).
+    """
+    if ("://" in storage_path and not storage_path.startswith("file://")) or local_is_shared:
+        return
+    machines = sorted(set(node_addresses))
+    if len(machines) > 1:
+        raise JobConfigError(
+            f"--storage-path {storage_path} is a local path, but the Ray cluster's nodes run on {len(machines)} "
+            f"machines ({', '.join(machines)}) and every node must reach the same files: use s3://... or gs://..., "
+            "or an NFS path mounted on every node with RAYCKPT_LOCAL_IS_SHARED=1"
         )
 
 

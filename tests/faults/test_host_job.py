@@ -2,7 +2,8 @@
 mount namespace, and an S3 host; ``ray job submit -- python jobs/train.py`` from host 0, as a user submits it.
 
 Three workers, one per host, save to S3 and to the memory tier, whose replicas cross hosts over the writers'
-replica link; the run resumes with two workers; node-local storage is refused when the ranks run on several hosts.
+replica link; the run resumes with two workers; node-local storage is refused before training when the nodes
+run on several hosts.
 
 One set of hosts for the module. The tests run in file order: the resume continues the first test's run.
 """
@@ -24,8 +25,6 @@ from tests.helpers.ray_head import BIN, ROOT, TINY
 pytestmark = pytest.mark.slow
 
 RUN = "hostjob"
-#: What Ray Train writes into a run's directory when the run starts.
-RAY_MARKER = ".validate_storage_marker"
 #: Two CPUs per worker on 2-CPU hosts: Ray Train can place each worker only on a host of its own.
 ONE_PER_HOST = ["--cpus-per-worker", "2"]
 #: Run on host 0 after a job: each ShardWriter's host, the replicas it received and the ranks whose shares it wrote.
@@ -135,26 +134,24 @@ def test_the_run_resumes_with_two_workers(hosts: RayHosts):
     assert catalog(hosts[2], uri) == [(RUN, 4, "committed", 3), (RUN, 8, "committed", 3), (RUN, 10, "committed", 2)]
 
 
-def test_node_local_storage_is_refused_when_the_ranks_run_on_several_hosts(hosts: RayHosts):
+def test_node_local_storage_is_refused_before_training_when_the_nodes_are_on_several_hosts(hosts: RayHosts):
     assert hosts.s3 is not None
     storage = f"{hosts[0].disk}/local"  # each host has its own directory at this path
     puts = s3_puts(hosts.s3.log_path)
-    flags = ["--run-name", "nodelocal", "--storage-path", storage, "--max-failures", "0", *ONE_PER_HOST, *TINY]
+    flags = ["--run-name", "nodelocal", "--storage-path", storage, *ONE_PER_HOST, *TINY]
     proc = submit(hosts, "--num-workers", "2", "--steps", "2", "--checkpoint-every", "1", *flags)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-4000:]
-    # Ray Train takes the path; the ranks' first save refuses it, naming the checkpoint and the shared storages.
-    location = f"{storage}/nodelocal/{checkpoint_dir_name(1)}"
+    machines = ", ".join(sorted(host.ip for host in hosts))
     refused = (
-        f"InvalidStateError: checkpoint location {location} is node-local storage but the ranks run on 2 nodes; "
-        "every node must reach the same files: use shared storage (s3://..., gs://..., or an NFS path with "
-        "RAYCKPT_LOCAL_IS_SHARED=1)"
+        f"error: --storage-path {storage} is a local path, but the Ray cluster's nodes run on 3 machines "
+        f"({machines}) and every node must reach the same files: use s3://... or gs://..., or an NFS path "
+        "mounted on every node with RAYCKPT_LOCAL_IS_SHARED=1"
     )
     assert refused in output, output[-6000:]
-    # Nothing of a checkpoint on any host's disk (Ray Train's marker of the run's directory on the driver's host
-    # is all), nothing written to S3.
+    # Refused before Ray Train started: nothing on any host's disk, nothing written to S3.
     files = {host.index: disk_files(host) for host in hosts.hosts.hosts}
-    assert files == {0: [f"local/nodelocal/{RAY_MARKER}"], 1: [], 2: [], 3: []}, files
+    assert files == {0: [], 1: [], 2: [], 3: []}, files
     assert s3_puts(hosts.s3.log_path) == puts
 
 

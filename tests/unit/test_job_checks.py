@@ -10,7 +10,13 @@ import torch
 
 import rayckpt
 from rayckpt.examples.gpt_job import main, parse_args, quiet_ray_train_logs, run
-from rayckpt.examples.job_checks import JobConfigError, check_resources, check_resume, describe_runs
+from rayckpt.examples.job_checks import (
+    JobConfigError,
+    check_resources,
+    check_resume,
+    check_shared_storage,
+    describe_runs,
+)
 from rayckpt.examples.job_flags import build_parser
 
 
@@ -72,6 +78,7 @@ def test_main_with_gpus_and_no_gpu_fails_at_start_with_one_error_line(storage, m
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})  # a CPU-only machine, as here
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": "127.0.0.1", "Alive": True}])
     assert main(["--storage-path", storage, "--run-name", "gpu-run", "--gpus", "--num-workers", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --gpus: no CUDA device is visible") and "\n" not in err
@@ -183,6 +190,7 @@ def test_keep_is_the_number_of_checkpoints_ray_train_keeps(storage, monkeypatch)
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": "127.0.0.1", "Alive": True}])
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
     with pytest.raises(KeyboardInterrupt):
         run(parse_args(["--storage-path", storage, "--run-name", "kept", "--keep", "5"]))
@@ -227,3 +235,19 @@ def test_ray_trains_per_rank_report_lines_are_silenced():
     quiet_ray_train_logs()
     assert not context.logger.isEnabledFor(logging.INFO)
     assert context.logger.isEnabledFor(logging.WARNING)
+
+
+def test_a_local_storage_path_is_refused_on_nodes_of_several_machines():
+    nodes = ["10.1.0.2", "10.1.0.3", "10.1.0.2"]
+    with pytest.raises(JobConfigError) as exc:
+        check_shared_storage("/data/ckpts", nodes, local_is_shared=False)
+    assert str(exc.value) == (
+        "--storage-path /data/ckpts is a local path, but the Ray cluster's nodes run on 2 machines "
+        "(10.1.0.2, 10.1.0.3) and every node must reach the same files: use s3://... or gs://..., "
+        "or an NFS path mounted on every node with RAYCKPT_LOCAL_IS_SHARED=1"
+    )
+    with pytest.raises(JobConfigError, match="file:///data/ckpts is a local path"):
+        check_shared_storage("file:///data/ckpts", nodes, local_is_shared=False)
+    check_shared_storage("/data/ckpts", nodes, local_is_shared=True)  # NFS, said so
+    check_shared_storage("s3://bucket/ckpts", nodes, local_is_shared=False)
+    check_shared_storage("/data/ckpts", ["10.1.0.2", "10.1.0.2"], local_is_shared=False)  # nodes of one machine
