@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -287,7 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from ..ray.async_save import LOCAL_IS_SHARED_ENV
+    from ..ray.async_save import local_is_shared_by_env
     from ..ray.joining import ClusterUnreachableError, cluster_address
     from ..train.callback import RayckptCallback
 
@@ -302,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ray.init(address=address)
     try:
         nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
-        check_shared_storage(args.storage_path, nodes, os.environ.get(LOCAL_IS_SHARED_ENV, "") == "1")
+        check_shared_storage(args.storage_path, nodes, local_is_shared_by_env())
         cluster = ray.cluster_resources()
         if args.skip_resource_check:
             per_worker = worker_resources(args, cluster.get("CPU", 0.0))

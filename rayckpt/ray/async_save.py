@@ -287,10 +287,15 @@ def _savers(lane: str) -> AsyncSaver:
     return AsyncSaver()
 
 
+def local_is_shared_by_env() -> bool:
+    """Whether ``RAYCKPT_LOCAL_IS_SHARED=1`` says a local path is storage every node mounts."""
+    return os.environ.get(LOCAL_IS_SHARED_ENV, "") == "1"
+
+
 def _check_reachable(ckdir: CheckpointDir, ctx: SaveContext, local_is_shared: bool | None) -> None:
     """Refuse a node-local path when the ranks run on several nodes (unless it is shared storage)."""
     if local_is_shared is None:
-        local_is_shared = os.environ.get(LOCAL_IS_SHARED_ENV, "") == "1"
+        local_is_shared = local_is_shared_by_env()
     nodes = set(ctx.nodes)
     if ckdir.is_local and len(nodes) > 1 and not local_is_shared:
         raise InvalidStateError(
