@@ -81,6 +81,9 @@ class RayHosts:
     s3: S3Endpoint | None = None
     #: The head's dashboard (``http://<host 0's ip>:DASHBOARD_PORT``, where ``ray job submit`` goes), or None.
     dashboard: str | None = None
+    #: Each Ray node's CPUs and object store (MiB).
+    num_cpus: int = 2
+    object_store_mb: int = 80
 
     def __enter__(self) -> RayHosts:
         return self
@@ -114,6 +117,26 @@ class RayHosts:
         if proc.returncode != 0:
             raise RuntimeError(f"asking Ray for its nodes failed on host 0:\n{proc.stderr[-3000:]}")
         return proc.stdout.split()
+
+    def start_node(self, index: int) -> None:
+        """Start host ``index``'s Ray node again (after a crash, or once Ray took it for dead), joined to the head;
+        return once Ray has it alive.
+
+        Raises:
+            RuntimeError: Its ``ray start`` exited, or Ray did not count it alive within ``START_TIMEOUT_S``.
+        """
+        host = self.ray_hosts[index]
+        if index == 0:
+            raise ValueError("host 0 is the head: a cluster whose head is gone is a new cluster")
+        with open(_log_path(self.hosts, host), "a") as log:
+            proc = host.popen(
+                _node_command(self, host), graceful=True, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.ray_procs[index] = proc
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while host.ip not in self.ray_nodes(timeout=10):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"host {index}'s Ray node did not join again:\n{_log(self.hosts, host)}")
 
     def close(self) -> None:
         """``Hosts.close()``: every process of the hosts ended, every namespace and directory removed."""
@@ -166,7 +189,17 @@ def build_ray_hosts(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
-        cluster = _start_ray(hosts, hosts.hosts[:n], num_cpus, object_store_mb, dashboard)
+        cluster = RayHosts(
+            hosts=hosts,
+            address=f"{hosts[0].ip}:{RAY_PORT}",
+            ray_hosts=hosts.hosts[:n],
+            ray_procs=[],
+            num_cpus=num_cpus,
+            object_store_mb=object_store_mb,
+        )
+        if dashboard:
+            cluster.dashboard = f"http://{hosts[0].ip}:{DASHBOARD_PORT}"
+        _start_ray(cluster)
         if s3_host is not None and s3_bucket is not None:
             cluster.s3_host = s3_host
             cluster.s3 = _serve_bucket(s3_host, s3_bucket, log_path)
@@ -176,23 +209,11 @@ def build_ray_hosts(
     return cluster
 
 
-def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int, dashboard: bool) -> RayHosts:
-    """``ray start --block`` on each host of ``on`` (the first the head); wait until Ray has them all alive."""
-    head = on[0]
-    cluster = RayHosts(hosts=hosts, address=f"{head.ip}:{RAY_PORT}", ray_hosts=on, ray_procs=[])
-    if dashboard:
-        cluster.dashboard = f"http://{head.ip}:{DASHBOARD_PORT}"
+def _start_ray(cluster: RayHosts) -> None:
+    """``ray start --block`` on each of the cluster's hosts (the first the head); wait until Ray has them all alive."""
+    hosts, on, head = cluster.hosts, cluster.ray_hosts, cluster.ray_hosts[0]
     for host in on:
-        temp_dir = f"{hosts.root}/h{host.index}"  # short: Ray's socket paths must fit in 107 characters
-        cmd = [f"{BIN}/ray", "start", "--block", "--node-ip-address", host.ip, "--num-cpus", str(num_cpus)]
-        cmd += ["--object-store-memory", str(object_store_mb << 20), "--temp-dir", temp_dir]
-        if host is head and dashboard:
-            cmd += ["--head", "--port", str(RAY_PORT), "--dashboard-host", head.ip, "--dashboard-port"]
-            cmd += [str(DASHBOARD_PORT)]
-        elif host is head:
-            cmd += ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false"]
-        else:
-            cmd += ["--address", cluster.address]
+        cmd = _node_command(cluster, host)
         with open(_log_path(hosts, host), "w") as log:
             proc = host.popen(cmd, graceful=True, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         cluster.ray_procs.append(proc)
@@ -220,9 +241,21 @@ def _start_ray(hosts: Hosts, on: list[Host], num_cpus: int, object_store_mb: int
     if alive != sorted(host.ip for host in on):
         logs = "\n".join(_log(hosts, host) for host in on)
         raise RuntimeError(f"Ray has the nodes {alive}, not one on each host:\n{driver}\n{logs}")
-    if dashboard and not head.can_connect(head.ip, DASHBOARD_PORT, timeout=START_TIMEOUT_S):
+    if cluster.dashboard and not head.can_connect(head.ip, DASHBOARD_PORT, timeout=START_TIMEOUT_S):
         raise RuntimeError(f"the Ray dashboard did not listen on {cluster.dashboard}:\n{_log(hosts, head)}")
-    return cluster
+
+
+def _node_command(cluster: RayHosts, host: Host) -> list[str]:
+    """``ray start --block`` of ``host``'s node: the head on the cluster's first host, else joining it."""
+    temp_dir = f"{cluster.hosts.root}/h{host.index}"  # short: Ray's socket paths must fit in 107 characters
+    cmd = [f"{BIN}/ray", "start", "--block", "--node-ip-address", host.ip, "--num-cpus", str(cluster.num_cpus)]
+    cmd += ["--object-store-memory", str(cluster.object_store_mb << 20), "--temp-dir", temp_dir]
+    if host is not cluster.ray_hosts[0]:
+        return [*cmd, "--address", cluster.address]
+    cmd += ["--head", "--port", str(RAY_PORT)]
+    if cluster.dashboard:
+        return [*cmd, "--dashboard-host", host.ip, "--dashboard-port", str(DASHBOARD_PORT)]
+    return [*cmd, "--include-dashboard", "false"]
 
 
 def _serve_bucket(host: Host, bucket: str, log_path: str) -> S3Endpoint:
