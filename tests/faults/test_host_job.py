@@ -10,43 +10,19 @@ One set of hosts for the module. The tests run in file order: the resume continu
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import time
 
 import pytest
 
 from rayckpt.storage.catalog import checkpoint_dir_name
 from rayckpt.testing.hosts import Host, hosts_unavailable
 from rayckpt.testing.ray_hosts import RayHosts, build_ray_hosts
-from tests.helpers.ray_head import BIN, ROOT, TINY
+from tests.helpers.host_jobs import ONE_PER_HOST, catalog, s3_puts, submit, summary, writers
+from tests.helpers.ray_head import TINY
 
 pytestmark = pytest.mark.slow
 
 RUN = "hostjob"
-#: Two CPUs per worker on 2-CPU hosts: Ray Train can place each worker only on a host of its own.
-ONE_PER_HOST = ["--cpus-per-worker", "2"]
-#: Run on host 0 after a job: each ShardWriter's host, the replicas it received and the ranks whose shares it wrote.
-WRITERS = """
-import json, sys, ray
-from rayckpt.ray.actors import NAMESPACE, writer_name
-ray.init(address=sys.argv[1], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
-found = {}
-for node in ray.nodes():
-    if not node["Alive"]:
-        continue
-    try:
-        writer = ray.get_actor(writer_name(node["NodeID"]))
-    except ValueError:
-        continue
-    stats = ray.get(writer.debug_stats.remote(), timeout=60)
-    found[node["NodeManagerAddress"]] = {
-        "received": stats["replicas_received"],
-        "ranks": sorted({(w["run"], w["rank"]) for w in stats["writes"]}),
-    }
-print(json.dumps(found))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -56,47 +32,6 @@ def hosts():
         pytest.skip(reason)
     with build_ray_hosts(3, shm_mb=256, s3_bucket="hostjob", dashboard=True) as built:
         yield built
-
-
-def submit(hosts: RayHosts, *args: str) -> subprocess.CompletedProcess[str]:
-    """``ray job submit --working-dir . -- python jobs/train.py args`` run on host 0 (the job's output captured)."""
-    assert hosts.dashboard is not None
-    cmd = [f"{BIN}/ray", "job", "submit", "--address", hosts.dashboard, "--working-dir", "."]
-    cmd += ["--", "python", "jobs/train.py", *args]
-    deadline = time.monotonic() + 120
-    while True:
-        proc = hosts[0].run(cmd, cwd=ROOT, timeout=400)
-        # The head's job agent comes up a little after the dashboard does.
-        if "No available agent to submit job" not in proc.stderr or time.monotonic() > deadline:
-            return proc
-        time.sleep(1)
-
-
-def summary(proc: subprocess.CompletedProcess[str]) -> dict:
-    """The job's JSON summary (its last line of that shape), asserting the job succeeded."""
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    for line in reversed(proc.stdout.splitlines()):
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "final_step" in doc:
-            return doc
-    raise AssertionError(f"no summary in the job's output: {proc.stdout[-4000:]}")
-
-
-def writers(hosts: RayHosts) -> dict[str, dict]:
-    """What each host's ShardWriter reports (``debug_stats``), by the host's address."""
-    proc = hosts[0].python(WRITERS, hosts.address, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
-
-
-def catalog(host: Host, uri: str) -> list[tuple]:
-    """``rayckpt ls <uri> --json`` on ``host``: (run, step, status, world size) of each checkpoint."""
-    proc = host.run([f"{BIN}/python", "-m", "rayckpt", "ls", uri, "--json"], cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [(e["run"], e["step"], e["status"], e["world_size"]) for e in json.loads(proc.stdout)]
 
 
 def test_three_workers_on_three_hosts_save_to_s3_and_replicate_memory_across_hosts(hosts: RayHosts):
@@ -161,9 +96,3 @@ def disk_files(host: Host) -> list[str]:
     for dirpath, _, filenames in os.walk(host.disk_outside):
         found += [os.path.relpath(os.path.join(dirpath, name), host.disk_outside) for name in filenames]
     return sorted(found)
-
-
-def s3_puts(log_path: str) -> int:
-    """How many PUT requests the S3 host has served."""
-    with open(log_path) as f:
-        return sum('"PUT ' in line for line in f)

@@ -1,0 +1,194 @@
+"""The faults a cluster has, on real hosts (``rayckpt.testing.ray_hosts``): a host cut off by its link, and a host
+crashed in the middle of a save, each under ``ray job submit -- python jobs/train.py`` with the memory tier on and
+S3 (a host of its own) as storage.
+
+Each faulty run ends where an uninterrupted run of the same flags ends: bit-identical with the same worker count,
+within float tolerance after the group shrank (the same global batch, summed over fewer ranks). Ray's health
+checks are tuned as docs/recovery.md recommends, so a host that stops answering is declared dead in seconds.
+
+One set of hosts for the module; the tests run in file order (the first is the reference run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from rayckpt.storage.catalog import checkpoint_dir_name
+from rayckpt.testing.hosts import hosts_unavailable
+from rayckpt.testing.ray_hosts import RayHosts, build_ray_hosts
+from tests.helpers.host_jobs import ONE_PER_HOST, Followed, catalog, events, submit, summary, writers
+from tests.helpers.ray_head import TINY
+
+pytestmark = pytest.mark.slow
+
+#: Ray's health checks as docs/recovery.md recommends them for a cluster: a host that stops answering is dead
+#: after a few missed checks, not the default tens of seconds.
+HEALTH_CHECKS = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "4",
+}
+STEPS, EVERY = 20, 6
+#: Every run: one worker per host, a storage save every ``EVERY`` steps, a memory save at every other step.
+FLAGS = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--memory-every", "1", *ONE_PER_HOST, *TINY]
+#: A generous bound on the time from a crash to its save's rollback (the commit timeout is minutes).
+ROLLBACK_BOUND_S = 60.0
+#: Run on host 0: compare two checkpoints' full states (``rayckpt.consolidate``); print what differs and by how much.
+COMPARE = """
+import json, sys, torch, rayckpt
+a, b = (rayckpt.consolidate(uri, flat=True) for uri in sys.argv[2:4])
+out = {"only_one": sorted(set(a) ^ set(b)), "differ": [], "max_abs_diff": 0.0, "tensors": 0}
+for key in sorted(set(a) & set(b)):
+    x, y = a[key], b[key]
+    if isinstance(x, torch.Tensor):
+        out["tensors"] += 1
+        if x.shape != y.shape or x.dtype != y.dtype:
+            out["differ"].append(key)
+        elif not torch.equal(x, y):
+            out["differ"].append(key)
+            out["max_abs_diff"] = max(out["max_abs_diff"], (x.double() - y.double()).abs().max().item())
+    elif x != y:
+        out["differ"].append(key)
+print(json.dumps(out))
+"""
+#: Run on the S3 host: each checkpoint directory of a run (``argv[1]``: its URI) and whether it holds exactly the
+#: files its manifest names (no lease, nothing of a failed save); ``null`` for a directory with no manifest.
+LEFT_ON_S3 = """
+import json, sys
+import pyarrow.fs as pafs
+import rayckpt
+from rayckpt.format.manifest import MANIFEST_NAME
+from rayckpt.storage.checkpoint_dir import CheckpointDir
+fs, root = pafs.FileSystem.from_uri(sys.argv[1])
+out = {}
+for info in fs.get_file_info(pafs.FileSelector(root)):
+    if info.type != pafs.FileType.Directory or not info.base_name.startswith("rayckpt-step-"):
+        continue
+    listed = {f.path[len(info.path) + 1:] for f in fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
+              if f.type == pafs.FileType.File}
+    if MANIFEST_NAME not in listed:
+        out[info.base_name] = None
+        continue
+    manifest = rayckpt.read_manifest(CheckpointDir.resolve(sys.argv[1].replace(root, info.path, 1)))
+    expected = {MANIFEST_NAME, *(f.path for f in manifest.files), *manifest.table_files}
+    out[info.base_name] = sorted(listed ^ expected)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    reason = hosts_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with build_ray_hosts(3, shm_mb=256, s3_bucket="hostfaults", dashboard=True, env=HEALTH_CHECKS) as built:
+        yield built
+
+
+def uri(hosts: RayHosts, run: str, step: int | None = None) -> str:
+    assert hosts.s3 is not None
+    return hosts.s3.uri(f"runs/{run}" + (f"/{checkpoint_dir_name(step)}" if step is not None else ""))
+
+
+def compare(hosts: RayHosts, run: str, reference: str = "reference") -> dict:
+    """How ``run``'s last checkpoint differs from the reference run's (``COMPARE``)."""
+    proc = hosts[0].python(COMPARE, "-", uri(hosts, run, STEPS), uri(hosts, reference, STEPS), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def left_on_s3(hosts: RayHosts, run: str) -> dict[str, list[str] | None]:
+    assert hosts.s3_host is not None
+    proc = hosts.s3_host.python(LEFT_ON_S3, uri(hosts, run), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_reference_run_uninterrupted(hosts: RayHosts):
+    flags = ["--run-name", "reference", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS]
+    done = summary(submit(hosts, *flags))
+    assert done["final_step"] == STEPS and done["num_workers"] == 3 and done["restarts"] == 0, done
+
+
+def test_a_host_cut_off_mid_run_is_declared_dead_and_the_rest_restore_its_share_from_memory(hosts: RayHosts):
+    """Host 2's link goes down mid-run: Ray declares its node dead, Ray Train starts the group again on the two
+    hosts left (``--num-workers 2-3``), which restore the newest memory checkpoint, reading host 2's share from
+    the replica a peer host holds. Once the link is back, host 2's node learns it was declared dead and ends, with
+    the writer that held its memory: nothing it held is served again."""
+    cut = hosts[2]
+    job = Followed(hosts, "--run-name", "cut", "--num-workers", "2-3", "--storage-path", uri(hosts, ""), *FLAGS)
+    try:
+        job.wait_for(f"step 4/{STEPS}")
+        cut.link_down()
+        try:
+            restart = job.wait_for("restart 1:", timeout=300)
+            done = summary(job.finish())
+        finally:
+            cut.link_up()
+    finally:
+        job.finish(timeout=60)
+    assert "with 2 worker(s), from memory" in restart, restart
+    assert done["final_step"] == STEPS and done["num_workers"] == 2 and done["restarts"] >= 1, done
+    assert done["restored_tier"] == "memory", done
+
+    differs = compare(hosts, "cut")
+    assert differs["only_one"] == [] and differs["tensors"] > 0, differs
+    assert differs["max_abs_diff"] < 1e-4, differs  # two ranks sum the same global batch in another order
+
+    # Healed: host 2's node was told it is dead and ended, and every process of the host with it.
+    deadline = time.monotonic() + 120
+    while cut.running() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not cut.running(), f"host 2 still runs {sorted(cut.running())} after its link came back"
+    assert cut.ip not in hosts.ray_nodes()
+    assert cut.ip not in writers(hosts)
+
+
+def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_run_restores_from_replicas(
+    hosts: RayHosts,
+):
+    """The S3 host is held (SIGSTOP) so the storage save of step ``EVERY`` cannot finish, and every process of
+    host 2 is killed while it is in flight: the save fails and is rolled back (its other ranks' files removed from
+    S3), the host comes back (a reboot: a new Ray node), and the group of three restores the newest memory
+    checkpoint, host 2's share from the replica a peer holds, and ends bit-identical to the uninterrupted run."""
+    victim, s3 = hosts[2], hosts.s3_host
+    assert s3 is not None
+    (server,) = [proc for proc in s3.procs if proc.pid != s3.pid]
+    if victim.ip not in hosts.ray_nodes():  # cut off by the test before
+        hosts.start_node(2)
+    job = Followed(hosts, "--run-name", "crash", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS)
+    try:
+        job.wait_for(f"step {EVERY - 1}/{STEPS}")
+        os.kill(server.pid, signal.SIGSTOP)  # the next storage save stays in flight; memory saves go on
+        try:
+            job.wait_for(f"step {EVERY + 1}/{STEPS}")
+            crashed = time.time()
+            victim.crash()
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        hosts.start_node(2)
+        restart = job.wait_for("restart 1:", timeout=300)
+        done = summary(job.finish())
+    finally:
+        job.finish(timeout=60)
+    assert "with 3 worker(s), from memory" in restart, restart
+    assert done["final_step"] == STEPS and done["num_workers"] == 3 and done["restarts"] >= 1, done
+
+    failed = [e for e in events(hosts, "crash", "failed") if e["step"] == EVERY]
+    assert len(failed) == 1, events(hosts, "crash")
+    assert 0 <= failed[0]["time"] - crashed < ROLLBACK_BOUND_S, (failed, crashed)
+    # Every checkpoint directory left on S3 holds exactly its manifest's files: the failed save left nothing.
+    left = left_on_s3(hosts, "crash")
+    assert left and all(extra == [] for extra in left.values()), left
+    committed = [step for run, step, status, _ in catalog(hosts[0], uri(hosts, "")) if run == "crash"]
+    assert sorted(left) == [checkpoint_dir_name(step) for step in committed], (left, committed)
+
+    differs = compare(hosts, "crash")
+    assert differs == {"only_one": [], "differ": [], "max_abs_diff": 0.0, "tensors": differs["tensors"]}, differs
+    assert differs["tensors"] > 0
