@@ -212,6 +212,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if not mine:
             continue
         out[setting] = {key: statistics.median(r[key] for r in mine) for key in ("node_dead_s", "restored_s")}
+        out[setting]["dead_to_restored_s"] = statistics.median(r["restored_s"] - r["node_dead_s"] for r in mine)
         out[setting]["tiers"] = sorted({str(r["tier"]) for r in mine})
         out[setting]["runs"] = len(mine)
     return out
@@ -229,12 +230,13 @@ def markdown(report: dict[str, Any]) -> str:
         "from <tier>`, every rank restored), as the line reaches the job's driver log on the head. `default`: "
         f"Ray's health checks as shipped (none set); `tuned`: {tuned}. Medians over the runs.",
         "",
-        "| setting | runs | node dead s | restored s | restored from |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| setting | runs | cut -> node dead s | cut -> restored s | node dead -> restored s | restored from |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for setting, s in report["summary"].items():
         lines.append(
-            f"| {setting} | {s['runs']} | {s['node_dead_s']:.1f} | {s['restored_s']:.1f} | {', '.join(s['tiers'])} |"
+            f"| {setting} | {s['runs']} | {s['node_dead_s']:.1f} | {s['restored_s']:.1f} "
+            f"| {s['dead_to_restored_s']:.1f} | {', '.join(s['tiers'])} |"
         )
     lines += ["", "| run | step at the cut | restored step | workers after | node dead s | restored s | tier |"]
     lines += ["| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
