@@ -106,7 +106,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['state_bytes'] / 1e9:.3f} GB of FSDP2 state (fp32 params + AdamW moments) saved by "
         f"{report['workers']} CPU workers (gloo) spread over {HOSTS} Ray hosts ({c['num_cpus']} CPUs, a "
         f"{c['shm_mb']} MiB `/dev/shm` each), to the hosts' memory tier ({r['memory_nodes_written']} hosts wrote "
-        f"its files, {r['memory_bytes_written'] / 1e9:.3f} GB with the replicas) and to S3 on a fourth host; then "
+        f"its {r['memory_bytes_written'] / 1e9:.3f} GB of shard files, each also held by the next host) and to "
+        "S3 on a fourth host; then "
         f"loaded into the same {report['workers']} workers from each, barrier to barrier, {report['repeats']} "
         "rounds rotated. Seconds: median (min-max) over the rounds.",
         "",
