@@ -105,7 +105,8 @@ def cost_loop(config: dict[str, Any]) -> None:
 
 def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int, rank: int) -> None:
     """Load one step into the same workers from each tier, rounds rotated, barrier to barrier: from the
-    nodes' memory, from local disk with the page cache warm and evicted, and from S3 (``--s3``)."""
+    nodes' memory, from local disk with the page cache warm and evicted, and from S3 (``--s3``); with
+    ``config["restore_from"]``, from those of them only."""
     import torch.distributed as dist
 
     from benchmarks.common.diskio import evict, files_under
@@ -122,6 +123,8 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
     if config["s3_uri"]:
         save_async(state, config["s3_uri"], run="memory-cost-s3", step=step).wait()
         sources["s3"] = (config["s3_uri"], None)
+    if config.get("restore_from"):  # only these, in this order
+        sources = {name: sources[name] for name in config["restore_from"]}
     for rnd in range(config["restore_rounds"]):
         for name in rotated(list(sources), rnd):
             path, fs = sources[name]

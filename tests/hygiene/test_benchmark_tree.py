@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "results"
-GROUPS = ["suite", "scale", "recovery", "gpu", "phases", "micro", "overlap"]
+GROUPS = ["suite", "scale", "recovery", "gpu", "phases", "micro", "overlap", "hosts"]
 #: <benchmark>_<hardware>_<yyyymmdd>.<ext>
 NAME = re.compile(r"^[a-z0-9_]+_[a-z0-9]+_\d{8}\.(md|json|png)$")
 #: Files in results/ that are not one run's result.
@@ -37,7 +37,15 @@ def test_group_entry_point_parses_help(args):
 
 @pytest.mark.parametrize(
     ("group", "command"),
-    [("recovery", "restart"), ("recovery", "memory-cost"), ("overlap", "stall"), ("overlap", "step")],
+    [
+        ("recovery", "restart"),
+        ("recovery", "memory-cost"),
+        ("overlap", "stall"),
+        ("overlap", "step"),
+        ("hosts", "replicas"),
+        ("hosts", "cut"),
+        ("hosts", "restore"),
+    ],
 )
 def test_sub_commands_parse_help(group, command):
     done = subprocess.run(

@@ -1,0 +1,1 @@
+"""Benchmarks on real hosts of one machine (``rayckpt.testing.ray_hosts``): replicas, a cut link, restores."""

@@ -1,0 +1,102 @@
+"""What the hosts benchmarks share: their command-line options, the report's head, and a driver run on a host.
+
+Each sub-command runs in two places. Its ``main`` runs on the machine (as root): it
+builds the hosts (``rayckpt.testing.ray_hosts``), times what it sees from outside and
+writes the report. What must run inside the cluster runs as a driver on host 0
+(``run_on_host``: ``python -m <module> --on-host CONFIG``), which prints its results as
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common.cli import OUT
+from benchmarks.common.harness import machine_info
+from rayckpt.testing.hosts import Host, hosts_unavailable
+
+#: The repository's root: the drivers on the hosts run there.
+ROOT = Path(__file__).resolve().parents[2]
+#: Every host process's environment: a driver's and Ray's workers import ``benchmarks`` from the repository.
+HOST_ENV = {"PYTHONPATH": str(ROOT)}
+#: The flag a sub-command's module takes to run as the driver on a host.
+ON_HOST = "--on-host"
+
+
+def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--out`` (default ``bench_out/hosts``) and ``--markdown``."""
+    parser.add_argument("--out", default=f"{OUT}/hosts", help=f"directory for {name}.json and {name}.md")
+    parser.add_argument("--markdown", default=None, help="also write the Markdown here")
+
+
+def require_hosts() -> None:
+    """Exit with the reason when hosts cannot be built here (root, ``ip``, ``unshare``...)."""
+    reason = hosts_unavailable()
+    if reason is not None:
+        raise SystemExit(f"benchmarks.hosts: {reason}")
+
+
+def new_report(sub: str, argv: list[str] | None) -> dict[str, Any]:
+    """The fields every hosts report starts with: command, date, machine and versions."""
+    import ray
+
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "command": " ".join([".venv/bin/python", "-m", "benchmarks.hosts", sub, *args]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {**machine_info(), "ray": ray.__version__},
+    }
+
+
+def head_lines(report: dict[str, Any], title: str) -> list[str]:
+    """The Markdown's first lines: the title, then the command, the machine, the versions and the load."""
+    m, load = report["machine"], report["load_average_1min"]
+    return [
+        f"## {title}",
+        "",
+        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.1f} min: "
+        f"{m['nproc']} CPUs, {m['mem_total_gb']:.0f} GB, torch {m['torch']}, Ray {m['ray']}, pyarrow "
+        f"{m['pyarrow']}, Python {m['python']}. 1-minute load average {load['before_start']:.2f} before the "
+        f"start; during the run median {load['median']:.2f}, max {load['max']:.2f}; CPU used by processes "
+        f"outside the benchmark: mean {load['other_processes_cpu_cores']['mean']:.2f} cores.",
+        "",
+    ]
+
+
+def run_on_host(host: Host, module: str, config: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run ``python -m module --on-host CONFIG`` on ``host`` from the repository root; its last line, parsed.
+
+    Raises:
+        RuntimeError: The driver failed or printed no JSON; the message has its output's end.
+    """
+    proc = host.run([sys.executable, "-m", module, ON_HOST, json.dumps(config)], cwd=str(ROOT), timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{module} failed on host {host.index} ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def connect(address: str) -> None:
+    """A driver on a host joins the cluster, quietly, in rayckpt's namespace (where the ShardWriters are)."""
+    import logging
+
+    import ray
+
+    from rayckpt.ray.actors import NAMESPACE
+
+    ray.init(address=address, namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False)
+
+
+def node_id_of(ip: str) -> str:
+    """The id of the alive Ray node at ``ip`` (a driver's view)."""
+    import ray
+
+    for node in ray.nodes():
+        if node["Alive"] and node["NodeManagerAddress"] == ip:
+            return node["NodeID"]
+    raise RuntimeError(f"no alive Ray node at {ip}")

@@ -1,0 +1,305 @@
+"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks.
+
+Three Ray hosts and an S3 host (``rayckpt.testing.ray_hosts``), a new cluster for
+every repeat of every setting (Ray reads its ``RAY_<name>`` settings from the hosts'
+environment when the cluster starts). ``ray job submit`` from host 0 runs
+``jobs/train.py --num-workers 2-3`` (one worker per host), a memory checkpoint every
+step, storage on S3 every ``--checkpoint-every`` steps. Once the group of 3 has
+logged step ``--cut-after-step``, host 2's link goes down (``Host.link_down``: its
+port on the switch, a real partition: its processes keep running, cut off). The
+times, from the cut, at which (this machine's clock):
+
+- ``node dead``: Ray's GCS no longer counts host 2's node alive (a driver on host 0
+  polling ``ray.nodes()`` every 0.1 s);
+- ``restored``: the restarted group's rank 0 logs ``restart N: resumed from step S
+  with 2 worker(s), from <tier>`` (``gpt_job.restart_line``, once every rank has
+  restored); the tier it names is recorded. The line is timestamped when it reaches
+  the job's driver log on the head (``job-driver-<id>.log``, read every 0.05 s), where
+  Ray's log monitor forwards the workers' output.
+
+Settings: ``default`` (Ray's health checks as shipped: none of them set) and ``tuned``
+(``TUNED``). Repeats alternate the settings.
+
+    .venv/bin/python -m benchmarks.hosts cut --repeats 3
+
+Writes ``{out}/cut.json`` and ``cut.md`` (``--out``: ``bench_out/hosts``), and each
+run's job driver log under ``{out}/cut-logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import queue
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from benchmarks.common.harness import load_sampled, rotated, write_report
+from benchmarks.hosts.common import HOST_ENV, ROOT, add_common_args, head_lines, new_report, require_hosts
+from rayckpt.testing.hosts import BIN
+
+#: Ray's GCS health checks of the nodes, tuned: a check every second, a second to answer, three missed.
+TUNED = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
+SETTINGS = {"default": {}, "tuned": TUNED}
+#: Flags of a model small enough for steps of a fraction of a second on these CPUs.
+TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "64"]
+CUT_HOST = 2
+STARTED = re.compile(r"on (\d+) rank\(s\)")
+STEP = re.compile(r"\] step (\d+)/")
+RESTART = re.compile(r"restart (\d+): (?:resumed from step (\d+)[^,]*|.*?) with (\d+) worker\(s\)(?:, from (\w+))?")
+NO_AGENT = "No available agent to submit job"
+#: How often a followed file is read for new lines.
+POLL_S = 0.05
+
+#: Run on host 0: print ``ready`` once joined, then ``dead <time.time()>`` once node ``argv[2]`` is not alive.
+_WATCH_SNIPPET = """
+import sys, time, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print("ready", flush=True)
+while sys.argv[2] in {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}:
+    time.sleep(0.1)
+print("dead", time.time(), flush=True)
+"""
+
+
+class Lines:
+    """Lines as they come (a process's output, a file followed), each with the time it was read
+    (``time.time()``), read by a thread."""
+
+    def __init__(self, source: Iterable[str]) -> None:
+        self.queue: queue.Queue[tuple[float, str] | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(source,), daemon=True).start()
+
+    def _read(self, source: Iterable[str]) -> None:
+        try:
+            for line in source:
+                self.queue.put((time.time(), line))
+        finally:
+            self.queue.put(None)
+
+    def wait_for(self, match: Any, deadline: float, what: str) -> tuple[float, str, Any]:
+        """The next line ``match(line)`` is true of: (its time, the line, the match); raise at ``deadline`` or EOF."""
+        while True:
+            try:
+                item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no {what} in time") from None
+            if item is None:
+                raise RuntimeError(f"the output ended before {what}")
+            found = match(item[1])
+            if found:
+                return item[0], item[1], found
+
+
+def follow(path: str, done: threading.Event) -> Iterator[str]:
+    """The lines of the file ``path`` as it is written (it may not exist yet), until ``done`` is set."""
+    while not os.path.exists(path):
+        if done.wait(POLL_S):
+            return
+    with open(path, errors="replace") as f:
+        partial = ""
+        while not done.is_set():
+            chunk = f.readline()
+            if not chunk:
+                done.wait(POLL_S)
+                continue
+            partial += chunk
+            if partial.endswith("\n"):
+                yield partial
+                partial = ""
+
+
+def submit(cluster: Any, args: argparse.Namespace, job_id: str) -> None:
+    """``ray job submit --no-wait --submission-id job_id ... -- python jobs/train.py`` on host 0."""
+    assert cluster.s3 is not None and cluster.dashboard is not None
+    flags = ["--num-workers", "2-3", "--cpus-per-worker", str(cluster.num_cpus), "--memory-every", "1"]
+    flags += ["--checkpoint-every", str(args.checkpoint_every), "--steps", "1000000", "--max-failures", "3"]
+    flags += ["--run-name", "cut", "--storage-path", cluster.s3.uri("runs"), *TINY, *args.job_args.split()]
+    cmd = [f"{BIN}/ray", "job", "submit", "--address", cluster.dashboard, "--working-dir", ".", "--no-wait"]
+    cmd += ["--submission-id", job_id, "--", "python", "jobs/train.py", *flags]
+    deadline = time.monotonic() + 120
+    while True:
+        proc = cluster[0].run(cmd, cwd=str(ROOT), timeout=300)
+        if proc.returncode == 0:
+            return
+        # The head's job agent comes up a little after the dashboard does.
+        if NO_AGENT not in proc.stdout + proc.stderr or time.monotonic() > deadline:
+            raise RuntimeError(f"ray job submit failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        time.sleep(1)
+
+
+def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
+    """One cluster with ``setting``'s environment, one job, host 2 cut: the times from the cut."""
+    from rayckpt.testing.ray_hosts import build_ray_hosts
+
+    env = {**HOST_ENV, **SETTINGS[setting], **dict(kv.split("=", 1) for kv in args.env)}
+    log_path = os.path.join(args.out, "cut-logs", f"{setting}-{rep}.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    if os.path.exists(log_path):
+        os.remove(log_path)
+    cluster = build_ray_hosts(3, shm_mb=512, num_cpus=args.num_cpus, s3_bucket="hostbench", env=env, dashboard=True)
+    done = threading.Event()
+    try:
+        job_id = f"hostbench-cut-{setting}-{rep}"
+        submit(cluster, args, job_id)
+        # The job's driver log on the head: the driver's output and, forwarded by Ray, its workers'.
+        driver_log = f"{cluster.hosts.root}/h0/session_latest/logs/job-driver-{job_id}.log"
+        lines = Lines(follow(driver_log, done))
+        deadline = time.monotonic() + args.timeout
+        _, _, started = lines.wait_for(STARTED.search, deadline, "the group's start")
+        if started.group(1) != "3":
+            raise RuntimeError(f"the job started with {started.group(1)} workers, not 3: {started.group(0)}")
+        watcher = cluster[0].popen(
+            [sys.executable, "-c", _WATCH_SNIPPET, cluster.address, cluster[CUT_HOST].ip],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        watch = Lines(watcher.stdout)
+        watch.wait_for(lambda line: line.startswith("ready"), deadline, "the node watcher")
+        _, line, _ = lines.wait_for(
+            lambda line: (m := STEP.search(line)) and int(m.group(1)) >= args.cut_after_step, deadline, "the cut step"
+        )
+        last_step = int(STEP.search(line).group(1))
+        cut_at = time.time()
+        cluster[CUT_HOST].link_down()
+        deadline = time.monotonic() + args.timeout
+        restored_at, line, restart = lines.wait_for(RESTART.search, deadline, "the restart line")
+        _, dead, _ = watch.wait_for(lambda line: line.startswith("dead"), deadline, "the node's death")
+        return {
+            "setting": setting,
+            "repeat": rep,
+            "step_at_cut": last_step,
+            "restored_step": int(restart.group(2)) if restart.group(2) else None,
+            "workers_after": int(restart.group(3)),
+            "tier": restart.group(4),
+            "restart_line": restart.group(0),
+            "node_dead_s": float(dead.split()[1]) - cut_at,
+            "restored_s": restored_at - cut_at,
+        }
+    finally:
+        done.set()
+        try:
+            keep_log(cluster, log_path)
+        finally:
+            cluster.close()
+
+
+def keep_log(cluster: Any, log_path: str) -> None:
+    """Copy the job's driver log from the head's session (removed with the hosts) to ``log_path``."""
+    for path in glob.glob(f"{cluster.hosts.root}/h0/session_latest/logs/job-driver-*.log"):
+        shutil.copyfile(path, log_path)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per setting: the median of each time from the cut, and the tiers restored from."""
+    out: dict[str, Any] = {}
+    for setting in SETTINGS:
+        mine = [r for r in runs if r["setting"] == setting and "error" not in r]
+        if not mine:
+            continue
+        out[setting] = {key: statistics.median(r[key] for r in mine) for key in ("node_dead_s", "restored_s")}
+        out[setting]["dead_to_restored_s"] = statistics.median(r["restored_s"] - r["node_dead_s"] for r in mine)
+        out[setting]["tiers"] = sorted({str(r["tier"]) for r in mine})
+        out[setting]["runs"] = len(mine)
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = head_lines(report, "A host cut off from an elastic job: the time to the restored group")
+    tuned = ", ".join(f"`{k}={v}`" for k, v in TUNED.items())
+    lines += [
+        "Three Ray hosts (one worker each, `jobs/train.py --num-workers 2-3`, a tiny GPT, a memory checkpoint "
+        f"every step, S3 every {report['checkpoint_every']} steps) and an S3 host; a new cluster per run. At step "
+        f">= {report['cut_after_step']} host {CUT_HOST}'s link goes down (a partition; its processes keep "
+        "running). Seconds from the cut: the GCS counts the node dead (a driver on host 0 polling `ray.nodes()`); "
+        "the restarted group's rank 0 logs its restart line (`restart 1: resumed from step S with 2 worker(s), "
+        "from <tier>`, every rank restored), as the line reaches the job's driver log on the head. `default`: "
+        f"Ray's health checks as shipped (none set); `tuned`: {tuned}. Medians over the runs.",
+        "",
+        "| setting | runs | cut -> node dead s | cut -> restored s | node dead -> restored s | restored from |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for setting, s in report["summary"].items():
+        lines.append(
+            f"| {setting} | {s['runs']} | {s['node_dead_s']:.1f} | {s['restored_s']:.1f} "
+            f"| {s['dead_to_restored_s']:.1f} | {', '.join(s['tiers'])} |"
+        )
+    lines += ["", "| run | step at the cut | restored step | workers after | node dead s | restored s | tier |"]
+    lines += ["| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in report["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['setting']} {r['repeat']} | failed: {r['error'][:200]} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['setting']} {r['repeat']} | {r['step_at_cut']} | {r['restored_step']} | {r['workers_after']} "
+            f"| {r['node_dead_s']:.1f} | {r['restored_s']:.1f} | {r['tier']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each setting")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--cut-after-step", type=int, default=30, help="cut once the group of 3 has logged this step")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="the job's storage (S3) saves")
+    p.add_argument("--num-cpus", type=int, default=2, help="each Ray host's CPUs (one worker takes them all)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds a run may take to each of its moments")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="added to every setting's hosts")
+    p.add_argument("--job-args", default="", help="more flags for jobs/train.py")
+    add_common_args(p, "cut")
+    args = p.parse_args(argv)
+    args.settings = [s for s in args.settings.split(",") if s]
+    if not args.settings or set(args.settings) - set(SETTINGS) or args.repeats < 1:
+        p.error(f"--settings: some of {', '.join(SETTINGS)}; --repeats >= 1")
+    if any("=" not in kv for kv in args.env):
+        p.error("--env KEY=VALUE")
+    args.out = os.path.abspath(args.out)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    require_hosts()
+    os.makedirs(args.out, exist_ok=True)
+    report = new_report("cut", argv)
+    report.update(
+        settings={s: SETTINGS[s] for s in args.settings},
+        extra_env=args.env,
+        cut_after_step=args.cut_after_step,
+        checkpoint_every=args.checkpoint_every,
+        runs=[],
+    )
+    with load_sampled(report):
+        for rep in range(args.repeats):
+            for setting in rotated(args.settings, rep):
+                try:
+                    run = one_cut(args, setting, rep)
+                except (RuntimeError, TimeoutError) as exc:
+                    run = {"setting": setting, "repeat": rep, "error": f"{type(exc).__name__}: {exc}"}
+                print(f"[hosts cut] {run}", flush=True)
+                report["runs"].append(run)
+    report["summary"] = summarize(report["runs"])
+    md = markdown(report)
+    write_report(args.out, "cut", report, md, args.markdown)
+    print(md)
+    return 0 if all("error" not in r for r in report["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""A memory-tier replica from one host to another: over the writers' link against through Ray's object store.
+
+Two Ray hosts (``rayckpt.testing.ray_hosts``). A driver on host 0 holds a file of
+each size in its host's ``/dev/shm`` (a held file, as the ShardWriter's) and copies it
+to host 1's ShardWriter, as ``replication.replicate`` does, by each way in turn
+(rotated from repeat to repeat):
+
+- ``link``: ``link.send`` to the writer's replica listener (``mem_endpoint``): the
+  kernel sends the file, the writer splices the stream into its store.
+- ``ray``: ``replication._replicate_through_ray``: the file mapped, put into host 0's
+  object store, pulled into host 1's, copied by the writer's ``mem_put`` into its store.
+
+A copy's time runs from the call to its return (the replica held on host 1); the
+replica is dropped (``mem_delete``) before the next. One untimed copy of 1 MiB each
+way first (connections, the writer's first call). Medians over ``--repeats``.
+
+    .venv/bin/python -m benchmarks.hosts replicas --sizes-mb 64,256 --repeats 5
+
+Writes ``{out}/replicas.json`` and ``replicas.md`` (``--out``: ``bench_out/hosts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from benchmarks.common.harness import MIB, load_sampled, rotated, summary, write_report
+from benchmarks.hosts.common import (
+    HOST_ENV,
+    ON_HOST,
+    add_common_args,
+    connect,
+    head_lines,
+    new_report,
+    node_id_of,
+    require_hosts,
+    run_on_host,
+)
+
+WAYS = ("link", "ray")
+LABELS = {"link": "writer link (`link.send`)", "ray": "Ray's object store (`_replicate_through_ray`)"}
+
+
+def copy_all(config: dict[str, Any]) -> dict[str, Any]:
+    """The driver on host 0: every size, every repeat, each way; the seconds of each copy by way and size."""
+    import time
+
+    import numpy as np
+    import ray
+
+    from rayckpt.ray.memory import link
+    from rayckpt.ray.memory.replication import _replicate_through_ray
+    from rayckpt.ray.writer.actor import get_shard_writer
+
+    connect(config["address"])
+    writer = get_shard_writer(node_id_of(config["peer_ip"]))
+    endpoint = ray.get(writer.mem_endpoint.remote())
+    copy = {
+        "link": lambda path, fd, size: link.send(endpoint, path, fd, size),
+        "ray": lambda path, fd, size: _replicate_through_ray(writer, path, fd, size),
+    }
+    seconds: dict[str, dict[str, list[float]]] = {way: {} for way in WAYS}
+    rng = np.random.default_rng(0)
+    for size_mb, warm_up in [(1, True), *((s, False) for s in config["sizes_mb"])]:
+        size = int(size_mb * MIB)
+        fd = held_file(rng, size)
+        try:
+            for rep in range(1 if warm_up else config["repeats"]):
+                for way in rotated(WAYS, rep):
+                    path = f"hostbench/{way}/{size}/{rep}"
+                    t0 = time.perf_counter()
+                    copy[way](path, fd, size)
+                    took = time.perf_counter() - t0
+                    if ray.get(writer.mem_delete.remote(path, False)) != 1:
+                        raise RuntimeError(f"{path}: the replica was not held on host 1")
+                    if not warm_up:
+                        seconds[way].setdefault(str(size_mb), []).append(took)
+        finally:
+            os.close(fd)
+    return {"seconds": seconds}
+
+
+def held_file(rng: Any, size: int) -> int:
+    """A file of ``size`` random bytes in ``/dev/shm``, unlinked, open read-write (as a ShardWriter holds one)."""
+    name = f"/dev/shm/rayckpt-hostbench-{os.getpid()}"
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(name)
+    chunk = 16 * MIB
+    for offset in range(0, size, chunk):
+        os.pwrite(fd, rng.bytes(min(chunk, size - offset)), offset)
+    return fd
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = head_lines(report, "A memory-tier replica between two hosts: the writer link against Ray's object store")
+    c = report["cluster"]
+    lines += [
+        f"Two Ray hosts (network and mount namespaces on a private bridge, {c['num_cpus']} CPUs, a "
+        f"{c['shm_mb']} MiB `/dev/shm` and a {c['object_store_mb']} MiB object store each). A driver on host 0 "
+        "copies a held file to host 1's ShardWriter by each way, rotated; a copy's time: the call to its return "
+        f"(the replica held on host 1). Seconds: median (min-max) of {report['repeats']} repeats; MB/s: 1e6 "
+        "bytes per second of the median.",
+        "",
+        "| size MiB | way | seconds | MB/s | x link |",
+        "| ---: | --- | ---: | ---: | ---: |",
+    ]
+    for size, by_way in report["results"].items():
+        link_median = by_way["link"]["median"]
+        for way in WAYS:
+            s = by_way[way]
+            rate = float(size) * MIB / 1e6 / s["median"]
+            lines.append(
+                f"| {size} | {LABELS[way]} | {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | {rate:,.0f} "
+                f"| {s['median'] / link_median:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-mb", default="64,256", help="file sizes in MiB, comma-separated")
+    p.add_argument("--repeats", type=int, default=5, help="copies of each size each way")
+    p.add_argument("--num-cpus", type=int, default=2, help="each Ray node's CPUs")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds the driver on host 0 may take")
+    add_common_args(p, "replicas")
+    args = p.parse_args(argv)
+    try:
+        args.sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--sizes-mb {args.sizes_mb!r}: expected numbers of MiB, comma-separated")
+    if not args.sizes or min(args.sizes) <= 0 or args.repeats < 1:
+        p.error("--sizes-mb: sizes > 0; --repeats >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [ON_HOST]:
+        print(json.dumps(copy_all(json.loads(argv[1]))))
+        return 0
+    args = parse_args(argv)
+    require_hosts()
+    from rayckpt.testing.ray_hosts import build_ray_hosts
+
+    os.makedirs(args.out, exist_ok=True)
+    biggest = int(max(args.sizes))
+    # Ray's copy holds the file in both nodes' object stores; the store's budget (half the tmpfs) holds the replica.
+    object_store_mb = max(256, 2 * biggest)
+    shm_mb = object_store_mb + 2 * biggest + 256
+    report = new_report("replicas", argv)
+    report.update(repeats=args.repeats, sizes_mb=args.sizes)
+    report["cluster"] = {"hosts": 2, "num_cpus": args.num_cpus, "shm_mb": shm_mb, "object_store_mb": object_store_mb}
+    with load_sampled(report):
+        cluster = build_ray_hosts(
+            2, shm_mb=shm_mb, num_cpus=args.num_cpus, object_store_mb=object_store_mb, env=HOST_ENV
+        )
+        try:
+            config = {
+                "address": cluster.address,
+                "peer_ip": cluster[1].ip,
+                "sizes_mb": args.sizes,
+                "repeats": args.repeats,
+            }
+            found = run_on_host(cluster[0], "benchmarks.hosts.replicas", config, args.timeout)
+        finally:
+            cluster.close()
+    report["results"] = {
+        f"{size:g}": {way: summary(found["seconds"][way][str(size)], int(size * MIB)) for way in WAYS}
+        for size in args.sizes
+    }
+    md = markdown(report)
+    write_report(args.out, "replicas", report, md, args.markdown)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

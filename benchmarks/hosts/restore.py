@@ -1,0 +1,211 @@
+"""A restore on real hosts: a state held by three hosts' memory tier against the same state on the S3 host.
+
+Three Ray hosts and an S3 host (``moto_server``, ``rayckpt.testing.ray_hosts``). A
+driver on host 0 runs one TorchTrainer (gloo, CPU) of ``--workers`` M workers, spread
+over the three hosts (``--cpus-per-worker``: by default the hosts' CPUs shared out, so
+M = 3 puts one on each), with the memory-cost benchmark's loop
+(``benchmarks.recovery.memory_cost.cost_loop``, no training rounds): each worker
+builds its share of the FSDP2 state of ``--size-mb`` MiB (``workload.build_state``),
+``Checkpointer(memory_every=1)`` saves one step to the hosts' memory (each host's
+shard files also held by the ring's next host) and storage, ``save_async`` the same
+step to S3; then the M workers load it (``rayckpt.ray.loading.load``) from each tier in
+turn, rotated from round to round, barrier to barrier (``memory_cost.restores``).
+Medians over ``--repeats`` rounds.
+
+    .venv/bin/python -m benchmarks.hosts restore --size-mb 1024 --repeats 3
+
+Writes ``{out}/restore.json`` and ``restore.md`` (``--out``: ``bench_out/hosts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from typing import Any
+
+from benchmarks.common.harness import load_sampled, summary, write_report
+from benchmarks.common.workload import layer_shapes
+from benchmarks.hosts.common import (
+    HOST_ENV,
+    ON_HOST,
+    add_common_args,
+    head_lines,
+    new_report,
+    require_hosts,
+    run_on_host,
+)
+
+HOSTS = 3
+#: The tiers loaded from, in the first round's order (``memory_cost.restores``' names).
+SOURCES = ("memory", "s3")
+LABELS = {"memory": "the hosts' memory tier", "s3": "S3 (the S3 host's moto server)"}
+
+
+def restore_all(config: dict[str, Any]) -> dict[str, Any]:
+    """The driver on host 0: one TorchTrainer run of ``memory_cost.cost_loop`` (its events go to a file)."""
+    import logging
+
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from benchmarks.recovery.memory_cost import cost_loop
+
+    ray.init(address=config["address"], logging_level=logging.ERROR, log_to_driver=config["ray_logs"])
+    loop = {
+        "events": config["events"],
+        "shapes": layer_shapes(config["size_mb"]),
+        "rounds": 0,
+        "steps": 0,
+        "step_sleep_s": 0.0,
+        "device": "cpu",
+        "shared": True,  # the run's storage is a directory every host sees (the machine's own disk)
+        "restore_rounds": config["repeats"],
+        "s3_uri": config["s3_uri"],
+        "restore_from": list(SOURCES),
+    }
+    TorchTrainer(
+        cost_loop,
+        train_loop_config=loop,
+        scaling_config=ScalingConfig(num_workers=config["workers"], resources_per_worker={"CPU": config["cpus"]}),
+        run_config=RunConfig(storage_path=config["storage"], name=f"hosts-restore-{time.time_ns()}"),
+    ).fit()
+    return {}
+
+
+def summarize(events: str) -> dict[str, Any]:
+    """Per tier: the load's seconds in each round (the slowest rank's), and each rank's bytes read; the hosts
+    the memory checkpoint's files were written on."""
+    with open(events) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    rounds: dict[str, dict[int, float]] = {}
+    read: dict[str, dict[int, int]] = {}
+    for e in lines:
+        if e["kind"] == "restore":
+            by_round = rounds.setdefault(e["source"], {})
+            by_round[e["round"]] = max(by_round.get(e["round"], 0.0), e["load_s"])
+            read.setdefault(e["source"], {})[e["rank"]] = e["bytes_read"]
+    writes = next((e["writes"] for e in lines if e["kind"] == "writes"), [])
+    return {
+        "load_s": {s: [by_round[r] for r in sorted(by_round)] for s, by_round in rounds.items()},
+        "bytes_read_per_rank": {s: [by_rank[r] for r in sorted(by_rank)] for s, by_rank in read.items()},
+        "memory_nodes_written": len({w["node"] for w in writes}),
+        "memory_bytes_written": sum(w["bytes"] for w in writes),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = head_lines(report, "A restore across hosts: three hosts' memory tier against S3")
+    c, r = report["cluster"], report["results"]
+    lines += [
+        f"{report['state_bytes'] / 1e9:.3f} GB of FSDP2 state (fp32 params + AdamW moments) saved by "
+        f"{report['workers']} CPU workers (gloo) spread over {HOSTS} Ray hosts ({c['num_cpus']} CPUs, a "
+        f"{c['shm_mb']} MiB `/dev/shm` each), to the hosts' memory tier ({r['memory_nodes_written']} hosts wrote "
+        f"its {r['memory_bytes_written'] / 1e9:.3f} GB of shard files, each also held by the next host) and to "
+        "S3 on a fourth host; then "
+        f"loaded into the same {report['workers']} workers from each, barrier to barrier, {report['repeats']} "
+        "rounds rotated. Seconds: median (min-max) over the rounds.",
+        "",
+        "| from | load s | GB/s | x memory |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    memory = report["summary"]["memory"]["median"]
+    for source in SOURCES:
+        s = report["summary"][source]
+        lines.append(
+            f"| {LABELS[source]} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | {s.get('GBps_median', 0):.2f} "
+            f"| {s['median'] / memory:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (params + AdamW moments)")
+    p.add_argument("--workers", type=int, default=HOSTS, help="the ranks that save and load (M)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of loads from every tier")
+    p.add_argument("--num-cpus", type=int, default=2, help="each Ray host's CPUs")
+    p.add_argument(
+        "--cpus-per-worker", type=float, default=None, help="default: the hosts' CPUs shared out over the workers"
+    )
+    p.add_argument("--timeout", type=float, default=3600, help="seconds the driver on host 0 may take")
+    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to the driver's output")
+    add_common_args(p, "restore")
+    args = p.parse_args(argv)
+    if args.workers < 1 or args.repeats < 1 or args.size_mb <= 0:
+        p.error("--workers >= 1, --repeats >= 1, --size-mb > 0")
+    if args.cpus_per_worker is None:
+        args.cpus_per_worker = HOSTS * args.num_cpus // args.workers or HOSTS * args.num_cpus / args.workers
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [ON_HOST]:
+        print(json.dumps(restore_all(json.loads(argv[1]))))
+        return 0
+    args = parse_args(argv)
+    require_hosts()
+    from rayckpt.testing.ray_hosts import build_ray_hosts
+
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    events = os.path.join(out, "restore.jsonl")
+    if os.path.exists(events):
+        os.remove(events)
+    shapes = layer_shapes(args.size_mb)
+    object_store_mb = 256
+    # Each host holds its share, a peer's share (the replica) and its workers' staging buffers in its /dev/shm.
+    shm_mb = object_store_mb + int(2 * args.size_mb) + 256
+    report = new_report("restore", argv)
+    report.update(
+        state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
+        workers=args.workers,
+        cpus_per_worker=args.cpus_per_worker,
+        repeats=args.repeats,
+        cluster={"hosts": HOSTS, "num_cpus": args.num_cpus, "shm_mb": shm_mb, "object_store_mb": object_store_mb},
+    )
+    with load_sampled(report):
+        cluster = build_ray_hosts(
+            HOSTS,
+            shm_mb=shm_mb,
+            num_cpus=args.num_cpus,
+            object_store_mb=object_store_mb,
+            s3_bucket="hostbench",
+            env=HOST_ENV,
+        )
+        config: dict[str, Any] = {"storage": os.path.join(out, "restore-storage")}
+        try:
+            assert cluster.s3 is not None
+            config |= {
+                "address": cluster.address,
+                "events": events,
+                "size_mb": args.size_mb,
+                "workers": args.workers,
+                "cpus": args.cpus_per_worker,
+                "repeats": args.repeats,
+                "s3_uri": cluster.s3.uri(f"restore/{time.time_ns()}"),
+                "ray_logs": args.ray_logs,
+            }
+            run_on_host(cluster[0], "benchmarks.hosts.restore", config, args.timeout)
+        finally:
+            cluster.close()
+            shutil.rmtree(config["storage"], ignore_errors=True)
+    report["results"] = summarize(events)
+    report["summary"] = {s: summary(report["results"]["load_s"][s], report["state_bytes"]) for s in SOURCES}
+    report["summary"]["s3_over_memory"] = statistics.median(report["results"]["load_s"]["s3"]) / statistics.median(
+        report["results"]["load_s"]["memory"]
+    )
+    md = markdown(report)
+    write_report(out, "restore", report, md, args.markdown)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
