@@ -17,8 +17,9 @@ times, from the cut, at which (this machine's clock):
   the job's driver log on the head (``job-driver-<id>.log``, read every 0.05 s), where
   Ray's log monitor forwards the workers' output.
 
-Settings: ``default`` (Ray's health checks as shipped: none of them set) and ``tuned``
-(``TUNED``). Repeats alternate the settings.
+Settings (``SETTINGS``): ``default`` (Ray's as shipped: none set), ``tuned`` (Ray's health
+checks as docs/recovery.md recommends), ``tuned-start`` (also Ray Train's worker-group start
+timeout cut). Repeats alternate the settings.
 
     .venv/bin/python -m benchmarks.hosts cut --repeats 3
 
@@ -29,7 +30,6 @@ run's job driver log under ``{out}/cut-logs/``.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import queue
 import re
@@ -39,29 +39,27 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from benchmarks.common.harness import load_sampled, rotated, write_report
 from benchmarks.hosts.common import HOST_ENV, ROOT, add_common_args, head_lines, new_report, require_hosts
-from rayckpt.testing.hosts import BIN
+from rayckpt.testing.host_jobs import HostJob
+from rayckpt.testing.ray_hosts import TUNED_HEALTH_CHECKS
 
-#: Ray's GCS health checks of the nodes, tuned: a check every second, a second to answer, three missed.
-TUNED = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
+#: ``tuned``: Ray's health checks as docs/recovery.md recommends; ``tuned-start``: also Ray Train's wait for a
+#: worker group that cannot start (the group of 3 asked for on the cluster as it was before the cut) cut to 10 s.
+SETTINGS = {
+    "default": {},
+    "tuned": TUNED_HEALTH_CHECKS,
+    "tuned-start": {**TUNED_HEALTH_CHECKS, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"},
 }
-SETTINGS = {"default": {}, "tuned": TUNED}
 #: Flags of a model small enough for steps of a fraction of a second on these CPUs.
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "64"]
 CUT_HOST = 2
 STARTED = re.compile(r"on (\d+) rank\(s\)")
 STEP = re.compile(r"\] step (\d+)/")
 RESTART = re.compile(r"restart (\d+): (?:resumed from step (\d+)[^,]*|.*?) with (\d+) worker\(s\)(?:, from (\w+))?")
-NO_AGENT = "No available agent to submit job"
-#: How often a followed file is read for new lines.
-POLL_S = 0.05
 
 #: Run on host 0: print ``ready`` once joined, then ``dead <time.time()>`` once node ``argv[2]`` is not alive.
 _WATCH_SNIPPET = """
@@ -103,41 +101,12 @@ class Lines:
                 return item[0], item[1], found
 
 
-def follow(path: str, done: threading.Event) -> Iterator[str]:
-    """The lines of the file ``path`` as it is written (it may not exist yet), until ``done`` is set."""
-    while not os.path.exists(path):
-        if done.wait(POLL_S):
-            return
-    with open(path, errors="replace") as f:
-        partial = ""
-        while not done.is_set():
-            chunk = f.readline()
-            if not chunk:
-                done.wait(POLL_S)
-                continue
-            partial += chunk
-            if partial.endswith("\n"):
-                yield partial
-                partial = ""
-
-
-def submit(cluster: Any, args: argparse.Namespace, job_id: str) -> None:
-    """``ray job submit --no-wait --submission-id job_id ... -- python jobs/train.py`` on host 0."""
-    assert cluster.s3 is not None and cluster.dashboard is not None
-    flags = ["--num-workers", "2-3", "--cpus-per-worker", str(cluster.num_cpus), "--memory-every", "1"]
-    flags += ["--checkpoint-every", str(args.checkpoint_every), "--steps", "1000000", "--max-failures", "3"]
-    flags += ["--run-name", "cut", "--storage-path", cluster.s3.uri("runs"), *TINY, *args.job_args.split()]
-    cmd = [f"{BIN}/ray", "job", "submit", "--address", cluster.dashboard, "--working-dir", ".", "--no-wait"]
-    cmd += ["--submission-id", job_id, "--", "python", "jobs/train.py", *flags]
-    deadline = time.monotonic() + 120
-    while True:
-        proc = cluster[0].run(cmd, cwd=str(ROOT), timeout=300)
-        if proc.returncode == 0:
-            return
-        # The head's job agent comes up a little after the dashboard does.
-        if NO_AGENT not in proc.stdout + proc.stderr or time.monotonic() > deadline:
-            raise RuntimeError(f"ray job submit failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        time.sleep(1)
+def flags(cluster: Any, args: argparse.Namespace) -> list[str]:
+    """``jobs/train.py``'s flags: an elastic 2-3 workers, one per host, a memory checkpoint every step."""
+    assert cluster.s3 is not None
+    out = ["--num-workers", "2-3", "--cpus-per-worker", str(cluster.num_cpus), "--memory-every", "1"]
+    out += ["--checkpoint-every", str(args.checkpoint_every), "--steps", "1000000", "--max-failures", "3"]
+    return [*out, "--run-name", "cut", "--storage-path", cluster.s3.uri("runs"), *TINY, *args.job_args.split()]
 
 
 def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
@@ -150,17 +119,14 @@ def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
     if os.path.exists(log_path):
         os.remove(log_path)
     cluster = build_ray_hosts(3, shm_mb=512, num_cpus=args.num_cpus, s3_bucket="hostbench", env=env, dashboard=True)
-    done = threading.Event()
+    job = None
     try:
-        job_id = f"hostbench-cut-{setting}-{rep}"
-        submit(cluster, args, job_id)
-        # The job's driver log on the head: the driver's output and, forwarded by Ray, its workers'.
-        driver_log = f"{cluster.hosts.root}/h0/session_latest/logs/job-driver-{job_id}.log"
-        lines = Lines(follow(driver_log, done))
-        deadline = time.monotonic() + args.timeout
-        _, _, started = lines.wait_for(STARTED.search, deadline, "the group's start")
+        job = HostJob(cluster, flags(cluster, args), cwd=str(ROOT))
+        _, line = job.wait_for(STARTED.search, args.timeout)
+        started = STARTED.search(line)
         if started.group(1) != "3":
             raise RuntimeError(f"the job started with {started.group(1)} workers, not 3: {started.group(0)}")
+        deadline = time.monotonic() + args.timeout
         watcher = cluster[0].popen(
             [sys.executable, "-c", _WATCH_SNIPPET, cluster.address, cluster[CUT_HOST].ip],
             stdin=subprocess.DEVNULL,
@@ -170,14 +136,13 @@ def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
         )
         watch = Lines(watcher.stdout)
         watch.wait_for(lambda line: line.startswith("ready"), deadline, "the node watcher")
-        _, line, _ = lines.wait_for(
-            lambda line: (m := STEP.search(line)) and int(m.group(1)) >= args.cut_after_step, deadline, "the cut step"
-        )
+        _, line = job.wait_for(lambda line: (m := STEP.search(line)) and int(m.group(1)) >= args.cut_after_step)
         last_step = int(STEP.search(line).group(1))
         cut_at = time.time()
         cluster[CUT_HOST].link_down()
+        restored_at, line = job.wait_for(RESTART.search, args.timeout)
+        restart = RESTART.search(line)
         deadline = time.monotonic() + args.timeout
-        restored_at, line, restart = lines.wait_for(RESTART.search, deadline, "the restart line")
         _, dead, _ = watch.wait_for(lambda line: line.startswith("dead"), deadline, "the node's death")
         return {
             "setting": setting,
@@ -191,17 +156,13 @@ def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
             "restored_s": restored_at - cut_at,
         }
     finally:
-        done.set()
         try:
-            keep_log(cluster, log_path)
+            if job is not None:
+                job.close()
+                if os.path.exists(job.log_path):
+                    shutil.copyfile(job.log_path, log_path)
         finally:
             cluster.close()
-
-
-def keep_log(cluster: Any, log_path: str) -> None:
-    """Copy the job's driver log from the head's session (removed with the hosts) to ``log_path``."""
-    for path in glob.glob(f"{cluster.hosts.root}/h0/session_latest/logs/job-driver-*.log"):
-        shutil.copyfile(path, log_path)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -220,7 +181,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = head_lines(report, "A host cut off from an elastic job: the time to the restored group")
-    tuned = ", ".join(f"`{k}={v}`" for k, v in TUNED.items())
+    tuned = ", ".join(f"`{k}={v}`" for k, v in TUNED_HEALTH_CHECKS.items())
     lines += [
         "Three Ray hosts (one worker each, `jobs/train.py --num-workers 2-3`, a tiny GPT, a memory checkpoint "
         f"every step, S3 every {report['checkpoint_every']} steps) and an S3 host; a new cluster per run. At step "
@@ -228,7 +189,9 @@ def markdown(report: dict[str, Any]) -> str:
         "running). Seconds from the cut: the GCS counts the node dead (a driver on host 0 polling `ray.nodes()`); "
         "the restarted group's rank 0 logs its restart line (`restart 1: resumed from step S with 2 worker(s), "
         "from <tier>`, every rank restored), as the line reaches the job's driver log on the head. `default`: "
-        f"Ray's health checks as shipped (none set); `tuned`: {tuned}. Medians over the runs.",
+        f"Ray's health checks as shipped (none set); `tuned`: {tuned}; `tuned-start`: also "
+        "`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10` (Ray Train's wait for the group of 3 it first asks for "
+        "after the cut). Medians over the runs.",
         "",
         "| setting | runs | cut -> node dead s | cut -> restored s | node dead -> restored s | restored from |",
         "| --- | ---: | ---: | ---: | ---: | --- |",

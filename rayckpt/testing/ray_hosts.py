@@ -35,6 +35,15 @@ RAY_ENV = {
     "GLOO_SOCKET_IFNAME": "eth0",
 }
 
+#: Ray's health checks of the nodes (its GCS's), tuned as docs/recovery.md recommends: a check every second, two
+#: seconds to answer, four missed in a row and the node is dead. Ray reads them from ``RAY_<name>`` in the
+#: environment of ``ray start``: ``build_ray_hosts(env=TUNED_HEALTH_CHECKS)``.
+TUNED_HEALTH_CHECKS = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "4",
+}
+
 #: Run on host 0: wait until Ray has ``want`` alive nodes, then print their addresses, one a line.
 _NODES_SNIPPET = """
 import sys, time, ray

@@ -19,24 +19,18 @@ import time
 import pytest
 
 from rayckpt.storage.catalog import checkpoint_dir_name
-from rayckpt.testing.hosts import hosts_unavailable
-from rayckpt.testing.ray_hosts import RayHosts, build_ray_hosts
-from tests.helpers.host_jobs import ONE_PER_HOST, Followed, catalog, events, submit, summary, writers
-from tests.helpers.ray_head import TINY
+from rayckpt.testing.host_jobs import HostJob
+from rayckpt.testing.hosts import Host, hosts_unavailable
+from rayckpt.testing.ray_hosts import S3_PORT, TUNED_HEALTH_CHECKS, RayHosts, build_ray_hosts
+from tests.helpers.host_jobs import ONE_PER_HOST, catalog, completed, events, submit, summary, writers
+from tests.helpers.ray_head import ROOT, TINY
 
 pytestmark = pytest.mark.slow
 
-#: Ray's health checks as docs/recovery.md recommends them for a cluster: a host that stops answering is dead
-#: after a few missed checks, not the default tens of seconds.
-HEALTH_CHECKS = {
-    "RAY_health_check_initial_delay_ms": "1000",
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "2000",
-    "RAY_health_check_failure_threshold": "4",
-}
-STEPS, EVERY = 20, 6
-#: Every run: one worker per host, a storage save every ``EVERY`` steps, a memory save at every other step.
-FLAGS = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--memory-every", "1", *ONE_PER_HOST, *TINY]
+#: Every run: one worker per host, a storage save every ``EVERY`` steps (and at the last), a memory save every
+#: ``MEMORY`` steps between them.
+STEPS, EVERY, MEMORY = 24, 16, 4
+FLAGS = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--memory-every", str(MEMORY), *ONE_PER_HOST, *TINY]
 #: A generous bound on the time from a crash to its save's rollback (the commit timeout is minutes).
 ROLLBACK_BOUND_S = 60.0
 #: Run on host 0: compare two checkpoints' full states (``rayckpt.consolidate``); print what differs and by how much.
@@ -87,7 +81,7 @@ def hosts():
     reason = hosts_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    with build_ray_hosts(3, shm_mb=256, s3_bucket="hostfaults", dashboard=True, env=HEALTH_CHECKS) as built:
+    with build_ray_hosts(3, shm_mb=256, s3_bucket="hostfaults", dashboard=True, env=TUNED_HEALTH_CHECKS) as built:
         yield built
 
 
@@ -101,6 +95,13 @@ def compare(hosts: RayHosts, run: str, reference: str = "reference") -> dict:
     proc = hosts[0].python(COMPARE, "-", uri(hosts, run, STEPS), uri(hosts, reference, STEPS), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+def waiting_requests(host: Host) -> int:
+    """How many of the TCP connections to the S3 server on ``host`` hold a request it has not read."""
+    proc = host.run(["ss", "-tnH", "state", "established", f"( sport = :{S3_PORT} )"], timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return sum(1 for line in proc.stdout.splitlines() if line.split() and int(line.split()[0]) > 0)
 
 
 def left_on_s3(hosts: RayHosts, run: str) -> dict[str, list[str] | None]:
@@ -122,17 +123,17 @@ def test_a_host_cut_off_mid_run_is_declared_dead_and_the_rest_restore_its_share_
     the replica a peer host holds. Once the link is back, host 2's node learns it was declared dead and ends, with
     the writer that held its memory: nothing it held is served again."""
     cut = hosts[2]
-    job = Followed(hosts, "--run-name", "cut", "--num-workers", "2-3", "--storage-path", uri(hosts, ""), *FLAGS)
+    job = HostJob(hosts, ["--run-name", "cut", "--num-workers", "2-3", "--storage-path", uri(hosts, ""), *FLAGS], ROOT)
     try:
-        job.wait_for(f"step 4/{STEPS}")
+        job.wait_for(f"step {2 * MEMORY + 2}/{STEPS}")  # two memory saves made
         cut.link_down()
         try:
-            restart = job.wait_for("restart 1:", timeout=300)
-            done = summary(job.finish())
+            _, restart = job.wait_for("restart 1:", timeout=400)
+            done = summary(completed(job, job.finish()))
         finally:
             cut.link_up()
     finally:
-        job.finish(timeout=60)
+        job.close()
     assert "with 2 worker(s), from memory" in restart, restart
     assert done["final_step"] == STEPS and done["num_workers"] == 2 and done["restarts"] >= 1, done
     assert done["restored_tier"] == "memory", done
@@ -153,35 +154,43 @@ def test_a_host_cut_off_mid_run_is_declared_dead_and_the_rest_restore_its_share_
 def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_run_restores_from_replicas(
     hosts: RayHosts,
 ):
-    """The S3 host is held (SIGSTOP) so the storage save of step ``EVERY`` cannot finish, and every process of
-    host 2 is killed while it is in flight: the save fails and is rolled back (its other ranks' files removed from
-    S3), the host comes back (a reboot: a new Ray node), and the group of three restores the newest memory
-    checkpoint, host 2's share from the replica a peer holds, and ends bit-identical to the uninterrupted run."""
+    """The S3 host is held (SIGSTOP) before the storage save of step ``EVERY``, so that save stays in flight
+    (memory saves go on: they do not touch S3), and every process of host 2 is killed once its first requests
+    wait at S3: the save
+    fails and is rolled back (the other ranks' files removed from S3), the host comes back (a reboot: a new Ray
+    node), and the group of three restores the newest memory checkpoint, host 2's share from the replica a peer
+    holds, and ends bit-identical to the uninterrupted run."""
     victim, s3 = hosts[2], hosts.s3_host
     assert s3 is not None
     (server,) = [proc for proc in s3.procs if proc.pid != s3.pid]
     if victim.ip not in hosts.ray_nodes():  # cut off by the test before
         hosts.start_node(2)
-    job = Followed(hosts, "--run-name", "crash", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS)
+    job = HostJob(hosts, ["--run-name", "crash", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS], ROOT)
     try:
-        job.wait_for(f"step {EVERY - 1}/{STEPS}")
-        os.kill(server.pid, signal.SIGSTOP)  # the next storage save stays in flight; memory saves go on
+        job.wait_for(f"step 2/{STEPS}")
+        os.killpg(server.pid, signal.SIGSTOP)  # nothing asks S3 until the storage save of step EVERY
         try:
-            job.wait_for(f"step {EVERY + 1}/{STEPS}")
+            deadline = time.monotonic() + 600
+            while not waiting_requests(s3):  # that save has begun: its first requests wait
+                assert time.monotonic() < deadline, "no request reached the held S3 host"
+                time.sleep(0.05)
             crashed = time.time()
             victim.crash()
         finally:
-            os.kill(server.pid, signal.SIGCONT)
+            os.killpg(server.pid, signal.SIGCONT)
         hosts.start_node(2)
-        restart = job.wait_for("restart 1:", timeout=300)
-        done = summary(job.finish())
+        _, restart = job.wait_for("restart 1:", timeout=400)
+        done = summary(completed(job, job.finish()))
     finally:
-        job.finish(timeout=60)
+        job.close()
     assert "with 3 worker(s), from memory" in restart, restart
     assert done["final_step"] == STEPS and done["num_workers"] == 3 and done["restarts"] >= 1, done
 
+    happened = [
+        (e["kind"], e.get("step"), e.get("error", "")[:200], e["time"] - crashed) for e in events(hosts, "crash")
+    ]
     failed = [e for e in events(hosts, "crash", "failed") if e["step"] == EVERY]
-    assert len(failed) == 1, events(hosts, "crash")
+    assert len(failed) == 1, happened
     assert 0 <= failed[0]["time"] - crashed < ROLLBACK_BOUND_S, (failed, crashed)
     # Every checkpoint directory left on S3 holds exactly its manifest's files: the failed save left nothing.
     left = left_on_s3(hosts, "crash")

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
-import time
 
+from rayckpt.testing.host_jobs import HostJob, JobEnd
 from rayckpt.testing.hosts import Host
 from rayckpt.testing.ray_hosts import RayHosts
 from tests.helpers.ray_head import BIN, ROOT
@@ -49,72 +48,16 @@ print(json.dumps(ray.get(get_metadata_actor().events.remote(sys.argv[2]), timeou
 """
 
 
-def submit_command(hosts: RayHosts, *args: str) -> list[str]:
-    """``ray job submit --working-dir . -- python jobs/train.py args`` to the head's dashboard."""
-    assert hosts.dashboard is not None
-    cmd = [f"{BIN}/ray", "job", "submit", "--address", hosts.dashboard, "--working-dir", "."]
-    return [*cmd, "--", "python", "jobs/train.py", *args]
+def submit(hosts: RayHosts, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+    """``python jobs/train.py args`` submitted from host 0 and run to its end (``HostJob``): its driver log as
+    stdout, return code 0 if it succeeded."""
+    job = HostJob(hosts, args, cwd=ROOT)
+    return completed(job, job.finish(timeout))
 
 
-def submit(hosts: RayHosts, *args: str) -> subprocess.CompletedProcess[str]:
-    """``submit_command`` run on host 0 to the job's end (its output captured)."""
-    deadline = time.monotonic() + 120
-    while True:
-        proc = hosts[0].run(submit_command(hosts, *args), cwd=ROOT, timeout=400)
-        # The head's job agent comes up a little after the dashboard does.
-        if "No available agent to submit job" not in proc.stderr or time.monotonic() > deadline:
-            return proc
-        time.sleep(1)
-
-
-class Followed:
-    """A job submitted on host 0 whose output is read as it comes: a test acts at a line of it."""
-
-    def __init__(self, hosts: RayHosts, *args: str) -> None:
-        self.lines: list[str] = []
-        self.proc = hosts[0].popen(
-            submit_command(hosts, *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self._changed = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    def wait_for(self, text: str, timeout: float = 300.0) -> str:
-        """The first line with ``text``, once the job printed it; AssertionError if the job ended or
-        ``timeout`` passed first."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for line in self.lines:
-                    if text in line:
-                        return line
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._reader.is_alive():
-                    raise AssertionError(f"the job never printed {text!r}:\n{self.output()[-6000:]}")
-                self._changed.wait(min(left, 1.0))
-
-    def finish(self, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
-        """Wait for the job's end; its output as ``submit`` gives it (all on stdout)."""
-        try:
-            self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self._reader.join(timeout=30)
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.output(), "")
-
-    def output(self) -> str:
-        with self._changed:
-            return "".join(self.lines)
+def completed(job: HostJob, end: JobEnd) -> subprocess.CompletedProcess[str]:
+    """``end`` of ``job`` as a finished process: its driver log as stdout, 0 if it succeeded, else 1."""
+    return subprocess.CompletedProcess(["ray", "job", job.id], 0 if end.succeeded else 1, end.output, "")
 
 
 def summary(proc: subprocess.CompletedProcess[str]) -> dict:
