@@ -19,9 +19,10 @@ import time
 import pytest
 
 from rayckpt.storage.catalog import checkpoint_dir_name
+from rayckpt.storage.lease import LEASE_PREFIX
 from rayckpt.testing.host_jobs import HostJob
-from rayckpt.testing.hosts import Host, hosts_unavailable
-from rayckpt.testing.ray_hosts import S3_PORT, TUNED_HEALTH_CHECKS, RayHosts, build_ray_hosts
+from rayckpt.testing.hosts import hosts_unavailable
+from rayckpt.testing.ray_hosts import TUNED_HEALTH_CHECKS, RayHosts, build_ray_hosts
 from tests.helpers.host_jobs import ONE_PER_HOST, catalog, completed, events, submit, summary, writers
 from tests.helpers.ray_head import ROOT, TINY
 
@@ -97,11 +98,27 @@ def compare(hosts: RayHosts, run: str, reference: str = "reference") -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def waiting_requests(host: Host) -> int:
-    """How many of the TCP connections to the S3 server on ``host`` hold a request it has not read."""
-    proc = host.run(["ss", "-tnH", "state", "established", f"( sport = :{S3_PORT} )"], timeout=30)
-    assert proc.returncode == 0, proc.stderr
-    return sum(1 for line in proc.stdout.splitlines() if line.split() and int(line.split()[0]) > 0)
+def logged_request(log_path: str, text: str, timeout: float = 600.0) -> None:
+    """Return once the S3 server's log has a request line with ``text`` (read every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    line = ""
+    with open(log_path) as log:
+        while True:
+            line += log.readline()
+            if line.endswith("\n"):
+                if text in line:
+                    return
+                line = ""
+            else:  # at the end of what is written so far
+                assert time.monotonic() < deadline, f"S3 never logged {text!r}"
+                time.sleep(0.01)
+
+
+def clients_putting(log_path: str, *texts: str) -> set[str]:
+    """The addresses of the clients whose PUT requests the S3 server logged with each of ``texts`` in the path."""
+    with open(log_path) as log:
+        lines = [line for line in log if '"PUT ' in line and all(text in line for text in texts)]
+    return {line.split()[0] for line in lines}
 
 
 def left_on_s3(hosts: RayHosts, run: str) -> dict[str, list[str] | None]:
@@ -154,30 +171,29 @@ def test_a_host_cut_off_mid_run_is_declared_dead_and_the_rest_restore_its_share_
 def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_run_restores_from_replicas(
     hosts: RayHosts,
 ):
-    """The S3 host is held (SIGSTOP) before the storage save of step ``EVERY``, so that save stays in flight
-    (memory saves go on: they do not touch S3), and every process of host 2 is killed once its first requests
-    wait at S3: the save
-    fails and is rolled back (the other ranks' files removed from S3), the host comes back (a reboot: a new Ray
-    node), and the group of three restores the newest memory checkpoint, host 2's share from the replica a peer
-    holds, and ends bit-identical to the uninterrupted run."""
-    victim, s3 = hosts[2], hosts.s3_host
+    """Host 2's ShardWriter is held (SIGSTOP) as soon as the storage save of step ``EVERY`` has claimed its
+    location, so rank 2's share of it is never written while the other ranks' reach S3; then every process of
+    host 2 is killed. The save fails and is rolled back (the other ranks' files removed from S3), the host comes
+    back (a reboot: a new Ray node), and the group of three restores the newest memory checkpoint, host 2's
+    share from the replica a peer holds, and ends bit-identical to the uninterrupted run."""
+    victim, s3 = hosts[2], hosts.s3
     assert s3 is not None
-    (server,) = [proc for proc in s3.procs if proc.pid != s3.pid]
     if victim.ip not in hosts.ray_nodes():  # cut off by the test before
         hosts.start_node(2)
     job = HostJob(hosts, ["--run-name", "crash", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS], ROOT)
     try:
-        job.wait_for(f"step 2/{STEPS}")
-        os.killpg(server.pid, signal.SIGSTOP)  # nothing asks S3 until the storage save of step EVERY
-        try:
-            deadline = time.monotonic() + 600
-            while not waiting_requests(s3):  # that save has begun: its first requests wait
-                assert time.monotonic() < deadline, "no request reached the held S3 host"
-                time.sleep(0.05)
-            crashed = time.time()
-            victim.crash()
-        finally:
-            os.killpg(server.pid, signal.SIGCONT)
+        job.wait_for(f"step {MEMORY + 1}/{STEPS}")  # the first memory save started every host's ShardWriter
+        writer = writers(hosts)[victim.ip]["pid"]
+        saving = f"/{s3.bucket}/runs/crash/{checkpoint_dir_name(EVERY)}/"
+        logged_request(s3.log_path, f'"PUT {saving}{LEASE_PREFIX}')  # rank 0 claimed the location
+        os.kill(writer, signal.SIGSTOP)
+        deadline = time.monotonic() + 300
+        while len(writing := clients_putting(s3.log_path, saving, "-r0", ".arrow")) < 2:  # the others' shards
+            assert time.monotonic() < deadline, f"only {writing} wrote shard files of step {EVERY}"
+            time.sleep(0.1)
+        assert victim.ip not in writing, "host 2's share was written before its writer was held"
+        crashed = time.time()
+        victim.crash()
         hosts.start_node(2)
         _, restart = job.wait_for("restart 1:", timeout=400)
         done = summary(completed(job, job.finish()))
@@ -186,11 +202,9 @@ def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_ru
     assert "with 3 worker(s), from memory" in restart, restart
     assert done["final_step"] == STEPS and done["num_workers"] == 3 and done["restarts"] >= 1, done
 
-    happened = [
-        (e["kind"], e.get("step"), e.get("error", "")[:200], e["time"] - crashed) for e in events(hosts, "crash")
-    ]
+    happened = [{**e, "time": e["time"] - crashed} for e in events(hosts, "crash")]
     failed = [e for e in events(hosts, "crash", "failed") if e["step"] == EVERY]
-    assert len(failed) == 1, happened
+    assert len(failed) == 1, (happened, job.output()[-15000:])
     assert 0 <= failed[0]["time"] - crashed < ROLLBACK_BOUND_S, (failed, crashed)
     # Every checkpoint directory left on S3 holds exactly its manifest's files: the failed save left nothing.
     left = left_on_s3(hosts, "crash")
