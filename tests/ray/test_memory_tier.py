@@ -1,6 +1,6 @@
 """The memory tier under TorchTrainer on a real local Ray (one node): saves to the ShardWriter's memory between
-storage saves, restores that prefer them, a flipped byte passed over, a budget that sends saves to storage; the room
-of the node's shared memory, less its object store's."""
+storage saves, restores that prefer them, a flipped byte passed over, a budget that sends saves to storage
+(warned once); the room of the node's shared memory, less its object store's."""
 
 from __future__ import annotations
 
@@ -81,11 +81,12 @@ def test_a_save_the_memory_budget_cannot_hold_goes_to_storage_with_a_warning(ray
     for _ in range(60):
         out_text, err_text = capfd.readouterr()
         seen += out_text + err_text
-        if seen.count("goes to storage, not memory") >= 2:
+        if "rayckpt: tight committed step 3" in seen:  # rank 0's last line: its lines before it came too
             break
         ray.get(writer.mem_room.remote())  # a pause that lets Ray forward the workers' logs
-    for step in (1, 2):
-        assert f"rayckpt: run tight: step {step} goes to storage, not memory: node " in seen, seen[-3000:]
+    # Once for the shortage, not once per step: step 2 went to storage without another warning.
+    assert seen.count("goes to storage, not memory") == 1, seen[-3000:]
+    assert "rayckpt: run tight: step 1 goes to storage, not memory: node " in seen, seen[-3000:]
     assert "bytes of its memory budget left and needs" in seen
 
 
