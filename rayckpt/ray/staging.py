@@ -20,11 +20,14 @@ older rayckpt, or by a process killed between creating and unlinking one) of
 processes that are gone are removed by the node's ShardWriter, when it starts
 and then periodically (``writer.regions.StaleSweeper``). Space is reserved with
 ``posix_fallocate``, so a full tmpfs is an error at staging time (and the save
-falls back to ``ray.put``), never a ``SIGBUS`` halfway through a copy.
+falls back to ``ray.put``), never a ``SIGBUS`` halfway through a copy; and never from
+the room of Ray's object store on the same tmpfs (``shm.shm_room``), whose pages are
+taken only as objects are made: that ``ray.put`` finds them.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -38,7 +41,7 @@ import torch
 
 from ..engine.device import DeviceToHost, needs_bounce, pin_host_memory, unpin_host_memory
 from ..engine.state import as_bytes, flatten
-from .shm import POPULATED, PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, staging_dir
+from .shm import POPULATED, PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, shm_room, staging_dir
 
 #: Where ``save_async`` stages: "auto" (the reusable buffer, else the object store), "shm", "object_store".
 STAGING_ENV = "RAYCKPT_STAGING"
@@ -116,6 +119,8 @@ class StagingBuffer:
             ) from None
         os.unlink(name)  # from here on nothing can leak: the kernel frees it with the last descriptor and mapping
         try:
+            if (room := shm_room(self.directory)) < capacity:  # the pages Ray's object store may yet take
+                raise OSError(errno.ENOSPC, f"{room} bytes free there beside Ray's object store")
             os.posix_fallocate(fd, 0, capacity)  # reserve the pages now: ENOSPC here, not SIGBUS later
             mapped = mmap.mmap(fd, capacity, flags=POPULATED)
         except OSError as exc:

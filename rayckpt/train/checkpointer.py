@@ -246,23 +246,23 @@ class Checkpointer:
 
     def _memory_go(self, step: int, flat: FlatState) -> str | None:
         """Whether a memory save goes ahead (``MEMORY``), goes to storage instead (``STORAGE``: some node's
-        budget cannot hold it; rank 0 warns) or is skipped (``None``: the memory save before it is not yet
+        memory tier has no room for it) or is skipped (``None``: the memory save before it is not yet
         written on some rank; a storage save being written does not count). One collective: every rank
-        decides the same."""
+        decides the same. Rank 0 warns once per shortage (a node and what bounds it), not per step, and
+        says when memory saves go ahead again."""
         assert self.memory is not None
         if not self.memory_skip_busy:
             self._wait(MEMORY)
         last = self._last.get(MEMORY)
         busy = last is not None and not last[0].done()
         need = 2 * staged_size(local_pieces(flat)) * max(1, self._local_ranks)
-        room, node = self.memory.room_here(self.rank)
-        skip, why = self.memory.decide(busy, room, need, node, default_coordinator())
+        room, bound, node = self.memory.room_here(self.rank)
+        skip, why, short = self.memory.decide(busy, (room, bound), need, node, default_coordinator())
         if skip:
             self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
             return None
-        if why and self.rank == 0:
-            logger.warning("rayckpt: run %s: step %s goes to storage, not memory: %s", self.run, step, why)
-        return STORAGE if why else MEMORY
+        self.memory.tell(self.run, step, short, why, self.rank)
+        return STORAGE if short else MEMORY
 
     def _save_to_memory(
         self, step: int, state: FlatState, metrics: dict[str, Any], metadata: dict[str, Any] | None

@@ -67,37 +67,60 @@ class MemoryTier:
         self.root = memory_root(run)
         self.policy = policy
         self.filesystem = memory_filesystem()
+        #: The shortage that sends memory saves to storage (``decide``: the node and what bounds it), "": none.
+        self.short = ""
 
     def path(self, step: int) -> str:
         return posixpath.join(self.root, checkpoint_dir_name(step))
 
-    def room_here(self, rank: int) -> tuple[int, str]:
-        """Room in this rank's node's memory tier, and the node, once the run's checkpoints there older
-        than the newest ``memory_keep - 1`` committed ones are dropped (``MemoryStore.drop_old``). Rank 0
-        has every live node drop the same, not waited for: a node with no rank holds manifests and
-        replicas too."""
+    def room_here(self, rank: int) -> tuple[int, str, str]:
+        """Room in this rank's node's memory tier, what bounds it (``MemoryStore.room``) and the node, once the
+        run's checkpoints there older than the newest ``memory_keep - 1`` committed ones are dropped
+        (``MemoryStore.drop_old``). Rank 0 has every live node drop the same, not waited for: a node with no
+        rank holds manifests and replicas too."""
         keep = self.policy.memory_keep - 1
-        room = ray.get(get_shard_writer().mem_room.remote(self.root, keep))
+        room, bound = ray.get(get_shard_writer().mem_room.remote(self.root, keep))
         here = ray.get_runtime_context().get_node_id()[:12]
         if rank == 0:
             for node, handle in writers().items():
                 if node != here:  # this node's writer has just dropped them
                     handle.mem_room.remote(self.root, keep)
-        return room, here
+        return room, bound, here
 
     @staticmethod
-    def decide(busy: bool, room: int, need: int, node: str, coord: Coordinator) -> tuple[bool, str]:
+    def decide(busy: bool, room: tuple[int, str], need: int, node: str, coord: Coordinator) -> tuple[bool, str, str]:
         """One collective before a memory save: every rank says whether its last memory save is unwritten
-        (``busy``), its ``node``'s ``room`` and what it ``need``s there (its share and a peer's replica of
-        about its size). Returns (skip: some rank is busy, why it does not fit: "" when every node holds it)."""
-        answers = coord.all_gather((busy, room >= need, room, need, node))
+        (``busy``), its ``node``'s ``room`` and what bounds it (``MemoryStore.room``) and what it ``need``s
+        there (its share and a peer's replica of about its size).
+
+        Returns:
+            (skip: some rank is busy; why it does not fit: "" when every node holds it; the shortage itself,
+            the node and what bounds it, the same from step to step while it lasts: "" when none).
+        """
+        answers = coord.all_gather((busy, room[0] >= need, room[0], need, node, room[1]))
         if any(a[0] for a in answers):
-            return True, ""
+            return True, "", ""
         short = [a for a in answers if not a[1]]
         if not short:
-            return False, ""
-        _, _, room, need, node = short[0]
-        return False, f"node {node} has {room} bytes of its memory budget left and needs {need}"
+            return False, "", ""
+        _, _, left, need, node, bound = short[0]
+        return False, f"node {node} has {left} bytes {bound} and needs {need}", f"{node} {bound}"
+
+    def tell(self, run: str, step: int, short: str, why: str, rank: int) -> None:
+        """Record ``decide``'s shortage for ``step``; rank 0 warns once per shortage (a node and what bounds it),
+        not per step, and says when memory saves go ahead again."""
+        if short != self.short and rank == 0:
+            if short:
+                logger.warning(
+                    "rayckpt: run %s: step %s goes to storage, not memory: %s (so do the memory saves after it "
+                    "until it has room; said once)",
+                    run,
+                    step,
+                    why,
+                )
+            else:
+                logger.info("rayckpt: run %s: step %s goes to memory again: every node has room", run, step)
+        self.short = short
 
     def drop_all(self) -> None:
         """Free every memory checkpoint of the run (called once it is persisted and done)."""

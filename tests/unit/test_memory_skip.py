@@ -25,8 +25,11 @@ class Ranks:
         return [mine, *self.others]
 
 
-def other(busy: bool = False, room: int = ROOM, need: int = 0, node: str = "node-b") -> tuple:
-    return (busy, room >= need, room, need, node)
+BUDGET = "of its memory budget left"
+
+
+def other(busy: bool = False, room: int = ROOM, need: int = 0, node: str = "node-b", bound: str = BUDGET) -> tuple:
+    return (busy, room >= need, room, need, node, bound)
 
 
 def bare_checkpointer(monkeypatch, last: dict, others: list):
@@ -36,7 +39,9 @@ def bare_checkpointer(monkeypatch, last: dict, others: list):
     ckpt.memory_skipped, ckpt.memory_skip_busy, ckpt._local_ranks, ckpt.rank, ckpt.run = 0, True, 1, 0, "r"
     ckpt._last = {tier: (SimpleNamespace(done=lambda done=done: done), 0.0) for tier, done in last.items()}
     rooms: list = []
-    ckpt.memory = SimpleNamespace(decide=MemoryTier.decide, room_here=lambda rank: rooms.append(rank) or (ROOM, "a"))
+    ckpt.memory = object.__new__(MemoryTier)  # no Ray: its decision, its warnings, and a node with room
+    ckpt.memory.short, here = "", (ROOM, BUDGET, "a")
+    ckpt.memory.room_here = lambda rank: rooms.append(rank) or here
     began: list = []
     monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_memory", lambda self, *a: began.append(MEMORY) or "m")
     monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_storage", lambda self, *a: began.append(STORAGE) or "s")
@@ -70,7 +75,7 @@ def test_a_step_due_for_both_tiers_goes_to_memory_first_then_storage(monkeypatch
 
 def test_a_memory_save_no_budget_holds_goes_to_storage_with_the_short_node_named(monkeypatch, caplog):
     ckpt, ranks, began = bare_checkpointer(monkeypatch, {}, [other(room=5, need=8, node="node-b")])
-    with caplog.at_level("WARNING", logger="rayckpt.train.checkpointer"):
+    with caplog.at_level("WARNING", logger="rayckpt.train.tiers"):
         assert ckpt.save(3, {}, {"loss": 1.0}) == "s"
     assert began == [STORAGE] and len(ranks.gathered) == 1
     assert "step 3 goes to storage, not memory: node node-b has 5 bytes of its memory budget left and needs 8" in (
@@ -80,14 +85,38 @@ def test_a_memory_save_no_budget_holds_goes_to_storage_with_the_short_node_named
 
 def test_the_one_collective_carries_each_rank_s_room_and_need_and_a_rank_short_of_it_is_named():
     ranks = Ranks([other(), other(room=3, need=4, node="node-c")])
-    assert MemoryTier.decide(False, 100, 50, "node-a", ranks) == (
+    assert MemoryTier.decide(False, (100, BUDGET), 50, "node-a", ranks) == (
         False,
         "node node-c has 3 bytes of its memory budget left and needs 4",
+        f"node-c {BUDGET}",
     )
-    assert ranks.gathered == [(False, True, 100, 50, "node-a")]
-    assert MemoryTier.decide(False, 100, 50, "node-a", Ranks([other()])) == (False, "")
+    assert ranks.gathered == [(False, True, 100, 50, "node-a", BUDGET)]
+    assert MemoryTier.decide(False, (100, BUDGET), 50, "node-a", Ranks([other()])) == (False, "", "")
     # A busy rank skips the save for all, whatever the room: nothing is measured against a save not made.
-    assert MemoryTier.decide(False, 1, 50, "node-a", Ranks([other(busy=True)])) == (True, "")
+    assert MemoryTier.decide(False, (1, BUDGET), 50, "node-a", Ranks([other(busy=True)])) == (True, "", "")
+
+
+def test_a_node_short_of_room_is_warned_about_once_while_it_lasts_and_again_after_it_had_room(monkeypatch, caplog):
+    full = "free in /dev/shm (its free space less Ray's object store)"
+    short = [other(room=5, need=8, node="node-b", bound=full)]
+    ckpt, ranks, began = bare_checkpointer(monkeypatch, {}, short)
+    with caplog.at_level("INFO", logger="rayckpt.train.tiers"):
+        for step, others in ((1, short), (2, short), (3, [other(room=6, need=8, node="node-b", bound=full)])):
+            ranks.others = others
+            assert ckpt.save(step, {}, {"loss": 1.0}) == "s"
+        assert ckpt.memory.short == f"node-b {full}"
+        ranks.others = [other()]
+        assert ckpt.save(4, {}, {"loss": 1.0}) == "m" and ckpt.memory.short == ""
+        ranks.others = short
+        assert ckpt.save(6, {}, {"loss": 1.0}) == "s"
+    assert began == [STORAGE, STORAGE, STORAGE, MEMORY, STORAGE]
+    warned = [(r.levelname, r.getMessage()) for r in caplog.records]
+    said = f"goes to storage, not memory: node node-b has 5 bytes {full} and needs 8"
+    assert [w[1] for w in warned if w[0] == "WARNING"] == [
+        f"rayckpt: run r: step {s} {said} (so do the memory saves after it until it has room; said once)"
+        for s in (1, 6)
+    ], warned
+    assert ("INFO", "rayckpt: run r: step 4 goes to memory again: every node has room") in warned
 
 
 def test_with_memory_skip_busy_off_a_memory_save_waits_for_the_one_before_and_is_never_skipped(monkeypatch):

@@ -77,7 +77,7 @@ def test_a_file_over_the_budget_is_refused_and_a_rewrite_replaces_the_old_one(st
     store.put("a", b"x" * (600 << 10))
     with pytest.raises(MemoryBudgetExceeded, match=r"b \(614400 bytes\) does not fit: 614400 of its 1048576 bytes"):
         store.put("b", b"x" * (600 << 10))
-    assert store.stat(["b"]) == {} and store.room() == (1 << 20) - (600 << 10)
+    assert store.stat(["b"]) == {} and store.room() == ((1 << 20) - (600 << 10), "of its memory budget left")
     store.put("a", b"y" * (900 << 10))  # replaces a: the old bytes do not count against the new ones
     assert store.held == 900 << 10 and store.read("a", 0, 1) == b"y"
 
@@ -100,13 +100,14 @@ def test_room_under_a_run_drops_what_is_older_than_its_newest_committed_checkpoi
     _hold_step(store, 1, True, root="mem/other-run")
     before = store.held
     # keep 1 committed (memory_keep=2): 4 stays, and 5 (newer: in flight); 1, 2 and 3 go; another run is untouched.
-    assert store.room("mem/run", keep=1) == store.budget - store.held and store.held < before
+    assert store.room("mem/run", keep=1) == (store.budget - store.held, "of its memory budget left")
+    assert store.held < before
     assert _steps(store) == [1, 4, 5] and sum(p.startswith("mem/other-run/") for p in store.files) == 3
     assert store.drop_old("mem/run", keep=1) == 0  # the same rule again: nothing more
     assert store.drop_old("mem/run", keep=0) == 3  # keep none (memory_keep=1): every committed one; 5 stays
     assert _steps(store) == [1, 5]
     assert store.drop_old("mem/run", keep=0) == 0  # no committed checkpoint: nothing to drop
-    assert store.room() == store.budget - store.held  # no root: only measures
+    assert store.room() == (store.budget - store.held, "of its memory budget left")  # no root: only measures
     # What was dropped is no longer counted at once; its descriptors are closed in the background.
     deadline = time.monotonic() + 30
     while held_descriptors() > len(store.files) and time.monotonic() < deadline:
@@ -159,6 +160,20 @@ def test_the_default_budget_is_half_the_filesystem_or_the_environment(tmp_path, 
     monkeypatch.setenv(BUDGET_ENV, "lots")
     with pytest.raises(ValueError, match=r"RAYCKPT_MEMORY_BUDGET='lots': expected a number of bytes"):
         default_budget(str(tmp_path))
+
+
+def test_room_is_bounded_by_what_the_filesystem_has_left_where_that_is_less_than_the_budget(tmp_path):
+    st = os.statvfs(tmp_path)
+    size = st.f_blocks * st.f_frsize
+    store = MemoryStore("node-aaaaaaaaaaaa", str(tmp_path), budget=2 * size)  # more than the filesystem holds
+    try:
+        room, bound = store.room()
+        # Another process may write to the filesystem meanwhile: what it has left is below its size, not exact.
+        assert 0 <= room <= size and bound == f"free in {tmp_path} (its free space less Ray's object store)"
+        store.budget = 1 << 20
+        assert store.room() == (1 << 20, "of its memory budget left")
+    finally:
+        store.close()
 
 
 def test_the_policy_sends_each_step_to_storage_memory_both_or_nowhere():

@@ -8,6 +8,7 @@ replicas (``link.ReplicaServer``). The ``mem_*`` methods are what
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import ray
@@ -25,10 +26,19 @@ class MemoryHost:
         hold_here(self.memory)
         #: Where peers send this node its replicas.
         self.replicas = ReplicaServer(self.memory, ray.util.get_node_ip_address())
+        #: Replicas peers sent through Ray's object store (their link to this node unreachable), and their bytes.
+        self.replicas_through_ray = {"files": 0, "bytes": 0}
+        self._counts_lock = threading.Lock()
 
-    def mem_put(self, path: str, data: Any) -> int:
-        """Hold ``data`` as ``path`` (not replicated); its size."""
-        return self.memory.put(path, data)
+    def mem_put(self, path: str, data: Any, replica: bool = False) -> int:
+        """Hold ``data`` as ``path`` (not replicated); its size. ``replica``: a peer's replica, sent through
+        Ray (``replication``), counted in ``replicas_through_ray``."""
+        size = self.memory.put(path, data)
+        if replica:
+            with self._counts_lock:
+                self.replicas_through_ray["files"] += 1
+                self.replicas_through_ray["bytes"] += size
+        return size
 
     def mem_endpoint(self) -> tuple[str, int, bytes]:
         """(host, port, token) of this node's replica listener."""
@@ -49,9 +59,10 @@ class MemoryHost:
     def mem_read(self, path: str, offset: int, length: int) -> bytes:
         return self.memory.read(path, offset, length)
 
-    def mem_room(self, root: str | None = None, keep: int = 0) -> int:
-        """Bytes the node's memory tier may still take (its budget less what it holds); with ``root``, after
-        dropping the checkpoints under it older than its newest ``keep`` committed ones (``MemoryStore.drop_old``)."""
+    def mem_room(self, root: str | None = None, keep: int = 0) -> tuple[int, str]:
+        """Bytes the node's memory tier may still take and what bounds them (``MemoryStore.room``: its budget
+        less what it holds, or its filesystem's free space where less); with ``root``, after dropping the
+        checkpoints under it older than its newest ``keep`` committed ones (``MemoryStore.drop_old``)."""
         return self.memory.room(root, keep)
 
     def mem_budget(self, nbytes: int | None = None) -> int:

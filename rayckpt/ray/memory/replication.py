@@ -69,7 +69,7 @@ def _replicate_through_ray(handle: Any, path: str, fd: int, size: int) -> None:
     """The copy through Ray's object store: mapped, not read, so Ray's copy into its store is the one out of here."""
     mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
     try:
-        ray.get(handle.mem_put.remote(path, np.frombuffer(mapped, dtype=np.uint8)))
+        ray.get(handle.mem_put.remote(path, np.frombuffer(mapped, dtype=np.uint8), True))
     finally:
         if isinstance(mapped, mmap.mmap):
             try:

@@ -35,7 +35,7 @@ from typing import Any
 
 from ...format.manifest import MANIFEST_NAME
 from ...storage.catalog import checkpoint_step
-from ..shm import PREFIX, staging_dir
+from ..shm import PREFIX, shm_room, staging_dir
 from . import replication
 
 logger = logging.getLogger(__name__)
@@ -89,11 +89,20 @@ class MemoryStore:
         with self._lock:
             return sum(size for _, size, _ in self.files.values())
 
-    def room(self, root: str | None = None, keep: int = 0) -> int:
-        """Bytes it may still take; with ``root``, after dropping the checkpoints under it that ``drop_old`` drops."""
+    def room(self, root: str | None = None, keep: int = 0) -> tuple[int, str]:
+        """Bytes it may still take, and what bounds them; with ``root``, after dropping the checkpoints under it
+        that ``drop_old`` drops.
+
+        Its budget less what it holds, or, where less, what its filesystem has left (``shm.shm_room``: free
+        space less Ray's object store): other processes fill a tmpfs too. The second item says which, as
+        "of its memory budget left" or "free in <directory> (its free space less Ray's object store)".
+        """
         if root is not None:
             self.drop_old(root, keep)
-        return self.budget - self.held
+        left, free = self.budget - self.held, max(0, shm_room(self.directory))
+        if free < left:
+            return free, f"free in {self.directory} (its free space less Ray's object store)"
+        return left, "of its memory budget left"
 
     def drop_old(self, root: str, keep: int) -> int:
         """Drop the checkpoints under ``root`` older than the newest ``keep`` committed ones (0: every

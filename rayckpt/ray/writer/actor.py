@@ -90,7 +90,8 @@ class ShardWriter(MemoryHost):
         created in, read from the open file itself), both ``None`` for the object store;
         ``bytes``, ``files``, ``max_parts`` (the files of one type it could write at once);
         ``replicas_received``: the memory tier's replicas peers sent it
-        over the replica link (``files``, ``bytes``).
+        over the replica link (``files``, ``bytes``); ``replicas_through_ray``: those they sent through
+        Ray's object store instead (the link unreachable).
         """
         return {
             "node": self.node(),
@@ -98,6 +99,7 @@ class ShardWriter(MemoryHost):
             "staging_dir": self.staging_dir,
             "writes": list(self.records),
             "replicas_received": dict(self.replicas.received),
+            "replicas_through_ray": dict(self.replicas_through_ray),
         }
 
     def write(
