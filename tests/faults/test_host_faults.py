@@ -12,17 +12,16 @@ One set of hosts for the module; the tests run in file order (the first is the r
 from __future__ import annotations
 
 import json
-import os
-import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from rayckpt.storage.catalog import checkpoint_dir_name
-from rayckpt.storage.lease import LEASE_PREFIX
 from rayckpt.testing.host_jobs import HostJob
-from rayckpt.testing.hosts import hosts_unavailable
-from rayckpt.testing.ray_hosts import TUNED_HEALTH_CHECKS, RayHosts, build_ray_hosts
+from rayckpt.testing.hosts import Host, hosts_unavailable
+from rayckpt.testing.ray_hosts import S3_PORT, TUNED_HEALTH_CHECKS, RayHosts, build_ray_hosts
 from tests.helpers.host_jobs import ONE_PER_HOST, catalog, completed, events, submit, summary, writers
 from tests.helpers.ray_head import ROOT, TINY
 
@@ -34,6 +33,12 @@ STEPS, EVERY, MEMORY = 24, 16, 4
 FLAGS = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--memory-every", str(MEMORY), *ONE_PER_HOST, *TINY]
 #: A generous bound on the time from a crash to its save's rollback (the commit timeout is minutes).
 ROLLBACK_BOUND_S = 60.0
+#: Run on a host: listen at ``argv[1]:argv[2]`` and never accept: a connection opens, its request is never read.
+TARPIT = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2])), backlog=128)
+time.sleep(3600)
+"""
 #: Run on host 0: compare two checkpoints' full states (``rayckpt.consolidate``); print what differs and by how much.
 COMPARE = """
 import json, sys, torch, rayckpt
@@ -98,20 +103,12 @@ def compare(hosts: RayHosts, run: str, reference: str = "reference") -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def logged_request(log_path: str, text: str, timeout: float = 600.0) -> None:
-    """Return once the S3 server's log has a request line with ``text`` (read every 10 ms)."""
-    deadline = time.monotonic() + timeout
-    line = ""
-    with open(log_path) as log:
-        while True:
-            line += log.readline()
-            if line.endswith("\n"):
-                if text in line:
-                    return
-                line = ""
-            else:  # at the end of what is written so far
-                assert time.monotonic() < deadline, f"S3 never logged {text!r}"
-                time.sleep(0.01)
+def address(host: Host, verb: str, ip: str) -> None:
+    """Add (or delete) ``ip`` as an address of ``host``'s own (on its loopback): its connections to it stay on it."""
+    proc = subprocess.run(
+        ["ip", "-n", host.netns, "addr", verb, f"{ip}/32", "dev", "lo"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, f"ip addr {verb} {ip} on host {host.index}: {proc.stderr}"
 
 
 def clients_putting(log_path: str, *texts: str) -> set[str]:
@@ -171,29 +168,32 @@ def test_a_host_cut_off_mid_run_is_declared_dead_and_the_rest_restore_its_share_
 def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_run_restores_from_replicas(
     hosts: RayHosts,
 ):
-    """Host 2's ShardWriter is held (SIGSTOP) as soon as the storage save of step ``EVERY`` has claimed its
-    location, so rank 2's share of it is never written while the other ranks' reach S3; then every process of
-    host 2 is killed. The save fails and is rolled back (the other ranks' files removed from S3), the host comes
-    back (a reboot: a new Ray node), and the group of three restores the newest memory checkpoint, host 2's
-    share from the replica a peer holds, and ends bit-identical to the uninterrupted run."""
+    """Host 2 reaches, at the S3 host's address, a server of its own that accepts and never answers, so its share
+    of the storage save of step ``EVERY`` stays in flight while the other hosts' shares reach S3; then every
+    process of host 2 is killed. The save fails and is rolled back (the other ranks' files removed from S3), the
+    host comes back (a reboot: a new Ray node), and the group of three restores the newest memory checkpoint,
+    host 2's share from the replica a peer holds, and ends bit-identical to the uninterrupted run."""
     victim, s3 = hosts[2], hosts.s3
-    assert s3 is not None
+    assert s3 is not None and hosts.s3_host is not None
     if victim.ip not in hosts.ray_nodes():  # cut off by the test before
         hosts.start_node(2)
     job = HostJob(hosts, ["--run-name", "crash", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS], ROOT)
+    s3_ip = hosts.s3_host.ip
     try:
-        job.wait_for(f"step {MEMORY + 1}/{STEPS}")  # the first memory save started every host's ShardWriter
-        writer = writers(hosts)[victim.ip]["pid"]
+        job.wait_for(f"step 2/{STEPS}")  # nothing on host 2 asks S3 again until the save of step EVERY
+        address(victim, "add", s3_ip)
+        victim.popen([sys.executable, "-c", TARPIT, s3_ip, str(S3_PORT)])
+        deadline = time.monotonic() + 60
+        while not victim.can_connect(s3_ip, S3_PORT):
+            assert time.monotonic() < deadline, "host 2's stand-in for S3 does not listen"
         saving = f"/{s3.bucket}/runs/crash/{checkpoint_dir_name(EVERY)}/"
-        logged_request(s3.log_path, f'"PUT {saving}{LEASE_PREFIX}')  # rank 0 claimed the location
-        os.kill(writer, signal.SIGSTOP)
         deadline = time.monotonic() + 300
         while len(writing := clients_putting(s3.log_path, saving, "-r0", ".arrow")) < 2:  # the others' shards
             assert time.monotonic() < deadline, f"only {writing} wrote shard files of step {EVERY}"
-            time.sleep(0.1)
-        assert victim.ip not in writing, "host 2's share was written before its writer was held"
+            time.sleep(0.05)
         crashed = time.time()
         victim.crash()
+        address(victim, "del", s3_ip)
         hosts.start_node(2)
         _, restart = job.wait_for("restart 1:", timeout=400)
         done = summary(completed(job, job.finish()))

@@ -15,21 +15,18 @@ undoes its fault (the fixture too, whatever happened).
 
 from __future__ import annotations
 
-import json
 import subprocess
-import time
 from collections.abc import Callable
 
 import pytest
 
 from rayckpt.testing.hosts import Host, hosts_unavailable
 from rayckpt.testing.ray_hosts import RayHosts, build_ray_hosts
-from tests.helpers.ray_head import BIN, ROOT, TINY
+from tests.helpers.host_jobs import ONE_PER_HOST, catalog, on_host0, submit, summary
+from tests.helpers.ray_head import TINY
 
 pytestmark = pytest.mark.slow
 
-#: Two CPUs per worker on 2-CPU hosts: Ray Train can place each worker only on a host of its own.
-ONE_PER_HOST = ["--num-workers", "3", "--cpus-per-worker", "2"]
 SHM_MB = 256
 OBJECT_STORE_MB = 80
 #: Where the filler of a host's ``/dev/shm`` goes (the other process that fills it).
@@ -74,45 +71,16 @@ def hosts():
             built.close()
 
 
-def submit(hosts: RayHosts, *args: str) -> subprocess.CompletedProcess[str]:
-    """``ray job submit --working-dir . -- python jobs/train.py args`` run on host 0 (the job's output captured)."""
-    assert hosts.dashboard is not None
-    cmd = [f"{BIN}/ray", "job", "submit", "--address", hosts.dashboard, "--working-dir", "."]
-    cmd += ["--", "python", "jobs/train.py", *args]
-    deadline = time.monotonic() + 120
-    while True:
-        proc = hosts[0].run(cmd, cwd=ROOT, timeout=400)
-        # The head's job agent comes up a little after the dashboard does.
-        if "No available agent to submit job" not in proc.stderr or time.monotonic() > deadline:
-            return proc
-        time.sleep(1)
-
-
-def summary(proc: subprocess.CompletedProcess[str]) -> dict:
-    """The job's JSON summary (its last line of that shape), asserting the job succeeded."""
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    for line in reversed(proc.stdout.splitlines()):
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "final_step" in doc:
-            return doc
-    raise AssertionError(f"no summary in the job's output: {proc.stdout[-4000:]}")
-
-
 def writers(hosts: RayHosts) -> dict[str, dict]:
     """Each host's ShardWriter (``WRITERS``), by the host's address."""
-    proc = hosts[0].python(WRITERS, hosts.address, timeout=180)
-    assert proc.returncode == 0, f"asking the ShardWriters on host 0 failed:\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout.splitlines()[-1])
+    found = on_host0(hosts, WRITERS)
+    assert isinstance(found, dict)
+    return found
 
 
-def catalog(host: Host, uri: str) -> list[tuple]:
-    """``rayckpt ls <uri> --json`` on ``host``: (run, step, status) of each checkpoint."""
-    proc = host.run([f"{BIN}/python", "-m", "rayckpt", "ls", uri, "--json"], cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, f"rayckpt ls {uri} on host {host.index} failed:\n{proc.stderr[-3000:]}"
-    return [(e["run"], e["step"], e["status"]) for e in json.loads(proc.stdout)]
+def committed(host: Host, uri: str) -> list[tuple]:
+    """(run, step, status) of each checkpoint at ``uri`` (``rayckpt ls`` on ``host``)."""
+    return [entry[:3] for entry in catalog(host, uri)]
 
 
 def ip_rule(host: Host, verb: str, peer: str, port: int) -> None:
@@ -134,14 +102,14 @@ def test_a_host_whose_shm_another_process_filled_sends_memory_saves_to_storage_w
     assert shm_free(full) <= OBJECT_STORE_MB << 20
 
     uri = cluster.s3.uri("shm")
-    flags = ["--run-name", "shmfull", "--storage-path", uri, *ONE_PER_HOST, *TINY]
+    flags = ["--run-name", "shmfull", "--storage-path", uri, "--num-workers", "3", *ONE_PER_HOST, *TINY]
     proc = submit(cluster, "--steps", "3", "--checkpoint-every", "3", "--memory-every", "1", *flags)
     done = summary(proc)
     assert done["final_step"] == 3, done
     output = proc.stdout + proc.stderr
     assert "(memory) committed step" not in output, output[-6000:]
     # Every memory save went to storage instead: each step is a storage checkpoint.
-    assert catalog(cluster[0], uri) == [("shmfull", step, "committed") for step in (1, 2, 3)]
+    assert committed(cluster[0], uri) == [("shmfull", step, "committed") for step in (1, 2, 3)]
     node = writers(cluster)[full.ip]["node"]
     warned = [line for line in output.splitlines() if "goes to storage, not memory" in line]
     assert len(warned) == 1, warned
@@ -172,14 +140,14 @@ def test_replicas_to_a_host_whose_link_is_firewalled_go_through_ray_with_one_war
     assert cluster.ray_nodes() == sorted(host.ip for host in cluster), "Ray lost a node behind the rule"
 
     uri = cluster.s3.uri("link")
-    flags = ["--run-name", "firewalled", "--storage-path", uri, *ONE_PER_HOST, *TINY]
+    flags = ["--run-name", "firewalled", "--storage-path", uri, "--num-workers", "3", *ONE_PER_HOST, *TINY]
     proc = submit(cluster, "--steps", "3", "--checkpoint-every", "3", "--memory-every", "1", *flags)
     done = summary(proc)
     assert done["final_step"] == 3, done
     output = proc.stdout + proc.stderr
     # The first memory save is never skipped (no save before it is unwritten); a later one may be.
     assert "firewalled (memory) committed step 1" in output, output[-6000:]
-    assert catalog(cluster[1], uri) == [("firewalled", 3, "committed")]
+    assert committed(cluster[1], uri) == [("firewalled", 3, "committed")]
 
     after = writers(cluster)
     assert after[blocked.ip]["received"] == before[blocked.ip]["received"], after
