@@ -46,15 +46,20 @@ class JobEnd:
         return self.status == "SUCCEEDED"
 
     def summary(self) -> dict[str, Any] | None:
-        """The ``jobs/train.py`` summary (its last JSON line with ``final_step``), or None."""
-        for line in reversed(self.output.splitlines()):
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(doc, dict) and "final_step" in doc:
-                return doc
-        return None
+        """The ``jobs/train.py`` summary in its output (``job_summary``), or None."""
+        return job_summary(self.output)
+
+
+def job_summary(output: str) -> dict[str, Any] | None:
+    """The ``jobs/train.py`` summary in ``output`` (its last JSON line with ``final_step``), or None."""
+    for line in reversed(output.splitlines()):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and "final_step" in doc:
+            return doc
+    return None
 
 
 class HostJob:

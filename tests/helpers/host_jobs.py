@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from rayckpt.testing.host_jobs import HostJob, JobEnd
+from rayckpt.testing.host_jobs import HostJob, JobEnd, job_summary
 from rayckpt.testing.hosts import Host
 from rayckpt.testing.ray_hosts import RayHosts
 from tests.helpers.ray_head import BIN, ROOT
@@ -61,16 +61,11 @@ def completed(job: HostJob, end: JobEnd) -> subprocess.CompletedProcess[str]:
 
 
 def summary(proc: subprocess.CompletedProcess[str]) -> dict:
-    """The job's JSON summary (its last line of that shape), asserting the job succeeded."""
+    """The job's JSON summary (``job_summary``), asserting the job succeeded."""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    for line in reversed(proc.stdout.splitlines()):
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "final_step" in doc:
-            return doc
-    raise AssertionError(f"no summary in the job's output: {proc.stdout[-4000:]}")
+    found = job_summary(proc.stdout)
+    assert found is not None, f"no summary in the job's output: {proc.stdout[-4000:]}"
+    return found
 
 
 def on_host0(hosts: RayHosts, code: str, *args: str) -> object:
