@@ -4,7 +4,9 @@ For tests that need several machines (a node cut off, a node's ``/dev/shm`` or d
 its own) on one. Each host has its own IPv4 address on a bridge that lives in a network
 namespace of its own (the switch): nothing is added to the machine's own network, and
 the hosts reach nothing but each other. Each host's processes see their own tmpfs at
-``/dev/shm`` and their own local disk at ``Host.disk``. ``rayckpt.testing.ray_hosts``
+``/dev/shm`` and their own local disk at ``Host.disk``. With ``own_pids`` each host also
+has a PID namespace of its own: its processes see (``/proc``, ``ps``) and can signal only
+each other, so a ``ray stop`` run there stops that host's Ray only. ``rayckpt.testing.ray_hosts``
 starts a Ray node on each.
 
 Everything is torn down by ``Hosts.close()``: every process of the hosts is killed by its
@@ -19,6 +21,7 @@ import atexit
 import os
 import random
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,6 +36,16 @@ BIN = os.path.dirname(sys.executable)
 TOOLS = ("ip", "unshare", "nsenter", "mount", "sh", "sleep")
 #: How long the processes started with ``graceful`` have to end on SIGTERM before everything is killed.
 STOP_GRACE_S = 5.0
+
+#: The first process of a host with a PID namespace of its own (its pid 1): it reaps the processes orphaned there.
+_INIT = """
+import os, time  # rayckpt host init
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        time.sleep(1)
+"""
 
 #: Run on a host: exit 0 once ``address:port`` accepts a TCP connection, 1 if it does not within the timeout.
 _CONNECT_SNIPPET = """
@@ -114,16 +127,22 @@ class Host:
     #: Environment of every command run on the host (the caller's without RAY_ADDRESS, and ``env`` of
     #: ``build_hosts``).
     env: dict[str, str]
-    #: The process holding the host's mount namespace (0 until started).
+    #: The process holding the host's mount namespace (0 until started); with ``own_pids``, the host's pid 1.
     pid: int = 0
+    #: The host has a PID namespace of its own (``build_hosts(own_pids=True)``).
+    own_pids: bool = False
     #: Every process started on the host with ``popen`` (and the one holding it), each a session of its own.
     procs: list[subprocess.Popen] = field(default_factory=list)
     #: Those of ``procs`` that ``close()`` asks to end (SIGTERM) before it kills the rest.
     graceful: list[subprocess.Popen] = field(default_factory=list)
 
     def command(self, cmd: Sequence[str], cwd: str | None = None) -> list[str]:
-        """``cmd`` wrapped to run in the host's namespaces, in ``cwd`` (default: this process's)."""
-        enter = ["nsenter", f"--target={self.pid}", "--mount", "--net"]
+        """``cmd`` wrapped to run in the host's namespaces, in ``cwd`` (default: this process's).
+
+        With ``own_pids`` ``nsenter`` forks: the pid ``popen`` returns is ``nsenter``'s, ``cmd`` its child
+        (in its process group).
+        """
+        enter = ["nsenter", f"--target={self.pid}", "--mount", "--net", *(["--pid"] if self.own_pids else [])]
         return [*enter, "sh", "-c", 'cd "$0" && exec "$@"', cwd or os.getcwd(), *cmd]
 
     def popen(
@@ -216,9 +235,10 @@ class Host:
                 proc.poll()  # reap the ones started here
 
     def running(self) -> set[int]:
-        """The pids of the processes running on the host (in its network namespace), but the one holding it."""
+        """The pids of the processes running on the host (in its network namespace), but the ones holding it."""
         proc = _ip("netns", "pids", self.netns, check=False)
-        return {int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != self.pid}
+        holders = {self.pid, *(p.pid for p in self.procs[:1])}
+        return {int(p) for p in proc.stdout.split() if p.isdigit() and int(p) not in holders}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -306,6 +326,7 @@ def build_hosts(
     *,
     shm_mb: int = 256,
     env: Mapping[str, str] | None = None,
+    own_pids: bool = False,
 ) -> Hosts:
     """``n`` hosts on a private switch, each with its own ``/dev/shm`` and disk.
 
@@ -318,6 +339,9 @@ def build_hosts(
         n: How many hosts.
         shm_mb: Size of each host's ``/dev/shm`` (a tmpfs), in MiB.
         env: Added to the environment of every process on the hosts.
+        own_pids: Give each host a PID namespace of its own, with ``/proc`` mounted for it; its pid 1
+            reaps what is orphaned there. A SIGTERM ``close()`` sends to a ``graceful`` process reaches
+            its ``nsenter`` only; the host's processes end with its pid 1.
 
     Returns:
         The ``Hosts`` (a context manager; ``close()`` tears everything down).
@@ -332,14 +356,14 @@ def build_hosts(
     atexit.register(hosts.close)
     try:
         base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        _build(hosts, n, shm_mb, base | dict(env or {}))
+        _build(hosts, n, shm_mb, base | dict(env or {}), own_pids)
     except BaseException:
         hosts.close()
         raise
     return hosts
 
 
-def _build(hosts: Hosts, n: int, shm_mb: int, env: dict[str, str]) -> None:
+def _build(hosts: Hosts, n: int, shm_mb: int, env: dict[str, str], own_pids: bool) -> None:
     """Make the switch and ``n`` hosts in ``hosts`` (recording each thing before it is made)."""
     switch = f"{hosts.prefix}-sw"
     hosts.netns.append(switch)
@@ -360,6 +384,7 @@ def _build(hosts: Hosts, n: int, shm_mb: int, env: dict[str, str]) -> None:
             disk=disk,
             disk_outside=f"{hosts.root}/d{i}",
             env=env,
+            own_pids=own_pids,
         )
         hosts.hosts.append(host)
         hosts.netns.append(host.netns)
@@ -379,29 +404,44 @@ def _start_holder(hosts: Hosts, host: Host, shm_mb: int) -> None:
     shm = f"mount -t tmpfs -o size={shm_mb}m,mode=1777 tmpfs /dev/shm"
     mounts = f"{shm} && mount --bind {host.disk_outside} {host.disk}"
     cmd = ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation", "private"]
+    # ip netns exec, unshare and sh each exec the next: the holder is sleep once the mounts are made. With
+    # own_pids unshare forks (and stays, its child killed with it): the holder is the child, the init.
+    hold = "exec sleep infinity"
+    if host.own_pids:
+        cmd += ["--pid", "--fork", "--kill-child", "--mount-proc"]
+        hold = f"exec {shlex.quote(sys.executable)} -c {shlex.quote(_INIT)}"
     log_path = f"{hosts.root}/h{host.index}.holder.log"
     with open(log_path, "w") as log:
-        # ip netns exec, unshare and sh each exec the next: the pid is sleep's once the mounts are made.
         proc = subprocess.Popen(
-            [*cmd, "sh", "-c", f"{mounts} && exec sleep infinity"],
+            [*cmd, "sh", "-c", f"{mounts} && {hold}"],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     host.procs.append(proc)
-    host.pid = proc.pid
     deadline = time.monotonic() + 30
-    while _comm(proc.pid) != "sleep":
+    while not (holder := _holder(proc.pid, host.own_pids)):
         if proc.poll() is not None or time.monotonic() > deadline:
             with open(log_path) as f:
                 raise RuntimeError(f"host {host.index}'s mounts failed:\n{f.read()[-3000:]}")
         time.sleep(0.01)
+    host.pid = holder
 
 
-def _comm(pid: int) -> str:
+def _holder(pid: int, own_pids: bool) -> int:
+    """The pid of the holder started as ``pid`` once it holds the host's mounts (0 until then)."""
+    if not own_pids:
+        return pid if _read(f"/proc/{pid}/comm").strip() == "sleep" else 0
+    for child in _read(f"/proc/{pid}/task/{pid}/children").split():
+        if "rayckpt host init" in _read(f"/proc/{child}/cmdline"):
+            return int(child)
+    return 0
+
+
+def _read(path: str) -> str:
     try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
+        with open(path, errors="replace") as f:
+            return f.read()
     except OSError:
         return ""
