@@ -4,7 +4,8 @@ jobs/train.py`` to the cluster it made, then ``ray down``; all from a fourth hos
 
 The config is ``cluster.yaml`` with only the keys a cloud decides, or that need the internet, replaced
 (``local_cluster_config``): its start commands (``ray stop`` first), file mounts and the rest run as shipped.
-Needs sshd and rsync (``scripts/install_host_tools.sh``); skipped without them.
+Needs sshd and rsync (``scripts/install_host_tools.sh``), and runs only when asked for (``RAYCKPT_RAY_UP=1``:
+it takes several minutes, beside the suite's other host tests); skipped otherwise, with one line saying why.
 
 One cluster for the module. The tests run in file order: each continues where the one before left it.
 """
@@ -35,12 +36,16 @@ from tests.helpers.ray_head import ROOT, TINY
 pytestmark = pytest.mark.slow
 
 RUN = "rayup"
+#: The environment variable that asks for this module's run.
+ENABLE = "RAYCKPT_RAY_UP"
 #: Besides the hosts' Ray settings, the suite's Ray Train settings (tests/conftest.py) reach the nodes' Ray.
 TRAIN_ENV = {k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")}
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    if os.environ.get(ENABLE) != "1":
+        pytest.skip(f"ray up on hosts runs only when asked for: {ENABLE}=1 (needs scripts/install_host_tools.sh)")
     reason = launcher_unavailable()
     if reason is not None:
         pytest.skip(reason)
