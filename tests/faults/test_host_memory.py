@@ -22,7 +22,7 @@ import pytest
 
 from rayckpt.testing.hosts import Host, hosts_unavailable
 from rayckpt.testing.ray_hosts import RayHosts, build_ray_hosts
-from tests.helpers.host_jobs import ONE_PER_HOST, catalog, on_host0, submit, summary
+from tests.helpers.host_jobs import ONE_PER_HOST, catalog, submit, summary, writers
 from tests.helpers.ray_head import TINY
 
 pytestmark = pytest.mark.slow
@@ -31,27 +31,6 @@ SHM_MB = 256
 OBJECT_STORE_MB = 80
 #: Where the filler of a host's ``/dev/shm`` goes (the other process that fills it).
 FILLER = "/dev/shm/filler"
-#: Run on host 0: each live node's ShardWriter (created if none yet), by the node's address: its node id, its
-#: replica listener's port and its ``debug_stats`` counts and writes.
-WRITERS = """
-import json, sys, ray
-from rayckpt.ray.actors import NAMESPACE
-from rayckpt.ray.writer.actor import get_shard_writer
-ray.init(address=sys.argv[1], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
-found = {}
-for node in ray.nodes():
-    if node["Alive"]:
-        writer = get_shard_writer(node["NodeID"])
-        stats = ray.get(writer.debug_stats.remote(), timeout=60)
-        found[node["NodeManagerAddress"]] = {
-            "node": node["NodeID"][:12],
-            "port": ray.get(writer.mem_endpoint.remote(), timeout=60)[1],
-            "received": stats["replicas_received"],
-            "through_ray": stats["replicas_through_ray"],
-            "staging": sorted({(w["run"], w["staging"]) for w in stats["writes"]}),
-        }
-print(json.dumps(found))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +48,6 @@ def hosts():
                 step()
         finally:
             built.close()
-
-
-def writers(hosts: RayHosts) -> dict[str, dict]:
-    """Each host's ShardWriter (``WRITERS``), by the host's address."""
-    found = on_host0(hosts, WRITERS)
-    assert isinstance(found, dict)
-    return found
 
 
 def committed(host: Host, uri: str) -> list[tuple]:

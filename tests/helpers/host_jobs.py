@@ -16,26 +16,28 @@ from tests.helpers.ray_head import BIN, ROOT
 
 #: Two CPUs per worker on 2-CPU hosts: Ray Train can place each worker only on a host of its own.
 ONE_PER_HOST = ["--cpus-per-worker", "2"]
-#: Run on host 0 after a job: each ShardWriter's host, its pid, the replicas it received and the ranks whose shares
-#: it wrote.
+#: Run on host 0: each live node's ShardWriter (made now if it has none), by the node's address: its node id, pid and
+#: replica listener's port, the replicas it received over the link and through Ray, and of its writes the ranks
+#: whose shares it wrote and how each was staged.
 WRITERS = """
 import json, sys, ray
-from rayckpt.ray.actors import NAMESPACE, writer_name
+from rayckpt.ray.actors import NAMESPACE
+from rayckpt.ray.writer.actor import get_shard_writer
 ray.init(address=sys.argv[1], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
 found = {}
 for node in ray.nodes():
-    if not node["Alive"]:
-        continue
-    try:
-        writer = ray.get_actor(writer_name(node["NodeID"]))
-    except ValueError:
-        continue
-    stats = ray.get(writer.debug_stats.remote(), timeout=60)
-    found[node["NodeManagerAddress"]] = {
-        "pid": stats["pid"],
-        "received": stats["replicas_received"],
-        "ranks": sorted({(w["run"], w["rank"]) for w in stats["writes"]}),
-    }
+    if node["Alive"]:
+        writer = get_shard_writer(node["NodeID"])
+        stats = ray.get(writer.debug_stats.remote(), timeout=60)
+        found[node["NodeManagerAddress"]] = {
+            "node": node["NodeID"][:12],
+            "pid": stats["pid"],
+            "port": ray.get(writer.mem_endpoint.remote(), timeout=60)[1],
+            "received": stats["replicas_received"],
+            "through_ray": stats["replicas_through_ray"],
+            "ranks": sorted({(w["run"], w["rank"]) for w in stats["writes"]}),
+            "staging": sorted({(w["run"], w["staging"]) for w in stats["writes"]}),
+        }
 print(json.dumps(found))
 """
 #: Run on host 0: the MetadataActor's events of the run ``argv[2]``, as JSON.
