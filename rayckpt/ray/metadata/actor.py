@@ -32,6 +32,7 @@ from ..actors import HEAD_NODE_RESOURCE, METADATA_ACTOR_NAME, NAMESPACE, named
 from ..records import SaveTarget
 from .attempts import AttemptCounter
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
+from .grafana import install_dashboard_soon
 from .layout_cache import LAYOUT_WANTED, LayoutRef, SaveLayouts, ShardReport, SpecLayout, join_shard, join_spec
 from .plan_cache import LoadBundle, PlanCache
 from .save_history import RUNS_KEPT
@@ -81,6 +82,7 @@ class MetadataActor:
         #: Worker groups started per Ray Train run id, the ``RUNS_KEPT`` most recent.
         self._attempts = AttemptCounter(RUNS_KEPT)
         self._gauge_refresher: asyncio.Task | None = None
+        install_dashboard_soon()  # where the head's Grafana looks (never fails the actor, never waited for)
 
     async def ping(self) -> str:
         """``"ok"``: the actor answers (operators, benchmarks)."""
