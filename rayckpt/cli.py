@@ -24,7 +24,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from . import __version__
+from . import __version__, cli_status
 from .cli_text import (
     ProgressBar,
     count,
@@ -340,6 +340,10 @@ def _parser() -> _Parser:
     p.add_argument("--yes", "-y", action="store_true", help="do not ask; needed when stdin is not a terminal")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_rm)
+
+    p = command("status", "show a running cluster's checkpoints: newest per tier, in flight, failures, restores")
+    cli_status.add_arguments(p)
+    p.set_defaults(func=cli_status.cmd_status)
     for p in sub.choices.values():  # also after the command: `rayckpt verify CKPT --debug`
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -324,6 +324,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ),
         )
         result = trainer.fit()
+        if args.timeline:
+            draw_timeline(args.run_name, args.timeline)
     finally:
         # Stop forwarding worker logs before the caller prints the summary.
         if started_ray:
@@ -339,6 +341,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "restarts": metrics.get("restarts", 0),
         "restored_tier": metrics.get("restored_tier"),
     }
+
+
+def draw_timeline(run: str, path: str) -> None:
+    """``--timeline``: the run's checkpoint timeline into ``path``; a failure to draw is one line, not the job's."""
+    from ..observe.timeline import PlotUnavailableError, draw
+    from ..ray.status import timeline
+
+    try:
+        log(f"timeline of {draw(timeline(run), path)} saves written to {path}")
+    except (PlotUnavailableError, ValueError, OSError) as exc:
+        log(f"no timeline drawn: {exc}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="checkpoints kept per run: Ray Train removes older ones (CheckpointConfig(num_to_keep=N))",
     )
+    p.add_argument(
+        "--timeline",
+        metavar="FILE.png",
+        help="at the end, draw the run's checkpoint timeline into FILE.png (as `rayckpt status --plot`)",
+    )
     p.add_argument("--storage-path", default="./checkpoints", help="run storage: a directory or a URI (s3://...)")
     p.add_argument("--run-name", default="gpt-demo", help="the run: a directory under --storage-path")
     resume = p.add_mutually_exclusive_group()

@@ -49,7 +49,7 @@ from . import metrics
 from .copier import Copying, CopyJob, launch
 from .metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from .metadata.layout_cache import LayoutRef, SpecLayout, split_spec
-from .records import SaveTarget
+from .records import SaveTarget, run_and_tier
 from .save_handle import SaveHandle, actor_location, report_failed
 from .shm import StagedRegion
 from .staging import StagingBuffer, StagingUnavailable, local_pieces, of_device, staged_size, staging_mode
@@ -154,7 +154,8 @@ class AsyncSaver:
                 f"save of step {step} to {ckdir.location}: staging failed on rank {ctx.rank}: {exc}"
             ) from exc
         stall = time.perf_counter() - start
-        metrics.observe("rayckpt_save_stall_seconds", stall, run=run, rank=ctx.rank)
+        run_name, tier = run_and_tier(run)
+        metrics.observe("rayckpt_save_stall_seconds", stall, run=run_name, tier=tier, rank=ctx.rank)
         self.inflight = SaveHandle(
             target,
             ckdir,

@@ -1,9 +1,27 @@
-"""The record every report about a save carries across the actors: whose save it is and where it goes."""
+"""The record every report about a save carries across the actors (whose save it is and where it goes), and
+the names runs are tracked under, one per tier."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
+
+MEMORY_TIER = "memory"
+STORAGE_TIER = "storage"
+#: What the MetadataActor's name of a run's memory checkpoints adds to the run's name.
+_MEMORY_SUFFIX = "@" + MEMORY_TIER
+
+
+def tracked_run(run: str, tier: str) -> str:
+    """The name the MetadataActor tracks ``run``'s checkpoints of ``tier`` under: ``<run>@memory`` for memory."""
+    return run + _MEMORY_SUFFIX if tier == MEMORY_TIER else run
+
+
+def run_and_tier(tracked: str) -> tuple[str, str]:
+    """(run, tier) of a name the MetadataActor tracks (``tracked_run``'s inverse)."""
+    if tracked.endswith(_MEMORY_SUFFIX):
+        return tracked[: -len(_MEMORY_SUFFIX)], MEMORY_TIER
+    return tracked, STORAGE_TIER
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -287,7 +287,7 @@ class SaveHandle:
         for pause in (*_RETRY_AFTER_S, None):
             asked = replace(self.target, incarnation=began_under)
             try:
-                return ray.get(get_metadata_actor().wait_commit.remote(asked, limit))
+                return ray.get(get_metadata_actor().wait_commit.remote(asked, limit, self.stall_seconds))
             except ray.exceptions.RayActorError:
                 began_under = began_under or UNKNOWN_INCARNATION  # the incarnation asked is gone
                 if pause is not None:

@@ -40,6 +40,7 @@ from ..ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from ..ray.save_handle import SaveHandle
 from ..ray.staging import staged_size
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
+from . import restore_report
 from .announce import SaveAnnouncer
 from .restore_order import candidates, reason
 from .run_id import attempt_key
@@ -142,6 +143,7 @@ class Checkpointer:
         #: Rank 0: worker groups of this Ray Train run started before this one (0: the first); else ``None``.
         self.restarts: int | None = None
         if self.rank == 0:
+            restore_report.start_counters(self.run)
             self.restarts = ray.get(
                 get_metadata_actor().begin_attempt.remote(self.run, attempt_key(self.run), ctx.get_world_size())
             )
@@ -260,7 +262,11 @@ class Checkpointer:
         skip, why, short = self.memory.decide(busy, (room, bound), need, node, default_coordinator())
         if skip:
             self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
+            if self.rank == 0:
+                metrics.inc("rayckpt_memory_saves_skipped", run=self.run, reason="busy")
             return None
+        if short and self.rank == 0:
+            metrics.inc("rayckpt_memory_saves_skipped", run=self.run, reason="no_room")
         self.memory.tell(self.run, step, short, why, self.rank)
         return STORAGE if short else MEMORY
 
@@ -347,6 +353,7 @@ class Checkpointer:
         self.fallbacks = []
         self.restored_from = {}
         failed = list(passed_over)
+        began = time.perf_counter()
         for path, step, tier in candidates:
             if failed:
                 self._fell_back(failed[-1], (path, step))
@@ -371,11 +378,8 @@ class Checkpointer:
                 "bytes_read": self.last_load.bytes_read,
                 "peer_bytes": peer,
             }
-            local = (MEMORY + "_local") if tier == MEMORY else STORAGE
-            metrics.inc("rayckpt_restored_bytes", self.last_load.bytes_read - peer, run=self.run, tier=local)
-            if peer:
-                metrics.inc("rayckpt_restored_bytes", peer, run=self.run, tier=MEMORY + "_peer")
-            logger.info("rayckpt: rank %d restored step %s from %s (%s)", self.rank, restored, path, tier)
+            world = ray.train.get_context().get_world_size()
+            restore_report.restored(self.run, self.rank, world, self.restored_from, time.perf_counter() - began)
             return restored
         if failed:
             tried = "; ".join(f"step {s} at {p}: {why}" for p, s, why in failed)
@@ -389,19 +393,8 @@ class Checkpointer:
         """Record that ``failed`` (path, step, reason) could not be restored and ``to`` is tried instead."""
         path, step, reason = failed
         self.fallbacks.append({"path": path, "step": step, "reason": reason, "next": to[0], "next_step": to[1]})
-        if self.rank != 0:
-            return
-        logger.warning(
-            "rayckpt: run %s: cannot restore step %s from %s (%s); restoring step %s from %s instead",
-            self.run,
-            step,
-            path,
-            reason,
-            to[1],
-            to[0],
-        )
-        metrics.inc("rayckpt_restore_fallbacks", run=self.run)
-        get_metadata_actor().record_event.remote(self.run, "restore_fallback", self.fallbacks[-1])
+        if self.rank == 0:
+            restore_report.fell_back(self.run, self.fallbacks[-1])
 
     def wait(self) -> CatalogEntry | None:
         """Block until this worker's in-flight saves (storage and memory) are committed.

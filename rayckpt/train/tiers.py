@@ -18,18 +18,19 @@ import ray
 from ..engine.coordinator import Coordinator
 from ..ray.actors import writers
 from ..ray.memory_fs import memory_filesystem
+from ..ray.records import MEMORY_TIER, STORAGE_TIER, tracked_run
 from ..ray.writer.actor import get_shard_writer
 from ..storage.catalog import checkpoint_dir_name
 
 logger = logging.getLogger(__name__)
 
-MEMORY = "memory"
-STORAGE = "storage"
+MEMORY = MEMORY_TIER
+STORAGE = STORAGE_TIER
 
 
 def memory_run(run: str) -> str:
     """The name the MetadataActor tracks ``run``'s memory checkpoints under."""
-    return f"{run}@memory"
+    return tracked_run(run, MEMORY)
 
 
 def memory_root(run: str) -> str:

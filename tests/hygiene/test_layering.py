@@ -28,13 +28,15 @@ ALLOWED = {
     "planning": BASE | {"format", "planning"},
     "storage": BASE | {"format", "storage"},
     "engine": BASE | {"format", "planning", "storage", "engine"},
-    "ray": BASE | {"format", "planning", "storage", "engine", "ray"},
-    "train": BASE | {"format", "planning", "storage", "engine", "ray", "train"},
+    "observe": BASE | {"observe"},
+    "ray": BASE | {"format", "planning", "storage", "engine", "observe", "ray"},
+    "train": BASE | {"format", "planning", "storage", "engine", "observe", "ray", "train"},
     "tools": BASE | {"format", "planning", "storage", "engine", "tools"},
     "testing": BASE | {"format", "planning", "storage", "engine", "testing"},
 }
 #: Subpackage -> third-party packages it must not import.
 FORBIDDEN = {
+    "observe": {"torch", "ray"},
     "format": {"torch", "ray"},
     "planning": {"torch", "ray", "pyarrow"},
     "storage": {"torch", "ray"},
@@ -99,9 +101,9 @@ def test_each_layer_imports_only_the_layers_below_it(layer):
 
 #: The Ray layer's rooms, bottom up: a module of a room may import the rooms listed for it (and its own).
 #: ``shared``: what every process of the layer uses (names and lookups, the cluster to join, records, the
-#: node's shared memory, metrics); the MetadataActor's process; the memory tier's node side (held in the
-#: ShardWriter's process); the ShardWriter; the memory tier as a filesystem (any process; it starts a
-#: node's writer); the rank side.
+#: node's shared memory, metrics, the status snapshots the actors publish); the MetadataActor's process; the
+#: memory tier's node side (held in the ShardWriter's process); the ShardWriter; the memory tier as a filesystem
+#: (any process; it starts a node's writer); the rank side; ``rayckpt status``'s reader (an operator's process).
 RAY_ROOMS = {
     "shared": set(),
     "metadata": {"shared"},
@@ -109,8 +111,9 @@ RAY_ROOMS = {
     "writer": {"shared", "metadata", "memory"},
     "memory_fs": {"shared", "memory", "writer"},
     "rank": {"shared", "metadata", "memory", "writer", "memory_fs"},
+    "status": {"shared"},
 }
-SHARED = {"actors", "records", "shm", "metrics", "joining"}
+SHARED = {"actors", "records", "shm", "metrics", "joining", "published"}
 
 
 def ray_room(module: str) -> str:

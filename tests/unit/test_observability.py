@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rayckpt.examples import demo
-from rayckpt.ray import metrics
+from rayckpt.observe.metric_defs import BY_NAME, METRICS
 from rayckpt.storage.catalog import CatalogEntry
 from rayckpt.train.announce import SaveAnnouncer
 
@@ -71,8 +71,8 @@ def test_docs_metric_table_lists_every_metric_with_its_tags():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`rayckpt_"):
             rows[cells[0].strip("`")] = tuple(t.strip("` ") for t in cells[1].split(","))
-    assert rows == {name: tags for name, (_kind, _desc, tags) in metrics._DEFS.items()}
-    assert metrics._DEFS["rayckpt_bytes_read"][2] == ("run", "rank")
+    assert rows == {m.name: m.tags for m in METRICS}
+    assert BY_NAME["rayckpt_bytes_read"].tags == ("run", "rank")
 
 
 def test_demo_removes_its_temp_dir_on_error(tmp_path, monkeypatch):
@@ -139,32 +139,6 @@ def test_train_sh_refuses_a_bad_keep_count_before_anything_else():
     )
     assert done.returncode == 2
     assert "RAYCKPT_KEEP_RUNS must be a whole number (0 keeps every run), got 'three'" in done.stderr
-
-
-def test_throughput_gauge_is_set_again_until_the_next_write(monkeypatch):
-    """Ray's export drops a gauge not set for two report intervals: the MetadataActor keeps
-    each run's last write throughput set (the most recent ``RUNS_KEPT`` runs)."""
-    import asyncio
-
-    from rayckpt.ray.metadata import actor as metadata_actor
-
-    seen: list[tuple[str, float, str]] = []
-    monkeypatch.setattr(metadata_actor, "_GAUGE_REFRESH_S", 0.01)
-    monkeypatch.setattr(metadata_actor, "RUNS_KEPT", 2)
-    monkeypatch.setattr(metrics, "observe", lambda name, value, **tags: seen.append((name, value, tags["run"])))
-
-    async def scenario() -> None:
-        actor = metadata_actor.MetadataActor()
-        for run, value in (("a", 1.0), ("b", 2.0), ("a", 3.0), ("c", 4.0)):  # "b" falls out: 2 runs kept
-            actor._set_throughput(run, value)
-        seen.clear()
-        await asyncio.sleep(0.2)
-        actor._gauge_refresher.cancel()
-
-    asyncio.run(scenario())
-    assert {name for name, _, _ in seen} == {"rayckpt_write_throughput_bytes_per_second"}
-    assert {(run, value) for _, value, run in seen} == {("a", 3.0), ("c", 4.0)}
-    assert len(seen) >= 4  # set again and again, not once
 
 
 def test_checkpointer_wait_announces_the_outcome_it_learns(monkeypatch):

@@ -9,12 +9,17 @@ replicas (``link.ReplicaServer``). The ``mem_*`` methods are what
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import ray
 
+from .. import metrics, published
 from .link import ReplicaServer
 from .store import MemoryStore, hold_here
+
+#: How often the node's memory gauges are set again (Ray's export drops a gauge not set for two report intervals).
+GAUGE_EVERY_S = 1.0
 
 
 class MemoryHost:
@@ -29,6 +34,33 @@ class MemoryHost:
         #: Replicas peers sent through Ray's object store (their link to this node unreachable), and their bytes.
         self.replicas_through_ray = {"files": 0, "bytes": 0}
         self._counts_lock = threading.Lock()
+        self._node = node_id[:12]
+        threading.Thread(target=self._export_gauges, name="rayckpt-memory-gauges", daemon=True).start()
+
+    def _export_gauges(self) -> None:
+        """Every ``GAUGE_EVERY_S``: set this node's ``rayckpt_memory_held_bytes`` and ``rayckpt_memory_budget_bytes``,
+        and publish ``mem_usage()`` for ``rayckpt status`` (``published``)."""
+        while True:
+            metrics.observe("rayckpt_memory_held_bytes", self.memory.held, node=self._node)
+            metrics.observe("rayckpt_memory_budget_bytes", self.memory.budget, node=self._node)
+            published.publish(published.node_key(self._node), {"time": time.time(), **self.mem_usage()})
+            time.sleep(GAUGE_EVERY_S)
+
+    def mem_usage(self) -> dict[str, Any]:
+        """This node's memory tier (``rayckpt status``): ``node``, ``held`` and ``budget`` bytes, ``room`` and what
+        bounds it (``MemoryStore.room``), ``replicas_received`` over the link and ``replicas_through_ray``."""
+        room, bound = self.memory.room()
+        with self._counts_lock:
+            through_ray = dict(self.replicas_through_ray)
+        return {
+            "node": self._node,
+            "held": self.memory.held,
+            "budget": self.memory.budget,
+            "room": room,
+            "bound": bound,
+            "replicas_received": dict(self.replicas.received),
+            "replicas_through_ray": through_ray,
+        }
 
     def mem_put(self, path: str, data: Any, replica: bool = False) -> int:
         """Hold ``data`` as ``path`` (not replicated); its size. ``replica``: a peer's replica, sent through

@@ -23,19 +23,22 @@ import ray
 
 from ...bounded import BoundedMap
 from ...planning.load_plan import TensorRequest
-from ...redaction import redact, redact_fields
+from ...redaction import redact
 from ...storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
 from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.commit import SaveSpec, WrittenShard
-from .. import metrics
+from .. import metrics, published
 from ..actors import HEAD_NODE_RESOURCE, METADATA_ACTOR_NAME, NAMESPACE, named
-from ..records import SaveTarget
+from ..records import SaveTarget, run_and_tier
 from .attempts import AttemptCounter
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
 from .grafana import install_dashboard_soon
 from .layout_cache import LAYOUT_WANTED, LayoutRef, SaveLayouts, ShardReport, SpecLayout, join_shard, join_spec
 from .plan_cache import LoadBundle, PlanCache
+from .run_gauges import REFRESH_S, RunGauges
 from .save_history import RUNS_KEPT
+from .save_log import SaveLog
+from .views import OperatorViews, show_commits_in_log
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +46,11 @@ DEFAULT_COMMIT_TIMEOUT_S = 600.0
 
 #: How often the watchdog looks for saves past their deadline.
 _EXPIRE_EVERY_S = 0.5
-#: Events kept per run.
-_EVENTS_KEPT = 100
-#: How often each run's write throughput gauge is set again: Ray's export drops one not set for two report intervals.
-_GAUGE_REFRESH_S = 5.0
+#: How often the runs' gauges are set again (``run_gauges``).
+_GAUGE_REFRESH_S = REFRESH_S
 
 
-class MetadataActor:
+class MetadataActor(OperatorViews):
     """Catalog, commit protocol and reshard planning service (an async Ray actor).
 
     Callers, in a save's order: every rank's ``incarnation()`` and rank 0's ``begin_save``;
@@ -57,7 +58,7 @@ class MetadataActor:
     rank's); every rank's ``wait_commit``. Loads: every rank's ``read_plan``. The
     ``Checkpointer``: ``register_run``, ``begin_attempt``, ``user_metadata``. The
     ``RayckptCallback``: ``fail_pending``, ``record_event``. Operators: ``checkpoints``, ``latest``,
-    ``events``, ``debug_stats`` (docs/architecture.md, "The MetadataActor's interface").
+    ``events``, ``status``, ``timeline``, ``debug_stats`` (docs/architecture.md, "The MetadataActor's interface").
 
     Args:
         commit_timeout_s: How long a save may take to commit unless its registration says.
@@ -75,10 +76,12 @@ class MetadataActor:
         #: save_id -> an event per ``wait_commit`` waiting for it, set once the save settled.
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._watchdog: asyncio.Task | None = None
-        #: run -> its last ``_EVENTS_KEPT`` events; the ``RUNS_KEPT`` most recently active runs.
+        #: run -> its last ``views.EVENTS_KEPT`` events; the ``RUNS_KEPT`` most recently active runs.
         self._events: BoundedMap[str, list[dict[str, Any]]] = BoundedMap(RUNS_KEPT)
-        #: run -> its last shard write's throughput (bytes/s), the ``RUNS_KEPT`` most recent runs.
-        self._throughput: BoundedMap[str, float] = BoundedMap(RUNS_KEPT)
+        #: Per run and tier: throughput, newest commit, saves in flight (the ``RUNS_KEPT`` most recent runs).
+        self._gauges = RunGauges(RUNS_KEPT)
+        #: Each save's moments (``rayckpt status --plot``).
+        self._log = SaveLog(RUNS_KEPT)
         #: Worker groups started per Ray Train run id, the ``RUNS_KEPT`` most recent.
         self._attempts = AttemptCounter(RUNS_KEPT)
         self._gauge_refresher: asyncio.Task | None = None
@@ -86,10 +89,12 @@ class MetadataActor:
 
     async def ping(self) -> str:
         """``"ok"``: the actor answers (operators, benchmarks)."""
+        self._keep_gauges()
         return "ok"
 
     async def incarnation(self) -> str:
         """This incarnation's id (every rank, when a save begins: it tags the save's reports and waits)."""
+        self._keep_gauges()
         return self._incarnation
 
     async def debug_stats(self) -> dict[str, Any]:
@@ -114,7 +119,15 @@ class MetadataActor:
         """Make ``run_root`` (on ``filesystem``) known as where ``run``'s checkpoints live (every rank's
         ``Checkpointer``); return the run's checkpoints, oldest first, scanned from storage now."""
         self._roots[run] = (run_root, filesystem)
-        return await asyncio.to_thread(self._scan, run)
+        found = await asyncio.to_thread(self._scan, run)
+        newest = latest_committed(found)
+        if newest is not None:  # when it committed is not on storage: when its save began stands in
+            self._gauges.committed(run, newest.step, newest.path, newest.created)
+        base, tier = run_and_tier(run)
+        for name in ("rayckpt_checkpoints_committed", "rayckpt_checkpoints_failed"):
+            metrics.start_at_zero(name, run=base, tier=tier)
+        self._keep_gauges()
+        return found
 
     def _scan(self, run: str) -> list[CatalogEntry]:
         run_root, fs = self._roots[run]
@@ -159,6 +172,8 @@ class MetadataActor:
         """
         if layout is not None:
             spec = join_spec(spec, await self._layout(layout, spec, target.run, target.step))
+        self._log.heard(spec.save_id, target.run, target.step, time.time(), registered=True)
+        self._keep_gauges()
         settled = await asyncio.to_thread(self._tracker.begin_save, spec, target, commit_timeout_s)
         self._watch()  # once the save is registered, so that the watchdog's first look sees it pending
         await self._settle(settled)
@@ -198,12 +213,16 @@ class MetadataActor:
                 return LAYOUT_WANTED
             shard = joined
         known = self._tracker.entry(target.save_id)
+        now = time.time()
+        self._log.heard(target.save_id, known.run or target.run, known.step, now - seconds)
+        self._log.written(target.save_id, shard.rank, now, seconds, node, shard.nbytes)
         if known.status != FAILED:  # a failed save's files are removed: not counted as written
-            nbytes = shard.nbytes
-            metrics.observe("rayckpt_persist_seconds", seconds, run=known.run)
-            metrics.inc("rayckpt_bytes_written", nbytes, run=known.run)
+            run, tier = run_and_tier(known.run or target.run)
+            metrics.observe("rayckpt_persist_seconds", seconds, run=run, tier=tier)
+            metrics.inc("rayckpt_bytes_written", shard.nbytes, run=run, tier=tier)
             if seconds > 0:
-                self._set_throughput(known.run, nbytes / seconds)
+                self._gauges.throughput(known.run or target.run, shard.nbytes / seconds)
+                self._keep_gauges()
         settled = await asyncio.to_thread(self._tracker.report_written, target, shard, node)
         if self._restarted_since(target.incarnation):
             reason = self._lost_reason(target.incarnation)
@@ -234,7 +253,9 @@ class MetadataActor:
         await self._settle(settled)
         return [o.entry.save_id for o in settled]
 
-    async def wait_commit(self, target: SaveTarget, timeout: float | None = None) -> CatalogEntry:
+    async def wait_commit(
+        self, target: SaveTarget, timeout: float | None = None, stall: float | None = None
+    ) -> CatalogEntry:
         """Block until the save committed or failed (every rank).
 
         Args:
@@ -243,11 +264,14 @@ class MetadataActor:
                 settled at once, its rank, run, step, location and filesystem saying whose
                 and where.
             timeout: seconds to wait at most (``None``: until it settles).
+            stall: how long the save blocked the asking rank (kept for ``timeline``).
 
         Returns:
             The save's catalog entry ("pending" if it did not settle in time).
         """
         save_id = target.save_id
+        if stall is not None and target.rank is not None:
+            self._log.stalled(save_id, target.rank, stall)
         if self._restarted_since(target.incarnation):
             reason = self._lost_reason(target.incarnation)
             await self._settle(await asyncio.to_thread(self._tracker.lost, target, reason))
@@ -265,18 +289,19 @@ class MetadataActor:
                     del self._waiters[save_id]
         return self._tracker.entry(save_id)
 
-    def _set_throughput(self, run: str, bytes_per_second: float) -> None:
-        """Set ``run``'s write throughput gauge, and keep it set until a later write changes it."""
-        self._throughput.put(run, bytes_per_second)
-        metrics.observe("rayckpt_write_throughput_bytes_per_second", bytes_per_second, run=run)
+    def _keep_gauges(self) -> None:
+        """Start setting the runs' gauges and publishing ``status()`` (``published``) every ``_GAUGE_REFRESH_S``."""
         if self._gauge_refresher is None or self._gauge_refresher.done():
             self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
 
     async def _refresh_gauges(self) -> None:
         while True:
+            flying: dict[str, int] = {}
+            for save in self._tracker.in_flight():
+                flying[save["run"]] = flying.get(save["run"], 0) + 1
+            self._gauges.refresh(flying)
+            published.publish(published.METADATA_KEY, await self.status())
             await asyncio.sleep(_GAUGE_REFRESH_S)
-            for run, value in list(self._throughput.items()):
-                metrics.observe("rayckpt_write_throughput_bytes_per_second", value, run=run)
 
     def _restarted_since(self, incarnation: str | None) -> bool:
         """Whether a save begun when the actor was ``incarnation`` began under another incarnation."""
@@ -295,14 +320,19 @@ class MetadataActor:
 
     async def _settle(self, outcomes: list[SaveOutcome]) -> None:
         """Announce saves that settled: cached plans, metrics, events, then wake their waiters."""
+        now = time.time()
         for o in outcomes:
             e = o.entry
+            run, tier = run_and_tier(e.run)
+            self._log.settled(e.save_id, e.run, e.step, now, status=e.status, error=e.error, bytes=e.bytes)
             if e.status == COMMITTED:
                 self._plans.forget(e.path)  # a new checkpoint replaced whatever was cached there
-                metrics.inc("rayckpt_checkpoints_committed", run=e.run)
+                metrics.inc("rayckpt_checkpoints_committed", run=run, tier=tier)
+                self._gauges.committed(e.run, e.step, e.path, now)
+                self._keep_gauges()
                 data = {"save_id": e.save_id, "step": e.step, "location": e.path, "writer_nodes": o.writer_nodes}
                 await self.record_event(e.run, "committed", data)
-                metrics.observe("rayckpt_commit_seconds", o.seconds, run=e.run)
+                metrics.observe("rayckpt_commit_seconds", o.seconds, run=run, tier=tier)
                 logger.info(
                     "committed step %s of run %r: %s (%d bytes from %d ranks, %.2f s after the save began)",
                     e.step,
@@ -321,7 +351,7 @@ class MetadataActor:
                     redact(e.path),
                     e.error,
                 )
-                metrics.inc("rayckpt_checkpoints_failed", run=e.run)
+                metrics.inc("rayckpt_checkpoints_failed", run=run, tier=tier)
                 data = {"save_id": e.save_id, "step": e.step, "location": e.path, "error": e.error}
                 await self.record_event(e.run, "failed", data)
             for settled in self._waiters.pop(e.save_id, ()):
@@ -376,44 +406,6 @@ class MetadataActor:
     async def cached_plans(self) -> int:
         """Plans held: per-request plans plus all-ranks (bulk) plans (operators, tests)."""
         return self._plans.cached_plans()
-
-    # -- events (the actor's own, and the controller callback's) -------------------
-
-    async def begin_attempt(self, run: str, attempt_key: str, world_size: int) -> int:
-        """A worker group of ``world_size`` ranks of training run ``attempt_key`` starts (rank 0's
-        ``Checkpointer``): return how many started before it; from the second on, fail ``run``'s saves
-        still in flight (``attempts``: why)."""
-        restarts = self._attempts.begin(attempt_key)
-        reason = f"its worker group was replaced (Ray Train restart {restarts})"
-        failed = await self.fail_pending(run, reason) if restarts else []
-        event = {"restarts": restarts, "world_size": world_size, "failed_saves": failed}
-        await self.record_event(run, "started", event)
-        return restarts
-
-    async def record_event(self, run: str, kind: str, data: dict[str, Any]) -> None:
-        """Add an event ``kind`` with ``data`` to ``run``'s log (the ``RayckptCallback``, ``Checkpointer``)."""
-        events = self._events.get(run) or []
-        events.append({"time": time.time(), "kind": kind, **redact_fields(data)})
-        del events[:-_EVENTS_KEPT]
-        self._events.put(run, events)
-
-    async def events(self, run: str) -> list[dict[str, Any]]:
-        """``run``'s last events, oldest first: ``time``, ``kind`` and its data (operators, tests)."""
-        return list(self._events.peek(run) or [])
-
-
-def show_commits_in_log() -> None:
-    """Let the actor's commit (INFO) and rollback (WARNING) lines reach its log file.
-
-    Ray leaves an actor's logging unconfigured unless the job passes a ``ray.LoggingConfig``
-    (INFO lines would be dropped). Without a root handler this logger writes to stderr: the
-    actor's ``worker-*.err`` under ``<session>/logs`` (the dashboard's Actors page).
-    """
-    logger.setLevel(logging.INFO)
-    if not logging.getLogger().handlers and not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s rayckpt.metadata_actor: %(message)s"))
-        logger.addHandler(handler)
 
 
 def get_metadata_actor(commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> Any:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ...format.manifest import Manifest
 from ...storage.catalog import CatalogEntry, describe, entry_order
@@ -261,6 +262,27 @@ class CommitTracker:
         """Whether some save is still in flight (the actor's watchdog runs while one is)."""
         with self._lock:
             return any(s.status == PENDING for s in self._saves.values())
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The saves in flight, oldest first: ``save_id``, ``run``, ``step``, ``location``, ``started`` (when
+        first heard of), ``registered``, ``written`` (ranks whose files are durable), ``world_size``
+        (0 until registered), ``committing`` (the manifest being written)."""
+        with self._lock:
+            flying = [s for s in self._saves.values() if s.status == PENDING]
+            return [
+                {
+                    "save_id": s.save_id,
+                    "run": s.run,
+                    "step": s.step,
+                    "location": s.location,
+                    "started": s.started,
+                    "registered": s.registered,
+                    "written": len(s.written),
+                    "world_size": s.spec.world_size if s.spec else 0,
+                    "committing": s.committing,
+                }
+                for s in sorted(flying, key=lambda s: s.started)
+            ]
 
     def counts(self) -> dict[str, int]:
         """Records held: saves in flight (registered or not), settled saves kept, runs they belong to."""
