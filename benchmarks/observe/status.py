@@ -1,0 +1,170 @@
+"""``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster.
+
+A head started with ``ray start --head --block`` (its own temp directory and ports,
+token authentication off), a run of two committed checkpoints (a driver that saves
+through ``rayckpt.ray.save_async`` and stays connected, so the MetadataActor and the
+node's ShardWriter are up), then ``--repeats`` rounds of both commands, their
+order rotated from round to round. ``ray status`` is the anchor: Ray's own one-screen
+view of a cluster, also a fresh process joining it. Medians and their ratio.
+
+    .venv/bin/python -m benchmarks.observe status --repeats 15
+
+Writes ``{out}/status.json`` and ``status.md`` (``--out``: ``bench_out/observe``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.common.harness import load_sampled, machine_info, rotated, summary, write_report
+
+BIN = os.path.dirname(sys.executable)
+COMMANDS = {
+    "rayckpt status": [f"{BIN}/rayckpt", "status", "--address"],
+    "ray status": [f"{BIN}/ray", "status", "--address"],
+}
+
+SEED = """
+import sys, threading, ray, torch
+from rayckpt.ray.async_save import save_async
+ray.init(address=sys.argv[1], namespace="rayckpt-bench", log_to_driver=False)
+for step in (1, 2):
+    save_async({"w": torch.randn(1024, 256)}, f"{sys.argv[2]}/rayckpt-step-{step:08d}", run="bench", step=step).wait()
+print("seeded", flush=True)
+sys.stdin.readline()  # held until the benchmark ends: the driver's job stays alive
+"""
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def start_head(temp_dir: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    gcs, dashboard, metrics, agent, client = free_ports(5)
+    head = subprocess.Popen(
+        [f"{BIN}/ray", "start", "--head", "--block", "--port", str(gcs), "--dashboard-host", "127.0.0.1"]
+        + ["--dashboard-port", str(dashboard), "--metrics-export-port", str(metrics)]
+        + ["--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(client)]
+        + ["--num-cpus", "2", "--temp-dir", temp_dir],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return head, f"127.0.0.1:{gcs}"
+
+
+def stop_head(head: subprocess.Popen) -> None:
+    os.kill(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-2000:]}")
+    return seconds
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    report: dict[str, Any] = {"machine": machine_info(), "repeats": args.repeats, "times": {}}
+    with tempfile.TemporaryDirectory(prefix="rk-observe-") as tmp:
+        head, address = start_head(os.path.join(tmp, "ray"), env)
+        seeder = None
+        try:
+            deadline = time.time() + 120
+            while subprocess.run(
+                [f"{BIN}/ray", "status", "--address", address], env=env, capture_output=True
+            ).returncode:
+                if time.time() > deadline or head.poll() is not None:
+                    raise RuntimeError("ray start --head did not come up")
+                time.sleep(1)
+            seeder = subprocess.Popen(
+                [sys.executable, "-c", SEED, address, os.path.join(tmp, "ckpt")],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            if seeder.stdout.readline().strip() != "seeded":
+                raise RuntimeError("the seeding driver did not save")
+            times: dict[str, list[float]] = {name: [] for name in COMMANDS}
+            with load_sampled(report):
+                for rep in range(args.repeats):
+                    for name in rotated(list(COMMANDS), rep):
+                        times[name].append(timed(COMMANDS[name] + [address], env))
+            report["times"] = {name: summary(values) for name, values in times.items()}
+        finally:
+            if seeder is not None:
+                seeder.stdin.close()
+                seeder.wait(timeout=60)
+            stop_head(head)
+    return report
+
+
+def markdown(report: dict[str, Any], argv: list[str]) -> str:
+    t = report["times"]
+    mine, anchor = t["rayckpt status"]["median"], t["ray status"]["median"]
+    m = report["machine"]
+    lines = [
+        "# `rayckpt status` beside `ray status`",
+        "",
+        f"`.venv/bin/python -m benchmarks.observe {' '.join(argv)}`",
+        "",
+        f"{m['nproc']} CPUs, Python {m['python']}, torch {m['torch']}, rayckpt {m['rayckpt']}; "
+        f"{report['repeats']} rounds, order rotated; a fresh process each, one local cluster with a run of "
+        "two committed checkpoints.",
+        "",
+        "| command | median (s) | min (s) | max (s) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, s in t.items():
+        lines.append(f"| `{name}` | {s['median']:.2f} | {s['min']:.2f} | {s['max']:.2f} |")
+    lines += ["", f"`rayckpt status` / `ray status`, medians: **{mine / anchor:.2f}x**.", ""]
+    load = report.get("load_average_1min") or {}
+    if load.get("median") is not None:
+        lines.append(f"Load average (1 min) during the rounds: median {load['median']:.2f}, max {load['max']:.2f}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.observe status", description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=15, help="rounds of both commands")
+    p.add_argument("--out", default="bench_out/observe", help="where the report goes")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    report = run(args)
+    write_report(args.out, "status", report, markdown(report, ["status", *argv]))
+    print(markdown(report, ["status", *argv]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
