@@ -28,7 +28,8 @@ ALLOWED = {
     "planning": BASE | {"format", "planning"},
     "storage": BASE | {"format", "storage"},
     "engine": BASE | {"format", "planning", "storage", "engine"},
-    "ray": BASE | {"format", "planning", "storage", "engine", "ray"},
+    "observe": BASE | {"observe"},
+    "ray": BASE | {"format", "planning", "storage", "engine", "observe", "ray"},
     "train": BASE | {"format", "planning", "storage", "engine", "ray", "train"},
     "tools": BASE | {"format", "planning", "storage", "engine", "tools"},
     "testing": BASE | {"format", "planning", "storage", "engine", "testing"},
@@ -36,6 +37,7 @@ ALLOWED = {
 #: Subpackage -> third-party packages it must not import.
 FORBIDDEN = {
     "format": {"torch", "ray"},
+    "observe": {"torch", "ray"},
     "planning": {"torch", "ray", "pyarrow"},
     "storage": {"torch", "ray"},
     "engine": {"ray"},
@@ -216,7 +218,7 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 
-@pytest.mark.parametrize("layers", [("format",), ("format", "planning"), ("storage",), ("engine",)])
+@pytest.mark.parametrize("layers", [("format",), ("format", "planning"), ("storage",), ("engine",), ("observe",)])
 def test_lower_layers_import_neither_ray_nor_the_layers_above(layers):
     modules = [m for layer in layers for m in modules_of(layer)]
     proc = subprocess.run(
