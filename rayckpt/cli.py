@@ -1,19 +1,20 @@
-"""The ``rayckpt`` command: look into, verify, plan, convert and clean up checkpoints without a cluster.
+"""The ``rayckpt`` command: look into, verify, plan, convert and clean up checkpoints without a cluster; export
+the Grafana dashboard of rayckpt's metrics; ``status``: a running cluster's checkpoints (``cli_status``).
 
 Thin: parses arguments, calls ``rayckpt.tools`` / ``rayckpt.convert`` and prints
 what they return, as text or (``--json``) as JSON whose fields are those of the
 returned dataclasses (``docs/CLI.md``). Errors are one line on stderr:
 
 - exit 0: success (``verify``: every check passed);
-- exit 1: the checkpoint is corrupt, ``verify`` found problems, a conversion failed, or ``rm`` was
-  refused (a save in flight) or declined;
+- exit 1: the checkpoint is corrupt, ``verify`` found problems, a conversion failed, ``rm`` was
+  refused (a save in flight) or declined, or a file could not be written;
 - exit 2: bad arguments, a missing path, a path that is not a checkpoint, an unknown key.
 
 Any other exception (a bug) is one line too, exit 1; ``--debug`` prints the
 traceback of any error.
 
 Start-up stays short: ``rayckpt.tools`` is imported by the command that runs,
-and only ``inspect --tensor`` and ``convert`` import torch; nothing imports Ray.
+and only ``inspect --tensor`` and ``convert`` import torch; only ``status`` imports Ray.
 """
 
 from __future__ import annotations
@@ -257,6 +258,27 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_dashboard_export(args: argparse.Namespace) -> int:
+    from .observe import dashboard
+
+    if args.file == "-":
+        if args.json:
+            raise UsageError("--json needs a FILE: `-` writes the dashboard itself to stdout")
+        sys.stdout.write(dashboard.dashboard_json())
+        return EXIT_OK
+    text = dashboard.dashboard_json()
+    try:
+        dashboard.write_atomic(args.file, text)
+    except OSError as exc:  # a missing folder too: the file cannot be written (exit 1)
+        raise OSError(f"cannot write {args.file}: {exc.strerror or exc}") from exc
+    panels = len(dashboard.PANELS)
+    if args.json:
+        print_json({"path": args.file, "panels": panels})
+    else:
+        print(f"wrote the rayckpt Grafana dashboard ({count(panels, 'panel')}) to {args.file}")
+    return EXIT_OK
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Appends an option's default to its help when it has one worth showing (not None, False or "")."""
 
@@ -273,9 +295,10 @@ class _HelpFormatter(argparse.HelpFormatter):
 def _parser() -> _Parser:
     parser = _Parser(
         prog="rayckpt",
-        description="Look into, verify, plan, convert and remove rayckpt checkpoints (no cluster needed).",
+        description="Look into, verify, plan, convert and remove rayckpt checkpoints (no cluster needed); "
+        "see a running cluster's (status).",
         epilog="Exit status: 0 ok, 1 corrupt checkpoint / verify problems / failed conversion / rm refused or "
-        "declined / internal error, 2 usage error. `rayckpt COMMAND --help` describes a command.",
+        "declined / file not written / no cluster or no rayckpt on it (status) / internal error, 2 usage error. `rayckpt COMMAND --help` describes a command.",
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"rayckpt {__version__}")
@@ -344,7 +367,20 @@ def _parser() -> _Parser:
     p = command("status", "show a running cluster's checkpoints: newest per tier, in flight, failures, restores")
     cli_status.add_arguments(p)
     p.set_defaults(func=cli_status.cmd_status)
-    for p in sub.choices.values():  # also after the command: `rayckpt verify CKPT --debug`
+
+    p = command("dashboard", "the Grafana dashboard of rayckpt's metrics")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True, help="what to do")
+    e = actions.add_parser(
+        "export",
+        help="write the dashboard's JSON to FILE (import it into Grafana)",
+        description="Write the Grafana dashboard of rayckpt's metrics as JSON to FILE, to import into Grafana. "
+        "The head node's MetadataActor also installs it where Ray's Grafana set-up looks.",
+        formatter_class=_HelpFormatter,
+    )
+    e.add_argument("file", metavar="FILE", help="where to write it; - for stdout")
+    e.add_argument("--json", action="store_true", help='print {"path": ..., "panels": N}')
+    e.set_defaults(func=_cmd_dashboard_export)
+    for p in [*sub.choices.values(), *actions.choices.values()]:  # also after it: `rayckpt verify CKPT --debug`
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 

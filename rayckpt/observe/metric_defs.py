@@ -23,7 +23,7 @@ GAUGE = "gauge"
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MetricDef:
     """One metric: ``name`` (without Ray's ``ray_`` prefix), ``kind``, ``description``, ``tags``, ``unit``
     (Grafana's unit id for its panels: ``s``, ``bytes``, ``Bps``, ``dateTimeAsUnix``..., ``short``: a count)."""

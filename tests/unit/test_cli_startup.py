@@ -20,6 +20,7 @@ import torch
 import rayckpt
 
 HEAVY = ("torch", "ray")
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(rayckpt.__file__)))
 
 
 def top_level_imports(importtime_stderr: str) -> set[str]:
@@ -33,7 +34,9 @@ def top_level_imports(importtime_stderr: str) -> set[str]:
 
 
 def run_cli(*args: str, cwd: str) -> tuple[subprocess.CompletedProcess, set[str]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The rayckpt under test, whichever checkout the interpreter's installed one points to.
+    pythonpath = os.pathsep.join(filter(None, [SOURCE_ROOT, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
     r = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "rayckpt", *args],
         cwd=cwd,
@@ -53,9 +56,9 @@ def ckpt(tmp_path_factory):
     return str(root), str(path)
 
 
-def test_importing_the_cli_brings_in_neither_torch_nor_ray():
+def test_importing_the_cli_or_the_dashboard_brings_in_neither_torch_nor_ray():
     code = (
-        "import json, sys; import rayckpt.cli, rayckpt.tools; "
+        "import json, sys; import rayckpt.cli, rayckpt.tools, rayckpt.observe.dashboard; "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray'))))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -75,6 +78,7 @@ def test_commands_that_read_no_tensor_start_without_torch_or_ray(ckpt):
         "verify": ("verify", path),
         "gc": ("gc", path, "--dry-run"),
         "rm dry": ("rm", os.path.join(root, "nothing-here")),  # an error path imports nothing heavy either
+        "dashboard": ("dashboard", "export", os.path.join(root, "dashboard.json")),
         "tensor": ("inspect", path, "--tensor", "w"),
     }
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -94,3 +98,4 @@ def test_commands_that_read_no_tensor_start_without_torch_or_ray(ckpt):
     assert "rm" in results["help"][0].stdout and "(default: 5GB)" in results["command help"][0].stdout
     assert "rayckpt-step-00000001" in results["ls"][0].stdout
     assert results["verify"][0].stdout.startswith("ok: ")
+    assert "rayckpt Grafana dashboard" in results["dashboard"][0].stdout
