@@ -298,7 +298,8 @@ def _parser() -> _Parser:
         description="Look into, verify, plan, convert and remove rayckpt checkpoints (no cluster needed); "
         "see a running cluster's (status).",
         epilog="Exit status: 0 ok, 1 corrupt checkpoint / verify problems / failed conversion / rm refused or "
-        "declined / file not written / no cluster or no rayckpt on it (status) / internal error, 2 usage error. `rayckpt COMMAND --help` describes a command.",
+        "declined / file not written / no cluster or no rayckpt on it (status) / internal error, 2 usage error. "
+        "`rayckpt COMMAND --help` describes a command.",
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"rayckpt {__version__}")
