@@ -19,6 +19,7 @@ from ..engine.load import load as _engine_load
 from ..storage.checkpoint_dir import CheckpointDir
 from . import metrics
 from .metadata.actor import get_metadata_actor
+from .records import run_and_tier
 from .save_handle import actor_location
 
 
@@ -81,9 +82,10 @@ def load(
     info = _engine_load(
         state_dict, checkpoint_id, strict=strict, coordinator=coord, filesystem=filesystem, plan_source=plan_source
     )
-    metrics.observe("rayckpt_load_seconds", time.perf_counter() - start, run=run, rank=coord.rank)
-    metrics.inc("rayckpt_bytes_read", info.bytes_read, run=run, rank=coord.rank)
-    metrics.inc("rayckpt_bytes_needed", info.bytes_needed, run=run, rank=coord.rank)
-    metrics.inc("rayckpt_bytes_fetched", info.bytes_fetched, run=run, rank=coord.rank)
-    metrics.inc("rayckpt_read_requests", info.requests, run=run, rank=coord.rank)
+    name = run_and_tier(run)[0]  # a memory checkpoint's run is tracked as <run>@memory: its metrics are the run's
+    metrics.observe("rayckpt_load_seconds", time.perf_counter() - start, run=name, rank=coord.rank)
+    metrics.inc("rayckpt_bytes_read", info.bytes_read, run=name, rank=coord.rank)
+    metrics.inc("rayckpt_bytes_needed", info.bytes_needed, run=name, rank=coord.rank)
+    metrics.inc("rayckpt_bytes_fetched", info.bytes_fetched, run=name, rank=coord.rank)
+    metrics.inc("rayckpt_read_requests", info.requests, run=name, rank=coord.rank)
     return info

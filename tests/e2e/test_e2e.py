@@ -10,6 +10,7 @@ the checkpoints on S3.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,11 +18,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers.ray_head import ROOT, TINY, error_line, ray_head, submit, submit_and_kill_a_worker, train_py
+from rayckpt.observe import dashboard
+from tests.helpers.promql import missing_from_export
+from tests.helpers.ray_head import ROOT, TINY, error_line, get, ray_head, submit, submit_and_kill_a_worker, train_py
 
 pytestmark = pytest.mark.slow
 
@@ -126,6 +130,27 @@ def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupte
     assert int(restart.group(1)) != pid and int(restart.group(2)) == resumed
     assert killed["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-6)
     assert killed["last_checkpoint"].endswith("rayckpt-step-00000016")
+
+    # What the Grafana dashboard queries, the run exported: every series of every panel, with each label the
+    # panel matches on or groups by (Ray's export reaches the port every 10 s: a bound, not a timing).
+    queries = [expr for _, _, _, exprs in dashboard.panels([]) for expr in exprs]
+    deadline = time.monotonic() + 90
+    while missing := missing_from_export(queries, get(cluster.metrics), run="killed"):
+        assert time.monotonic() < deadline, "\n".join(missing)
+        time.sleep(1)
+    # rayckpt status, against the cluster the job ran on: the run's newest checkpoint per tier and its restore.
+    done = subprocess.run(
+        [os.path.join(ROOT, ".venv", "bin", "rayckpt"), "status", "--address", cluster.address, "--json"],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    (run,) = [r for r in json.loads(done.stdout)["runs"] if r["run"] == "killed"]
+    assert run["tiers"]["storage"]["step"] == 16 and run["restarts"] == 1
+    assert [(r["step"], r["tier"]) for r in run["restores"]] == [(resumed, killed["restored_tier"])]
 
 
 def test_a_submission_the_dashboard_took_is_followed_to_its_end(cluster):

@@ -10,16 +10,14 @@ import re
 import subprocess
 import sys
 
-import promql_parser
 import pytest
 
 from rayckpt import cli
 from rayckpt.observe import dashboard, metric_defs
 from rayckpt.ray.metadata import grafana
+from tests.helpers.promql import names_and_labels, parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: Grafana's variables as a query runs with "All" selected (and the interval it picks).
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$SessionName": ".*", "$run": ".*", "$node": ".*", "$tier": ".*"}
 #: Exported series name -> its definition.
 EXPORTED = {
     m.exported(s): m
@@ -28,49 +26,6 @@ EXPORTED = {
 }
 VARIABLES = ["datasource", "SessionName", "run", "node"]
 FILTERS = ['ray_io_cluster="prod"', 'region=~"eu-.*"']
-
-
-def substituted(expr: str) -> str:
-    for var, value in GRAFANA_VARIABLES.items():
-        expr = expr.replace(var, value)
-    assert "$" not in expr, expr
-    return expr
-
-
-def parse(expr: str):
-    return promql_parser.parse(substituted(expr))
-
-
-def children(node) -> list:
-    if isinstance(node, promql_parser.Call):
-        return list(node.args)
-    if isinstance(node, promql_parser.AggregateExpr):
-        return [node.expr] + ([node.param] if node.param is not None else [])
-    if isinstance(node, promql_parser.BinaryExpr):
-        return [node.lhs, node.rhs]
-    if isinstance(node, promql_parser.MatrixSelector):
-        return [node.vector_selector]
-    if isinstance(node, (promql_parser.ParenExpr, promql_parser.UnaryExpr, promql_parser.SubqueryExpr)):
-        return [node.expr]
-    return []
-
-
-def walk(node):
-    yield node
-    for child in children(node):
-        yield from walk(child)
-
-
-def names_and_labels(expr: str) -> tuple[set[str], set[str]]:
-    """The series a query selects, and every label it matches on or groups by (from the parsed query)."""
-    names, labels = set(), set()
-    for node in walk(parse(expr)):
-        if isinstance(node, promql_parser.VectorSelector):
-            names.add(node.name)
-            labels.update(m.name for m in node.matchers.matchers)
-        elif isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
-            labels.update(node.modifier.labels)
-    return names, labels
 
 
 def all_panels(board: dict) -> list[dict]:
@@ -233,13 +188,14 @@ def test_install_twice_leaves_one_file_with_the_same_bytes(tmp_path):
     assert open(path, "rb").read() == first and json.loads(first)["uid"] == "rayckpt"
 
 
-@pytest.mark.parametrize("how", ["read-only", "under a file"])
+@pytest.mark.parametrize("how", ["refusing new files", "under a file"])
 def test_install_where_it_cannot_write_raises_oserror(tmp_path, how):
-    if how == "read-only":
-        if os.geteuid() == 0:
-            pytest.skip("root writes into a read-only folder")
-        folder = tmp_path / "ro"
-        folder.mkdir(mode=0o555)
+    if how == "refusing new files":  # /proc takes no new file, not even from root (a read-only mode would)
+        folder = "/proc/self/rayckpt-dashboards"
+        with pytest.raises(OSError):
+            dashboard.install(folder)
+        assert not os.path.exists(folder)
+        return
     else:
         (tmp_path / "a-file").write_text("")
         folder = tmp_path / "a-file" / "dashboards"

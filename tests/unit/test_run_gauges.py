@@ -83,8 +83,8 @@ def test_the_actor_refreshes_its_gauges_until_stopped(seen, monkeypatch):
 def test_the_save_log_keeps_each_save_s_moments_per_rank():
     log = SaveLog(runs=2, per_run=2)
     log.heard("s1", "gpt@memory", 4, at=10.0, registered=True)
-    log.written("s1", 0, at=10.5, seconds=0.25, node="n0", nbytes=100)
-    log.written("s1", 1, at=10.75, seconds=0.5, node="n1", nbytes=100)
+    log.written("s1", 0, 10.5, 0.25, node="n0", nbytes=100)
+    log.written("s1", 1, 10.75, 0.5, node="n1", nbytes=100)
     log.stalled("s1", 1, 0.125)
     log.settled("s1", "gpt@memory", 4, at=11.0, status="committed", error=None, bytes=200)
     log.heard("s2", "gpt", 5, at=12.0)  # a rank's report before the registration

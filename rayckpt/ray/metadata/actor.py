@@ -215,7 +215,7 @@ class MetadataActor(OperatorViews):
         known = self._tracker.entry(target.save_id)
         now = time.time()
         self._log.heard(target.save_id, known.run or target.run, known.step, now - seconds)
-        self._log.written(target.save_id, shard.rank, now, seconds, node, shard.nbytes)
+        self._log.written(target.save_id, shard.rank, now, seconds, node=node, nbytes=shard.nbytes)
         if known.status != FAILED:  # a failed save's files are removed: not counted as written
             run, tier = run_and_tier(known.run or target.run)
             metrics.observe("rayckpt_persist_seconds", seconds, run=run, tier=tier)
@@ -395,7 +395,7 @@ class MetadataActor(OperatorViews):
         """
         plan = functools.partial(self._plans.plan, strict=strict, rank=rank, world_size=world_size)
         bundle = await asyncio.to_thread(plan, location, filesystem, requests, value_keys)
-        metrics.observe("rayckpt_plan_seconds", bundle.plan_seconds, run=run)
+        metrics.observe("rayckpt_plan_seconds", bundle.plan_seconds, run=run_and_tier(run)[0])
         return bundle
 
     async def user_metadata(self, location: str, filesystem: Any = None) -> dict[str, Any]:

@@ -65,7 +65,7 @@ class SaveLog:
             if registered:
                 rec["registered"] = at
 
-    def written(self, save_id: str, rank: int, at: float, seconds: float, node: str, nbytes: int) -> None:
+    def written(self, save_id: str, rank: int, at: float, seconds: float, *, node: str, nbytes: int) -> None:
         """Rank ``rank``'s files are durable at ``at``; its ShardWriter took ``seconds``."""
         with self._lock:
             rec = self._record(save_id)
