@@ -109,6 +109,8 @@ def draw(timeline: dict[str, Any], path: str) -> int:
 
 def _per_step(ax: Any, saves: list[dict[str, Any]]) -> None:
     """Per step and tier: the longest rank stall and the save's start-to-commit time."""
+    from matplotlib import ticker
+
     width = 0.2
     for i, tier in enumerate(TIERS):
         mine = [s for s in saves if s["tier"] == tier and s["step"] is not None]
@@ -125,6 +127,7 @@ def _per_step(ax: Any, saves: list[dict[str, Any]]) -> None:
             alpha=0.4,
             label=f"{tier}: start to commit",
         )
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8, ncol=2)

@@ -62,17 +62,31 @@ def test_other_ranks_stay_quiet():
     assert out.getvalue() == ""
 
 
-def test_docs_metric_table_lists_every_metric_with_its_tags():
+def observability_page() -> str:
     with open(os.path.join(ROOT, "docs", "observability.md"), encoding="utf-8") as f:
-        page = f.read()
-    section = page[page.index("## Watching it in the dashboard") :]
-    rows = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0].startswith("`rayckpt_"):
-            rows[cells[0].strip("`")] = tuple(t.strip("` ") for t in cells[1].split(","))
-    assert rows == {m.name: m.tags for m in METRICS}
+        return f.read()
+
+
+def table_rows(section: str) -> list[list[str]]:
+    """The cells of each row of the Markdown tables in ``section`` (headers and rules left out)."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()]
+    return [r for r in rows if len(r) == 3 and r[0] not in ("row", "metric") and not r[0].startswith("---")]
+
+
+def test_docs_metric_table_lists_every_metric_with_its_tags_in_order():
+    page = observability_page()
+    section = page[page.index("## Metrics") : page.index("## `rayckpt status`")]
+    rows = [(r[0].strip("`"), tuple(t.strip("` ") for t in r[1].split(","))) for r in table_rows(section)]
+    assert rows == [(m.name, m.tags) for m in METRICS]
     assert BY_NAME["rayckpt_bytes_read"].tags == ("run", "rank")
+
+
+def test_docs_panel_table_is_the_dashboard_s():
+    from rayckpt.observe import dashboard
+
+    page = observability_page()
+    section = page[page.index("## Grafana: the rayckpt dashboard") : page.index("## Metrics")]
+    assert [tuple(r) for r in table_rows(section)] == [(row, t, d) for row, t, d, _ in dashboard.panels([])]
 
 
 def test_demo_removes_its_temp_dir_on_error(tmp_path, monkeypatch):
