@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow
 RAYCKPT = os.path.join(ROOT, ".venv", "bin", "rayckpt")
 #: Ray's export interval here (it floors it at 1 s); the age gauge is exported at most this late.
 EXPORT_S = 1.0
+#: How far behind the truth the age gauge may read when the machine is loaded (the actor sets it every second).
+STALE_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -173,11 +175,15 @@ def test_the_checkpoint_age_on_the_export_port_follows_each_save(cluster, driver
                 break
             assert time.monotonic() < deadline, f"step {step}'s commit time never exported: {stamps}"
             time.sleep(0.1)
+        ages = []
         for _ in range(3):  # the age moves on between saves
             scraped_at = time.time()
             stamp = scrape(cluster, "ray_rayckpt_last_commit_timestamp_seconds")["storage"]
-            age = scrape(cluster, "ray_rayckpt_checkpoint_age_seconds")["storage"]
+            ages.append(scrape(cluster, "ray_rayckpt_checkpoint_age_seconds")["storage"])
             truth = scraped_at - committed_at
             assert abs((scraped_at - stamp) - truth) < 1.0
-            assert truth - (1.0 + EXPORT_S) <= age <= truth + 0.5, (age, truth)
-            time.sleep(1.0)
+            # set every second, exported every EXPORT_S: never ahead of the truth, behind it by those (a loaded
+            # machine may delay both; the bound below is loose for that)
+            assert truth - (STALE_S + EXPORT_S) <= ages[-1] <= truth + 0.5, (ages[-1], truth)
+            time.sleep(1.5)
+        assert ages[-1] > ages[0], ages
