@@ -35,21 +35,7 @@ def _pyplot() -> Any:
 
 def moments(save: dict[str, Any]) -> dict[str, float | None]:
     """A save's ``begun``, ``staged`` (the first rank's), ``written`` (the last rank's) and ``settled`` times."""
-    ranks = list(save["ranks"].values())
-    staged = [r["staged"] for r in ranks if "staged" in r]
-    written = [r["written"] for r in ranks if "written" in r]
-    return {
-        "begun": save["begun"],
-        "staged": min(staged) if staged else None,
-        "written": max(written) if written else None,
-        "settled": save["settled"],
-    }
-
-
-def stall(save: dict[str, Any]) -> float | None:
-    """The longest stall a rank reported for the save (``None``: none reported)."""
-    stalls = [r["stall"] for r in save["ranks"].values() if r.get("stall") is not None]
-    return max(stalls) if stalls else None
+    return {k: save.get(k) for k in ("begun", "staged", "written", "settled")}
 
 
 def draw(timeline: dict[str, Any], path: str) -> int:
@@ -115,7 +101,7 @@ def _per_step(ax: Any, saves: list[dict[str, Any]]) -> None:
     for i, tier in enumerate(TIERS):
         mine = [s for s in saves if s["tier"] == tier and s["step"] is not None]
         steps = [s["step"] for s in mine]
-        stalls = [stall(s) or 0.0 for s in mine]
+        stalls = [s.get("stall") or 0.0 for s in mine]
         commits = [(s["settled"] - s["begun"]) if s["status"] == "committed" else 0.0 for s in mine]
         offset = (i - 0.5) * 2 * width
         ax.bar([x + offset - width / 2 for x in steps], stalls, width, color=_COLORS[tier], label=f"{tier}: stall")

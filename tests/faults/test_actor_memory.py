@@ -10,9 +10,11 @@ import torch
 
 from rayckpt.ray import async_save
 from rayckpt.ray.loading import load as ray_load
-from rayckpt.ray.metadata.actor import _EVENTS_KEPT, get_metadata_actor
+from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.metadata.plan_cache import MANIFESTS_CACHED
 from rayckpt.ray.metadata.save_history import SETTLED_KEPT_PER_RUN
+from rayckpt.ray.metadata.save_log import SAVES_KEPT
+from rayckpt.ray.metadata.views import EVENTS_KEPT
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +55,8 @@ def test_two_hundred_saves_keep_the_actors_records_and_memory_flat(ray_session, 
     assert stats["pid"] == actor.pid
     held = {k: stats[k] for k in ("in_flight", "unregistered", "settled", "runs", "waited_saves")}
     assert held == {"in_flight": 0, "unregistered": 0, "settled": SETTLED_KEPT_PER_RUN, "runs": 1, "waited_saves": 0}
-    assert (stats["event_runs"], stats["events"]) == (1, _EVENTS_KEPT)
+    assert (stats["event_runs"], stats["events"]) == (1, EVENTS_KEPT)
+    assert stats["logged_saves"] == SAVES_KEPT  # the timeline's log: a few numbers per save, the newest kept
     assert stats["cached_manifests"] == MANIFESTS_CACHED
     assert len(ray.get(meta.checkpoints.remote("many"))) == SETTLED_KEPT_PER_RUN
     assert rss[SAVES] - rss[50] < RSS_GROWTH_LIMIT, f"actor RSS grew {(rss[SAVES] - rss[50]) / 2**20:.1f} MiB"

@@ -97,8 +97,8 @@ def test_no_rayckpt_is_one_line_and_exit_1(monkeypatch, capsys):
 def test_plot_draws_the_last_active_run_or_says_why_not(cluster, monkeypatch, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     asked = []
-    save = {"save_id": "a", "tier": "storage", "step": 4, "begun": NOW, "registered": NOW, "ranks": {}}
-    save.update(settled=NOW + 1, status="committed")
+    save = {"save_id": "a", "tier": "storage", "step": 4, "begun": NOW, "registered": NOW, "staged": None}
+    save.update(written=None, ranks_written=0, stall=None, settled=NOW + 1, status="committed")
     monkeypatch.setattr(
         status, "timeline", lambda run: asked.append(run) or {"run": run, "saves": [save], "events": []}
     )

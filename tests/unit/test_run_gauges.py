@@ -80,29 +80,24 @@ def test_the_actor_refreshes_its_gauges_until_stopped(seen, monkeypatch):
     assert len(ages) >= 4 and ages == sorted(ages)
 
 
-def test_the_save_log_keeps_each_save_s_moments_per_rank():
+def test_the_save_log_keeps_each_save_s_moments_whatever_its_ranks():
     log = SaveLog(runs=2, per_run=2)
     log.heard("s1", "gpt@memory", 4, at=10.0, registered=True)
-    log.written("s1", 0, 10.5, 0.25, node="n0", nbytes=100)
-    log.written("s1", 1, 10.75, 0.5, node="n1", nbytes=100)
-    log.stalled("s1", 1, 0.125)
-    log.settled("s1", "gpt@memory", 4, at=11.0, status="committed", error=None, bytes=200)
+    log.written("s1", 10.5, 0.25, 100)
+    log.written("s1", 10.75, 0.75, 100)  # staged first, written last
+    log.stalled("s1", 0.125)
+    log.stalled("s1", 0.0625)
+    log.settled("s1", "gpt@memory", 4, at=11.0, status="committed", error=None)
     log.heard("s2", "gpt", 5, at=12.0)  # a rank's report before the registration
     (s1, s2) = log.of_run("gpt")
     assert (s1["tier"], s1["step"], s1["status"], s1["settled"]) == ("memory", 4, "committed", 11.0)
-    assert s1["ranks"][0]["staged"] == 10.25 and s1["ranks"][1] == {
-        "staged": 10.25,
-        "written": 10.75,
-        "node": "n1",
-        "bytes": 100,
-        "stall": 0.125,
-    }
-    assert (s2["tier"], s2["registered"], s2["status"]) == ("storage", None, "pending")
-    log.stalled("never-heard", 0, 1.0)  # a late or foreign report is dropped, not an error
+    assert (s1["staged"], s1["written"], s1["ranks_written"], s1["bytes"], s1["stall"]) == (10.0, 10.75, 2, 200, 0.125)
+    assert (s2["tier"], s2["registered"], s2["status"], s2["written"]) == ("storage", None, "pending", None)
+    log.stalled("never-heard", 1.0)  # a late or foreign report is dropped, not an error
     for i in range(3):
         log.heard(f"t{i}", "gpt", 10 + i, at=20.0 + i)
     assert [s["save_id"] for s in log.of_run("gpt") if s["tier"] == "storage"] == ["t1", "t2"]  # 2 kept per run
+    assert len(log) == 3
     log.heard("x", "other", 1, at=30.0)
-    log.heard("y", "third", 1, at=31.0)  # 2 runs kept: gpt@memory, the least recently active, goes
-    assert [s["tier"] for s in log.of_run("gpt")] == []
-    assert log.runs() == ["other", "third"]
+    log.heard("y", "third", 1, at=31.0)  # 2 runs kept: gpt@memory, the least recently active, goes, then gpt
+    assert log.of_run("gpt") == [] and log.runs() == ["other", "third"] and len(log) == 2

@@ -83,18 +83,20 @@ def test_a_stale_snapshot_and_an_empty_actor_are_said_so():
 
 
 def saves() -> list[dict]:
-    ranks = {0: {"staged": NOW + 0.2, "written": NOW + 0.6, "stall": 0.15}, 1: {"staged": NOW + 0.25}}
-    ok = {"save_id": "a", "tier": "memory", "step": 1, "begun": NOW, "registered": NOW, "ranks": ranks}
-    ok.update(settled=NOW + 0.7, status="committed")
-    bad = {"save_id": "b", "tier": "storage", "step": 2, "begun": NOW + 1, "registered": None, "ranks": {}}
-    bad.update(settled=NOW + 2, status="failed")
+    ok = {"save_id": "a", "tier": "memory", "step": 1, "begun": NOW, "registered": NOW, "staged": NOW + 0.2}
+    ok.update(written=NOW + 0.6, ranks_written=2, stall=0.15, settled=NOW + 0.7, status="committed")
+    bad = {"save_id": "b", "tier": "storage", "step": 2, "begun": NOW + 1, "registered": None, "staged": None}
+    bad.update(written=None, ranks_written=0, stall=None, settled=NOW + 2, status="failed")
     return [ok, bad]
 
 
-def test_moments_and_stall_of_a_save():
-    ok = saves()[0]
-    assert timeline.moments(ok) == {"begun": NOW, "staged": NOW + 0.2, "written": NOW + 0.6, "settled": NOW + 0.7}
-    assert timeline.stall(ok) == 0.15 and timeline.stall(saves()[1]) is None
+def test_moments_of_a_save():
+    assert timeline.moments(saves()[0]) == {
+        "begun": NOW,
+        "staged": NOW + 0.2,
+        "written": NOW + 0.6,
+        "settled": NOW + 0.7,
+    }
 
 
 def test_the_timeline_is_drawn_into_a_png(tmp_path):

@@ -109,6 +109,7 @@ class MetadataActor(OperatorViews):
             "waited_saves": len(self._waiters),
             "event_runs": len(self._events),
             "events": sum(len(e) for e in self._events.values()),
+            "logged_saves": len(self._log),
             **self._plans.counts(),
             **self._layouts.counts(),
         }
@@ -215,7 +216,7 @@ class MetadataActor(OperatorViews):
         known = self._tracker.entry(target.save_id)
         now = time.time()
         self._log.heard(target.save_id, known.run or target.run, known.step, now - seconds)
-        self._log.written(target.save_id, shard.rank, now, seconds, node=node, nbytes=shard.nbytes)
+        self._log.written(target.save_id, now, seconds, shard.nbytes)
         if known.status != FAILED:  # a failed save's files are removed: not counted as written
             run, tier = run_and_tier(known.run or target.run)
             metrics.observe("rayckpt_persist_seconds", seconds, run=run, tier=tier)
@@ -271,7 +272,7 @@ class MetadataActor(OperatorViews):
         """
         save_id = target.save_id
         if stall is not None and target.rank is not None:
-            self._log.stalled(save_id, target.rank, stall)
+            self._log.stalled(save_id, stall)
         if self._restarted_since(target.incarnation):
             reason = self._lost_reason(target.incarnation)
             await self._settle(await asyncio.to_thread(self._tracker.lost, target, reason))

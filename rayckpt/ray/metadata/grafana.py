@@ -18,7 +18,7 @@ import time
 
 from ...observe import dashboard
 
-#: The MetadataActor's logger, which the actor lets reach its log file (``actor.show_commits_in_log``).
+#: The MetadataActor's logger, which the actor lets reach its log file (``views.show_commits_in_log``).
 logger = logging.getLogger(__name__.rpartition(".")[0] + ".actor")
 
 #: The file Ray's metrics head writes first into the dashboards folder.

@@ -1,10 +1,12 @@
 """The moments of each save the MetadataActor sees, for ``rayckpt status`` and a run's timeline picture.
 
 Ray-free. Per save: when the actor first heard of it (``begun``), when rank 0
-registered it, per rank when its ShardWriter took the staged copy (``staged``: the
-write's start), when it reported the files durable (``written``) and the rank's stall,
-and when the save settled (committed or failed, with the error). The newest
-``SAVES_KEPT`` saves of each of the ``RUNS_KEPT`` most recently active runs are kept.
+registered it, when the first rank's ShardWriter took its staged copy (``staged``: the
+write's start), when the last rank's files were durable (``written``), how many ranks'
+were (``ranks_written``), the longest stall a rank reported (``stall``), and when the
+save settled (committed or failed, with the error). The same few numbers whatever the
+world size; the newest ``SAVES_KEPT`` saves of each of the ``runs`` most recently
+active runs are kept.
 
 Runs are named as the actor tracks them: a memory-tier save's run is ``<run>@memory``
 (``records.run_and_tier`` splits it).
@@ -45,7 +47,8 @@ class SaveLog:
             return None
         base, tier = run_and_tier(run)
         rec = {"save_id": save_id, "run": base, "tier": tier, "step": step, "begun": None, "registered": None}
-        rec.update(ranks={}, settled=None, status="pending", error=None, bytes=0, world_size=0)
+        rec.update(staged=None, written=None, ranks_written=0, stall=None, settled=None, status="pending", error=None)
+        rec["bytes"] = 0
         saves = self._runs.get(run) or BoundedMap(self.per_run)
         for _, gone in self._runs.put(run, saves):
             for old in gone:
@@ -65,23 +68,26 @@ class SaveLog:
             if registered:
                 rec["registered"] = at
 
-    def written(self, save_id: str, rank: int, at: float, seconds: float, *, node: str, nbytes: int) -> None:
-        """Rank ``rank``'s files are durable at ``at``; its ShardWriter took ``seconds``."""
+    def written(self, save_id: str, at: float, seconds: float, nbytes: int) -> None:
+        """A rank's files are durable at ``at``: ``nbytes``, its ShardWriter took ``seconds``."""
         with self._lock:
             rec = self._record(save_id)
             if rec is not None:
-                mine = rec["ranks"].setdefault(rank, {})
-                mine.update(staged=at - seconds, written=at, node=node, bytes=nbytes)
+                staged = at - seconds
+                rec["staged"] = staged if rec["staged"] is None else min(rec["staged"], staged)
+                rec["written"] = at if rec["written"] is None else max(rec["written"], at)
+                rec["ranks_written"] += 1
+                rec["bytes"] += nbytes
 
-    def stalled(self, save_id: str, rank: int, seconds: float) -> None:
-        """Rank ``rank`` was blocked ``seconds`` by the save (its own measure, sent when it waits for the outcome)."""
+    def stalled(self, save_id: str, seconds: float) -> None:
+        """A rank was blocked ``seconds`` by the save (its own measure, sent when it waits for the outcome)."""
         with self._lock:
             rec = self._record(save_id)
             if rec is not None:
-                rec["ranks"].setdefault(rank, {})["stall"] = seconds
+                rec["stall"] = seconds if rec["stall"] is None else max(rec["stall"], seconds)
 
     def settled(self, save_id: str, run: str, step: int | None, at: float, **outcome: Any) -> None:
-        """The save committed or failed at ``at``: ``status``, ``error``, ``bytes``, ``world_size``."""
+        """The save committed or failed at ``at``: ``status``, ``error``, ``bytes``."""
         with self._lock:
             rec = self._record(save_id, run, step)
             if rec is not None:
@@ -95,15 +101,16 @@ class SaveLog:
             found = []
             for tracked in (run, tracked_run(run, MEMORY_TIER)):
                 saves = self._runs.peek(tracked)
-                found += [] if saves is None else [_copy(r) for r in saves.values()]
+                found += [] if saves is None else [dict(r) for r in saves.values()]
         return sorted(found, key=lambda r: r["begun"] or 0.0)
+
+    def __len__(self) -> int:
+        """Saves held, every run together."""
+        with self._lock:
+            return len(self._run_of)
 
     def runs(self) -> list[str]:
         """Every run with a save here (by name, each tier folded in), most recently active last."""
         with self._lock:
             names = [run_and_tier(tracked)[0] for tracked, _ in self._runs.items()]
         return list(dict.fromkeys(reversed(names)))[::-1]
-
-
-def _copy(rec: dict[str, Any]) -> dict[str, Any]:
-    return {**rec, "ranks": {rank: dict(r) for rank, r in rec["ranks"].items()}}
