@@ -1,10 +1,11 @@
 """``rayckpt status``: the one command that joins a running Ray cluster (the others read storage only).
 
-It asks the MetadataActor and each node's ShardWriter (``rayckpt.ray.status``) and
-prints one screen (``observe.status_view``), JSON with ``--json``, again every N seconds
-with ``--watch N``; ``--plot FILE.png`` draws a run's checkpoint timeline instead
-(``observe.timeline``). Exit 0: shown; 1: no cluster answers, or it runs no rayckpt
-(one line on stderr); 2: bad arguments.
+It reads what the MetadataActor and each node's ShardWriter publish (``rayckpt.ray.status``)
+and prints one screen (``render``: per run its newest committed checkpoint per tier, saves in
+flight, recent failures, restores after restarts; then each node's memory tier against its
+budget), JSON with ``--json``, again every N seconds with ``--watch N``; ``--plot FILE.png``
+draws a run's checkpoint timeline instead (``observe.timeline``). Exit 0: shown; 1: no cluster
+answers, or it runs no rayckpt (one line on stderr); 2: bad arguments.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
-from .cli_text import positive_int, print_json
+from .cli_text import human_bytes, positive_int, print_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,7 +36,6 @@ def _fail(message: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .observe.status_view import render
     from .ray import status
     from .ray.joining import ClusterUnreachableError
 
@@ -81,3 +82,81 @@ def _plot(args: argparse.Namespace, status) -> int:  # noqa: ANN001 - rayckpt.ra
         return _fail(f"cannot write {args.plot}: {exc.strerror or exc}")
     print(f"wrote {args.plot}: {drawn} saves of run {run}")
     return 0
+
+
+# ---------------------------------------------------------------------------
+# The screen
+
+
+#: A snapshot older than this is flagged (the actors publish every second).
+STALE_S = 5.0
+
+
+def age(seconds: float) -> str:
+    """``4.2 s``, ``12 min``, ``3.5 h``: how long ago, in the unit that reads best."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def _one_line(text: str, limit: int = 100) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def render(report: dict[str, Any], address: str = "") -> str:
+    """The screen for ``report`` (``gather``'s: ``now``, ``runs``, ``nodes``...), read from the cluster ``address``."""
+    now = report.get("now", report["time"])
+    where = f" at {address}" if address else ""
+    lines = [f"rayckpt status{where}, {_clock(now)} (MetadataActor pid {report.get('pid', '?')})"]
+    late = report.get("published_age_s", 0.0)
+    if late > STALE_S:
+        lines.append(
+            f"the MetadataActor last published its status {age(late)} ago (every second when well): it is busy, "
+            "or gone; what follows is as of then"
+        )
+    runs = report["runs"]
+    if not runs:
+        lines.append("no runs yet: the MetadataActor has seen no save or restore since it started")
+    for run in runs:
+        lines += ["", f"run {run['run']}"]
+        if not run["tiers"]:
+            lines.append("  no committed checkpoint yet")
+        for tier, n in run["tiers"].items():
+            lines.append(f"  {tier:<8} newest step {n['step']}, committed {age(n['age_s'])} ago  {n['path']}")
+        for s in run["in_flight"]:
+            lines.append(f"  in flight: {s['tier']} step {s['step']}, {s['phase']}, for {age(s['age_s'])}")
+        for f in run["failures"]:
+            step = f"step {f['step']}" if f["step"] is not None else "a save"
+            lines.append(f"  failed {age(now - f['time'])} ago: {f['tier']} {step}: {_one_line(f['error'])}")
+        if run["restarts"]:
+            lines.append(f"  worker group restarts: {run['restarts']}")
+        for r in run["restores"]:
+            took = f"{r['seconds']:.2f} s" if r.get("seconds") is not None else "?"
+            size = human_bytes(r.get("bytes_read") or 0)
+            peer = f", {human_bytes(r['peer_bytes'])} from a peer" if r.get("peer_bytes") else ""
+            lines.append(
+                f"  restored {age(now - r['time'])} ago: step {r['step']} from {r['tier']} "
+                f"in {took} on {r.get('world_size') or '?'} worker(s) (rank 0 read {size}{peer})"
+            )
+        if run["fallbacks"]:
+            lines.append(f"  restores that passed over a damaged checkpoint: {run['fallbacks']}")
+    nodes = report.get("nodes", [])
+    if nodes:
+        lines += ["", "memory tier per node"]
+        for n in nodes:
+            if "error" in n:
+                lines.append(f"  {n['node']}  not answering: {_one_line(n['error'])}")
+                continue
+            share = 100 * n["held"] / n["budget"] if n["budget"] else 0.0
+            lines.append(
+                f"  {n['node']}  {human_bytes(n['held'])} of {human_bytes(n['budget'])} held ({share:.0f}%), "
+                f"room {human_bytes(n['room'])} ({n['bound']})"
+            )
+    return "\n".join(lines)

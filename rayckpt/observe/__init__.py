@@ -1,9 +1,9 @@
-"""What an operator watches: the metric definitions, the Grafana dashboard made from them, `rayckpt status`'s
-view and a run's checkpoint timeline as a picture.
+"""What an operator watches: the metric definitions, the Grafana dashboard made from them, and a run's
+checkpoint timeline as a picture.
 
 Ray-free and torch-free: ``metric_defs`` (every metric's name, kind, tags), ``dashboard``
-(the Grafana dashboard JSON, and installing it where Ray's Grafana looks), ``status_view``
-(the text of ``rayckpt status``) and ``timeline`` (its ``--plot``, with matplotlib). The Ray
+(the Grafana dashboard JSON, and installing it where Ray's Grafana looks) and ``timeline``
+(``rayckpt status --plot``, with matplotlib). The Ray
 side, which records the metrics and gathers what ``status`` shows, is ``rayckpt.ray``
 (``metrics``, ``status``). May import only the base modules (``errors``, ``redaction``...).
 """

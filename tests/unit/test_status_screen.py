@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from rayckpt.cli_status import render
 from rayckpt.observe import timeline
-from rayckpt.observe.status_view import render
 from rayckpt.ray.metadata.run_gauges import Newest
 from rayckpt.ray.metadata.status_report import phase, run_status
 
