@@ -1,9 +1,9 @@
 """``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster.
 
-A head started with ``ray start --head --block`` (its own temp directory and ports,
-token authentication off), a run of two committed checkpoints (a driver that saves
-through ``rayckpt.ray.save_async`` and stays connected, so the MetadataActor and the
-node's ShardWriter are up), then ``--repeats`` rounds of both commands, their
+A head started with ``ray start --head --block`` (``rayckpt.testing.ray_head``: its own
+temp directory and ports, token authentication off, 2 CPUs), a run of two committed
+checkpoints (a driver that saves through ``rayckpt.ray.save_async`` and stays connected,
+so the MetadataActor and the node's ShardWriter are up), then ``--repeats`` rounds of both commands, their
 order rotated from round to round. ``ray status`` is the anchor: Ray's own one-screen
 view of a cluster, also a fresh process joining it. Medians and their ratio.
 
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,15 +23,15 @@ import time
 from typing import Any
 
 from benchmarks.common.harness import load_sampled, machine_info, rotated, summary, write_report
+from rayckpt.testing.ray_head import BIN, ray_head
 
-BIN = os.path.dirname(sys.executable)
 COMMANDS = {
     "rayckpt status": [f"{BIN}/rayckpt", "status", "--address"],
     "ray status": [f"{BIN}/ray", "status", "--address"],
 }
 
 SEED = """
-import sys, threading, ray, torch
+import sys, ray, torch
 from rayckpt.ray.async_save import save_async
 ray.init(address=sys.argv[1], namespace="rayckpt-bench", log_to_driver=False)
 for step in (1, 2):
@@ -41,44 +39,6 @@ for step in (1, 2):
 print("seeded", flush=True)
 sys.stdin.readline()  # held until the benchmark ends: the driver's job stays alive
 """
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def start_head(temp_dir: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    gcs, dashboard, metrics, agent, client = free_ports(5)
-    head = subprocess.Popen(
-        [f"{BIN}/ray", "start", "--head", "--block", "--port", str(gcs), "--dashboard-host", "127.0.0.1"]
-        + ["--dashboard-port", str(dashboard), "--metrics-export-port", str(metrics)]
-        + ["--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(client)]
-        + ["--num-cpus", "2", "--temp-dir", temp_dir],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    return head, f"127.0.0.1:{gcs}"
-
-
-def stop_head(head: subprocess.Popen) -> None:
-    os.kill(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(head.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> float:
@@ -91,40 +51,31 @@ def timed(cmd: list[str], env: dict[str, str]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_AUTH_MODE"] = "disabled"
     report: dict[str, Any] = {"machine": machine_info(), "repeats": args.repeats, "times": {}}
-    with tempfile.TemporaryDirectory(prefix="rk-observe-") as tmp:
-        head, address = start_head(os.path.join(tmp, "ray"), env)
-        seeder = None
+    with (
+        tempfile.TemporaryDirectory(prefix="rk-observe-") as tmp,
+        ray_head(os.path.join(tmp, "ray"), num_cpus=2) as head,
+    ):
+        env = head.env
+        seeder = subprocess.Popen(
+            [sys.executable, "-c", SEED, head.address, os.path.join(tmp, "ckpt")],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
-            deadline = time.time() + 120
-            while subprocess.run(
-                [f"{BIN}/ray", "status", "--address", address], env=env, capture_output=True
-            ).returncode:
-                if time.time() > deadline or head.poll() is not None:
-                    raise RuntimeError("ray start --head did not come up")
-                time.sleep(1)
-            seeder = subprocess.Popen(
-                [sys.executable, "-c", SEED, address, os.path.join(tmp, "ckpt")],
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
             if seeder.stdout.readline().strip() != "seeded":
                 raise RuntimeError("the seeding driver did not save")
             times: dict[str, list[float]] = {name: [] for name in COMMANDS}
             with load_sampled(report):
                 for rep in range(args.repeats):
                     for name in rotated(list(COMMANDS), rep):
-                        times[name].append(timed(COMMANDS[name] + [address], env))
+                        times[name].append(timed(COMMANDS[name] + [head.address], env))
             report["times"] = {name: summary(values) for name, values in times.items()}
         finally:
-            if seeder is not None:
-                seeder.stdin.close()
-                seeder.wait(timeout=60)
-            stop_head(head)
+            seeder.stdin.close()
+            seeder.wait(timeout=60)
     return report
 
 

@@ -1,8 +1,5 @@
-"""A Ray head started as a user does (`ray start --head`) and `jobs/train.py` submitted to it with `ray job submit`.
-
-Each head has its own ``--temp-dir`` and free ports, and is stopped by signalling
-its own process (then its process group), so it never touches another Ray on the machine.
-"""
+"""`jobs/train.py` submitted with `ray job submit` to a Ray head started as a user does (``ray_head``, from
+``rayckpt.testing.ray_head``: its own ``--temp-dir`` and ports, stopped by its own pid)."""
 
 from __future__ import annotations
 
@@ -10,128 +7,17 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+
+from rayckpt.testing.ray_head import BIN, RayHead, free_port, free_ports, get, ray_head  # noqa: F401 - the tests' names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.path.dirname(sys.executable)
 #: Flags of a model small enough for a job of a few seconds.
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "64"]
-START_TIMEOUT_S = 120
-STOP_GRACE_S = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all held open while picked, so none repeats)."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-@dataclass(frozen=True, slots=True)
-class RayHead:
-    """A running head node: where to reach it and the environment its processes (and submits) run with."""
-
-    env: dict[str, str]
-    dashboard: str
-    metrics: str
-    address: str
-    temp_dir: str
-
-
-@contextmanager
-def ray_head(temp_dir: str, extra_env: Mapping[str, str] | None = None) -> Iterator[RayHead]:
-    """A head node started with `ray start --head --block` (8 CPUs), stopped by signalling it and its process group.
-
-    ``extra_env`` goes into the head's environment, so every Ray process, job driver
-    and Train worker of the cluster inherits it (as from a node's configuration).
-    """
-    # Every port Ray would otherwise take at a fixed default (the agent's 52365, the client server's 10001):
-    # another Ray on the machine may hold it, and the head's job agent then never comes up.
-    names = ("gcs", "dashboard", "metrics", "agent", "client")
-    ports = dict(zip(names, free_ports(len(names))))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(extra_env or {})
-    env.update(RAY_AUTH_MODE="disabled", PATH=f"{BIN}:{env.get('PATH', '')}")
-    head = subprocess.Popen(
-        [
-            f"{BIN}/ray",
-            "start",
-            "--head",
-            "--block",
-            "--port",
-            str(ports["gcs"]),
-            "--dashboard-host",
-            "127.0.0.1",
-            "--dashboard-port",
-            str(ports["dashboard"]),
-            "--metrics-export-port",
-            str(ports["metrics"]),
-            "--dashboard-agent-listen-port",
-            str(ports["agent"]),
-            "--ray-client-server-port",
-            str(ports["client"]),
-            "--num-cpus",
-            "8",
-            "--temp-dir",
-            temp_dir,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        dashboard = f"http://127.0.0.1:{ports['dashboard']}"
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            try:
-                get(f"{dashboard}/api/jobs/")
-                break
-            except OSError:
-                if time.time() > deadline or head.poll() is not None:
-                    raise RuntimeError("ray start --head did not bring up the dashboard") from None
-                time.sleep(1)
-        yield RayHead(
-            env=env,
-            dashboard=dashboard,
-            metrics=f"http://127.0.0.1:{ports['metrics']}/metrics",
-            address=f"127.0.0.1:{ports['gcs']}",
-            temp_dir=temp_dir,
-        )
-    finally:
-        # `ray start` stops its processes itself on SIGTERM (a SIGTERM to the whole group at once leaves
-        # it waiting past any timeout); after jobs ran it may still wait on some: the group is then killed.
-        os.kill(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tuple[dict, str]:
