@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ..errors import PeerLostError, RayckptError, SaveFailedError
+from ..format.manifest import MANIFEST_NAME
 from ..phases import log_phases, phase, timed
 from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir
@@ -34,11 +35,14 @@ from ..storage.commit import (
     remove_failed_save,
 )
 from ..storage.lease import LeaseKeeper, claim_location, release_lease
+from ..storage.shared import keeps_name
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .coordinator import claim as claim_decision
+from .increments import FULL, Increment, choose_base, confirm_base, forget_choice
 from .save_layout import agree_on_plan
 from .state import FlatState
-from .writer import create_chunk_data, parts_here, write_chunks
+from .writer import create_chunk_data, parts_here
+from .writer import write_share as write_rank_share
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +76,8 @@ def save(
     block_size: int | None = None,
     metadata: dict[str, Any] | None = None,
     overwrite: bool = True,
+    incremental: bool = False,
+    full_every: int = 0,
 ) -> SaveInfo:
     """Save ``state_dict`` to ``checkpoint_id`` as one checkpoint, each rank writing its own shards.
 
@@ -112,6 +118,13 @@ def save(
         metadata: JSON-able data stored in the manifest's ``user_metadata``.
         overwrite: Whether a checkpoint committed at the location is replaced
             (atomically). False (DCP's writer option): such a save is refused.
+        incremental: Write the shard files into the shared store beside the
+            checkpoint directory (``<parent>/.rayckpt-shared``) and share every chunk
+            that did not change since this process's last committed incremental save
+            beside it (docs/guarantees.md, "Incremental saves"). False: a
+            self-contained checkpoint.
+        full_every: With ``incremental``: every ``full_every``-th save of a chain
+            shares nothing (0: never).
 
     Returns:
         This rank's ``SaveInfo``: the location, the save id, the checkpoint's bytes
@@ -143,7 +156,14 @@ def save(
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
     try:
         with timed() as clock:
-            info = _save(coord, ckdir, state_dict, block_size, metadata, overwrite)
+            options = SaveOptions(
+                block_size=block_size,
+                metadata=metadata,
+                overwrite=overwrite,
+                incremental=incremental,
+                full_every=full_every_count(full_every),
+            )
+            info = _save(coord, ckdir, state_dict, options)
         phases = clock.result()
         log_phases("save to", ckdir.location, coord.rank, phases)
         return replace(info, phases=phases)
@@ -155,15 +175,35 @@ def save(
         ) from exc
 
 
-def _save(
-    coord: Coordinator,
-    ckdir: CheckpointDir,
-    state_dict: dict[str, Any],
-    block_size: int | None,
-    metadata: dict[str, Any] | None,
-    overwrite: bool,
-) -> SaveInfo:
-    ctx = collect_state(coord, state_dict, block_size=block_size, metadata=metadata, claim=ckdir, overwrite=overwrite)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveOptions:
+    """How a save writes, as ``save`` was asked."""
+
+    block_size: int | None = None
+    metadata: dict[str, Any] | None = None
+    overwrite: bool = True
+    incremental: bool = False
+    full_every: int = 0
+
+
+def full_every_count(value: Any) -> int:
+    """``full_every`` checked: a whole number >= 0."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"full_every must be a whole number >= 0 (0: never), got {value!r}")
+    return value
+
+
+def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], options: SaveOptions) -> SaveInfo:
+    ctx = collect_state(
+        coord,
+        state_dict,
+        block_size=options.block_size,
+        metadata=options.metadata,
+        claim=ckdir,
+        overwrite=options.overwrite,
+        incremental=options.incremental,
+        full_every=options.full_every,
+    )
     save_id = ctx.spec.save_id
     written_files: list[str] = []
     shards: list[WrittenShard] = []
@@ -282,6 +322,8 @@ class SaveContext:
     #: Digest of every rank's layout (``save_layout``): saves with equal digests have equal
     #: ``spec.tensors`` and ``spec.paths`` (the MetadataActor keeps them per digest).
     layout: bytes = b""
+    #: Whether the save is incremental and which save it shares with (``increments``).
+    increment: Increment = FULL
 
 
 def collect_state(
@@ -293,6 +335,8 @@ def collect_state(
     node: str = "",
     claim: CheckpointDir | None = None,
     overwrite: bool = True,
+    incremental: bool = False,
+    full_every: int = 0,
 ) -> SaveContext:
     """Save steps collect and plan (collective): flatten, agree on the save id, plan the writes.
 
@@ -302,19 +346,32 @@ def collect_state(
     ``claim``: where the save goes; rank 0 claims it for the new save id before
     sharing the id, so before any rank writes (``lease.claim_location``, with
     ``overwrite``). When this step succeeds the lease is rank 0's to keep and
-    release; when it fails, it is released here.
+    release; when it fails, it is released here. ``incremental`` (with ``claim``):
+    rank 0 also picks the save's base (``increments``), every ``full_every``-th save none.
     """
     if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     claimed: list[str] = []
 
-    def claim_ids() -> tuple[str, str | None]:
+    def claim_ids() -> tuple[str, str | None, Increment]:
         save_id = new_save_id()
         previous = None
+        increment = FULL
         if claim is not None:
-            previous = claim_location(claim, save_id, overwrite=overwrite)
+            if incremental:
+                choose_base(claim, save_id, full_every)
+            try:
+                previous = claim_location(claim, save_id, overwrite=overwrite)
+            except BaseException:
+                forget_choice(save_id)
+                claim.delete(keeps_name(save_id))
+                if not claim.exists(MANIFEST_NAME):
+                    claim.delete_dir_if_empty()
+                raise
             claimed.append(save_id)
-        return save_id, previous
+            if incremental:
+                increment = confirm_base(claim, save_id)
+        return save_id, previous, increment
 
     try:
         with phase("plan"):
@@ -335,7 +392,14 @@ def collect_state(
         previous=a.previous,
     )
     return SaveContext(
-        spec=spec, rank=coord.rank, plan=a.plan, nodes=a.nodes, flat=a.flat, cached=a.cached, layout=a.layouts
+        spec=spec,
+        rank=coord.rank,
+        plan=a.plan,
+        nodes=a.nodes,
+        flat=a.flat,
+        cached=a.cached,
+        layout=a.layouts,
+        increment=a.increment,
     )
 
 
@@ -344,4 +408,14 @@ def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]
     with phase("write"):
         chunks = create_chunk_data(ctx.plan, ctx.flat)
         parts = parts_here(ctx.spec.world_size, len(ctx.nodes))
-        return write_chunks(ckdir, chunks, ctx.spec.save_id, ctx.rank, ctx.spec.block_size, written_files, parts)
+        spec = ctx.spec
+        return write_rank_share(
+            ckdir,
+            chunks,
+            save_id=spec.save_id,
+            rank=ctx.rank,
+            block_size=spec.block_size,
+            written_files=written_files,
+            max_parts=parts,
+            increment=ctx.increment,
+        )

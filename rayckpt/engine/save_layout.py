@@ -39,6 +39,7 @@ from ..planning import save_plan
 from ..planning.save_columns import ShardLayout, assign_writers, digest
 from ..planning.save_plan import LocalShard, SavePlan, create_own_plan
 from .coordinator import Coordinator, ProcessGroupCoordinator, plan_at_root
+from .increments import Increment
 from .state import FlatState, flatten
 
 #: Counts of this process's save plans: made ("planned") and reused from the cache ("cached").
@@ -124,6 +125,8 @@ class AgreedPlan:
     save_id: str
     previous: str | None
     plan: SavePlan
+    #: Rank 0's decision on sharing with an earlier save (``increments``), the same on every rank.
+    increment: Increment
     #: The nodes the ranks run on (each once, sorted).
     nodes: tuple[str, ...]
     #: Rank 0 only (empty elsewhere): what the committer needs.
@@ -143,13 +146,13 @@ def agree_on_plan(
     coord: Coordinator,
     state_dict: dict[str, Any] | FlatState,
     node: str,
-    claim: Callable[[], tuple[str | None, str | None]],
+    claim: Callable[[], tuple[str, str | None, Increment]],
     block_size: int | None = None,
 ) -> AgreedPlan:
     """Flatten this rank's state and agree on the save's plan (collective; see the module).
 
-    ``claim``: rank 0's new save id and the save it replaces (it claims the
-    location); called on rank 0 only, before anything is shared. ``block_size``:
+    ``claim``: rank 0's new save id, the save it replaces (it claims the
+    location) and its ``Increment``; called on rank 0 only, before anything is shared. ``block_size``:
     the checksum block size (rank 0's is used); None: rank 0 picks it from the
     largest state any rank holds (``auto_block_size``), the same on every rank.
     """
@@ -175,18 +178,18 @@ def agree_on_plan(
 
     root: dict[str, Any] = {}  # rank 0: what it learns from the headers
 
-    def decide(headers: list[Header]) -> list[tuple[str, str | None, bytes | None, tuple[str, ...], int]]:
+    def decide(headers: list[Header]) -> list[tuple[str, str | None, Increment, bytes | None, tuple[str, ...], int]]:
         layouts = digest(*(h.layout for h in headers))
         hit = all(h.cached == layouts for h in headers)
         root.update(layouts=layouts, values=[h.values for h in headers])
-        save_id, previous = local["ids"]
+        save_id, previous, increment = local["ids"]
         nodes = tuple(sorted({h.node for h in headers}))
         block = block_size or auto_block_size(max(h.state_bytes for h in headers))
-        return [(save_id, previous, layouts if hit else None, nodes, block)] * coord.world_size
+        return [(save_id, previous, increment, layouts if hit else None, nodes, block)] * coord.world_size
 
     phase = "save (collecting state)"
     agreed = plan_at_root(coord, phase, header, decide, SaveFailedError, PeerLostError)
-    save_id, previous, hit, nodes, block = agreed
+    save_id, previous, increment, hit, nodes, block = agreed
     flat: FlatState = local["flat"]
     cached = _CACHE.get(key)
     if hit is not None and cached is not None and cached.layouts == hit:
@@ -196,6 +199,7 @@ def agree_on_plan(
         return AgreedPlan(
             save_id=save_id,
             previous=previous,
+            increment=increment,
             plan=cached.plan,
             nodes=nodes,
             tensors=tensors,
@@ -229,6 +233,7 @@ def agree_on_plan(
     return AgreedPlan(
         save_id=save_id,
         previous=previous,
+        increment=increment,
         plan=own,
         nodes=nodes,
         tensors=tensors,

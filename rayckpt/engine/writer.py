@@ -24,7 +24,9 @@ from ..format.shard_file import ChunkData, ChunkSpec, WrittenChunk, storage_type
 from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir, join_location
 from ..storage.commit import WrittenShard, shard_file_name
+from ..storage.shared import shared_path, store_of
 from .device import DeviceToHost, host_like, needs_bounce
+from .increments import FULL, BaseChunk, Increment, Records, base_records, remember, split_unchanged, store_key
 from .state import FlatState, Piece, TensorLeaf, as_bytes
 
 
@@ -92,6 +94,9 @@ def write_chunks(
     block_size: int,
     written_files: list[str],
     max_parts: int = 1,
+    *,
+    incremental: bool = False,
+    base: Records | None = None,
 ) -> WrittenShard:
     """Write one rank's chunks: one Arrow file per storage type, each durable on return.
 
@@ -99,22 +104,30 @@ def write_chunks(
     written at once on their own threads. 1 (the default): one file per type, written in
     sorted type order (a streamed import reads its chunks in that order). Appends each file
     to ``written_files`` before writing anything, so a failure can clean up.
+
+    ``incremental``: the files go into the shared store beside ``ckdir`` (``storage.shared``)
+    and each record carries its chunk's fingerprint; a chunk byte-identical to its record in
+    ``base`` (the base save's records, ``increments``) is not written: its record is the base's.
     """
+    shared: list[BaseChunk] = []
+    if base:
+        chunks, shared = split_unchanged(chunks, base, block_size)
     by_type: dict[str, list[ChunkData]] = {}
     for c in chunks:
         by_type.setdefault(storage_type(c.dtype), []).append(c)
+    name = shared_path if incremental else str
     jobs = [
-        (shard_file_name(save_id, rank, stype, part), data)
+        (name(shard_file_name(save_id, rank, stype, part)), data)
         for stype, typed in sorted(by_type.items())
         for part, data in enumerate(split_parts(typed, max_parts) if max_parts > 1 else [typed])
     ]
     if jobs:
-        ckdir.makedirs()
+        (store_of(ckdir) if incremental else ckdir).makedirs()
     written_files.extend(rel for rel, _ in jobs)
 
     def write(rel: str, data: list[ChunkData]) -> tuple[list[WrittenChunk], FileEntry]:
         try:
-            records, size = write_shard_file(ckdir, rel, data, block_size, save_id)
+            records, size = write_shard_file(ckdir, rel, data, block_size, save_id, incremental)
         except OSError as exc:
             # pyarrow's message carries its own traceback; the errno says what happened.
             reason = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[-1]
@@ -128,8 +141,39 @@ def write_chunks(
         results = [f.result() for f in futures]  # every file ended: the first error is raised
     else:
         results = [write(rel, data) for rel, data in jobs]
-    written = [record for records, _ in results for record in records]
-    return WrittenShard(rank, tuple(written), tuple(entry for _, entry in results))
+    if incremental and jobs:
+        store_of(ckdir).sync_dir()  # the files' directory entries, before the commit names them
+    written = [record for records, _ in results for record in records] + [b.chunk for b in shared]
+    files = [entry for _, entry in results] + list({b.file.path: b.file for b in shared}.values())
+    return WrittenShard(rank, tuple(written), tuple(files))
+
+
+def write_share(
+    ckdir: CheckpointDir,
+    chunks: Sequence[ChunkData],
+    *,
+    save_id: str,
+    rank: int,
+    block_size: int,
+    written_files: list[str],
+    max_parts: int = 1,
+    increment: Increment = FULL,
+) -> WrittenShard:
+    """``write_chunks`` for one rank's share of a save (the rank itself, or its node's ShardWriter).
+
+    An incremental save is written against the base's records this process holds for
+    the rank (none: every chunk is written), and the records of what it wrote or shared
+    are kept for the rank's next save (``increments``).
+    """
+    if not increment.incremental:
+        return write_chunks(ckdir, chunks, save_id, rank, block_size, written_files, max_parts)
+    key = store_key(ckdir)
+    base = base_records(key, rank, increment.base)
+    shard = write_chunks(
+        ckdir, chunks, save_id, rank, block_size, written_files, max_parts, incremental=True, base=base
+    )
+    remember(key, rank, save_id, shard, block_size)
+    return shard
 
 
 def cpu_leaves(leaves: Iterable[TensorLeaf]) -> dict[str, TensorLeaf]:

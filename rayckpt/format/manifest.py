@@ -33,11 +33,26 @@ from .values import check_value
 
 FORMAT_NAME = "rayckpt"
 FORMAT_VERSION = 4
+#: The version of a manifest that names shard files in the run's shared store (an incremental
+#: save's): a self-contained checkpoint is still written as ``FORMAT_VERSION``, which older readers read.
+SHARED_VERSION = 5
 
 
 #: Versions this rayckpt reads: 1 (CRC-32 blocks), 2 (the checksum is named),
-#: 3 (each key's path; bytes values) and 4 (the chunks in a columnar chunk table).
-READ_VERSIONS = (1, 2, 3, 4)
+#: 3 (each key's path; bytes values), 4 (the chunks in a columnar chunk table) and 5 (shard
+#: files in the shared store beside the checkpoint directories).
+READ_VERSIONS = (1, 2, 3, 4, 5)
+#: Directory beside a run's checkpoint directories that holds the shard files incremental saves
+#: write and share (``storage.shared``), and how a manifest's ``files`` name a file in it.
+SHARED_DIR = ".rayckpt-shared"
+SHARED_PREFIX = f"../{SHARED_DIR}/"
+
+
+def is_shared(path: str) -> bool:
+    """Whether a manifest's file ``path`` is in the shared store (not in the checkpoint directory)."""
+    return path.startswith(SHARED_PREFIX)
+
+
 #: The first version whose chunks live in the chunk table (an Arrow IPC file) instead of the JSON.
 CHUNK_TABLE_VERSION = 4
 #: Block checksum algorithms: XXH3-64 (the default, faster than zlib's CRC-32: every byte read
@@ -292,6 +307,8 @@ def _decode(data: bytes, where: str, table: TableLoader | None) -> Manifest:
     ref = dict(doc["chunk_table"])
     try:
         ref["path"] = _safe_path(ref["path"], "chunk_table.path")
+        if is_shared(ref["path"]):
+            raise SchemaError("chunk_table.path", f"the chunk table {ref['path']!r} is not in the checkpoint directory")
     except SchemaError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
     return table(manifest, ref)
@@ -314,6 +331,11 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
     files = tuple(
         FileEntry(_safe_path(f["path"], f"files[{i}].path"), f["size"], f["rank"]) for i, f in enumerate(doc["files"])
     )
+    for i, f in enumerate(files):
+        if version < SHARED_VERSION and is_shared(f.path):
+            raise SchemaError(
+                f"files[{i}].path", f"file path {f.path!r} escapes the checkpoint directory; refusing to read it"
+            )
     known = {f.path for f in files}
     if len(known) != len(files):
         dup = next(i for i, f in enumerate(files) if f.path in {g.path for g in files[:i]})
@@ -433,6 +455,8 @@ def _safe_path(path: Any, at: str) -> str:
     if not isinstance(path, str) or not path:
         raise SchemaError(at, f"expected a non-empty string, got {show(path)}")
     norm = posixpath.normpath(path)
+    if is_shared(path) and norm == path and "/" not in path[len(SHARED_PREFIX) :] and ":" not in path:
+        return path  # a shard file in the shared store beside the checkpoint directory (version 5)
     if path.startswith(("/", "\\")) or "\\" in path or ":" in path or norm == ".." or norm.startswith("../"):
         raise SchemaError(at, f"file path {path!r} escapes the checkpoint directory; refusing to read it")
     return norm

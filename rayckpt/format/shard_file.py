@@ -132,6 +132,18 @@ class WrittenChunk:
     byte_offset: int
     byte_length: int
     checksums: tuple[int, ...]
+    #: XXH3-128 of the chunk's bytes, when the save asked for it (an incremental save: the
+    #: next save compares against it); b"" otherwise. Never stored in the checkpoint.
+    fingerprint: bytes = b""
+
+
+def fingerprint(data: memoryview) -> bytes:
+    """A chunk's XXH3-128 (seed 0): what an incremental save matches an unchanged chunk by."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def _sums(raw: memoryview, block_size: int, with_fingerprint: bool) -> tuple[tuple[int, ...], bytes]:
+    return block_checksums(raw, block_size), fingerprint(raw) if with_fingerprint else b""
 
 
 #: One-shot checksum of a buffer, by ``Manifest.checksum`` name.
@@ -164,9 +176,17 @@ SYNC_AHEAD_BYTES = 16 << 20
 
 
 def write_shard_file(
-    ckdir: ShardFiles, rel: str, chunks: Sequence[ChunkData], block_size: int, save_id: str
+    ckdir: ShardFiles,
+    rel: str,
+    chunks: Sequence[ChunkData],
+    block_size: int,
+    save_id: str,
+    fingerprints: bool = False,
 ) -> tuple[list[WrittenChunk], int]:
-    """Write ``chunks`` (all of one storage type) to ``rel``; fsync; return records and size."""
+    """Write ``chunks`` (all of one storage type) to ``rel``; fsync; return records and size.
+
+    ``fingerprints``: also give each record its chunk's XXH3-128, computed with the checksums.
+    """
     arrow_name = storage_type(chunks[0].dtype)
     arrow_type = _ARROW_TYPES[arrow_name]
     width = arrow_type.bit_width // 8
@@ -183,7 +203,7 @@ def write_shard_file(
     # The checksums run on their own thread while this one writes (both release the GIL): the
     # source bytes are read twice at once, not one pass after the other.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayckpt-sum") as summer:
-        sums = [summer.submit(block_checksums, raw, block_size) for raw in raws]
+        sums = [summer.submit(_sums, raw, block_size, fingerprints) for raw in raws]
         try:
             with ckdir.open_output(rel) as sink:
                 with pa.ipc.new_file(sink, schema) as writer:
@@ -208,7 +228,13 @@ def write_shard_file(
             raise
         written = [
             WrittenChunk(
-                key=c.key, box=c.box, file=rel, byte_offset=offset, byte_length=len(raw), checksums=fut.result()
+                key=c.key,
+                box=c.box,
+                file=rel,
+                byte_offset=offset,
+                byte_length=len(raw),
+                checksums=fut.result()[0],
+                fingerprint=fut.result()[1],
             )
             for c, raw, offset, fut in zip(chunks, raws, offsets, sums)
         ]

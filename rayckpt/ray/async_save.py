@@ -37,7 +37,7 @@ import ray
 
 from ..engine.coordinator import Coordinator, default_coordinator
 from ..engine.overlap import overlap_mode
-from ..engine.save import SaveContext, collect_state
+from ..engine.save import SaveContext, collect_state, full_every_count
 from ..engine.state import FlatState
 from ..engine.writer import chunk_specs, create_chunk_data, parts_here
 from ..errors import InvalidStateError, SaveFailedError
@@ -93,6 +93,8 @@ class AsyncSaver:
         local_is_shared: bool | None,
         staging: str | None,
         overlap: bool | str = True,
+        incremental: bool = False,
+        full_every: int = 0,
     ) -> SaveHandle:
         """``save_async`` (see there)."""
         staging = staging_mode(staging)
@@ -105,7 +107,14 @@ class AsyncSaver:
         # Rank 0 claims the location (a lease) before any rank writes; the MetadataActor
         # keeps the lease fresh from the registration on and releases it when the save settles.
         ctx = collect_state(
-            coordinator, state_dict, block_size=block_size, metadata=metadata, node=node_id, claim=ckdir
+            coordinator,
+            state_dict,
+            block_size=block_size,
+            metadata=metadata,
+            node=node_id,
+            claim=ckdir,
+            incremental=incremental,
+            full_every=full_every_count(full_every),
         )
         try:
             _check_reachable(ckdir, ctx, local_is_shared)
@@ -133,6 +142,7 @@ class AsyncSaver:
                 block_size=ctx.spec.block_size,
                 chunks=chunk_specs(ctx.plan, ctx.flat),
                 max_parts=parts_here(ctx.spec.world_size, len(ctx.nodes)),
+                increment=ctx.increment,
             )
             writer = get_shard_writer(node_id)
 
@@ -322,6 +332,8 @@ def save_async(
     staging: str | None = None,
     lane: str = DEFAULT_LANE,
     overlap: bool | str = True,
+    incremental: bool = False,
+    full_every: int = 0,
 ) -> SaveHandle:
     """Start a save through the Ray actors; return a ``SaveHandle`` once this rank's copy is launched.
 
@@ -356,6 +368,8 @@ def save_async(
             everything is copied before the call returns. Through the object store the copy
             is always made before the call returns. A tensor changed in place before its
             copy is done fails the save, naming its key (docs/guarantees.md, "Saves beside training").
+        incremental, full_every: As for ``rayckpt.save``: the ShardWriters write into the shared
+            store and share the chunks unchanged since this process's last committed save there.
 
     Returns:
         The save's ``SaveHandle``; its ``wait()`` returns the committed ``CatalogEntry``.
@@ -383,6 +397,8 @@ def save_async(
         local_is_shared=local_is_shared,
         staging=staging,
         overlap=overlap,
+        incremental=incremental,
+        full_every=full_every,
     )
 
 

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
+from ..format.manifest import SHARED_DIR
 from ..phases import phase
 from ..redaction import redact
 
@@ -159,7 +160,10 @@ class CheckpointDir:
         return self.fs.type_name in OBJECT_STORES
 
     def path(self, rel: str) -> str:
-        return posixpath.join(self.fs_path, rel)
+        """``rel``'s path on ``fs``; a ``../`` path (a file of the shared store beside the checkpoint
+        directories) is normalized, as object stores take keys literally."""
+        joined = posixpath.join(self.fs_path, rel)
+        return posixpath.normpath(joined) if rel.startswith("../") else joined
 
     def child(self, rel: str) -> CheckpointDir:
         return CheckpointDir(self.fs, self.path(rel), join_location(self.uri, rel))
@@ -302,8 +306,9 @@ class CheckpointDir:
         return self._list(pafs.FileType.File)
 
     def list_dirs(self) -> list[str]:
-        """Names of the directories directly in the directory."""
-        return self._list(pafs.FileType.Directory)
+        """Names of the directories directly in the directory; the shared store of incremental saves
+        (``format.manifest.SHARED_DIR``) is no checkpoint and is left out (``storage.shared`` reads it)."""
+        return [name for name in self._list(pafs.FileType.Directory) if name != SHARED_DIR]
 
     def _list(self, kind: pafs.FileType) -> list[str]:
         try:

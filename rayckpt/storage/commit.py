@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import gc
 import os
-import re
+import posixpath
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,11 +26,14 @@ from ..errors import CorruptCheckpointError, SaveFailedError
 from ..format.chunk_columns import ChunkColumns
 from ..format.chunk_rows import ChunkRows
 from ..format.manifest import (
+    FORMAT_VERSION,
     MANIFEST_NAME,
+    SHARED_VERSION,
     FileEntry,
     Manifest,
     TensorEntry,
     ValueEntry,
+    is_shared,
 )
 from ..format.manifest_checks import find_manifest_problems
 from ..format.manifest_files import decode_manifest_files, encode_manifest_files
@@ -40,30 +42,10 @@ from ..format.shard_file import WrittenChunk
 from ..phases import phase
 from .checkpoint_dir import CheckpointDir, join_location
 from .lease import LEASE_PREFIX, check_commit, read_leases
-
-_SHARD_FILE = re.compile(r"^(.+)-r\d{5,}-[^-]+\.arrow$")
-#: A version-4 save's chunk table (``manifest.chunk_table_name``).
-_CHUNK_TABLE = re.compile(r"^(.+)-chunks\.arrow$")
-
-
-def new_save_id() -> str:
-    """A save's id: its start time and a random suffix (``20260101T120000-1a2b3c4d``).
-
-    Shard files start with it, so a failed save's files can be found by prefix.
-    """
-    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
-
-
-def shard_file_name(save_id: str, rank: int, storage_type: str, part: int = 0) -> str:
-    """The shard file ``rank`` writes for one storage type; ``part`` > 0: its further files of
-    that type, when its bytes were split to be written at once (docs/FORMAT.md: file naming)."""
-    return f"{save_id}-r{rank:05d}-{storage_type}{f'.{part}' if part else ''}.arrow"
-
-
-def shard_file_save_id(name: str) -> str | None:
-    """The save id a shard file's or chunk table's name starts with (``None``: neither)."""
-    match = _SHARD_FILE.match(name) or _CHUNK_TABLE.match(name)
-    return match.group(1) if match else None
+from .names import new_save_id as new_save_id
+from .names import shard_file_name as shard_file_name
+from .names import shard_file_save_id
+from .shared import settle_store
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,7 +94,8 @@ def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
     """
     shards = sorted(shards, key=lambda s: s.rank)
     keys = sorted(spec.tensors)
-    files = tuple(f for s in shards for f in s.files)
+    # A file in the shared store may be named by several ranks' shards (each references what it shares).
+    files = tuple({f.path: f for s in shards for f in s.files}.values())
     try:
         columns = ChunkColumns.from_chunks(
             keys,
@@ -140,6 +123,7 @@ def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
         created=time.time(),
         user_metadata=spec.metadata,
         columns=columns,
+        version=SHARED_VERSION if any(is_shared(f.path) for f in files) else FORMAT_VERSION,
     )
     problems = find_manifest_problems(manifest)
     if problems:
@@ -202,6 +186,7 @@ def commit_manifest(ckdir: CheckpointDir, manifest: Manifest) -> None:
     with phase("sweep"):
         for name in sweepable_files(ckdir, checkpoint_files(manifest), manifest.save_id):
             ckdir.delete(name)
+        settle_store(ckdir, manifest.save_id, any(is_shared(f.path) for f in manifest.files))
 
 
 def checkpoint_files(manifest: Manifest) -> set[str]:
@@ -235,7 +220,8 @@ def remove_failed_save(ckdir: CheckpointDir, save_id: str, paths: Sequence[str] 
     checkpoint at the same location (its manifest and files) is never touched.
     """
     for rel in paths:
-        ckdir.delete(rel)
+        if shard_file_save_id(posixpath.basename(rel)) == save_id:  # never a shared file an earlier save wrote
+            ckdir.delete(rel)
     for name in ckdir.list_files():
         if name.startswith(f"{save_id}-"):
             ckdir.delete(name)

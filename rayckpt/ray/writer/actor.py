@@ -26,7 +26,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ...bounded import BoundedMap
-from ...engine.writer import write_chunks
+from ...engine.increments import FULL, Increment
+from ...engine.writer import write_share
 from ...format.shard_file import ChunkSpec
 from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.commit import WrittenShard
@@ -55,6 +56,8 @@ class ShardWrite:
     chunks: tuple[ChunkSpec, ...]
     #: How many files of one type the share may be written as at once (``engine.writer.parts_here``).
     max_parts: int = 1
+    #: Whether the save is incremental, and its base (``engine.increments``).
+    increment: Increment = FULL
 
 
 class ShardWriter(MemoryHost):
@@ -137,8 +140,15 @@ class ShardWriter(MemoryHost):
         try:
             with self._views(staged, record) as arrays:
                 chunks = [spec.with_data(a) for spec, a in zip(request.chunks, arrays)]
-                shard = write_chunks(
-                    ckdir, chunks, target.save_id, target.rank, request.block_size, written_files, request.max_parts
+                shard = write_share(
+                    ckdir,
+                    chunks,
+                    save_id=target.save_id,
+                    rank=target.rank,
+                    block_size=request.block_size,
+                    written_files=written_files,
+                    max_parts=request.max_parts,
+                    increment=request.increment,
                 )
                 del chunks
         except Exception as exc:

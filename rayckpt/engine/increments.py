@@ -1,0 +1,186 @@
+"""Incremental saves: which committed save a new one shares with, and what each writer wrote.
+
+A save with ``incremental=True`` writes its new shard files into the shared store
+beside its checkpoint directory (``storage.shared``), and a chunk that is
+byte-identical to the same key and box in its **base** (the newest save of the
+same store this process started that is committed, and still there) is not
+written again: its record points at the base's bytes.
+
+- Rank 0 picks the base before it claims the location (``choose_base``): it
+  reads the candidate's ``manifest.json``, writes the list of store files the
+  base names as the new save's keeps file, claims, then drops the base when a
+  collection of the store is under way or the base's manifest is gone or
+  replaced (``confirm_base``). The base's save id travels to every rank with the
+  plan.
+- Each writer (the rank; on Ray its node's ShardWriter) keeps, per store and rank,
+  the records of its last saves with each chunk's XXH3-128 (``remember``). A chunk
+  is shared when the base's record for its key and box has the same length and
+  block size, its first block's XXH3-64 matches the stored block checksum (a changed
+  tensor fails here, without hashing the rest) and its XXH3-128 matches the base's
+  fingerprint. A writer without the base's records (a restarted process, another
+  node) writes its chunks in full: sharing is never needed for correctness.
+
+Tensor version counters are not trusted to skip the comparison: a write through
+``.data`` changes the bytes without bumping the version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from ..bounded import BoundedMap
+from ..format.manifest import FileEntry
+from ..format.shard_file import ChunkData, WrittenChunk, fingerprint
+from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.commit import WrittenShard
+from ..storage.shared import stored_refs, sweep_running, write_keeps
+
+#: Saves per (store, rank) whose records a writer keeps: the base is one of the last few.
+RECORDS_KEPT = 3
+#: Stores (and ranks) a process keeps records for.
+STORES_KEPT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class BaseChunk:
+    """A chunk as a writer stored it: where its bytes are, their checksums and fingerprint."""
+
+    chunk: WrittenChunk
+    file: FileEntry
+    block_size: int
+
+
+#: A writer's records of one save: (key, box offsets, box sizes) -> the chunk.
+Records = dict[tuple[str, tuple[int, ...], tuple[int, ...]], BaseChunk]
+
+
+@dataclass(frozen=True, slots=True)
+class Increment:
+    """Rank 0's decision for one save, shared with every rank: incremental or not, and its base."""
+
+    #: Whether the save writes into the shared store (``incremental=True``).
+    incremental: bool = False
+    #: The save id of the base ("" for none: every chunk is written).
+    base: str = ""
+    #: Saves since the last one that shared nothing, this one included.
+    chain: int = 1
+
+
+FULL = Increment()
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    ckdir: CheckpointDir
+    save_id: str
+    chain: int
+
+
+#: Rank 0: the incremental saves this process started, per store (its location), newest last.
+_STARTED: BoundedMap[str, tuple[_Started, ...]] = BoundedMap(STORES_KEPT)
+#: A writer's records: (store location, rank) -> save id -> records.
+_WRITTEN: BoundedMap[tuple[str, int], BoundedMap[str, Records]] = BoundedMap(STORES_KEPT)
+#: The base a save is checking, by save id, between ``choose_base`` and ``confirm_base``.
+_CHOSEN: dict[str, _Started] = {}
+
+
+def store_key(ckdir: CheckpointDir) -> str:
+    """The key of the shared store of ``ckdir``'s checkpoints: the directory holding them."""
+    return ckdir.parent().uri
+
+
+def choose_base(ckdir: CheckpointDir, save_id: str, full_every: int) -> None:
+    """Rank 0, before claiming ``ckdir`` for ``save_id``: pick the base and write its keeps file.
+
+    The newest save this process started for the same store whose manifest is committed
+    with its save id; none when the chain since the last full save has ``full_every`` saves.
+    """
+    for started in reversed(_STARTED.get(store_key(ckdir)) or ()):
+        if full_every and started.chain >= full_every:
+            return
+        try:
+            refs = stored_refs(started.ckdir)
+        except (ValueError, OSError):
+            continue
+        if refs is None or refs[0] != started.save_id:
+            continue  # failed, not committed yet, replaced or deleted
+        write_keeps(ckdir, save_id, refs[1])
+        _CHOSEN[save_id] = started
+        return
+
+
+def confirm_base(ckdir: CheckpointDir, save_id: str) -> Increment:
+    """Rank 0, once its lease is held: the save's ``Increment``; records it as started.
+
+    The base is dropped when a collection of the store is under way (it may be deleting
+    files the base names) or the base's manifest is no longer the one read before the claim.
+    """
+    started = _CHOSEN.pop(save_id, None)
+    if started is not None and (sweep_running(ckdir) or _committed(started) != started.save_id):
+        started = None
+    increment = Increment(True, started.save_id, started.chain + 1) if started else Increment(True)
+    key = store_key(ckdir)
+    history = (_STARTED.get(key) or ())[-RECORDS_KEPT:]
+    _STARTED.put(key, history + (_Started(ckdir, save_id, increment.chain),))
+    return increment
+
+
+def forget_choice(save_id: str) -> None:
+    """A save that gave up before ``confirm_base``."""
+    _CHOSEN.pop(save_id, None)
+
+
+def _committed(started: _Started) -> str:
+    try:
+        refs = stored_refs(started.ckdir)
+    except (ValueError, OSError):
+        return ""
+    return refs[0] if refs else ""
+
+
+def base_records(key: str, rank: int, base: str) -> Records | None:
+    """What this process wrote as ``rank`` for save ``base`` to the store ``key``; None if it holds no record."""
+    saves = _WRITTEN.get((key, rank))
+    return saves.get(base) if saves is not None and base else None
+
+
+def remember(key: str, rank: int, save_id: str, shard: WrittenShard, block_size: int) -> None:
+    """Keep the records of what ``rank`` wrote (or shared) for ``save_id``: a later save's base."""
+    files = {f.path: f for f in shard.files}
+    records = {
+        (c.key, c.box.offsets, c.box.sizes): BaseChunk(c, files[c.file], block_size)
+        for c in shard.chunks
+        if c.fingerprint
+    }
+    saves = _WRITTEN.get((key, rank))
+    if saves is None:
+        saves = BoundedMap(RECORDS_KEPT)
+        _WRITTEN.put((key, rank), saves)
+    saves.put(save_id, records)
+
+
+def split_unchanged(
+    chunks: Sequence[ChunkData], base: Mapping[tuple[str, tuple[int, ...], tuple[int, ...]], BaseChunk], block_size: int
+) -> tuple[list[ChunkData], list[BaseChunk]]:
+    """(chunks to write, base chunks shared in place of the others)."""
+    write: list[ChunkData] = []
+    shared: list[BaseChunk] = []
+    for c in chunks:
+        b = base.get((c.key, c.box.offsets, c.box.sizes))
+        if b is not None and _same(memoryview(c.data).cast("B"), b, block_size):
+            shared.append(b)
+        else:
+            write.append(c)
+    return write, shared
+
+
+def _same(raw: memoryview, b: BaseChunk, block_size: int) -> bool:
+    stored = b.chunk
+    if b.block_size != block_size or len(raw) != stored.byte_length or not stored.fingerprint:
+        return False
+    if stored.checksums and xxhash.xxh3_64_intdigest(raw[:block_size]) != stored.checksums[0]:
+        return False
+    return fingerprint(raw) == stored.fingerprint
