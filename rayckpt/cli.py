@@ -114,6 +114,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 ],
                 ["metadata", json.dumps(info.user_metadata)],
             ]
+            + (
+                [
+                    [
+                        "shared",
+                        f"{human_bytes(info.bytes_shared)} from earlier saves, "
+                        f"{human_bytes(info.bytes_written)} written",
+                    ]
+                ]
+                if info.bytes_shared
+                else []
+            )
         )
     )
     if info.tensors:
@@ -255,6 +266,10 @@ def _cmd_rm(args: argparse.Namespace) -> int:
             f"removed {report.path}: save {report.save_id}, {count(len(report.files), 'file')} "
             f"({human_bytes(report.bytes)})"
         )
+        if report.store.removed:
+            freed = sum(size for _, size in report.store.removed)
+            gone = count(len(report.store.removed), "shared file")
+            print(f"removed {gone} no checkpoint names now ({human_bytes(freed)})")
     return EXIT_OK
 
 

@@ -286,8 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from ..ray.async_save import local_is_shared_by_env
     from ..ray.joining import ClusterUnreachableError, cluster_address
+    from ..ray.save_handle import local_is_shared_by_env
     from ..train.callback import RayckptCallback
 
     check_storage(args.storage_path)

@@ -19,16 +19,14 @@ A save, across the processes it runs in (every rank calls ``save_async``):
 6. Each rank's ``SaveHandle.wait()`` waits for its ShardWriter's ``write``, then
    asks the MetadataActor's ``wait_commit`` for the outcome.
 
-A process's saves of one lane are owned by one ``AsyncSaver``: the save in flight
-and the staging buffer it reuses (docs/architecture.md, "The staging buffer"
-and "Lanes").
+A process's saves of one lane are owned by one ``AsyncSaver``: the save in flight and the staging
+buffer it reuses (docs/architecture.md, "The staging buffer" and "Lanes").
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import os
 import time
 from typing import Any
 
@@ -50,13 +48,11 @@ from .copier import Copying, CopyJob, launch
 from .metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from .metadata.layout_cache import LayoutRef, SpecLayout, split_spec
 from .records import SaveTarget, run_and_tier
-from .save_handle import SaveHandle, actor_location, report_failed
+from .save_handle import LOCAL_IS_SHARED_ENV, SaveHandle, actor_location, local_is_shared_by_env, report_failed
 from .shm import StagedRegion
 from .staging import StagingBuffer, StagingUnavailable, local_pieces, of_device, staged_size, staging_mode
 from .writer.actor import ShardWrite, get_shard_writer
 
-#: Set to 1 when a local path is on storage every node shares (NFS, a single machine).
-LOCAL_IS_SHARED_ENV = "RAYCKPT_LOCAL_IS_SHARED"
 #: The lane of ``save_async`` when none is named: one save in flight per process and lane.
 DEFAULT_LANE = "default"
 
@@ -106,15 +102,9 @@ class AsyncSaver:
         metadata = {"step": step, "run": run, **(metadata or {})}
         # Rank 0 claims the location (a lease) before any rank writes; the MetadataActor
         # keeps the lease fresh from the registration on and releases it when the save settles.
+        options = {"incremental": incremental, "full_every": full_every_count(full_every)}
         ctx = collect_state(
-            coordinator,
-            state_dict,
-            block_size=block_size,
-            metadata=metadata,
-            node=node_id,
-            claim=ckdir,
-            incremental=incremental,
-            full_every=full_every_count(full_every),
+            coordinator, state_dict, block_size=block_size, metadata=metadata, node=node_id, claim=ckdir, **options
         )
         try:
             _check_reachable(ckdir, ctx, local_is_shared)
@@ -298,11 +288,6 @@ def _savers(lane: str) -> AsyncSaver:
     return AsyncSaver()
 
 
-def local_is_shared_by_env() -> bool:
-    """Whether ``RAYCKPT_LOCAL_IS_SHARED=1`` says a local path is storage every node mounts."""
-    return os.environ.get(LOCAL_IS_SHARED_ENV, "") == "1"
-
-
 def _check_reachable(ckdir: CheckpointDir, ctx: SaveContext, local_is_shared: bool | None) -> None:
     """Refuse a node-local path when the ranks run on several nodes (unless it is shared storage)."""
     if local_is_shared is None:
@@ -368,8 +353,7 @@ def save_async(
             everything is copied before the call returns. Through the object store the copy
             is always made before the call returns. A tensor changed in place before its
             copy is done fails the save, naming its key (docs/guarantees.md, "Saves beside training").
-        incremental, full_every: As for ``rayckpt.save``: the ShardWriters write into the shared
-            store and share the chunks unchanged since this process's last committed save there.
+        incremental, full_every: As for ``rayckpt.save`` (the ShardWriters write and share).
 
     Returns:
         The save's ``SaveHandle``; its ``wait()`` returns the committed ``CatalogEntry``.

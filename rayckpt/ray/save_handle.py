@@ -11,6 +11,7 @@ the save); when it died for good, storage answers.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,15 @@ UNKNOWN_INCARNATION = "unknown"
 #: Seconds a rank waits before asking again when the MetadataActor died under its request
 #: (Ray restarts it; a request sent just then may fail too); then storage answers.
 _RETRY_AFTER_S = (0.2, 0.5, 1.0, 2.0)
+
+
+#: Set to 1 where a local path is storage every node mounts (NFS): saves across nodes may use it.
+LOCAL_IS_SHARED_ENV = "RAYCKPT_LOCAL_IS_SHARED"
+
+
+def local_is_shared_by_env() -> bool:
+    """Whether ``RAYCKPT_LOCAL_IS_SHARED=1`` says a local path is storage every node mounts."""
+    return os.environ.get(LOCAL_IS_SHARED_ENV, "") == "1"
 
 
 def actor_location(ckdir: CheckpointDir, filesystem: Any) -> str:

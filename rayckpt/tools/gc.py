@@ -22,6 +22,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage.checkpoint_dir import CheckpointDir, join_location
 from ..storage.commit import checkpoint_files, read_manifest, shard_file_save_id, sweepable_files
 from ..storage.lease import LEASE_PREFIX, live_save_ids
+from ..storage.shared import StoreSweep, sweep_store
 
 #: What ``CheckpointDir.write_atomic`` writes before renaming (``.<name>.tmp-<8 hex>``).
 _TEMP_FILE = re.compile(r"^\..+\.tmp-[0-9a-f]{8}$")
@@ -58,8 +59,10 @@ class GcReport:
 def gc(path: str | os.PathLike[str], *, dry_run: bool = False, filesystem: pafs.FileSystem | None = None) -> GcReport:
     """Remove orphaned files under ``path``: a checkpoint directory or a run directory of them.
 
-    Looks at ``path`` and its direct subdirectories. Removes shard files that no
-    manifest names and no live save owns, dead lease files and, in a directory
+    Looks at ``path`` and its direct subdirectories, and the shared store of
+    incremental saves there (and beside ``path`` when it is a checkpoint:
+    ``storage.shared.sweep_store``). Removes shard files that no manifest names and no
+    live save owns (or, in the store, keeps), dead lease files and, in a directory
     no save is writing to, leftover temporary files; then a directory left empty
     that holds no checkpoint. A committed file, or a file of a save in flight, is
     never removed; a directory whose manifest cannot be read is left alone.
@@ -96,6 +99,14 @@ def gc(path: str | os.PathLike[str], *, dry_run: bool = False, filesystem: pafs.
                 ckdir.delete(name)
             if not ckdir.exists(MANIFEST_NAME):
                 ckdir.delete_dir_if_empty()  # what a crashed save into a new directory left
+    for sweep in _sweep_stores(root, dry_run):
+        if sweep.skipped:
+            skipped.append(f"{sweep.path}: {sweep.skipped}")
+        why = "shared shard file of save {}: no checkpoint beside the store names it, no live save owns or keeps it"
+        removed += [
+            RemovedFile(join_location(sweep.path, name), size, why.format(shard_file_save_id(name)))
+            for name, size in sweep.removed
+        ]
     return GcReport(
         path=root.location,
         dry_run=dry_run,
@@ -104,6 +115,14 @@ def gc(path: str | os.PathLike[str], *, dry_run: bool = False, filesystem: pafs.
         live_saves=tuple(sorted(set(live))),
         skipped=tuple(skipped),
     )
+
+
+def _sweep_stores(root: CheckpointDir, dry_run: bool) -> list[StoreSweep]:
+    """Collect the shared store of incremental saves in ``root`` and, when ``root`` is a checkpoint, beside it."""
+    sweeps = [sweep_store(root, dry_run=dry_run)]
+    if root.exists(MANIFEST_NAME):
+        sweeps.append(sweep_store(root.parent(), dry_run=dry_run))
+    return [s for s in sweeps if s.path]
 
 
 def _holds_checkpoint_files(ckdir: CheckpointDir) -> bool:

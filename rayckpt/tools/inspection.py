@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.manifest import FileEntry, TensorEntry
+from ..format.manifest import FileEntry, TensorEntry, is_shared
 from ..format.values import decode_value
 from ..storage.checkpoint_dir import CheckpointDir
+from ..storage.names import shard_file_save_id
 from .opening import open_checkpoint, tensor_nbytes
 
 
@@ -58,6 +60,10 @@ class CheckpointInfo:
     files: tuple[FileEntry, ...]
     tensors: tuple[TensorInfo, ...]
     values: tuple[ValueInfo, ...]
+    #: Bytes of the chunks this save wrote, and of those it shares with the earlier saves that
+    #: wrote them (an incremental save's unchanged chunks; 0 in a self-contained checkpoint).
+    bytes_written: int = 0
+    bytes_shared: int = 0
 
 
 def inspect(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointInfo:
@@ -83,8 +89,10 @@ def inspect(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointInfo:
     ckdir, m = open_checkpoint(ckpt)
     tensors = []
     values = []
+    shared = 0
     for key, e in m.entries.items():
         if isinstance(e, TensorEntry):
+            shared += sum(c.byte_length for c in e.chunks if not _own(c.file, m.save_id))
             files = tuple(sorted({c.file for c in e.chunks}))
             tensors.append(
                 TensorInfo(
@@ -112,7 +120,14 @@ def inspect(ckpt: str | os.PathLike[str] | CheckpointDir) -> CheckpointInfo:
         files=m.files,
         tensors=tuple(tensors),
         values=tuple(values),
+        bytes_written=sum(t.nbytes for t in tensors) - shared,
+        bytes_shared=shared,
     )
+
+
+def _own(path: str, save_id: str) -> bool:
+    """Whether a chunk's file was written by save ``save_id`` (a shared store file may be an earlier save's)."""
+    return not is_shared(path) or shard_file_save_id(posixpath.basename(path)) == save_id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

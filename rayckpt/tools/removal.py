@@ -10,7 +10,7 @@ with missing files. Only the files listed before the claim are removed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow.fs as pafs
 
@@ -19,6 +19,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import new_save_id
 from ..storage.lease import claim_location, committed_save_id, read_leases, release_lease
+from ..storage.shared import StoreSweep, sweep_store
 from .opening import resolve_checkpoint
 
 
@@ -37,6 +38,9 @@ class RemoveReport:
     #: File names in the directory, the manifest first.
     files: tuple[str, ...]
     bytes: int
+    #: The collection of the shared store beside it that followed (incremental saves' files no
+    #: checkpoint names any more); empty when there is no store, or with ``dry_run``.
+    store: StoreSweep = StoreSweep()
 
 
 def remove(ckpt: str | os.PathLike[str] | CheckpointDir, *, dry_run: bool = False) -> RemoveReport:
@@ -51,6 +55,9 @@ def remove(ckpt: str | os.PathLike[str] | CheckpointDir, *, dry_run: bool = Fals
        short leaves an uncommitted directory that ``gc`` or the next save cleans,
        never a checkpoint with missing files.
     4. Release the lease and remove the directory once it is empty.
+    5. Collect the shared store beside it, if there is one (``storage.shared.sweep_store``):
+       files of incremental saves that no checkpoint left names go; every file a kept
+       checkpoint or a live save names stays.
 
     Args:
         ckpt: A checkpoint directory: a local path, a ``pyarrow.fs`` URI, the
@@ -102,7 +109,7 @@ def remove(ckpt: str | os.PathLike[str] | CheckpointDir, *, dry_run: bool = Fals
     finally:
         release_lease(ckdir, claim)
     ckdir.delete_dir_if_empty()
-    return report
+    return replace(report, store=sweep_store(ckdir.parent()))
 
 
 def _refuse_live_saves(ckdir: CheckpointDir) -> None:

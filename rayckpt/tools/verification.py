@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import posixpath
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry
+from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry, is_shared
 from ..format.manifest_checks import find_manifest_problems
 from ..format.shard_file import ShardReader
 from ..storage.checkpoint_dir import CheckpointDir, join_location
-from ..storage.commit import decode_stored_manifest
+from ..storage.commit import decode_stored_manifest, shard_file_save_id
+from ..storage.shared import stored_refs
 from .opening import Progress, resolve_checkpoint
 
 #: Verification reads chunks in windows of this many bytes (a multiple of any block size
@@ -154,8 +156,37 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
         files_checked=len(actual),
         chunks_checked=chunks,
         bytes_checked=reader.bytes_read,
-        problems=tuple(problems),
+        problems=tuple(_with_owner(ckdir, m.save_id, problems)),
     )
+
+
+def _with_owner(ckdir: CheckpointDir, save_id: str, problems: list[Problem]) -> list[Problem]:
+    """Each problem in a shared store file (an incremental save's), with the save that wrote it and
+    where that save's checkpoint is (or that it is gone): every checkpoint naming the file shares the damage."""
+    owners: dict[str, str] = {}
+    for p in problems:
+        if p.file and is_shared(p.file) and (writer := shard_file_save_id(posixpath.basename(p.file))):
+            owners.setdefault(writer, "")
+    if not owners:
+        return problems
+    for name in ckdir.parent().list_dirs():
+        try:
+            refs = stored_refs(ckdir.parent().child(name))
+        except (ValueError, OSError):
+            continue
+        if refs is not None and refs[0] in owners:
+            owners[refs[0]] = join_location(ckdir.parent().location, name)
+    out = []
+    for p in problems:
+        writer = shard_file_save_id(posixpath.basename(p.file)) if p.file and is_shared(p.file) else None
+        if writer is None:
+            out.append(p)
+            continue
+        whose = "this save" if writer == save_id else f"save {writer}"
+        home = f"its checkpoint {owners[writer]}" if owners.get(writer) else "its own checkpoint is gone"
+        note = f" [shared store file written by {whose} ({home}); every checkpoint that names it shares this damage]"
+        out.append(replace(p, message=p.message + note))
+    return out
 
 
 def _some(keys: list[str], n: int = 5) -> str:

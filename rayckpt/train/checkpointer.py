@@ -30,6 +30,7 @@ import ray.train
 from ..engine.coordinator import default_coordinator
 from ..engine.load import LoadInfo
 from ..engine.overlap import overlap_mode
+from ..engine.save import full_every_count
 from ..engine.state import FlatState, flatten
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
@@ -71,6 +72,9 @@ class Checkpointer:
         overlap: As for ``save_async``: True copies the tensors of an ``AppState``'s optimizer
             beside the next forward and backward (its step waits for the copy); False copies
             everything before ``save`` returns; ``"all"`` copies everything beside training.
+        incremental: Storage saves write only the chunks that changed since the run's last committed
+            one, into the shared store beside the checkpoints (False: each self-contained).
+        full_every: With ``incremental``: every ``full_every``-th storage save shares nothing (0: never).
 
     Attributes:
         restarts: Rank 0: worker groups of this ``fit()`` started before this one (Ray Train's
@@ -100,6 +104,8 @@ class Checkpointer:
         memory_keep: int = 2,
         memory_skip_busy: bool = True,
         overlap: bool | str = True,
+        incremental: bool = True,
+        full_every: int = 0,
     ) -> None:
         #: Where each step's save goes (``tiers.TierPolicy``): storage every ``persist_every`` steps, the
         #: nodes' memory every ``memory_every`` steps between (0: no memory tier).
@@ -118,6 +124,7 @@ class Checkpointer:
         self.local_is_shared = local_is_shared
         self.staging = staging
         self.overlap = overlap_mode(overlap)
+        self.increments = {"incremental": bool(incremental), "full_every": full_every_count(full_every)}
         #: Size of this worker's staging buffer made by ``restore`` (0: none).
         self.staging_bytes = 0
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
@@ -227,6 +234,7 @@ class Checkpointer:
             local_is_shared=self.local_is_shared,
             staging=self.staging,
             overlap=self.overlap,
+            **self.increments,
         )
         self._last[STORAGE] = (handle, began)
         if self.report:
