@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import gc
 import json
-import posixpath
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, FormatVersionError, InvalidStateError
 from .boxes import Box
+from .file_paths import is_shared, safe_file_path
 from .manifest_schema import (
     CHECKSUM_LIMIT,
     INT_LIMIT,
@@ -38,19 +38,9 @@ FORMAT_VERSION = 4
 SHARED_VERSION = 5
 
 
-#: Versions this rayckpt reads: 1 (CRC-32 blocks), 2 (the checksum is named),
-#: 3 (each key's path; bytes values), 4 (the chunks in a columnar chunk table) and 5 (shard
-#: files in the shared store beside the checkpoint directories).
+#: Versions this rayckpt reads: 1 (CRC-32 blocks), 2 (the checksum is named), 3 (each key's path;
+#: bytes values), 4 (the chunks in a columnar chunk table), 5 (files in the shared store).
 READ_VERSIONS = (1, 2, 3, 4, 5)
-#: Directory beside a run's checkpoint directories that holds the shard files incremental saves
-#: write and share (``storage.shared``), and how a manifest's ``files`` name a file in it.
-SHARED_DIR = ".rayckpt-shared"
-SHARED_PREFIX = f"../{SHARED_DIR}/"
-
-
-def is_shared(path: str) -> bool:
-    """Whether a manifest's file ``path`` is in the shared store (not in the checkpoint directory)."""
-    return path.startswith(SHARED_PREFIX)
 
 
 #: The first version whose chunks live in the chunk table (an Arrow IPC file) instead of the JSON.
@@ -306,7 +296,7 @@ def _decode(data: bytes, where: str, table: TableLoader | None) -> Manifest:
         return manifest
     ref = dict(doc["chunk_table"])
     try:
-        ref["path"] = _safe_path(ref["path"], "chunk_table.path")
+        ref["path"] = safe_file_path(ref["path"], "chunk_table.path")
         if is_shared(ref["path"]):
             raise SchemaError("chunk_table.path", f"the chunk table {ref['path']!r} is not in the checkpoint directory")
     except SchemaError as exc:
@@ -329,13 +319,12 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
     # Everything but the entries through the schema (a few objects); the entries below.
     schema.check(doc, "", skip=("entries",))
     files = tuple(
-        FileEntry(_safe_path(f["path"], f"files[{i}].path"), f["size"], f["rank"]) for i, f in enumerate(doc["files"])
+        FileEntry(safe_file_path(f["path"], f"files[{i}].path"), f["size"], f["rank"])
+        for i, f in enumerate(doc["files"])
     )
     for i, f in enumerate(files):
         if version < SHARED_VERSION and is_shared(f.path):
-            raise SchemaError(
-                f"files[{i}].path", f"file path {f.path!r} escapes the checkpoint directory; refusing to read it"
-            )
+            raise SchemaError(f"files[{i}].path", f"file path {f.path!r} is in the shared store: format version 5 only")
     known = {f.path for f in files}
     if len(known) != len(files):
         dup = next(i for i, f in enumerate(files) if f.path in {g.path for g in files[:i]})
@@ -395,7 +384,7 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
                 raise _chunk_problem(chunk_schema, c, item_path(field_path(at, "chunks"), i), shape)
             file = safe.get(name)
             if file is None:
-                file = safe[name] = _safe_path(name, f"{item_path(field_path(at, 'chunks'), i)}.file")
+                file = safe[name] = safe_file_path(name, f"{item_path(field_path(at, 'chunks'), i)}.file")
             if file not in known:
                 raise SchemaError(f"{item_path(field_path(at, 'chunks'), i)}.file", f"{file!r} is missing from 'files'")
             chunks.append(
@@ -448,18 +437,6 @@ def _chunk_problem(schema: Any, chunk: Any, at: str, shape: list[int]) -> Schema
                 f"expected {len(shape)} integer(s), one per dimension of the shape {shape}, got {len(chunk[name])}",
             )
     return SchemaError(at, "not a valid chunk")  # pragma: no cover - the fast check and the schema agree
-
-
-def _safe_path(path: Any, at: str) -> str:
-    """Manifest paths are relative and stay inside the checkpoint directory."""
-    if not isinstance(path, str) or not path:
-        raise SchemaError(at, f"expected a non-empty string, got {show(path)}")
-    norm = posixpath.normpath(path)
-    if is_shared(path) and norm == path and "/" not in path[len(SHARED_PREFIX) :] and ":" not in path:
-        return path  # a shard file in the shared store beside the checkpoint directory (version 5)
-    if path.startswith(("/", "\\")) or "\\" in path or ":" in path or norm == ".." or norm.startswith("../"):
-        raise SchemaError(at, f"file path {path!r} escapes the checkpoint directory; refusing to read it")
-    return norm
 
 
 def manifest_values(manifest: Manifest, keys: Iterable[str]) -> dict[str, Any]:

@@ -353,7 +353,8 @@ def save_async(
             everything is copied before the call returns. Through the object store the copy
             is always made before the call returns. A tensor changed in place before its
             copy is done fails the save, naming its key (docs/guarantees.md, "Saves beside training").
-        incremental, full_every: As for ``rayckpt.save`` (the ShardWriters write and share).
+        incremental: As for ``rayckpt.save`` (the ShardWriters write and share).
+        full_every: As for ``rayckpt.save``.
 
     Returns:
         The save's ``SaveHandle``; its ``wait()`` returns the committed ``CatalogEntry``.

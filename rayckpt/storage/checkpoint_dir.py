@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RayckptError
-from ..format.manifest import SHARED_DIR
+from ..format.file_paths import SHARED_DIR
 from ..phases import phase
 from ..redaction import redact
 

@@ -25,6 +25,7 @@ import pyarrow.fs as pafs
 from ..errors import CorruptCheckpointError, SaveFailedError
 from ..format.chunk_columns import ChunkColumns
 from ..format.chunk_rows import ChunkRows
+from ..format.file_paths import is_shared
 from ..format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -33,7 +34,6 @@ from ..format.manifest import (
     Manifest,
     TensorEntry,
     ValueEntry,
-    is_shared,
 )
 from ..format.manifest_checks import find_manifest_problems
 from ..format.manifest_files import decode_manifest_files, encode_manifest_files

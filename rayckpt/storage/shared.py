@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointNotFoundError
-from ..format.manifest import MANIFEST_NAME, SHARED_DIR, SHARED_PREFIX, is_shared
+from ..format.file_paths import SHARED_DIR, SHARED_PREFIX, is_shared
+from ..format.manifest import MANIFEST_NAME
 from .checkpoint_dir import CheckpointDir
 from .lease import LEASE_PREFIX, read_leases, release_lease, write_lease
 from .names import new_save_id, shard_file_save_id

@@ -13,7 +13,8 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.manifest import FileEntry, TensorEntry, is_shared
+from ..format.file_paths import is_shared
+from ..format.manifest import FileEntry, TensorEntry
 from ..format.values import decode_value
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.names import shard_file_save_id

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 import pyarrow as pa
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry, is_shared
+from ..format.file_paths import is_shared
+from ..format.manifest import MANIFEST_NAME, ChunkEntry, Manifest, TensorEntry
 from ..format.manifest_checks import find_manifest_problems
 from ..format.shard_file import ShardReader
 from ..storage.checkpoint_dir import CheckpointDir, join_location

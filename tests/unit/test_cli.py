@@ -32,6 +32,8 @@ INSPECT_FIELDS = [
     "files",
     "tensors",
     "values",
+    "bytes_written",
+    "bytes_shared",
 ]
 TENSOR_FIELDS = ["key", "dtype", "shape", "numel", "nbytes", "num_chunks", "files"]
 SUMMARY_FIELDS = ["key", "dtype", "shape", "numel", "min", "max", "mean", "norm", "first"]

@@ -66,7 +66,7 @@ def test_rm_asks_on_a_terminal_and_removes_only_on_yes(tmp_path, capsys, monkeyp
     status, out, _ = run(capsys, "rm", ckpt, "--json")
     report = json.loads(out)
     assert status == 0 and report["path"] == ckpt and report["files"][0] == MANIFEST_NAME and not report["dry_run"]
-    assert list(report) == ["path", "save_id", "dry_run", "files", "bytes"]
+    assert list(report) == ["path", "save_id", "dry_run", "files", "bytes", "store"]
     assert not os.path.exists(ckpt)
 
 

@@ -300,7 +300,7 @@ def test_failed_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypat
     rayckpt.save(make_state(0), path)
     before = (manifest_of(path), data_files(path))
 
-    def disk_full(ckdir, rel, chunks, block_size, save_id):
+    def disk_full(ckdir, rel, chunks, block_size, save_id, fingerprints=False):
         with ckdir.open_output(rel) as out:
             out.write(b"partial")
         raise OSError(28, "No space left on device")

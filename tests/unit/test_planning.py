@@ -78,6 +78,7 @@ def test_planning_modules_import_no_torch_ray_or_pyarrow():
 PURE_MODULES = (
     "format/boxes",
     "format/manifest",
+    "format/file_paths",
     "format/manifest_schema",
     "format/paths",
     "format/values",

@@ -86,7 +86,7 @@ def test_the_parts_are_written_at_once_each_on_its_own_thread(small_parts, tmp_p
     real = writer.write_shard_file
     all_started = threading.Barrier(3, timeout=30)
 
-    def recording(ckdir, rel, data, block_size, save_id):
+    def recording(ckdir, rel, data, block_size, save_id, fingerprints=False):
         seen[rel] = threading.current_thread().name
         all_started.wait()  # fails (BrokenBarrierError) if the three files were written one after another
         return real(ckdir, rel, data, block_size, save_id)
@@ -109,7 +109,7 @@ def test_the_default_writes_one_file_per_type_in_type_order_on_the_caller_s_thre
     order: list[tuple[str, str]] = []
     real = writer.write_shard_file
 
-    def recording(ckdir, rel, data, block_size, save_id):
+    def recording(ckdir, rel, data, block_size, save_id, fingerprints=False):
         order.append((rel, threading.current_thread().name))
         return real(ckdir, rel, data, block_size, save_id)
 
@@ -124,7 +124,7 @@ def test_a_part_that_fails_names_its_file_after_the_others_ended(small_parts, tm
     real = writer.write_shard_file
     ended: list[str] = []
 
-    def failing(ckdir, rel, data, block_size, save_id):
+    def failing(ckdir, rel, data, block_size, save_id, fingerprints=False):
         if rel.endswith("float.1.arrow"):
             raise OSError(28, "No space left on device")
         out = real(ckdir, rel, data, block_size, save_id)
@@ -174,13 +174,13 @@ def test_the_node_s_shard_writer_writes_a_share_in_as_many_files_as_its_request_
     from rayckpt.ray.writer import actor as shard_writer
 
     seen: list[int] = []
-    real = shard_writer.write_chunks
+    real = shard_writer.write_share
 
-    def recording(ckdir, chunks, save_id, rank, block_size, written_files, max_parts=1):
-        seen.append(max_parts)
-        return real(ckdir, chunks, save_id, rank, block_size, written_files, max_parts)
+    def recording(ckdir, chunks, **kwargs):
+        seen.append(kwargs["max_parts"])
+        return real(ckdir, chunks, **kwargs)
 
-    monkeypatch.setattr(shard_writer, "write_chunks", recording)
+    monkeypatch.setattr(shard_writer, "write_share", recording)
     data = [chunk("k0", 8 * KIB)]
 
     @contextmanager
