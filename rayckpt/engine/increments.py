@@ -42,6 +42,10 @@ from ..storage.shared import stored_refs, sweep_running, write_keeps
 RECORDS_KEPT = 3
 #: Stores (and ranks) a process keeps records for.
 STORES_KEPT = 64
+#: A file's unchanged chunks are shared only when they hold at least this part of it; else they are
+#: written again, so that a file most of which changed is freed once the checkpoints before it go
+#: (a store then holds at most about twice the bytes its checkpoints name).
+MIN_SHARED_FRACTION = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,14 +171,23 @@ def split_unchanged(
 ) -> tuple[list[ChunkData], list[BaseChunk]]:
     """(chunks to write, base chunks shared in place of the others)."""
     write: list[ChunkData] = []
-    shared: list[BaseChunk] = []
+    same: list[tuple[ChunkData, BaseChunk]] = []
     for c in chunks:
         b = base.get((c.key, c.box.offsets, c.box.sizes))
         if b is not None and _same(memoryview(c.data).cast("B"), b, block_size):
-            shared.append(b)
+            same.append((c, b))
         else:
             write.append(c)
-    return write, shared
+    used: dict[str, int] = {}
+    for _, b in same:
+        used[b.file.path] = used.get(b.file.path, 0) + b.chunk.byte_length
+    kept = {path for path, n in used.items() if n >= MIN_SHARED_FRACTION * _size(same, path)}
+    write += [c for c, b in same if b.file.path not in kept]
+    return write, [b for _, b in same if b.file.path in kept]
+
+
+def _size(same: list[tuple[ChunkData, BaseChunk]], path: str) -> int:
+    return next(b.file.size for _, b in same if b.file.path == path)
 
 
 def _same(raw: memoryview, b: BaseChunk, block_size: int) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ..errors import PeerLostError, RayckptError, SaveFailedError
+from ..format.file_paths import written_bytes
 from ..format.manifest import MANIFEST_NAME
 from ..phases import log_phases, phase, timed
 from ..planning.save_plan import SavePlan
@@ -53,7 +54,8 @@ class SaveInfo:
     path: str
     #: The save's id, which its shard files' names start with.
     save_id: str
-    #: Bytes of the checkpoint's shard files, every rank's (the manifest and its chunk table not counted).
+    #: Bytes of the shard files this save wrote, every rank's (the manifest and its chunk table not
+    #: counted; an incremental save's shared files neither).
     bytes_written: int
     #: The checkpoint's shard files, every rank's.
     num_files: int
@@ -216,7 +218,8 @@ def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], 
             raise SaveFailedError(
                 f"rank 0 did not commit save {save_id}: a rank gave up on it after a collective failed"
             )
-        committed.append(commit_save(ckdir, ctx.spec, shards).total_bytes)
+        manifest = commit_save(ckdir, ctx.spec, shards)
+        committed.append(written_bytes(manifest.save_id, manifest.files))
         return committed[0]
 
     try:

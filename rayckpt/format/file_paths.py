@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Iterable
 from typing import Any
 
 from .manifest_schema import SchemaError, show
@@ -28,3 +29,10 @@ def safe_file_path(path: Any, at: str) -> str:
     if path.startswith(("/", "\\")) or "\\" in path or ":" in path or norm == ".." or norm.startswith("../"):
         raise SchemaError(at, f"file path {path!r} escapes the checkpoint directory; refusing to read it")
     return norm
+
+
+def written_bytes(save_id: str, files: Iterable[Any]) -> int:
+    """Bytes of the manifest ``files`` (``FileEntry``) that save ``save_id`` wrote: all of them but the
+    shared store's files earlier saves wrote."""
+    own = f"{SHARED_PREFIX}{save_id}-"
+    return sum(f.size for f in files if not is_shared(f.path) or f.path.startswith(own))

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import RayckptError
+from ..format.file_paths import written_bytes
 from ..format.manifest import MANIFEST_NAME
 from .checkpoint_dir import CheckpointDir
 from .commit import read_manifest
@@ -44,6 +45,7 @@ class CatalogEntry:
     status: str
     created: float
     world_size: int
+    #: Bytes of the shard files the save wrote (an incremental save's shared files not counted).
     bytes: int
     save_id: str
     error: str | None = None
@@ -96,7 +98,7 @@ def _describe(ckdir: CheckpointDir, run: str, step: int | None) -> CatalogEntry 
             status="committed",
             created=m.created,
             world_size=m.world_size,
-            bytes=m.total_bytes,
+            bytes=written_bytes(m.save_id, m.files),
             save_id=m.save_id,
         )
     arrow = [f for f in files if f.endswith(".arrow")]

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ...format.file_paths import written_bytes
 from ...format.manifest import Manifest
 from ...storage.catalog import CatalogEntry, describe, entry_order
 from ...storage.checkpoint_dir import CheckpointDir
@@ -318,7 +319,7 @@ class CommitTracker:
         with self._lock:
             s.committing = False
             s.status = COMMITTED
-            s.total_bytes = manifest.total_bytes
+            s.total_bytes = written_bytes(manifest.save_id, manifest.files)
             return [self._settle(s)]
 
     def _fail(self, s: SaveRecord, reason: str, committing: bool = False) -> list[SaveOutcome]:
