@@ -42,18 +42,21 @@ from ..storage.shared import stored_refs, sweep_running, write_keeps
 RECORDS_KEPT = 3
 #: Stores (and ranks) a process keeps records for.
 STORES_KEPT = 64
-#: A file's unchanged chunks are shared only when they hold at least this part of it; else they are
-#: written again, so that a file most of which changed is freed once the checkpoints before it go
-#: (a store then holds at most about twice the bytes its checkpoints name).
-MIN_SHARED_FRACTION = 0.5
+#: A file's unchanged chunks are shared only when they hold at least this part of the chunk bytes
+#: it was written with; else they are written again, so that a file mostly changed is freed once
+#: the checkpoints before it go.
+MIN_SHARED_FRACTION = 0.25
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BaseChunk:
     """A chunk as a writer stored it: where its bytes are, their checksums and fingerprint."""
 
     chunk: WrittenChunk
+    dtype: str
     file: FileEntry
+    #: Bytes of every chunk its file was written with.
+    file_payload: int
     block_size: int
 
 
@@ -151,11 +154,26 @@ def base_records(key: str, rank: int, base: str) -> Records | None:
     return saves.get(base) if saves is not None and base else None
 
 
-def remember(key: str, rank: int, save_id: str, shard: WrittenShard, block_size: int) -> None:
-    """Keep the records of what ``rank`` wrote (or shared) for ``save_id``: a later save's base."""
+def remember(
+    key: str, rank: int, save_id: str, shard: WrittenShard, block_size: int, dtypes: Mapping[str, str]
+) -> None:
+    """Keep the records of what ``rank`` wrote (or shared) for ``save_id``: a later save's base.
+
+    ``dtypes``: each key's dtype; a shared chunk keeps the payload its base recorded for its file.
+    """
     files = {f.path: f for f in shard.files}
+    payload: dict[str, int] = {}
+    for c in shard.chunks:
+        payload[c.file] = payload.get(c.file, 0) + c.byte_length
+    base = {b.file.path: b.file_payload for b in _base_of(key, rank, shard)}
     records = {
-        (c.key, c.box.offsets, c.box.sizes): BaseChunk(c, files[c.file], block_size)
+        (c.key, c.box.offsets, c.box.sizes): BaseChunk(
+            chunk=c,
+            dtype=dtypes[c.key],
+            file=files[c.file],
+            file_payload=base.get(c.file, payload[c.file]),
+            block_size=block_size,
+        )
         for c in shard.chunks
         if c.fingerprint
     }
@@ -166,6 +184,15 @@ def remember(key: str, rank: int, save_id: str, shard: WrittenShard, block_size:
     saves.put(save_id, records)
 
 
+def _base_of(key: str, rank: int, shard: WrittenShard) -> list[BaseChunk]:
+    """The records of ``rank``'s earlier saves that ``shard`` shares chunks with (their files' payloads)."""
+    saves = _WRITTEN.get((key, rank))
+    if saves is None:
+        return []
+    shared = {c.file for c in shard.chunks}
+    return [b for records in saves.values() for b in records.values() if b.file.path in shared]
+
+
 def split_unchanged(
     chunks: Sequence[ChunkData], base: Mapping[tuple[str, tuple[int, ...], tuple[int, ...]], BaseChunk], block_size: int
 ) -> tuple[list[ChunkData], list[BaseChunk]]:
@@ -174,20 +201,18 @@ def split_unchanged(
     same: list[tuple[ChunkData, BaseChunk]] = []
     for c in chunks:
         b = base.get((c.key, c.box.offsets, c.box.sizes))
-        if b is not None and _same(memoryview(c.data).cast("B"), b, block_size):
+        if b is not None and b.dtype == c.dtype and _same(memoryview(c.data).cast("B"), b, block_size):
             same.append((c, b))
         else:
             write.append(c)
     used: dict[str, int] = {}
+    payload: dict[str, int] = {}
     for _, b in same:
         used[b.file.path] = used.get(b.file.path, 0) + b.chunk.byte_length
-    kept = {path for path, n in used.items() if n >= MIN_SHARED_FRACTION * _size(same, path)}
+        payload[b.file.path] = b.file_payload
+    kept = {path for path, n in used.items() if n >= MIN_SHARED_FRACTION * payload[path]}
     write += [c for c, b in same if b.file.path not in kept]
     return write, [b for _, b in same if b.file.path in kept]
-
-
-def _size(same: list[tuple[ChunkData, BaseChunk]], path: str) -> int:
-    return next(b.file.size for _, b in same if b.file.path == path)
 
 
 def _same(raw: memoryview, b: BaseChunk, block_size: int) -> bool:

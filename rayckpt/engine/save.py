@@ -134,6 +134,7 @@ def save(
             went (also logged at DEBUG by the ``rayckpt.phases`` logger).
 
     Raises:
+        ValueError: ``full_every`` is not a whole number >= 0.
         InvalidStateError: ``state_dict`` holds something the pickle-free format
             cannot store (a ``set``, a custom object, a ``ShardedTensor``), named by
             its key, before any file is written.
@@ -156,15 +157,15 @@ def save(
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
+    options = SaveOptions(
+        block_size=block_size,
+        metadata=metadata,
+        overwrite=overwrite,
+        incremental=incremental,
+        full_every=full_every_count(full_every),
+    )
     try:
         with timed() as clock:
-            options = SaveOptions(
-                block_size=block_size,
-                metadata=metadata,
-                overwrite=overwrite,
-                incremental=incremental,
-                full_every=full_every_count(full_every),
-            )
             info = _save(coord, ckdir, state_dict, options)
         phases = clock.result()
         log_phases("save to", ckdir.location, coord.rank, phases)

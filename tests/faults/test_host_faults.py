@@ -66,10 +66,11 @@ LEFT_ON_S3 = """
 import json, sys
 import pyarrow.fs as pafs
 import rayckpt
+from rayckpt.format.file_paths import SHARED_DIR, SHARED_PREFIX, is_shared
 from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 fs, root = pafs.FileSystem.from_uri(sys.argv[1])
-out = {}
+out, named = {}, set()
 for info in fs.get_file_info(pafs.FileSelector(root)):
     if info.type != pafs.FileType.Directory or not info.base_name.startswith("rayckpt-step-"):
         continue
@@ -79,8 +80,11 @@ for info in fs.get_file_info(pafs.FileSelector(root)):
         out[info.base_name] = None
         continue
     manifest = rayckpt.read_manifest(CheckpointDir.resolve(sys.argv[1].replace(root, info.path, 1)))
-    expected = {MANIFEST_NAME, *(f.path for f in manifest.files), *manifest.table_files}
+    expected = {MANIFEST_NAME, *(f.path for f in manifest.files if not is_shared(f.path)), *manifest.table_files}
+    named |= {f.path[len(SHARED_PREFIX):] for f in manifest.files if is_shared(f.path)}
     out[info.base_name] = sorted(listed ^ expected)
+store = [f.base_name for f in fs.get_file_info(pafs.FileSelector(f"{root}/{SHARED_DIR}", allow_not_found=True))]
+out[SHARED_DIR] = sorted(set(store) - named)  # the shared store: every file a checkpoint's
 print(json.dumps(out))
 """
 
@@ -189,7 +193,7 @@ def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_ru
         deadline = time.monotonic() + 60
         while not victim.can_connect(s3_ip, S3_PORT):
             assert time.monotonic() < deadline, "host 2's stand-in for S3 does not listen"
-        saving = f"/{s3.bucket}/runs/crash/{checkpoint_dir_name(EVERY)}/"
+        saving = f"/{s3.bucket}/runs/crash/.rayckpt-shared/"  # the run's first storage save is step EVERY's
         deadline = time.monotonic() + 300
         while len(writing := clients_putting(s3.log_path, saving, "-r0", ".arrow")) < 2:  # the others' shards
             assert time.monotonic() < deadline, f"only {writing} wrote shard files of step {EVERY}"
@@ -209,11 +213,13 @@ def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_ru
     failed = [e for e in events(hosts, "crash", "failed") if e["step"] == EVERY]
     assert len(failed) == 1, (happened, job.output()[-15000:])
     assert 0 <= failed[0]["time"] - crashed < ROLLBACK_BOUND_S, (failed, crashed)
-    # Every checkpoint directory left on S3 holds exactly its manifest's files: the failed save left nothing.
+    # Every checkpoint directory left on S3 holds exactly its manifest's files, and the shared store only files a
+    # manifest names: the failed save left nothing.
     left = left_on_s3(hosts, "crash")
     assert left and all(extra == [] for extra in left.values()), left
     committed = [step for run, step, status, _ in catalog(hosts[0], uri(hosts, "")) if run == "crash"]
-    assert sorted(left) == [checkpoint_dir_name(step) for step in committed], (left, committed)
+    dirs = sorted(name for name in left if name != ".rayckpt-shared")
+    assert dirs == [checkpoint_dir_name(step) for step in committed], (left, committed)
 
     differs = compare(hosts, "crash")
     assert differs == {"only_one": [], "differ": [], "max_abs_diff": 0.0, "tensors": differs["tensors"]}, differs
