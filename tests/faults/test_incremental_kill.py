@@ -15,11 +15,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
 import rayckpt
+import rayckpt.tools
 from rayckpt.format.manifest import MANIFEST_NAME, SHARED_DIR
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.lease import read_leases
@@ -201,3 +203,59 @@ def test_sweep_killed_after_listing_before_deleting(tmp_path):
     assert not only_gone & store_files(parent)
     assert not read_leases(CheckpointDir.resolve(store)), "the dead sweep's marker was collected"
     check_intact(parent, steps)
+
+
+def test_a_paused_save_keeps_its_base_through_rmtree_and_gc(tmp_path):
+    """Not a kill: a save paused before its commit (its files written) while its base and the base's base are
+    deleted and the store collected; the files it shares survive, and it commits a checkpoint that loads."""
+    parent, sync = str(tmp_path / "run"), str(tmp_path / "sync")
+    os.makedirs(sync)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            STATE
+            + textwrap.dedent(
+                """
+                import os, sys, time
+                import rayckpt
+                from rayckpt.engine import save as save_mod
+                parent, sync = sys.argv[1], sys.argv[2]
+                for i in range(2):
+                    rayckpt.save(state(i), f"{parent}/c{i}", incremental=True)
+                real = save_mod.commit_save
+
+                def paused(*a, **kw):
+                    open(f"{sync}/ready", "w").close()
+                    while not os.path.exists(f"{sync}/go"):
+                        time.sleep(0.02)
+                    return real(*a, **kw)
+
+                save_mod.commit_save = paused
+                rayckpt.save(state(2), f"{parent}/c2", incremental=True)
+                """
+            ),
+            parent,
+            sync,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while not os.path.exists(os.path.join(sync, "ready")):
+            assert child.poll() is None, child.communicate()
+            time.sleep(0.05)
+        shutil.rmtree(os.path.join(parent, "c0"))
+        shutil.rmtree(os.path.join(parent, "c1"))
+        report = rayckpt.tools.gc(parent)
+        assert not report.skipped, report.skipped
+    finally:
+        open(os.path.join(sync, "go"), "w").close()
+        out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err
+    c2 = os.path.join(parent, "c2")
+    assert len({shard_file_save_id(n) for n in named(c2)}) > 1  # it did share with an earlier save
+    check_intact(parent, {c2: 2})
+    gc_leaves_no_orphan(parent)
+    check_intact(parent, {c2: 2})

@@ -387,6 +387,27 @@ def test_verify_names_the_save_that_wrote_a_damaged_shared_file(tmp_path):
         checksum = [x for x in report.problems if x.kind == "checksum"]
         assert checksum, report.problems
         assert all(base_id in x.message for x in checksum), checksum
+    shutil.rmtree(saves[0][0])  # the writer's checkpoint gone: the damage is still its save's
+    for path, _, _ in saves[1:]:
+        checksum = [x for x in rayckpt.verify(path).problems if x.kind == "checksum"]
+        assert checksum and all(base_id in x.message and "gone" in x.message for x in checksum), checksum
+
+
+def test_the_cli_rm_and_gc_collect_the_store(tmp_path):
+    parent = tmp_path / "run"
+    saves = chain(parent, 3)
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "rayckpt", *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+
+    cli("rm", saves[1][0], "--yes")  # c1's own file is named by nobody now
+    assert set(store_files(parent)) == named(saves[0][0]) | named(saves[2][0])
+    shutil.rmtree(saves[0][0])
+    cli("gc", str(parent))
+    assert set(store_files(parent)) == named(saves[2][0])
+    load_exact(saves[2][0], saves[2][2])
+    assert rayckpt.verify(saves[2][0]).ok
 
 
 def _edit_manifest(path, edit) -> None:
@@ -428,3 +449,66 @@ def test_an_unknown_format_version_is_refused(tmp_path):
         rayckpt.read_manifest(path)
     with pytest.raises(FormatVersionError, match="6"):
         load_exact(path, expected)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: split_unchanged/_same compare key, box, length and fingerprint but not the dtype: a tensor whose "
+    "dtype changed with the same bytes (all zeros float32 -> int32) is shared with the base's chunk, stored in a "
+    "float32 Arrow column, and verify reports the new checkpoint (and blames the base's store file) as damaged",
+)
+def test_a_dtype_change_with_the_same_bytes_is_written_again(tmp_path):
+    parent = tmp_path / "run"
+    rayckpt.save({"buf": torch.zeros(1000), "w": torch.randn(10)}, str(parent / "c0"), incremental=True)
+    info = rayckpt.save(
+        {"buf": torch.zeros(1000, dtype=torch.int32), "w": torch.randn(10)}, str(parent / "c1"), incremental=True
+    )
+    out = {"buf": torch.ones(1000, dtype=torch.int32), "w": torch.zeros(10)}
+    rayckpt.load(out, str(parent / "c1"))
+    assert torch.equal(out["buf"], torch.zeros(1000, dtype=torch.int32))
+    assert rayckpt.verify(str(parent / "c0")).ok
+    report = rayckpt.verify(str(parent / "c1"))
+    assert report.ok, report.problems
+    assert own_bytes(parent, info.save_id) >= 4000
+
+
+def test_a_failed_incremental_save_leaves_nothing_in_the_store(tmp_path, monkeypatch):
+    from rayckpt.engine import save as save_mod
+    from rayckpt.errors import SaveFailedError
+
+    parent = tmp_path / "run"
+    saves = chain(parent, 2)
+    before = set(store_files(parent))
+
+    def refuse(*a, **kw):
+        raise SaveFailedError("refused by the test")
+
+    monkeypatch.setattr(save_mod, "commit_save", refuse)
+    frozen, trained = saves[1][2]["frozen"], saves[1][2]["trained"] + 1
+    with pytest.raises(SaveFailedError, match="refused by the test"):
+        rayckpt.save(state(frozen, trained, 2), str(parent / "c2"), incremental=True)
+    monkeypatch.undo()
+    assert set(store_files(parent)) == before  # its own store files went, the ones it shared stayed
+    assert not os.path.exists(parent / "c2")
+    for path, _, expected in saves:
+        load_exact(path, expected)
+        assert rayckpt.verify(path).ok
+    # the next save shares with the last committed one, never with the failed one
+    info = rayckpt.save(state(frozen, trained, 2), str(parent / "c2"), incremental=True)
+    owners = {shard_file_save_id(n) for n in named(parent / "c2")}
+    assert owners <= {saves[0][1], saves[1][1], info.save_id} and len(owners) > 1
+    load_exact(parent / "c2", state(frozen, trained, 2))
+
+
+def test_overwriting_an_incremental_checkpoint_in_place(tmp_path):
+    parent = tmp_path / "run"
+    path = str(parent / "latest")
+    frozen, trained = torch.randn(5000), torch.randn(100)
+    for step in range(4):
+        trained.add_(1)
+        info = rayckpt.save(state(frozen, trained, step), path, incremental=True, overwrite=True)
+        load_exact(path, state(frozen, trained, step))
+        assert rayckpt.verify(path).ok
+        assert set(store_files(parent)) == named(path)  # the replaced save's own files were collected
+        if step:
+            assert {shard_file_save_id(n) for n in named(path)} - {info.save_id}
