@@ -22,12 +22,14 @@ import torch
 
 import rayckpt
 import rayckpt.tools
-from rayckpt.format.manifest import MANIFEST_NAME, SHARED_DIR
+from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.lease import read_leases
 from rayckpt.storage.names import shard_file_save_id
 
 pytestmark = pytest.mark.slow
+#: The shared store's directory beside the checkpoints (docs/FORMAT.md), spelled out: it is the format.
+SHARED_DIR = ".rayckpt-shared"
 PREFIX = f"../{SHARED_DIR}/"
 
 #: The state of step ``i`` of every chain here, rebuilt the same in the child and the test.
@@ -186,7 +188,7 @@ def test_sweep_killed_after_listing_before_deleting(tmp_path):
         real = CheckpointDir.delete
 
         def delete(self, name, *a, **kw):
-            if self.fs_path.endswith(shared.SHARED_DIR) and name.endswith(".arrow"):
+            if self.fs_path.endswith(".rayckpt-shared") and name.endswith(".arrow"):
                 os.kill(os.getpid(), signal.SIGKILL)  # listed and marked, nothing deleted yet
             return real(self, name, *a, **kw)
 

@@ -9,16 +9,20 @@ import torch.distributed as dist
 
 import rayckpt
 from rayckpt.engine.app_state import AppState
-from rayckpt.format.manifest import SHARED_DIR
 from rayckpt.testing.toy import build_fsdp, full_state, train_steps
 
-#: A ToyModel with 4 blocks of which the first 3 are frozen: about 70% of its parameters.
+SHARED_DIR = ".rayckpt-shared"
+#: A ToyModel of 4 blocks (32 -> 48 -> 32) and a head, the first 3 blocks frozen: 74% of its parameters
+#: (AdamW keeps two moments of each trained one, so the frozen blocks are 48% of each rank's bytes). Wide
+#: enough that each rank's file is mostly tensor bytes, not Arrow framing.
 LAYERS = 4
 FROZEN_BLOCKS = 3
+DIM = 32
+HIDDEN = 48
 
 
 def frozen_fsdp(world_size: int, seed: int):
-    model, optim = build_fsdp(world_size, seed=seed, layers=LAYERS)
+    model, optim = build_fsdp(world_size, seed=seed, layers=LAYERS, dim=DIM, hidden=HIDDEN)
     for block in model.blocks[:FROZEN_BLOCKS]:
         block.requires_grad_(False)
     return model, optim
@@ -30,7 +34,7 @@ def save_steps_worker(rank: int, world_size: int, parent: str, steps: int) -> li
     model, optim = frozen_fsdp(world_size, seed=0)
     out = []
     for step in range(steps):
-        train_steps(model, optim, 1, rank)
+        train_steps(model, optim, 1, rank, dim=DIM)
         app = AppState(model, optim, step=step)
         path = os.path.join(parent, f"step{step}")
         info = rayckpt.save({"app": app}, path, incremental=True)

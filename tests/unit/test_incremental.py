@@ -20,12 +20,14 @@ import torch
 import rayckpt
 import rayckpt.tools
 from rayckpt.errors import CorruptCheckpointError, FormatVersionError
-from rayckpt.format.manifest import MANIFEST_NAME, SHARED_DIR
+from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.storage import lease as lease_mod
 from rayckpt.storage import shared
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.names import shard_file_save_id
 
+#: The shared store's directory beside the checkpoints (docs/FORMAT.md), spelled out: it is the format.
+SHARED_DIR = ".rayckpt-shared"
 PREFIX = f"../{SHARED_DIR}/"
 
 
@@ -149,7 +151,8 @@ def test_a_non_incremental_save_is_version_4_and_makes_no_store(tmp_path):
 def test_a_change_without_a_version_bump_is_written(tmp_path, how):
     parent = tmp_path / "run"
     a = torch.randn(100_000, requires_grad=True)  # 400 KB: several 64 KiB blocks
-    other = torch.randn(1000)
+    other = torch.randn(200_000)  # unchanged, and most of the file: shared (a file is shared from only when
+    # its unchanged chunks are at least half of it, on main since 7dbefdf)
     first = rayckpt.save({"a": a, "other": other}, str(parent / "c0"), incremental=True)
     version = a._version
     if how == "data_add":
@@ -166,10 +169,10 @@ def test_a_change_without_a_version_bump_is_written(tmp_path, how):
     # the changed tensor was written by the second save, the unchanged one was shared
     assert own_bytes(parent, second.save_id) >= a.numel() * 4
     assert own_bytes(parent, second.save_id) < a.numel() * 4 + other.numel() * 4
-    out = {"a": torch.zeros(a.shape), "other": torch.zeros(1000)}
+    out = {"a": torch.zeros(a.shape), "other": torch.zeros(other.shape)}
     rayckpt.load(out, str(parent / "c1"))
     assert torch.equal(out["a"], a.detach()) and torch.equal(out["other"], other)
-    old = {"a": torch.zeros(a.shape), "other": torch.zeros(1000)}
+    old = {"a": torch.zeros(a.shape), "other": torch.zeros(other.shape)}
     rayckpt.load(old, str(parent / "c0"))
     assert not torch.equal(old["a"], a.detach())
     assert first.save_id != second.save_id
@@ -512,3 +515,16 @@ def test_overwriting_an_incremental_checkpoint_in_place(tmp_path):
         assert set(store_files(parent)) == named(path)  # the replaced save's own files were collected
         if step:
             assert {shard_file_save_id(n) for n in named(path)} - {info.save_id}
+
+
+def test_many_small_unchanged_tensors_are_shared(tmp_path):
+    """A state of many small tensors (biases, norms) that did not change is not written again: the
+    Arrow framing of each chunk (a few hundred bytes) must not count as changed bytes."""
+    parent = tmp_path / "run"
+    st = {f"t{i}": torch.randn(10) for i in range(200)}
+    rayckpt.save(st, str(parent / "c0"), incremental=True)
+    info = rayckpt.save(st, str(parent / "c1"), incremental=True)
+    assert own_bytes(parent, info.save_id) == 0
+    ci = rayckpt.inspect(str(parent / "c1"))
+    assert ci.bytes_shared == 200 * 40 and ci.bytes_written == 0
+    load_exact(parent / "c1", st)
