@@ -246,11 +246,6 @@ def test_full_every_count_refuses_what_is_not_a_whole_number():
             full_every_count(bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rayckpt.save checks full_every inside its try block, so the ValueError comes out wrapped in "
-    "SaveFailedError (Checkpointer and save_async raise the ValueError itself)",
-)
 def test_full_every_is_checked():
     st = {"a": torch.zeros(3)}
     for bad in (-1, 1.5):
@@ -454,12 +449,6 @@ def test_an_unknown_format_version_is_refused(tmp_path):
         load_exact(path, expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: split_unchanged/_same compare key, box, length and fingerprint but not the dtype: a tensor whose "
-    "dtype changed with the same bytes (all zeros float32 -> int32) is shared with the base's chunk, stored in a "
-    "float32 Arrow column, and verify reports the new checkpoint (and blames the base's store file) as damaged",
-)
 def test_a_dtype_change_with_the_same_bytes_is_written_again(tmp_path):
     parent = tmp_path / "run"
     rayckpt.save({"buf": torch.zeros(1000), "w": torch.randn(10)}, str(parent / "c0"), incremental=True)
