@@ -15,7 +15,6 @@ from rayckpt.errors import CorruptCheckpointError, FormatVersionError, InvalidSt
 from rayckpt.format.boxes import Box
 from rayckpt.format.manifest import (
     READ_VERSIONS,
-    FORMAT_VERSION,
     ChunkEntry,
     FileEntry,
     Manifest,
