@@ -65,13 +65,16 @@ def toy_train_loop(config: dict[str, Any]) -> None:
 
     Rank 0 dumps ``restored-<world>.pt`` (the restored step and state; ``restored-<world>-after-<phase>.pt``
     after a fault of ``die``) and ``final-<world>.pt``; with ``dump_saves``, ``state-<step>.pt`` at each
-    save too. ``die`` and ``hold`` inject the faults of tests/recovery (``recovery_faults.Faults``);
+    save too; with ``freeze_blocks``, only the head trains. ``die`` and ``hold`` inject the faults of
+    tests/recovery (``recovery_faults.Faults``);
     ``probe_local`` first saves to that node-local location (``probe_local_save``); rank 1's save of
     ``fail_step`` fails as ``fail_modes`` says, one mode per attempt (``next_failure``).
     """
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     model, optim = build_fsdp(world, seed=config.get("seed", 0))
+    if config.get("freeze_blocks"):  # only the head trains: the blocks' bytes never change
+        model.blocks.requires_grad_(False)
     app = AppState(model, optim, step=0)
     state = {"app": app}
     timeout = config.get("commit_timeout_s", DEFAULT_COMMIT_TIMEOUT_S)

@@ -124,3 +124,35 @@ def test_worker_failing_mid_save_commits_nothing(ray_session, tmp_path):
         rf"WARNING rayckpt.metadata_actor: save \S+ of run '{name}' \(step 3\) to \S+ failed and was rolled back"
     )
     assert len(re.findall(rolled_back, metadata_actor_log())) == 2
+
+
+def test_retention_keeps_what_later_incremental_checkpoints_share(ray_session, tmp_path):
+    """The blocks frozen, the head trained, a save every step: each storage save after the first shares the
+    blocks' chunks with an earlier save's files. Ray Train's retention (num_to_keep=2) deletes the first
+    checkpoint directories; the kept checkpoints name files those deleted saves wrote, verify, and restore
+    bit-exact into another worker count."""
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    fit(storage, out, 2, 4, {1, 2, 3, 4}, name="inc", freeze_blocks=True, dump_saves=True)
+    run_dir = storage / "inc"
+    kept = sorted(p for p in os.listdir(run_dir) if p.startswith("rayckpt-step-"))
+    assert kept == ["rayckpt-step-00000003", "rayckpt-step-00000004"]
+    manifests = [rayckpt.read_manifest(CheckpointDir.resolve(str(run_dir / name))) for name in kept]
+    kept_ids = {m.save_id for m in manifests}
+    for name, m in zip(kept, manifests):
+        assert m.version == 5 and rayckpt.verify(str(run_dir / name)).ok
+        writers = {os.path.basename(f.path).split("-r0")[0] for f in m.files}
+        assert writers - kept_ids, (name, writers)  # bytes of a save whose directory retention deleted
+        assert rayckpt.inspect(str(run_dir / name)).bytes_shared > 0
+    named = {os.path.basename(f.path) for m in manifests for f in m.files}
+    assert named <= set(os.listdir(run_dir / ".rayckpt-shared"))
+    # Retention deleted the last directory after the last commit's collection: gc collects its files.
+    rayckpt.tools.gc(str(run_dir))
+    assert set(os.listdir(run_dir / ".rayckpt-shared")) == named
+
+    fit(storage, out, 3, 4, set(), name="inc", freeze_blocks=True)
+    restored = torch.load(out / "restored-3.pt", weights_only=False)
+    saved = torch.load(out / "state-4.pt", weights_only=False)
+    assert restored["step"] == 4
+    for key, value in saved["state"].items():
+        assert torch.equal(restored["state"][key], value), key
