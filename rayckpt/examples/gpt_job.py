@@ -88,6 +88,7 @@ def train_config(args: argparse.Namespace) -> dict[str, Any]:
         "schedule_steps": args.schedule_steps,
         "checkpoint_every": args.checkpoint_every,
         "memory_every": args.memory_every,
+        "full_every": args.full_every,
         "global_batch": args.global_batch,
         "lr": args.lr,
         "seed": args.seed,
@@ -255,7 +256,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> list[dict[str, float]]:
     if config["gpus"]:
         device = ray.train.torch.get_device()
         torch.cuda.set_device(device)
-    checkpointer = Checkpointer(memory_every=config.get("memory_every") or 0)
+    full_every = config.get("full_every") or 0
+    checkpointer = Checkpointer(
+        memory_every=config.get("memory_every") or 0, incremental=full_every != 1, full_every=full_every
+    )
     return train({**config, "resume": True}, context.get_world_rank(), context.get_world_size(), checkpointer, device)
 
 

@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         "between the storage saves; a restart restores the newest checkpoint, memory or storage (0: off)",
     )
     p.add_argument(
+        "--full-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="storage saves write only the chunks that changed since the last one (incremental); every K-th "
+        "writes everything (0: never; 1: every save self-contained)",
+    )
+    p.add_argument(
         "--keep",
         type=int,
         default=3,
