@@ -17,8 +17,10 @@ written again: its record points at the base's bytes.
   is shared when the base's record for its key and box has the same length and
   block size, its first block's XXH3-64 matches the stored block checksum (a changed
   tensor fails here, without hashing the rest) and its XXH3-128 matches the base's
-  fingerprint. A writer without the base's records (a restarted process, another
-  node) writes its chunks in full: sharing is never needed for correctness.
+  fingerprint. A written chunk is fingerprinted (while its block checksums are
+  taken) unless its first block already differed: a dense state's saves hash no
+  more than before. A writer without the base's records (a restarted process,
+  another node) writes its chunks in full: sharing is never needed for correctness.
 
 Tensor version counters are not trusted to skip the comparison: a write through
 ``.data`` changes the bytes without bumping the version.
@@ -60,8 +62,10 @@ class BaseChunk:
     block_size: int
 
 
-#: A writer's records of one save: (key, box offsets, box sizes) -> the chunk.
-Records = dict[tuple[str, tuple[int, ...], tuple[int, ...]], BaseChunk]
+#: A chunk's place: (key, box offsets, box sizes).
+Key = tuple[str, tuple[int, ...], tuple[int, ...]]
+#: A writer's records of one save: each chunk by its place.
+Records = dict[Key, BaseChunk]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +179,6 @@ def remember(
             block_size=block_size,
         )
         for c in shard.chunks
-        if c.fingerprint
     }
     saves = _WRITTEN.get((key, rank))
     if saves is None:
@@ -194,17 +197,32 @@ def _base_of(key: str, rank: int, shard: WrittenShard) -> list[BaseChunk]:
 
 
 def split_unchanged(
-    chunks: Sequence[ChunkData], base: Mapping[tuple[str, tuple[int, ...], tuple[int, ...]], BaseChunk], block_size: int
-) -> tuple[list[ChunkData], list[BaseChunk]]:
-    """(chunks to write, base chunks shared in place of the others)."""
+    chunks: Sequence[ChunkData], base: Mapping[Key, BaseChunk], block_size: int
+) -> tuple[list[ChunkData], list[BaseChunk], set[Key]]:
+    """(chunks to write, base chunks shared in place of the others, the written chunks to fingerprint).
+
+    A written chunk is fingerprinted (for the next save to match) unless its first block already
+    differs from its base's: a chunk that changed now will likely change again, and a dense
+    state's saves then hash nothing twice. One that stops changing is shared a save later.
+    """
     write: list[ChunkData] = []
     same: list[tuple[ChunkData, BaseChunk]] = []
+    hashed: set[Key] = set()
     for c in chunks:
-        b = base.get((c.key, c.box.offsets, c.box.sizes))
-        if b is not None and b.dtype == c.dtype and _same(memoryview(c.data).cast("B"), b, block_size):
-            same.append((c, b))
-        else:
+        key = (c.key, c.box.offsets, c.box.sizes)
+        b = base.get(key)
+        raw = memoryview(c.data).cast("B")
+        if b is None or b.dtype != c.dtype or b.block_size != block_size or len(raw) != b.chunk.byte_length:
             write.append(c)
+            hashed.add(key)
+        elif b.chunk.checksums and xxhash.xxh3_64_intdigest(raw[:block_size]) != b.chunk.checksums[0]:
+            write.append(c)
+        else:
+            hashed.add(key)
+            if b.chunk.fingerprint and fingerprint(raw) == b.chunk.fingerprint:
+                same.append((c, b))
+            else:
+                write.append(c)
     used: dict[str, int] = {}
     payload: dict[str, int] = {}
     for _, b in same:
@@ -212,13 +230,4 @@ def split_unchanged(
         payload[b.file.path] = b.file_payload
     kept = {path for path, n in used.items() if n >= MIN_SHARED_FRACTION * payload[path]}
     write += [c for c, b in same if b.file.path not in kept]
-    return write, [b for _, b in same if b.file.path in kept]
-
-
-def _same(raw: memoryview, b: BaseChunk, block_size: int) -> bool:
-    stored = b.chunk
-    if b.block_size != block_size or len(raw) != stored.byte_length or not stored.fingerprint:
-        return False
-    if stored.checksums and xxhash.xxh3_64_intdigest(raw[:block_size]) != stored.checksums[0]:
-        return False
-    return fingerprint(raw) == stored.fingerprint
+    return write, [b for _, b in same if b.file.path in kept], hashed

@@ -12,7 +12,7 @@ with the bytes read from shared memory) and by imports (``rayckpt convert``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -110,8 +110,10 @@ def write_chunks(
     ``base`` (the base save's records, ``increments``) is not written: its record is the base's.
     """
     shared: list[BaseChunk] = []
+    hashed: Callable[[ChunkData], bool] | bool = incremental
     if base:
-        chunks, shared = split_unchanged(chunks, base, block_size)
+        chunks, shared, keys = split_unchanged(chunks, base, block_size)
+        hashed = lambda c: (c.key, c.box.offsets, c.box.sizes) in keys  # noqa: E731
     by_type: dict[str, list[ChunkData]] = {}
     for c in chunks:
         by_type.setdefault(storage_type(c.dtype), []).append(c)
@@ -127,7 +129,7 @@ def write_chunks(
 
     def write(rel: str, data: list[ChunkData]) -> tuple[list[WrittenChunk], FileEntry]:
         try:
-            records, size = write_shard_file(ckdir, rel, data, block_size, save_id, incremental)
+            records, size = write_shard_file(ckdir, rel, data, block_size, save_id, hashed)
         except OSError as exc:
             # pyarrow's message carries its own traceback; the errno says what happened.
             reason = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[-1]

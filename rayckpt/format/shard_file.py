@@ -17,7 +17,7 @@ import json
 import os
 import threading
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -181,11 +181,12 @@ def write_shard_file(
     chunks: Sequence[ChunkData],
     block_size: int,
     save_id: str,
-    fingerprints: bool = False,
+    fingerprints: Callable[[ChunkData], bool] | bool = False,
 ) -> tuple[list[WrittenChunk], int]:
     """Write ``chunks`` (all of one storage type) to ``rel``; fsync; return records and size.
 
-    ``fingerprints``: also give each record its chunk's XXH3-128, computed with the checksums.
+    ``fingerprints``: also give each record (True: every one; a predicate: those of the chunks it
+    picks) its chunk's XXH3-128, computed with the checksums.
     """
     arrow_name = storage_type(chunks[0].dtype)
     arrow_type = _ARROW_TYPES[arrow_name]
@@ -203,7 +204,8 @@ def write_shard_file(
     # The checksums run on their own thread while this one writes (both release the GIL): the
     # source bytes are read twice at once, not one pass after the other.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayckpt-sum") as summer:
-        sums = [summer.submit(_sums, raw, block_size, fingerprints) for raw in raws]
+        wanted = [fingerprints(c) if callable(fingerprints) else fingerprints for c in chunks]
+        sums = [summer.submit(_sums, raw, block_size, want) for raw, want in zip(raws, wanted)]
         try:
             with ckdir.open_output(rel) as sink:
                 with pa.ipc.new_file(sink, schema) as writer:
