@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     argv_shown = sys.argv[1:] if argv is None else argv
     report: dict[str, Any] = {
-        "command": "python -m benchmarks.incremental " + " ".join(argv_shown),
+        "command": " ".join(["python -m benchmarks.incremental", *argv_shown]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine_info(),
         "config": vars(args),
