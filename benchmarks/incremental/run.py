@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the options, run each state's saves and the chained load on 2 ranks, write the report."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--size-mb", type=float, default=1024, help="each state's size in MiB (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=8, help="saves per saver and state; the first is reported apart")
+    p.add_argument("--steps", type=int, default=12, help="saves per saver and state; the first is reported apart")
     p.add_argument("--repeats", type=int, default=5, help="loads of each checkpoint, cold and warm, in the chain test")
     p.add_argument("--chain", type=int, default=10, help="incremental saves in the chain that is loaded")
     p.add_argument("--states", default=",".join(STATES), help="any of " + ", ".join(STATES))
