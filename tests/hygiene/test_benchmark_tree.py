@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "results"
-GROUPS = ["suite", "scale", "recovery", "gpu", "phases", "micro", "overlap", "hosts"]
+GROUPS = ["suite", "scale", "recovery", "gpu", "phases", "micro", "overlap", "hosts", "incremental"]
 #: <benchmark>_<hardware>_<yyyymmdd>.<ext>
 NAME = re.compile(r"^[a-z0-9_]+_[a-z0-9]+_\d{8}\.(md|json|png)$")
 #: Files in results/ that are not one run's result.

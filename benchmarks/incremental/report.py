@@ -1,0 +1,185 @@
+"""The incremental benchmark's arithmetic and tables: the ranks' records in, medians, ratios and Markdown out.
+
+Each record is one save (``saver``, ``step``, ``seconds`` of each rank, and rank 0's ``bytes`` and
+``phases``) or one load (``kind``, ``cache``, ``seconds``, ``phases``); ``run`` gathers them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks.common.harness import MIB, ratio_row
+
+SAVERS = ("full", "incremental", "dcp")
+#: The targets (printed, not asserted): (state, what, incremental / full at most).
+TARGETS = [
+    ("frozen70", "bytes", 0.32),
+    ("frozen70", "seconds", 0.45),
+    ("lora99", "bytes", 0.02),
+    ("lora99", "seconds", 0.10),
+    ("dense", "seconds", 1.02),
+]
+#: The chained load's target: chained / self-contained at most.
+CHAINED_LOAD_TARGET = 1.05
+
+
+def merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rank 0's records with ``seconds`` the max over ranks."""
+    out = []
+    for i, rec in enumerate(per_rank[0]):
+        out.append({**rec, "seconds": max(r[i]["seconds"] for r in per_rank)})
+    return out
+
+
+def med(values: list[float]) -> dict[str, float]:
+    """Median, min and max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def phase_medians(recs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each phase's median over the records (0 where a record lacks it)."""
+    keys = {k for r in recs for k in r.get("phases", {})}
+    return {k: statistics.median(r.get("phases", {}).get(k, 0.0) for r in recs) for k in keys}
+
+
+def summarize_state(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per saver: the first save, and the steady state (steps 2..N) as medians; the ratios between savers."""
+    out: dict[str, Any] = {}
+    for saver in SAVERS:
+        recs = [r for r in records if r["saver"] == saver]
+        steady = [r for r in recs if r["step"] > 1] or recs
+        out[saver] = {
+            "first": {"seconds": recs[0]["seconds"], "bytes": recs[0]["bytes"]},
+            "steady": {"seconds": med([r["seconds"] for r in steady]), "bytes": med([r["bytes"] for r in steady])},
+            "steady_phases_rank0": phase_medians(steady),
+            "saves": len(recs),
+        }
+
+    def ratio(a: str, b: str, what: str) -> float:
+        return out[a]["steady"][what]["median"] / out[b]["steady"][what]["median"]
+
+    out["ratios"] = {
+        "incremental_over_full_bytes": ratio("incremental", "full", "bytes"),
+        "incremental_over_full_seconds": ratio("incremental", "full", "seconds"),
+        "full_over_dcp_seconds": ratio("full", "dcp", "seconds"),
+        "incremental_over_dcp_seconds": ratio("incremental", "dcp", "seconds"),
+    }
+    return out
+
+
+def summarize_chain(result: dict[str, Any]) -> dict[str, Any]:
+    """Medians of each load kind, cold and warm, and chained / self-contained."""
+    out: dict[str, Any] = {"differing_tensors": result["differing_tensors"]}
+    for cache in ("cold", "warm"):
+        row = {}
+        for kind in ("chained", "self-contained"):
+            recs = [r for r in result["loads"] if r["kind"] == kind and r["cache"] == cache]
+            row[kind] = {"seconds": med([r["seconds"] for r in recs]), "phases_rank0": phase_medians(recs)}
+        row["ratio"] = row["chained"]["seconds"]["median"] / row["self-contained"]["seconds"]["median"]
+        out[cache] = row
+    saves = result["saves"]
+    out["chain_bytes"] = sum(r["bytes"] for r in saves[:-1])
+    out["self_contained_bytes"] = saves[-1]["bytes"]
+    return out
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The target rows (``harness.ratio_row``) of the states and the chained load the run measured."""
+    rows = []
+    for state, what, threshold in TARGETS:
+        if state in report["states"]:
+            measured = report["states"][state]["ratios"][f"incremental_over_full_{what}"]
+            rows.append(ratio_row(f"{state}: incremental / full, steady {what}", measured, threshold, False, "median"))
+    if report.get("chain"):
+        for cache in ("cold", "warm"):
+            measured = report["chain"][cache]["ratio"]
+            name = f"{cache} load: chained / self-contained"
+            rows.append(ratio_row(name, measured, CHAINED_LOAD_TARGET, False, "median"))
+    return rows
+
+
+def header(report: dict[str, Any]) -> list[str]:
+    """The title, the command, the machine and versions, the load, and what was measured."""
+    m, la = report["machine"], report["load_average_1min"]
+    cfg = report["config"]
+    states = "; ".join(
+        f"`{k}` {v['state_bytes'] / MIB:,.0f} MiB, {v['frozen_bytes'] / v['state_bytes']:.1%} frozen"
+        for k, v in report["layouts"].items()
+    )
+    return [
+        "## Incremental saves against full saves and DCP",
+        "",
+        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.1f} min: {m['nproc']} CPUs, "
+        f"{m['mem_total_gb']:.0f} GB RAM, torch {m['torch']}, pyarrow {m['pyarrow']}, rayckpt {m['rayckpt']}, "
+        f"python {m['python']}. 1-minute load average {la['before_start']:.2f} before the start; during the run "
+        f"median {la['median']:.2f}, max {la['max']:.2f}; CPU used by processes outside the benchmark: mean "
+        f"{la['other_processes_cpu_cores']['mean']:.2f} cores.",
+        "",
+        f"2 gloo ranks, an FSDP2 state (`nn.Linear` layers `fully_shard`-ed on the CPU; "
+        "`model.state_dict()` and an `exp_avg` / `exp_avg_sq` DTensor per trained param, changed in place each "
+        f"step). States: {states}. {cfg['steps']} steps, each saved by `full` (`rayckpt.save`, own `step-N` "
+        "directory), `incremental` (`rayckpt.save(incremental=True)`) and `dcp` (`dcp.save`, own directory), "
+        "the order rotated each step, after one untimed save of each elsewhere; every file evicted from the "
+        "page cache after each save. Seconds: the "
+        "save call, barrier before, max over ranks; MiB: the files the save created (incremental: its store "
+        "files and its directory). First: step 1; steady: median (min-max) of steps 2.."
+        f"{cfg['steps']}.",
+        "",
+    ]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: saves, chained load, targets, rayckpt's phases."""
+    lines = header(report)
+    lines += [
+        "| state | saver | first MiB | first s | steady MiB | steady s | x full MiB | x full s | x DCP s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for state, s in report["states"].items():
+        for saver in SAVERS:
+            d, f, dc = s[saver], s["full"]["steady"], s["dcp"]["steady"]
+            st = d["steady"]
+            lines.append(
+                f"| {state} | {saver} | {d['first']['bytes'] / MIB:,.1f} | {d['first']['seconds']:.3f} | "
+                f"{st['bytes']['median'] / MIB:,.1f} | {st['seconds']['median']:.3f} "
+                f"({st['seconds']['min']:.3f}-{st['seconds']['max']:.3f}) | "
+                f"{st['bytes']['median'] / f['bytes']['median']:.3f} | "
+                f"{st['seconds']['median'] / f['seconds']['median']:.3f} | "
+                f"{st['seconds']['median'] / dc['seconds']['median']:.3f} |"
+            )
+    ch = report.get("chain")
+    if ch:
+        cfg = report["config"]
+        lines += [
+            "",
+            f"Chained load: `frozen70`, {cfg['chain']} incremental saves ({ch['chain_bytes'] / MIB:,.0f} MiB "
+            "written in all) against one self-contained save of the last state "
+            f"({ch['self_contained_bytes'] / MIB:,.0f} MiB); `rayckpt.load` of each, alternating, "
+            f"{cfg['repeats']} times; cold: the files evicted first, warm: read in first. Seconds: median "
+            "(min-max), max over ranks. Tensors differing bit for bit after the "
+            f"first load: {ch['differing_tensors']}.",
+            "",
+            "| load | chained s | self-contained s | chained / self-contained |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for cache in ("cold", "warm"):
+            c, s = ch[cache]["chained"]["seconds"], ch[cache]["self-contained"]["seconds"]
+            lines.append(
+                f"| {cache} | {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f}) | "
+                f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | {ch[cache]['ratio']:.3f} |"
+            )
+    lines += ["", "| target | measured | threshold | met |", "| --- | ---: | ---: | --- |"]
+    for t in report["targets"]:
+        met = {True: "yes", False: "no", None: "n/a"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['measured']:.3f} | {t['direction']} {t['threshold']} | {met} |")
+    lines += ["", "rayckpt's steady-state save phases (rank 0's `SaveInfo.phases`, medians, seconds):", ""]
+    lines += ["| state | saver | total | phases, largest first |", "| --- | --- | ---: | --- |"]
+    for state, s in report["states"].items():
+        for saver in ("full", "incremental"):
+            ph = s[saver]["steady_phases_rank0"]
+            shown = ", ".join(
+                f"{k} {v:.3f}" for k, v in sorted(ph.items(), key=lambda kv: -kv[1]) if k != "total" and v >= 5e-4
+            )
+            lines.append(f"| {state} | {saver} | {ph.get('total', 0.0):.3f} | {shown} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,351 @@
+"""Incremental saves against full saves and DCP, step after step, and the load of a chained checkpoint.
+
+Two gloo ranks (``rayckpt.testing.multiproc.run_ranks``) hold an FSDP2 state on the CPU: ``nn.Linear``
+layers ``fully_shard``-ed on a 1-D mesh, saved as ``{"model": model.state_dict(), "optim": moments,
+"step": n}``, where ``moments`` holds an ``exp_avg`` and ``exp_avg_sq`` DTensor for each trained param
+(no optimizer object: a step adds a small value in place to every trained param and moment, as an
+optimizer step changes them). Three states (``--states``), each sized to about ``--size-mb`` MiB:
+
+- ``dense``: every layer trained; every tensor changes each step.
+- ``frozen70``: a frozen encoder (params only) holding 70% of the bytes, never changed, and a trained
+  decoder (params and moments, 30%) that changes each step.
+- ``lora99``: a frozen base (99% of the bytes) and a rank-r adapter pair per base layer (params and
+  moments, 1%) that change each step.
+
+Each step saves the state three ways, the order rotated from step to step: ``full``
+(``rayckpt.save(incremental=False)`` to ``full/step-N``), ``incremental`` (``rayckpt.save(incremental=True)``
+to ``incremental/step-N``, its shard files in ``incremental/.rayckpt-shared``) and ``dcp``
+(``torch.distributed.checkpoint.save`` to ``dcp/step-N``). Per save: the bytes of the files it created
+(the incremental save: the store files named after its save id, and its checkpoint directory), and the
+seconds of the call, barrier before, max over ranks. After each save every file of the run is fsynced
+and evicted from the page cache (``diskio.evict``), untimed; after each step the ``full`` and ``dcp``
+directories of the step are removed (the incremental chain stays). Before step 1 each saver saves the
+state once, untimed, elsewhere: step 1 is each saver's first save at its location, not the process's.
+
+Chained load: the ``frozen70`` state saved ``--chain`` times incrementally (the decoder changed between
+saves) and once self-contained after the last; then ``rayckpt.load`` of each, alternating, ``--repeats``
+times (after one untimed load), with the files evicted from the page cache (cold) and read into it
+beforehand (warm); the first timed load of each is checked bit for bit against the saved state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch.nn as nn
+
+from benchmarks.common.diskio import dir_bytes, evict, files_under, warm_up
+from benchmarks.common.harness import MIB, load_sampled, machine_info, rotated, write_report
+from benchmarks.common.workload import layer_shapes
+from benchmarks.incremental.report import SAVERS, markdown, merge, summarize_chain, summarize_state, targets
+from rayckpt.testing.multiproc import run_ranks
+
+STATES = ("dense", "frozen70", "lora99")
+#: Fraction of the state's bytes that never changes, per state.
+FROZEN = {"dense": 0.0, "frozen70": 0.70, "lora99": 0.99}
+SHARED = ".rayckpt-shared"
+
+
+# ---------------------------------------------------------------------------
+# On the ranks
+
+
+def layout(kind: str, size_mb: float) -> dict[str, Any]:
+    """The layers of a state: frozen (rows, cols), trained (rows, cols), and the adapters' rank (lora99)."""
+    frozen_mb = size_mb * FROZEN[kind]
+    frozen = layer_shapes(frozen_mb * 3) if frozen_mb else []  # one fp32 copy, not three
+    if kind != "lora99":
+        return {"frozen": frozen, "trained": layer_shapes(size_mb - frozen_mb, 8 if kind == "dense" else 4), "r": 0}
+    edges = sum(rows + cols for rows, cols in frozen)
+    r = max(1, round((size_mb - frozen_mb) * MIB / (12 * edges)))
+    return {"frozen": frozen, "trained": [], "r": r}
+
+
+class Layers(nn.Module):
+    """The frozen and the trained layers (never run forward: only their state matters)."""
+
+    def __init__(self, frozen: Any, trained: Any) -> None:
+        super().__init__()
+        self.frozen = frozen
+        self.trained = trained
+
+    def forward(self, x: Any) -> Any:
+        return x
+
+
+def build(world: int, rank: int, kind: str, size_mb: float) -> tuple[Any, dict[str, Any]]:
+    """The FSDP2 model (frozen and trained layers) and its trained params' moments, filled at random."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    lay = layout(kind, size_mb)
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        frozen = nn.ModuleList(nn.Linear(cols, rows) for rows, cols in lay["frozen"])
+        if lay["r"]:
+            r = lay["r"]
+            adapters = [
+                (nn.Linear(cols, r, bias=False), nn.Linear(r, rows, bias=False)) for rows, cols in lay["frozen"]
+            ]
+            trained = nn.ModuleList(nn.Sequential(a, b) for a, b in adapters)
+        else:
+            trained = nn.ModuleList(nn.Linear(cols, rows) for rows, cols in lay["trained"])
+        model = Layers(frozen, trained)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(1_000_003 + rank)
+    moments: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().normal_(generator=gen)
+            if name.startswith("frozen."):
+                p.requires_grad_(False)
+                continue
+            m = {"exp_avg": torch.empty_like(p.detach()), "exp_avg_sq": torch.empty_like(p.detach())}
+            m["exp_avg"].to_local().normal_(generator=gen)
+            m["exp_avg_sq"].to_local().uniform_(generator=gen)
+            moments[name] = m
+    return model, moments
+
+
+def state_of(model: Any, moments: dict[str, Any], step: int) -> dict[str, Any]:
+    """What every saver saves: the model's sharded state dict, the moments and the step."""
+    return {"model": model.state_dict(), "optim": moments, "step": step}
+
+
+def local_tensors(state: dict[str, Any]) -> list[Any]:
+    """Every tensor of the state, this rank's part, in a fixed order."""
+    out = [t.to_local() for _, t in sorted(state["model"].items())]
+    for _, m in sorted(state["optim"].items()):
+        out += [m["exp_avg"].to_local(), m["exp_avg_sq"].to_local()]
+    return out
+
+
+def train_step(model: Any, moments: dict[str, Any]) -> None:
+    """Change every trained param and moment in place (a small value added), as an optimizer step does."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in moments:
+                p.to_local().add_(1e-3)
+                moments[name]["exp_avg"].to_local().add_(1e-4)
+                moments[name]["exp_avg_sq"].to_local().add_(1e-6)
+
+
+def new_bytes(saver: str, path: str, save_id: str) -> dict[str, int]:
+    """Bytes and files the save created: its directory, and for an incremental one its files in the store."""
+    own, nfiles = dir_bytes(path)
+    shards = 0
+    if saver == "incremental":
+        store = os.path.join(os.path.dirname(path), SHARED)
+        for name in os.listdir(store):
+            if name.startswith(save_id):
+                shards += os.path.getsize(os.path.join(store, name))
+                nfiles += 1
+    return {"bytes": own + shards, "store_bytes": shards, "dir_bytes": own, "files": nfiles}
+
+
+def timed_save(saver: str, state: dict[str, Any], path: str, root: str) -> dict[str, Any]:
+    """One save, barrier before; this rank's seconds, and on rank 0 the new bytes and rayckpt's phases."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import rayckpt
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    if saver == "dcp":
+        dcp.save(state, checkpoint_id=path)
+        info = None
+    else:
+        info = rayckpt.save(state, path, incremental=saver == "incremental")
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    rec: dict[str, Any] = {"saver": saver, "seconds": seconds}
+    if dist.get_rank() == 0:
+        rec.update(new_bytes(saver, path, info.save_id if info else ""))
+        if info is not None:
+            rec["phases"] = dict(info.phases)
+            rec["reported_bytes_written"] = info.bytes_written
+        evict(files_under(root))
+    dist.barrier()
+    return rec
+
+
+def saves_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """``cfg["steps"]`` steps of one state, each saved by every saver (rotated); a record per save."""
+    import torch.distributed.checkpoint  # noqa: F401 - imported before anything is timed
+
+    from benchmarks.common.harness import import_rayckpt
+
+    import_rayckpt()
+    import torch.distributed as dist
+
+    model, moments = build(world, rank, cfg["state"], cfg["size_mb"])
+    root = cfg["root"]
+    warm = os.path.join(root, "warm-up")
+    for saver in SAVERS:  # untimed: what a process's first save pays once lands here, not in step 1
+        timed_save(saver, state_of(model, moments, 0), os.path.join(warm, saver, "step-0"), root)
+    if rank == 0:
+        shutil.rmtree(warm)
+    records = []
+    for step in range(1, cfg["steps"] + 1):
+        if step > 1:
+            train_step(model, moments)
+        state = state_of(model, moments, step)
+        for saver in rotated(SAVERS, step - 1):
+            path = os.path.join(root, saver, f"step-{step}")
+            records.append({"step": step, **timed_save(saver, state, path, root)})
+        if rank == 0:  # the self-contained ones are measured: remove them to bound the disk used
+            for saver in ("full", "dcp"):
+                shutil.rmtree(os.path.join(root, saver, f"step-{step}"))
+        dist.barrier()
+    return records
+
+
+def timed_load(state: dict[str, Any], path: str, files: list[str], cold: bool) -> dict[str, Any]:
+    """Zero the state, evict (cold) or read in (warm) ``files`` on rank 0, then one timed ``rayckpt.load``."""
+    import torch.distributed as dist
+
+    import rayckpt
+
+    for t in local_tensors(state):
+        t.zero_()
+    if dist.get_rank() == 0:
+        (evict if cold else warm_up)(files)
+    dist.barrier()
+    t0 = time.perf_counter()
+    info = rayckpt.load(state, path)
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    return {"seconds": seconds, "phases": dict(getattr(info, "phases", None) or {})}
+
+
+def same_bits(state: dict[str, Any], expected: list[Any]) -> int:
+    """Tensors of the state (this rank's parts) that differ bit for bit from ``expected``, summed over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    got = local_tensors(state)
+    bad = sum(not torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, expected, strict=True))
+    count = torch.tensor([bad + (len(got) != len(expected))])
+    dist.all_reduce(count)
+    return int(count.item())
+
+
+def chain_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A chain of incremental saves of the frozen70 state and a self-contained one of its last state, then
+    their loads alternating, cold and warm; this rank's seconds per load."""
+    from benchmarks.common.harness import import_rayckpt
+
+    import_rayckpt()
+    model, moments = build(world, rank, "frozen70", cfg["size_mb"])
+    root, n = cfg["root"], cfg["chain"]
+    saves = []
+    for step in range(1, n + 1):
+        if step > 1:
+            train_step(model, moments)
+        path = os.path.join(root, "chain", f"step-{step}")
+        saves.append({"step": step, **timed_save("incremental", state_of(model, moments, step), path, root)})
+    state = state_of(model, moments, n)
+    saves.append({"step": n, **timed_save("full", state, os.path.join(root, "self", f"step-{n}"), root)})
+    expected = [t.clone() for t in local_tensors(state)]
+    paths = {
+        "chained": os.path.join(root, "chain", f"step-{n}"),
+        "self-contained": os.path.join(root, "self", f"step-{n}"),
+    }
+    files = {
+        "chained": files_under(os.path.join(root, "chain")),
+        "self-contained": files_under(paths["self-contained"]),
+    }
+    timed_load(state, paths["self-contained"], files["self-contained"], True)  # untimed: the first load's costs
+    loads: list[dict[str, Any]] = []
+    checked: dict[str, int] = {}
+    for rep in range(cfg["repeats"]):
+        for cache in ("cold", "warm"):
+            for kind in rotated(("chained", "self-contained"), rep):
+                rec = timed_load(state, paths[kind], files[kind], cache == "cold")
+                if kind not in checked:
+                    checked[kind] = same_bits(state, expected)
+                loads.append({"kind": kind, "cache": cache, "repeat": rep, **rec})
+    return {"saves": saves, "loads": loads, "differing_tensors": checked}
+
+
+def layout_bytes(kind: str, size_mb: float) -> dict[str, int]:
+    """The state's bytes (params of every layer, moments of the trained ones) and its frozen bytes."""
+    lay = layout(kind, size_mb)
+    frozen = sum(4 * (rows * cols + rows) for rows, cols in lay["frozen"])
+    trained = sum(12 * (rows * cols + rows) for rows, cols in lay["trained"])
+    trained += sum(12 * lay["r"] * (rows + cols) for rows, cols in lay["frozen"] if lay["r"])
+    return {"state_bytes": frozen + trained, "frozen_bytes": frozen}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run each state's saves and the chained load on 2 ranks, write the report."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--size-mb", type=float, default=1024, help="each state's size in MiB (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=12, help="saves per saver and state; the first is reported apart")
+    p.add_argument("--repeats", type=int, default=5, help="loads of each checkpoint, cold and warm, in the chain test")
+    p.add_argument("--chain", type=int, default=10, help="incremental saves in the chain that is loaded")
+    p.add_argument("--states", default=",".join(STATES), help="any of " + ", ".join(STATES))
+    p.add_argument("--no-chain", action="store_true", help="skip the chained load")
+    p.add_argument("--out", default="bench_out/incremental")
+    args = p.parse_args(argv)
+    states = [s for s in args.states.split(",") if s]
+    if unknown := set(states) - set(STATES):
+        p.error(f"unknown states: {sorted(unknown)}")
+    if args.steps < 2:
+        p.error("--steps must be at least 2 (the first save and a steady one)")
+    os.makedirs(args.out, exist_ok=True)
+    argv_shown = sys.argv[1:] if argv is None else argv
+    report: dict[str, Any] = {
+        "command": " ".join(["python -m benchmarks.incremental", *argv_shown]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine_info(),
+        "config": vars(args),
+        "layouts": {s: layout_bytes(s, args.size_mb) for s in dict.fromkeys([*states, "frozen70"])},
+        "states": {},
+    }
+    raw: dict[str, Any] = {}
+    with load_sampled(report):
+        for state in states:
+            root = tempfile.mkdtemp(prefix=f"bench-incremental-{state}-", dir=args.out)
+            try:
+                cfg = {"state": state, "size_mb": args.size_mb, "steps": args.steps, "root": root}
+                raw[state] = merge(run_ranks(saves_worker, 2, cfg, timeout=1800))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            report["states"][state] = summarize_state(raw[state])
+            print(f"[incremental] {state}: {report['states'][state]['ratios']}", flush=True)
+        if not args.no_chain:
+            root = tempfile.mkdtemp(prefix="bench-incremental-chain-", dir=args.out)
+            try:
+                cfg = {"size_mb": args.size_mb, "chain": args.chain, "repeats": args.repeats, "root": root}
+                ranks = run_ranks(chain_worker, 2, cfg, timeout=1800)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            chain = {
+                **ranks[0],
+                "loads": merge([r["loads"] for r in ranks]),
+                "saves": merge([r["saves"] for r in ranks]),
+            }
+            raw["chain"] = chain
+            report["chain"] = summarize_chain(chain)
+            print(f"[incremental] chained load: cold {report['chain']['cold']['ratio']:.3f}", flush=True)
+    report["targets"] = targets(report)
+    report["records"] = raw
+    text = markdown(report)
+    write_report(args.out, "incremental", report, text)
+    print(text)
+    return 0
