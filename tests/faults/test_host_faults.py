@@ -184,7 +184,9 @@ def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_ru
     assert s3 is not None and hosts.s3_host is not None
     if victim.ip not in hosts.ray_nodes():  # cut off by the test before
         hosts.start_node(2)
-    job = HostJob(hosts, ["--run-name", "crash", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS], ROOT)
+    # Self-contained saves (--full-every 1): the test watches the PUTs of step EVERY's own directory.
+    flags = ["--run-name", "crash", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS, "--full-every", "1"]
+    job = HostJob(hosts, flags, ROOT)
     s3_ip = hosts.s3_host.ip
     try:
         job.wait_for(f"step 2/{STEPS}")  # nothing on host 2 asks S3 again until the save of step EVERY
@@ -193,7 +195,7 @@ def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_ru
         deadline = time.monotonic() + 60
         while not victim.can_connect(s3_ip, S3_PORT):
             assert time.monotonic() < deadline, "host 2's stand-in for S3 does not listen"
-        saving = f"/{s3.bucket}/runs/crash/.rayckpt-shared/"  # the run's first storage save is step EVERY's
+        saving = f"/{s3.bucket}/runs/crash/{checkpoint_dir_name(EVERY)}/"
         deadline = time.monotonic() + 300
         while len(writing := clients_putting(s3.log_path, saving, "-r0", ".arrow")) < 2:  # the others' shards
             assert time.monotonic() < deadline, f"only {writing} wrote shard files of step {EVERY}"

@@ -13,6 +13,7 @@ import torch
 import rayckpt
 from rayckpt.engine import save_layout
 from rayckpt.engine.coordinator import gather_or_raise
+from rayckpt.engine.increments import FULL
 from rayckpt.errors import PeerLostError, RayckptError, SaveFailedError
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.multiproc import RankFailure, run_ranks
@@ -95,8 +96,8 @@ class BrokenCollective:
         # With no gather/scatter of its own each planning round is two all-gathers: the ranks'
         # parts (rank 1 ignores rank 0's), then rank 0's answers (rank 1 takes its own).
         assert self.calls <= PLAN_CALLS, "rank 1's fake rank 0 only takes part in agreeing on the plan"
-        if self.calls == 2:  # the save id, no cached plan, the nodes, the block size
-            return [[(True, ("20260101T000000-0badc0de", None, None, ("",), 65536))] * 2, None]
+        if self.calls == 2:  # the save id, not incremental, no cached plan, the nodes, the block size
+            return [[(True, ("20260101T000000-0badc0de", None, FULL, None, ("",), 65536))] * 2, None]
         if self.calls == 4:  # rank 0 holds nothing: rank 1 writes both its shards (a bit each)
             return [[(True, (b"", np.packbits(np.ones(2, dtype=bool)).tobytes()))] * 2, None]
         return [None, obj]

@@ -84,6 +84,7 @@ def toy_train_loop(config: dict[str, Any]) -> None:
         commit_timeout_s=timeout,
         memory_every=memory_every,
         memory_skip_busy=False,  # every memory save happens: the tests know which steps are held
+        incremental=config.get("incremental", True),
     )
     restored = ckpt.restore(state)
     step = app.extras["step"] if restored is not None else 0

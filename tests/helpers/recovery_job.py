@@ -141,7 +141,10 @@ def start_prompt_coordinator() -> None:
 def train_config(out: str, name: str, steps: int = STEPS, save_at: list[int] = SAVE_AT, **extra: Any) -> dict[str, Any]:
     scenario_out = os.path.join(out, name)
     os.makedirs(scenario_out)
-    return {"steps": steps, "save_at": save_at, "out": scenario_out, "commit_timeout_s": COMMIT_TIMEOUT_S, **extra}
+    # Self-contained saves: the gated storage holds a save by its checkpoint directory's name, and the
+    # scenarios count each checkpoint's own files (incremental saves under faults: tests/faults, tests/ray).
+    config = {"steps": steps, "save_at": save_at, "out": scenario_out, "commit_timeout_s": COMMIT_TIMEOUT_S}
+    return {**config, "incremental": False, **extra}
 
 
 def fit(name: str, config: dict[str, Any], storage: str, scaling: ScalingConfig, fs: Any = None) -> None:

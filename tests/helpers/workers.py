@@ -114,7 +114,7 @@ def failing_save_worker(rank: int, world_size: int, path: str, where: str) -> st
     if rank == 1 and where == "write":
         real = writer.write_shard_file
 
-        def disk_full(ckdir, rel, chunks, block_size, save_id):
+        def disk_full(ckdir, rel, chunks, block_size, save_id, fingerprints=False):
             with ckdir.open_output(rel) as out:  # leave a partial file behind
                 out.write(b"ARROW1\x00\x00partial")
             raise OSError(28, "No space left on device")

@@ -103,10 +103,18 @@ def test_job_saves_with_4_workers_and_resumes_with_3_on_s3(cluster, s3_server, s
     manifest = read_json(s3_server, f"{s3_prefix}/{run}/{checkpoint_dir_name(10)}/manifest.json")
     assert manifest["user_metadata"]["hparams"]["schedule_steps"] == 8, "the first launch's LR schedule kept"
 
-    # Retention deleted steps 2 and 4 whole; every object left belongs to a kept checkpoint or is Ray's record.
+    # Retention deleted steps 2 and 4 whole; every object left belongs to a kept checkpoint, is a file of the
+    # shared store of incremental saves that a kept checkpoint names (or that the next collection removes:
+    # retention deletes a directory after the commit that collected), or is Ray's record.
     kept = {checkpoint_dir_name(step) for step in (6, 8, 10)}
     left = objects_under(s3_server, f"{s3_prefix}/{run}")
-    assert {name.split("/")[0] for name in left} == kept | RAY_TRAIN_RECORDS, left
+    assert {name.split("/")[0] for name in left} == kept | RAY_TRAIN_RECORDS | {".rayckpt-shared"}, left
+    named = set()
+    for name in kept:
+        m = read_json(s3_server, f"{s3_prefix}/{run}/{name}/manifest.json")
+        named |= {f["path"].split("/")[-1] for f in m["files"] if f["path"].startswith("../.rayckpt-shared/")}
+        assert rayckpt_main(["verify", s3_server.uri(f"{s3_prefix}/{run}/{name}")]) == 0, name
+    assert named <= {name.split("/")[-1] for name in left if name.startswith(".rayckpt-shared/")}
     for step in (2, 4):
         assert not s3_server.exists(f"{s3_prefix}/{run}/{checkpoint_dir_name(step)}"), step
     for name in kept:
