@@ -147,7 +147,7 @@ def write_chunks(
         store_of(ckdir).sync_dir()  # the files' directory entries, before the commit names them
     written = [record for records, _ in results for record in records] + [b.chunk for b in shared]
     files = [entry for _, entry in results] + list({b.file.path: b.file for b in shared}.values())
-    return WrittenShard(rank, tuple(written), tuple(files))
+    return WrittenShard(rank, tuple(written), tuple(files), save_id)
 
 
 def write_share(

@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 from ..errors import CorruptCheckpointError, SaveFailedError
 from ..format.chunk_columns import ChunkColumns
 from ..format.chunk_rows import ChunkRows
-from ..format.file_paths import is_shared
+from ..format.file_paths import is_shared, written_bytes
 from ..format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -78,10 +78,13 @@ class WrittenShard:
     rank: int
     chunks: tuple[WrittenChunk, ...]
     files: tuple[FileEntry, ...]
+    #: The save's id: an incremental save's ``files`` also name the shared files earlier saves wrote.
+    save_id: str = ""
 
     @property
     def nbytes(self) -> int:
-        return sum(f.size for f in self.files)
+        """Bytes of the files this rank wrote for the save (not those it shares)."""
+        return written_bytes(self.save_id, self.files)
 
 
 def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from ...bounded import BoundedMap
+from ...format.file_paths import written_bytes
 from ...planning.load_plan import TensorRequest
 from ...redaction import redact
 from ...storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
@@ -216,13 +217,14 @@ class MetadataActor(OperatorViews):
         known = self._tracker.entry(target.save_id)
         now = time.time()
         self._log.heard(target.save_id, known.run or target.run, known.step, now - seconds)
-        self._log.written(target.save_id, now, seconds, shard.nbytes)
+        nbytes = written_bytes(target.save_id, shard.files)  # not the files it shares with earlier saves
+        self._log.written(target.save_id, now, seconds, nbytes)
         if known.status != FAILED:  # a failed save's files are removed: not counted as written
             run, tier = run_and_tier(known.run or target.run)
             metrics.observe("rayckpt_persist_seconds", seconds, run=run, tier=tier)
-            metrics.inc("rayckpt_bytes_written", shard.nbytes, run=run, tier=tier)
+            metrics.inc("rayckpt_bytes_written", nbytes, run=run, tier=tier)
             if seconds > 0:
-                self._gauges.throughput(known.run or target.run, shard.nbytes / seconds)
+                self._gauges.throughput(known.run or target.run, nbytes / seconds)
                 self._keep_gauges()
         settled = await asyncio.to_thread(self._tracker.report_written, target, shard, node)
         if self._restarted_since(target.incarnation):
