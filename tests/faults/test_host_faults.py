@@ -175,26 +175,31 @@ def test_a_host_cut_off_mid_run_is_declared_dead_and_the_rest_restore_its_share_
 def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_run_restores_from_replicas(
     hosts: RayHosts,
 ):
-    """Host 2 reaches, at the S3 host's address, a server of its own that accepts and never answers, so its share
-    of the storage save of step ``EVERY`` stays in flight while the other hosts' shares reach S3; then every
-    process of host 2 is killed. The save fails and is rolled back (the other ranks' files removed from S3), the
-    host comes back (a reboot: a new Ray node), and the group of three restores the newest memory checkpoint,
-    host 2's share from the replica a peer holds, and ends bit-identical to the uninterrupted run."""
-    victim, s3 = hosts[2], hosts.s3
+    """A host that does not run rank 0 (host 2, else host 1) reaches, at the S3 host's address, a server of its own
+    that accepts and never answers, so its share of the storage save of step ``EVERY`` stays in flight while the
+    other hosts' shares reach S3; then every process of that host is killed. The save fails and is rolled back (the
+    other ranks' files removed from S3), the host comes back (a reboot: a new Ray node), and the group of three
+    restores the newest memory checkpoint, that host's share from the replica a peer holds, and ends bit-identical
+    to the uninterrupted run."""
+    s3 = hosts.s3
     assert s3 is not None and hosts.s3_host is not None
-    if victim.ip not in hosts.ray_nodes():  # cut off by the test before
+    if hosts[2].ip not in hosts.ray_nodes():  # cut off by the test before
         hosts.start_node(2)
     # Self-contained saves (--full-every 1): the test watches the PUTs of step EVERY's own directory.
     flags = ["--run-name", "crash", "--num-workers", "3", "--storage-path", uri(hosts, ""), *FLAGS, "--full-every", "1"]
     job = HostJob(hosts, flags, ROOT)
     s3_ip = hosts.s3_host.ip
     try:
-        job.wait_for(f"step 2/{STEPS}")  # nothing on host 2 asks S3 again until the save of step EVERY
+        _, line = job.wait_for(f"step 2/{STEPS}")  # rank 0's line: nothing else asks S3 until step EVERY's save
+        # Rank 0 claims each save's location on S3 first: the host crashed must not be rank 0's (Ray Train
+        # orders the ranks by the order its workers started), else the claim waits at the stand-in forever.
+        index = 1 if f"ip={hosts[2].ip})" in line else 2
+        victim = hosts[index]
         address(victim, "add", s3_ip)
         victim.popen([sys.executable, "-c", TARPIT, s3_ip, str(S3_PORT)])
         deadline = time.monotonic() + 60
         while not victim.can_connect(s3_ip, S3_PORT):
-            assert time.monotonic() < deadline, "host 2's stand-in for S3 does not listen"
+            assert time.monotonic() < deadline, f"host {index}'s stand-in for S3 does not listen"
         saving = f"/{s3.bucket}/runs/crash/{checkpoint_dir_name(EVERY)}/"
         deadline = time.monotonic() + 300
         while len(writing := clients_putting(s3.log_path, saving, "-r0", ".arrow")) < 2:  # the others' shards
@@ -203,7 +208,7 @@ def test_a_host_crashed_mid_save_fails_that_save_leaves_nothing_on_s3_and_the_ru
         crashed = time.time()
         victim.crash()
         address(victim, "del", s3_ip)
-        hosts.start_node(2)
+        hosts.start_node(index)
         _, restart = job.wait_for("restart 1:", timeout=400)
         done = summary(completed(job, job.finish()))
     finally:
