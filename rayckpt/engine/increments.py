@@ -159,23 +159,31 @@ def base_records(key: str, rank: int, base: str) -> Records | None:
 
 
 def remember(
-    key: str, rank: int, save_id: str, shard: WrittenShard, block_size: int, dtypes: Mapping[str, str]
+    key: str,
+    rank: int,
+    save_id: str,
+    shard: WrittenShard,
+    block_size: int,
+    dtypes: Mapping[str, str],
+    base: Records | None,
 ) -> None:
     """Keep the records of what ``rank`` wrote (or shared) for ``save_id``: a later save's base.
 
-    ``dtypes``: each key's dtype; a shared chunk keeps the payload its base recorded for its file.
+    ``dtypes``: each key's dtype; ``base``: the records the save was written against (a shared chunk keeps
+    the payload its base recorded for its file).
     """
     files = {f.path: f for f in shard.files}
     payload: dict[str, int] = {}
     for c in shard.chunks:
         payload[c.file] = payload.get(c.file, 0) + c.byte_length
-    base = {b.file.path: b.file_payload for b in _base_of(key, rank, shard)}
+    # A file the shard shares is a base record's: the payload it was written with travels on.
+    payloads = {b.file.path: b.file_payload for b in (base or {}).values()}
     records = {
         (c.key, c.box.offsets, c.box.sizes): BaseChunk(
             chunk=c,
             dtype=dtypes[c.key],
             file=files[c.file],
-            file_payload=base.get(c.file, payload[c.file]),
+            file_payload=payloads.get(c.file, payload[c.file]),
             block_size=block_size,
         )
         for c in shard.chunks
@@ -185,15 +193,6 @@ def remember(
         saves = BoundedMap(RECORDS_KEPT)
         _WRITTEN.put((key, rank), saves)
     saves.put(save_id, records)
-
-
-def _base_of(key: str, rank: int, shard: WrittenShard) -> list[BaseChunk]:
-    """The records of ``rank``'s earlier saves that ``shard`` shares chunks with (their files' payloads)."""
-    saves = _WRITTEN.get((key, rank))
-    if saves is None:
-        return []
-    shared = {c.file for c in shard.chunks}
-    return [b for records in saves.values() for b in records.values() if b.file.path in shared]
 
 
 def split_unchanged(

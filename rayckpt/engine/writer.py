@@ -174,7 +174,7 @@ def write_share(
     shard = write_chunks(
         ckdir, chunks, save_id, rank, block_size, written_files, max_parts, incremental=True, base=base
     )
-    remember(key, rank, save_id, shard, block_size, {c.key: c.dtype for c in chunks})
+    remember(key, rank, save_id, shard, block_size, {c.key: c.dtype for c in chunks}, base)
     return shard
 
 
