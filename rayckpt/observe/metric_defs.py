@@ -98,6 +98,13 @@ METRICS: tuple[MetricDef, ...] = (
         "Memory saves not made: busy (the one before was unwritten) or no_room (sent to storage instead)",
         ("run", "reason"),
     ),
+    _d(
+        "rayckpt_run_active",
+        GAUGE,
+        "1 while the run's rank 0 is alive (set again every second; gone within Ray's export interval "
+        "after it ends): a finished run's checkpoint age alerts nobody",
+        ("run",),
+    ),
     # the memory tier, per node
     _d(
         "rayckpt_memory_held_bytes",
