@@ -5,7 +5,7 @@ query is built from that definition (``exported()`` names: ``_bucket`` for quant
 ``_total`` for counters), so a metric renamed or dropped from ``metric_defs`` fails
 generation with a ``KeyError`` rather than leaving a panel that shows nothing. A query
 grouping by a tag its metric does not have fails too (``ValueError``). A panel's unit
-is its first metric's ``unit`` unless the panel names one (a rate of bytes is ``Bps``).
+is its first metric's ``unit`` unless the panel names one.
 
 Variables, as Ray's own dashboards have them: a hidden ``datasource`` (Prometheus),
 ``SessionName``, ``run`` and ``node``. Every query filters ``SessionName=~"$SessionName"``,
@@ -16,6 +16,13 @@ read from ``RAY_GRAFANA_RAYCKPT_DASHBOARD_GLOBAL_FILTERS`` (comma-separated) as 
 variables' queries too. ``RAY_GRAFANA_CLUSTER_FILTER`` is not a query filter: Ray's
 dashboard UI adds it as ``var-Cluster`` to the address of the Ray dashboards it embeds,
 which this one is not; to select one cluster of a shared Prometheus, set a global filter.
+
+Counts (``increase``, ``count``, ``quantile``) treat a series' first sample as its increase from zero.
+Ray exports a counter or histogram series from its first event on, so its first sample already holds
+that event (a restore, once per worker start), and ``increase()`` alone never counts a series' first
+sample: a one-time event would never show. ``increased`` adds the value of every series that is new
+within the window, where its target was scraped before the window (``up offset``): so a series new
+only to Prometheus (a Prometheus started beside a running cluster) does not show all its history at once.
 
 ``install`` writes the JSON where Ray's metrics head points Grafana's dashboard
 provisioning (``dashboards_folder``: ``RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR``, else
@@ -44,6 +51,9 @@ DATASOURCE = "${datasource}"
 RATE_WINDOW = "$__rate_interval"
 #: Labels Ray's export puts on every metric (beside a metric's own tags) that queries use.
 RAY_LABELS = ("SessionName",)
+#: What Prometheus itself adds that queries use: each target's ``instance`` label and its ``up`` series.
+PROMETHEUS_LABELS = ("instance",)
+PROMETHEUS_SERIES = ("up",)
 #: Any rayckpt series: what the variables list their values from.
 ANY_METRIC = '__name__=~"ray_rayckpt_.+"'
 
@@ -53,7 +63,7 @@ _PANEL_HEIGHT = 8
 
 @dataclass(frozen=True, kw_only=True)
 class Query:
-    """One target: ``how`` (``quantile``, ``rate``, ``increase``, ``count``, ``gauge``, ``age``) applied to
+    """One target: ``how`` (``quantile``, ``increase``, ``count``, ``gauge``, ``age``) applied to
     metric ``name`` (its ``MetricDef.name``), aggregated ``by`` these tags; ``q`` for a quantile."""
 
     how: str
@@ -71,14 +81,13 @@ class Query:
         by = ", ".join(self.by)
         if self.how == "quantile":
             _need(m, HISTOGRAM)
-            inner = f"rate({_series(m, 'bucket', filters)}[{RATE_WINDOW}])"
-            return f"histogram_quantile({self.q}, sum by (le, {by}) ({inner}))"
-        if self.how in ("rate", "increase"):
+            return f"histogram_quantile({self.q}, sum by (le, {by}) ({increased(_series(m, 'bucket', filters))}))"
+        if self.how == "increase":
             _need(m, COUNTER)
-            return f"sum by ({by}) ({self.how}({_series(m, '', filters)}[{RATE_WINDOW}]))"
+            return f"sum by ({by}) ({increased(_series(m, '', filters))})"
         if self.how == "count":
             _need(m, HISTOGRAM)
-            return f"sum by ({by}) (increase({_series(m, 'count', filters)}[{RATE_WINDOW}]))"
+            return f"sum by ({by}) ({increased(_series(m, 'count', filters))})"
         if self.how == "gauge":
             _need(m, GAUGE)
             return f"max by ({by}) ({_series(m, '', filters)})"
@@ -86,6 +95,16 @@ class Query:
             _need(m, GAUGE)
             return f"time() - max by ({by}) ({_series(m, '', filters)})"
         raise ValueError(f"unknown query kind {self.how!r}")
+
+
+def increased(selector: str, window: str = RATE_WINDOW) -> str:
+    """How much each counter series of ``selector`` grew over ``window``, its first sample counted from zero.
+
+    ``increase()`` for the series that existed before the window; for a series new within it, its value
+    (it began at zero with its first event), where its target (``instance``) was scraped before the window.
+    """
+    new = f"(({selector} unless {selector} offset {window}) and on (instance) (up offset {window}))"
+    return f"({new} or increase({selector}[{window}]))"
 
 
 def _need(m: MetricDef, kind: str) -> None:
@@ -156,9 +175,8 @@ PANELS: tuple[PanelDef, ...] = (
     PanelDef(
         row="Saves",
         title="Bytes written per tier",
-        description="How many shard bytes per second saves write to each tier.",
-        queries=(_query("rate", "rayckpt_bytes_written", RT, "{{run}} {{tier}}"),),
-        unit="Bps",
+        description="How many shard bytes saves wrote to each tier (per rate interval).",
+        queries=(_query("increase", "rayckpt_bytes_written", RT, "{{run}} {{tier}}"),),
     ),
     PanelDef(
         row="Saves",
@@ -250,12 +268,12 @@ PANELS: tuple[PanelDef, ...] = (
     PanelDef(
         row="Loads",
         title="Bytes read and needed",
-        description="How many bytes loads read against how many their targets needed (the gap is read waste).",
+        description="How many bytes loads read against how many their targets needed (the gap is read waste; "
+        "per rate interval).",
         queries=(
-            _query("rate", "rayckpt_bytes_read", ("run",), "read {{run}}"),
-            _query("rate", "rayckpt_bytes_needed", ("run",), "needed {{run}}"),
+            _query("increase", "rayckpt_bytes_read", ("run",), "read {{run}}"),
+            _query("increase", "rayckpt_bytes_needed", ("run",), "needed {{run}}"),
         ),
-        unit="Bps",
         width=12,
     ),
 )

@@ -155,7 +155,7 @@ class AsyncSaver:
             ) from exc
         stall = time.perf_counter() - start
         run_name, tier = run_and_tier(run)
-        metrics.observe("rayckpt_save_stall_seconds", stall, run=run_name, tier=tier, rank=ctx.rank)
+        metrics.send("rayckpt_save_stall_seconds", stall, run=run_name, tier=tier, rank=ctx.rank)
         self.inflight = SaveHandle(
             target,
             ckdir,

@@ -83,9 +83,9 @@ def load(
         state_dict, checkpoint_id, strict=strict, coordinator=coord, filesystem=filesystem, plan_source=plan_source
     )
     name = run_and_tier(run)[0]  # a memory checkpoint's run is tracked as <run>@memory: its metrics are the run's
-    metrics.observe("rayckpt_load_seconds", time.perf_counter() - start, run=name, rank=coord.rank)
-    metrics.inc("rayckpt_bytes_read", info.bytes_read, run=name, rank=coord.rank)
-    metrics.inc("rayckpt_bytes_needed", info.bytes_needed, run=name, rank=coord.rank)
-    metrics.inc("rayckpt_bytes_fetched", info.bytes_fetched, run=name, rank=coord.rank)
-    metrics.inc("rayckpt_read_requests", info.requests, run=name, rank=coord.rank)
+    metrics.send("rayckpt_load_seconds", time.perf_counter() - start, run=name, rank=coord.rank)
+    metrics.send("rayckpt_bytes_read", info.bytes_read, run=name, rank=coord.rank)
+    metrics.send("rayckpt_bytes_needed", info.bytes_needed, run=name, rank=coord.rank)
+    metrics.send("rayckpt_bytes_fetched", info.bytes_fetched, run=name, rank=coord.rank)
+    metrics.send("rayckpt_read_requests", info.requests, run=name, rank=coord.rank)
     return info

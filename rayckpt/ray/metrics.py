@@ -3,15 +3,27 @@
 Names start with ``rayckpt_``; Ray's Prometheus export shows them as
 ``ray_rayckpt_*``. Every call passes each of the metric's tags (a missing one is
 exported empty). Outside a Ray worker or driver the calls do nothing.
+
+Where an event is recorded decides whether a dashboard sees it. Ray sends a
+process's metrics to its node's export port every report interval (10 s by
+default), so a training worker killed, or ended by Ray Train, loses what it
+recorded since its last report. Events of a training worker (a save's stall, a
+restore, a load) therefore go to the MetadataActor, which lives on the head node
+for the cluster's life and records them (``send``). A gauge that says a process
+lives is set again every second from that process (``keep_set``): Ray's export
+drops a gauge that is not set for two report intervals.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+import weakref
 from typing import Any
 
 from ..observe.metric_defs import COUNTER, GAUGE, HISTOGRAM, SECONDS_BUCKETS, metric
+from .actors import METADATA_ACTOR_NAME, NAMESPACE
 
 logger = logging.getLogger(__name__)
 
@@ -77,3 +89,63 @@ def start_at_zero(name: str, **tags: Any) -> None:
         made._record(0.0, tags=_tags(name, tags))
     except Exception as exc:  # noqa: BLE001 - a metric never fails a save
         logger.debug("rayckpt: cannot export %s at 0: %s", name, exc)
+
+
+def record(name: str, value: float, **tags: Any) -> None:
+    """``inc`` a counter, ``observe`` a histogram or gauge: what ``name``'s kind takes."""
+    if metric(name).kind == COUNTER:
+        inc(name, value, **tags)
+    else:
+        observe(name, value, **tags)
+
+
+def send(name: str, value: float, **tags: Any) -> None:
+    """Record an event of a training worker on the MetadataActor (``MetadataActor.record_metric``, not
+    waited for); here when there is no MetadataActor (nothing of rayckpt's runs on this cluster yet)."""
+    import ray
+
+    if not ray.is_initialized() or (metric(name).kind == COUNTER and value <= 0):
+        return
+    try:
+        actor = ray.get_actor(METADATA_ACTOR_NAME, namespace=NAMESPACE)
+    except ValueError:  # none by that name
+        record(name, value, **tags)
+        return
+    actor.record_metric.remote(name, float(value), _tags(name, tags))
+
+
+#: Every second, ``_keep_setting`` sets these gauges again while their owner lives: (name, tags) -> (value, owner).
+_KEPT: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, weakref.ref]] = {}
+_KEEPER: list[threading.Thread] = []
+KEEP_SET_EVERY_S = 1.0
+
+
+def keep_set(name: str, value: float, owner: object, **tags: Any) -> None:
+    """Set gauge ``name`` now and again every ``KEEP_SET_EVERY_S`` while ``owner`` lives in this process.
+
+    Ray's export drops a gauge not set for two report intervals, so the gauge is exported while both
+    the owner and its process live, and is gone from the export port that long after either ends.
+    """
+    if _get(name) is None:
+        return
+    key = (name, tuple(sorted(_tags(name, tags).items())))
+    with _LOCK:
+        _KEPT[key] = (value, weakref.ref(owner))
+        if not _KEEPER or not _KEEPER[0].is_alive():
+            _KEEPER[:] = [threading.Thread(target=_keep_setting, name="rayckpt-gauges", daemon=True)]
+            _KEEPER[0].start()
+    observe(name, value, **tags)
+
+
+def _keep_setting() -> None:
+    while True:
+        time.sleep(KEEP_SET_EVERY_S)
+        with _LOCK:
+            live = {k: v for k, v in _KEPT.items() if v[1]() is not None}
+            _KEPT.clear()
+            _KEPT.update(live)
+            if not live:
+                _KEEPER.clear()
+                return
+        for (name, tags), (value, _) in live.items():
+            observe(name, value, **dict(tags))

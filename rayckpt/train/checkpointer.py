@@ -150,7 +150,7 @@ class Checkpointer:
         #: Rank 0: worker groups of this Ray Train run started before this one (0: the first); else ``None``.
         self.restarts: int | None = None
         if self.rank == 0:
-            restore_report.start_counters(self.run)
+            metrics.keep_set("rayckpt_run_active", 1, self, run=self.run)  # while this rank 0 lives
             self.restarts = ray.get(
                 get_metadata_actor().begin_attempt.remote(self.run, attempt_key(self.run), ctx.get_world_size())
             )
@@ -271,10 +271,10 @@ class Checkpointer:
         if skip:
             self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
             if self.rank == 0:
-                metrics.inc("rayckpt_memory_saves_skipped", run=self.run, reason="busy")
+                metrics.send("rayckpt_memory_saves_skipped", 1, run=self.run, reason="busy")
             return None
         if short and self.rank == 0:
-            metrics.inc("rayckpt_memory_saves_skipped", run=self.run, reason="no_room")
+            metrics.send("rayckpt_memory_saves_skipped", 1, run=self.run, reason="no_room")
         self.memory.tell(self.run, step, short, why, self.rank)
         return STORAGE if short else MEMORY
 

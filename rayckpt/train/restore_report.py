@@ -3,7 +3,8 @@
 A restore: ``rayckpt_restore_seconds`` by the tier restored from, ``rayckpt_restored_bytes`` by where the
 bytes came from (this node's memory, a peer's, storage), and the MetadataActor's ``restored`` event
 (``rayckpt status`` lists it). A checkpoint passed over: ``rayckpt_restore_fallbacks`` and a
-``restore_fallback`` event.
+``restore_fallback`` event. The metrics are recorded by the MetadataActor (``metrics.send``): a restore
+happens once, as a worker starts, and must reach the export port even when the worker dies soon after.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ logger = logging.getLogger("rayckpt.train.checkpointer")
 def restored(run: str, rank: int, world_size: int, done: dict[str, Any], seconds: float) -> None:
     """Rank ``rank`` of ``world_size`` restored ``done`` (``Checkpointer.restored_from``) in ``seconds``."""
     tier, nbytes, peer = done["tier"], done["bytes_read"], done["peer_bytes"]
-    metrics.observe("rayckpt_restore_seconds", seconds, run=run, tier=tier)
+    metrics.send("rayckpt_restore_seconds", seconds, run=run, tier=tier)
     local = (MEMORY + "_local") if tier == MEMORY else STORAGE
-    metrics.inc("rayckpt_restored_bytes", nbytes - peer, run=run, tier=local)
+    metrics.send("rayckpt_restored_bytes", nbytes - peer, run=run, tier=local)
     if peer:
-        metrics.inc("rayckpt_restored_bytes", peer, run=run, tier=MEMORY + "_peer")
+        metrics.send("rayckpt_restored_bytes", peer, run=run, tier=MEMORY + "_peer")
     logger.info("rayckpt: rank %d restored step %s from %s (%s)", rank, done["step"], done["path"], tier)
     if rank == 0:
         event = {**done, "seconds": seconds, "world_size": world_size}
@@ -43,12 +44,5 @@ def fell_back(run: str, passed: dict[str, Any]) -> None:
         passed["next_step"],
         passed["next"],
     )
-    metrics.inc("rayckpt_restore_fallbacks", run=run)
+    metrics.send("rayckpt_restore_fallbacks", 1, run=run)
     get_metadata_actor().record_event.remote(run, "restore_fallback", passed)
-
-
-def start_counters(run: str) -> None:
-    """Rank 0: export the run's counters of rare events at 0 (``metrics.start_at_zero``)."""
-    metrics.start_at_zero("rayckpt_restore_fallbacks", run=run)
-    for why in ("busy", "no_room"):
-        metrics.start_at_zero("rayckpt_memory_saves_skipped", run=run, reason=why)

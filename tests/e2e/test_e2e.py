@@ -20,11 +20,13 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 
 from rayckpt.observe import dashboard
-from tests.helpers.promql import missing_from_export
+from tests.helpers.prometheus import HOW_TO_RUN, SCRAPE_INTERVAL_S, prometheus
+from tests.helpers.promql import missing_from_export, substituted
 from tests.helpers.ray_head import ROOT, TINY, error_line, get, ray_head, submit, submit_and_kill_a_worker, train_py
 
 pytestmark = pytest.mark.slow
@@ -100,16 +102,49 @@ def test_a_head_that_died_without_ray_stop_is_found_out_in_seconds_not_waited_fo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupted_loss(cluster, tmp_path):
-    storage = str(tmp_path / "ckpts")
+@pytest.fixture(scope="module", autouse=True)
+def watching(cluster, tmp_path_factory):
+    """A real Prometheus scraping the cluster through Ray's service-discovery file from before its first job;
+    None where there is no ``prometheus`` (the test of the dashboard then skips, saying how to get it)."""
+    if shutil.which("prometheus") is None:
+        yield None
+        return
+    with prometheus(cluster, str(tmp_path_factory.mktemp("prometheus"))) as server:
+        yield server
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The jobs of ``runs``: each job's summary, the killed job's output and the pid killed, when they ran."""
+
+    plain: dict
+    killed: dict
+    resumed: dict
+    logs: str
+    pid: int
+    began: float
+
+
+@pytest.fixture(scope="module")
+def runs(cluster, watching, tmp_path_factory):
+    """Two runs of the main job side by side, one of them with a worker SIGKILLed mid-run (2 + 2 of the 8
+    CPUs), then the other resumed with 3 workers: saves, a restart that restores, a resume that reshards."""
+    storage = str(tmp_path_factory.mktemp("ckpts"))
     flags = ["--num-workers", "2", "--steps", "16", "--checkpoint-every", "4", "--storage-path", storage, *TINY]
-    # The uninterrupted run, the reference, is a job of its own beside the killed one (2 + 2 of the 8 CPUs).
+    began = time.time()
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(submit, cluster, *flags, "--run-name", "plain")
         # a worker is SIGKILLed 0.3 s after the step-4 checkpoint's manifest is in storage
         step_4 = os.path.join(storage, "killed", "rayckpt-step-00000004", "manifest.json")
         killed, logs, pid = submit_and_kill_a_worker(cluster, step_4, *flags, "--run-name", "killed", delay=0.3)
         plain, _ = reference.result()
+    more = ["--num-workers", "3", "--steps", "18", "--resume", "--run-name", "plain"]
+    resumed, _ = submit(cluster, *more, "--checkpoint-every", "4", "--storage-path", storage, *TINY)
+    return Runs(plain=plain, killed=killed, resumed=resumed, logs=logs, pid=pid, began=began)
+
+
+def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupted_loss(cluster, runs):
+    plain, killed, logs, pid = runs.plain, runs.killed, runs.logs, runs.pid
     assert plain["restarts"] == 0 and plain["final_step"] == 16
     assert killed["restarts"] == 1 and killed["final_step"] == 16 and killed["num_workers"] == 2
     # The job's memory tier (--memory-every 1) saves every step, the storage steps (every 4th) to both
@@ -151,6 +186,77 @@ def test_a_worker_killed_mid_run_restarts_and_the_job_ends_with_the_uninterrupte
     (run,) = [r for r in json.loads(done.stdout)["runs"] if r["run"] == "killed"]
     assert run["tiers"]["storage"]["step"] == 16 and run["restarts"] == 1
     assert [(r["step"], r["tier"]) for r in run["restores"]] == [(resumed, killed["restored_tier"])]
+    # The reference run, resumed by 3 workers from what 2 saved.
+    assert runs.resumed["resumed_from"] == 16 and runs.resumed["num_workers"] == 3
+    assert runs.resumed["final_step"] == 18
+
+    # The Ray dashboard's Actors page: rayckpt's actors say what they are in its Repr column.
+    from ray.util.state import list_actors
+
+    alive = list_actors(address=cluster.dashboard, filters=[("state", "=", "ALIVE")], detail=True)
+    reprs = {a.class_name: a.repr_name for a in alive if a.class_name in ("MetadataActor", "ShardWriter")}
+    assert re.fullmatch(r"MetadataActor\(incarnation=[0-9a-f]{12}, commit_timeout=\d+s\)", reprs["MetadataActor"])
+    assert re.fullmatch(r"ShardWriter\(node=[0-9a-f]{12}, staging=\S+, memory_budget=[\d.]+GiB\)", reprs["ShardWriter"])
+
+
+#: The panels that count events (restores, loads, stalls), by title: the runs' events they must show.
+EVENT_PANELS = (
+    "Save stall per rank (p50, p95)",
+    "Restores by tier",
+    "Restore time by tier (p50, p95)",
+    "Restored bytes by tier",
+    "Load time (p95)",
+    "Bytes read and needed",
+)
+
+
+def panel_values(server, exprs: tuple[str, ...], start: float, end: float) -> list[tuple[dict, float]]:
+    """Each series of each query over ``start``..``end`` with Grafana's variables at "All": (labels, its
+    largest value), NaN values left out."""
+    out = []
+    for expr in exprs:
+        for series in server.query_range(substituted(expr), start, end, step=SCRAPE_INTERVAL_S):
+            values = [float(v) for _, v in series["values"] if v not in ("NaN", "+Inf", "-Inf")]
+            if values:
+                out.append((series["metric"], max(values)))
+    return out
+
+
+def dashboard_gaps(server, runs: Runs) -> list[str]:
+    """What the dashboard fails to show of ``runs``: a panel without data, an event panel at zero for a run."""
+    start, end = runs.began - 10, time.time()
+    gaps = []
+    for _, title, _, exprs in dashboard.panels([]):
+        values = panel_values(server, exprs, start, end)
+        if not values:
+            gaps.append(f"{title}: no data")
+        if title in EVENT_PANELS:
+            for run in ("plain", "killed"):
+                if not any(labels.get("run") == run and v > 0 for labels, v in values):
+                    gaps.append(f"{title}: nothing above 0 for run {run}: {values}")
+    return gaps
+
+
+def test_the_dashboard_shows_the_saves_restores_and_loads_that_happened(runs, watching):
+    """Every panel of the Grafana dashboard, evaluated by a real Prometheus that scraped the cluster every 2 s
+    while the jobs ran, has data; the restore, load and stall panels count the runs' events (a restore
+    happens once, as a worker starts: the panels must count a series' first sample)."""
+    if watching is None:
+        pytest.skip(HOW_TO_RUN)
+    (count,) = [exprs for _, title, _, exprs in dashboard.panels([]) if title == "Restores by tier"]
+    deadline = time.monotonic() + 90  # Ray reports each process's metrics every 10 s: a bound, not a timing
+    while True:
+        gaps = dashboard_gaps(watching, runs)
+        restores = {
+            (labels["run"], labels["tier"]): round(v, 3)
+            for labels, v in panel_values(watching, count, runs.began - 10, time.time())
+        }
+        # Each worker that restored counted once: the killed run's 2 after its restart, the resumed run's 3.
+        wanted = {("killed", runs.killed["restored_tier"]): 2, ("plain", runs.resumed["restored_tier"]): 3}
+        if not gaps and all(restores.get(k) == n for k, n in wanted.items()):
+            break
+        assert time.monotonic() < deadline, "\n".join([*gaps, f"restores {restores}, wanted {wanted}"])
+        time.sleep(2)
 
 
 def test_a_submission_the_dashboard_took_is_followed_to_its_end(cluster):

@@ -7,6 +7,8 @@ import re
 
 import promql_parser
 
+from rayckpt.observe.dashboard import PROMETHEUS_LABELS, PROMETHEUS_SERIES
+
 #: Grafana's variables as a query runs with "All" selected (and the interval it picks).
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$SessionName": ".*", "$run": ".*", "$node": ".*", "$tier": ".*"}
 
@@ -75,7 +77,8 @@ def missing_from_export(exprs: list[str], text: str, run: str) -> list[str]:
     missing = []
     for expr in exprs:
         names, labels = names_and_labels(expr)
-        for name in sorted(names):
+        labels -= set(PROMETHEUS_LABELS)
+        for name in sorted(names - set(PROMETHEUS_SERIES)):  # Prometheus's own, never on Ray's export
             samples = series.get(name, [])
             if any("run" in s for s in samples):
                 samples = [s for s in samples if s.get("run") == run]

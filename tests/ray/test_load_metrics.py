@@ -1,4 +1,5 @@
-"""The load's per-rank read figures reach Ray's metrics, tagged by run and rank."""
+"""The load's per-rank figures go to Ray's metrics through the MetadataActor (``metrics.send``), tagged by run and
+rank; that they reach a real Prometheus is tests/e2e/test_e2e.py's."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ def test_load_records_requests_and_bytes_per_rank(ray_session, tmp_path, monkeyp
     rayckpt.save(state, path)
     recorded: dict[str, tuple[float, dict]] = {}
 
-    def inc(name: str, value: float, **tags) -> None:
+    def send(name: str, value: float, **tags) -> None:
         recorded[name] = (value, tags)
 
-    monkeypatch.setattr(ray_load_module.metrics, "inc", inc)
+    monkeypatch.setattr(ray_load_module.metrics, "send", send)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     info = ray_load_module.load(target, path, run="metrics-run")
     assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
     tags = {"run": "metrics-run", "rank": 0}
+    seconds, seconds_tags = recorded.pop("rayckpt_load_seconds")
+    assert seconds > 0 and seconds_tags == tags
     assert recorded == {
         "rayckpt_bytes_read": (info.bytes_read, tags),
         "rayckpt_bytes_needed": (info.bytes_needed, tags),

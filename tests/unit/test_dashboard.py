@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -78,7 +79,8 @@ def test_units_come_from_the_metric_unless_the_panel_names_one():
     units = {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in all_panels(board) if p["type"] != "row"}
     assert units["Save stall per rank (p50, p95)"] == metric_defs.metric("rayckpt_save_stall_seconds").unit == "s"
     assert units["Memory held per node against its budget"] == "bytes"
-    assert units["Bytes written per tier"] == "Bps"  # a rate of bytes
+    assert units["Bytes written per tier"] == "bytes"
+    assert units["Restores by tier"] == "short"  # a count of restore_seconds: the panel names its unit
     assert units["Checkpoint age now"] == units["Checkpoint age"] == "s"  # not the timestamp's dateTimeAsUnix
 
 
@@ -110,6 +112,7 @@ def test_queries_name_only_defined_metrics_and_their_tags():
     for row, title, _, exprs in dashboard.panels(FILTERS):
         for expr in exprs:
             names, labels = names_and_labels(expr)
+            names -= set(dashboard.PROMETHEUS_SERIES)
             assert names and names <= set(EXPORTED), (title, names - set(EXPORTED))
             assert set(re.findall(r"ray_rayckpt_\w+", expr)) == names  # the text names nothing the AST missed
             for name in names:
@@ -277,3 +280,58 @@ def test_export_to_stdout_and_its_errors(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("rayckpt: error: ") and bad in lines[0], r.stderr
     r = rayckpt_cmd("dashboard")
     assert r.returncode == cli.EXIT_USAGE and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+INCREASED_TEST = """
+rule_files: []
+evaluation_interval: 15s
+tests:
+  - interval: 15s
+    input_series:
+      - series: 'up{instance="a"}'
+        values: '1x40'
+      # born at its first event (a restore) at 3m, after Prometheus had scraped its target for 3 minutes
+      - series: 'x_total{instance="a", run="r"}'
+        values: '_x12 1x28'
+      # there since Prometheus's first scrape: its history is not counted as new
+      - series: 'x_total{instance="a", run="old"}'
+        values: '5x40'
+    promql_expr_test:
+      - expr: 'sum by (run) (EXPR)'
+        eval_time: 3m30s
+        exp_samples:
+          - labels: '{run="r"}'
+            value: 1
+          - labels: '{run="old"}'
+            value: 0
+      - expr: 'sum by (run) (EXPR)'
+        eval_time: 6m
+        exp_samples:
+          - labels: '{run="r"}'
+            value: 0
+          - labels: '{run="old"}'
+            value: 0
+      - expr: 'sum by (run) (EXPR)'
+        eval_time: 30s
+        exp_samples:
+          - labels: '{run="old"}'
+            value: 0
+"""
+
+
+@pytest.mark.parametrize("how", ["increased", "increase"])
+def test_a_series_born_at_its_first_event_counts_it_and_one_new_only_to_prometheus_does_not(tmp_path, how):
+    """``increased`` evaluated by Prometheus's own engine (``promtool test rules``): a counter whose first
+    sample holds its one event shows it; ``increase()`` alone does not (the check that this test can fail)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found: apt-get install prometheus (Debian), or put Prometheus's promtool on PATH")
+    expr = dashboard.increased('x_total{run=~".*"}', "1m") if how == "increased" else "increase(x_total[1m])"
+    test = tmp_path / "increased_test.yml"
+    test.write_text(INCREASED_TEST.replace("EXPR", expr))
+    done = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    if how == "increased":
+        assert done.returncode == 0, done.stdout + done.stderr
+    else:
+        out = done.stdout + done.stderr
+        assert done.returncode != 0 and 'got: {run="old"} 0E+00, {run="r"} 0E+00' in out, out

@@ -58,7 +58,8 @@ class MetadataActor(OperatorViews):
     each rank's ShardWriter's ``report_written`` (``report_failed``: the writer's or the
     rank's); every rank's ``wait_commit``. Loads: every rank's ``read_plan``. The
     ``Checkpointer``: ``register_run``, ``begin_attempt``, ``user_metadata``. The
-    ``RayckptCallback``: ``fail_pending``, ``record_event``. Operators: ``checkpoints``, ``latest``,
+    ``RayckptCallback``: ``fail_pending``, ``record_event``. Every rank's events for the metrics:
+    ``record_metric``. Operators: ``checkpoints``, ``latest``,
     ``events``, ``status``, ``timeline``, ``debug_stats`` (docs/architecture.md, "The MetadataActor's interface").
 
     Args:
@@ -69,6 +70,7 @@ class MetadataActor(OperatorViews):
         show_commits_in_log()
         #: This incarnation's id: a restart starts a new one, which knows none of the earlier one's saves.
         self._incarnation = uuid.uuid4().hex[:12]
+        self._commit_timeout_s = commit_timeout_s
         self._tracker = CommitTracker(commit_timeout_s)
         self._plans = PlanCache()
         self._layouts = SaveLayouts()
@@ -87,6 +89,14 @@ class MetadataActor(OperatorViews):
         self._attempts = AttemptCounter(RUNS_KEPT)
         self._gauge_refresher: asyncio.Task | None = None
         install_dashboard_soon()  # where the head's Grafana looks (never fails the actor, never waited for)
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard's Actors page shows (its Repr column) and prefixes the actor's log lines with.
+
+        Ray takes it once, when the actor starts (each restart: a new incarnation): what changes later (its
+        runs, their newest commits) is in ``rayckpt status`` and the Grafana dashboard.
+        """
+        return f"MetadataActor(incarnation={self._incarnation}, commit_timeout={self._commit_timeout_s:g}s)"
 
     async def ping(self) -> str:
         """``"ok"``: the actor answers (operators, benchmarks)."""
@@ -125,11 +135,28 @@ class MetadataActor(OperatorViews):
         newest = latest_committed(found)
         if newest is not None:  # when it committed is not on storage: when its save began stands in
             self._gauges.committed(run, newest.step, newest.path, newest.created)
+        self._start_counters(run)
+        self._keep_gauges()
+        return found
+
+    @staticmethod
+    def _start_counters(run: str) -> None:
+        """Export the counters of ``run``'s rare events at 0 before their first event, so that Prometheus
+        sees them increase (its ``increase()`` counts nothing at a series' first sample)."""
         base, tier = run_and_tier(run)
         for name in ("rayckpt_checkpoints_committed", "rayckpt_checkpoints_failed"):
             metrics.start_at_zero(name, run=base, tier=tier)
-        self._keep_gauges()
-        return found
+        metrics.start_at_zero("rayckpt_restore_fallbacks", run=base)
+        for why in ("busy", "no_room"):
+            metrics.start_at_zero("rayckpt_memory_saves_skipped", run=base, reason=why)
+        for source in ("memory_local", "memory_peer", "storage"):
+            metrics.start_at_zero("rayckpt_restored_bytes", run=base, tier=source)
+
+    async def record_metric(self, name: str, value: float, tags: dict[str, str]) -> None:
+        """Record an event a training worker saw (``metrics.send``: its stall, restore, load; every rank, not
+        waited for). Here, in a process that lives as long as the cluster, it reaches the export port even
+        when the worker ends before Ray's next report of its own metrics."""
+        metrics.record(name, value, **tags)
 
     def _scan(self, run: str) -> list[CatalogEntry]:
         run_root, fs = self._roots[run]
