@@ -1,5 +1,6 @@
 """The ``rayckpt`` command: look into, verify, plan, convert and clean up checkpoints without a cluster; export
-the Grafana dashboard of rayckpt's metrics; ``status``: a running cluster's checkpoints (``cli_status``).
+the Grafana dashboard and Prometheus alert rules of rayckpt's metrics (``cli_dashboard``); ``status``: a running
+cluster's checkpoints (``cli_status``).
 
 Thin: parses arguments, calls ``rayckpt.tools`` / ``rayckpt.convert`` and prints
 what they return, as text or (``--json``) as JSON whose fields are those of the
@@ -25,9 +26,10 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from . import __version__, cli_status
+from . import __version__, cli_dashboard, cli_status
 from .cli_text import (
     ProgressBar,
+    UsageError,
     count,
     human_bytes,
     jsonable,
@@ -44,10 +46,6 @@ from .redaction import redact, redact_text
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """Bad command-line arguments (exit 2)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -273,27 +271,6 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_dashboard_export(args: argparse.Namespace) -> int:
-    from .observe import dashboard
-
-    if args.file == "-":
-        if args.json:
-            raise UsageError("--json needs a FILE: `-` writes the dashboard itself to stdout")
-        sys.stdout.write(dashboard.dashboard_json())
-        return EXIT_OK
-    text = dashboard.dashboard_json()
-    try:
-        dashboard.write_atomic(args.file, text)
-    except OSError as exc:  # a missing folder too: the file cannot be written (exit 1)
-        raise OSError(f"cannot write {args.file}: {exc.strerror or exc}") from exc
-    panels = len(dashboard.PANELS)
-    if args.json:
-        print_json({"path": args.file, "panels": panels})
-    else:
-        print(f"wrote the rayckpt Grafana dashboard ({count(panels, 'panel')}) to {args.file}")
-    return EXIT_OK
-
-
 class _HelpFormatter(argparse.HelpFormatter):
     """Appends an option's default to its help when it has one worth showing (not None, False or "")."""
 
@@ -384,19 +361,9 @@ def _parser() -> _Parser:
     cli_status.add_arguments(p)
     p.set_defaults(func=cli_status.cmd_status)
 
-    p = command("dashboard", "the Grafana dashboard of rayckpt's metrics")
-    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True, help="what to do")
-    e = actions.add_parser(
-        "export",
-        help="write the dashboard's JSON to FILE (import it into Grafana)",
-        description="Write the Grafana dashboard of rayckpt's metrics as JSON to FILE, to import into Grafana. "
-        "The head node's MetadataActor also installs it where Ray's Grafana set-up looks.",
-        formatter_class=_HelpFormatter,
-    )
-    e.add_argument("file", metavar="FILE", help="where to write it; - for stdout")
-    e.add_argument("--json", action="store_true", help='print {"path": ..., "panels": N}')
-    e.set_defaults(func=_cmd_dashboard_export)
-    for p in [*sub.choices.values(), *actions.choices.values()]:  # also after it: `rayckpt verify CKPT --debug`
+    p = command("dashboard", "the Grafana dashboard and Prometheus alert rules of rayckpt's metrics")
+    actions = cli_dashboard.add_actions(p, _HelpFormatter)
+    for p in [*sub.choices.values(), *actions]:  # also after it: `rayckpt verify CKPT --debug`
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 

@@ -1,4 +1,5 @@
-"""How the ``rayckpt`` command shows things: sizes, tables, times, JSON, and a progress bar.
+"""How the ``rayckpt`` command shows things (sizes, tables, times, JSON, a progress bar) and reads them (sizes,
+counts; ``UsageError``: a bad argument, exit 2).
 
 Standard library only, so ``rayckpt --help`` starts in a blink. The progress bar
 is hand-written rather than tqdm's: it is some thirty lines, and tqdm is not a
@@ -17,6 +18,10 @@ import time
 from typing import Any, TextIO
 
 from .redaction import redact_text
+
+
+class UsageError(Exception):
+    """Bad command-line arguments (exit 2)."""
 
 
 class ProgressBar:

@@ -56,9 +56,9 @@ def ckpt(tmp_path_factory):
     return str(root), str(path)
 
 
-def test_importing_the_cli_or_the_dashboard_brings_in_neither_torch_nor_ray():
+def test_importing_the_cli_the_dashboard_or_the_alerts_brings_in_neither_torch_nor_ray():
     code = (
-        "import json, sys; import rayckpt.cli, rayckpt.tools, rayckpt.observe.dashboard; "
+        "import json, sys; import rayckpt.cli, rayckpt.tools, rayckpt.observe.dashboard, rayckpt.observe.alerts; "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray'))))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -79,6 +79,7 @@ def test_commands_that_read_no_tensor_start_without_torch_or_ray(ckpt):
         "gc": ("gc", path, "--dry-run"),
         "rm dry": ("rm", os.path.join(root, "nothing-here")),  # an error path imports nothing heavy either
         "dashboard": ("dashboard", "export", os.path.join(root, "dashboard.json")),
+        "alerts": ("dashboard", "alerts", os.path.join(root, "alerts.yml")),
         "tensor": ("inspect", path, "--tensor", "w"),
     }
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -99,3 +100,4 @@ def test_commands_that_read_no_tensor_start_without_torch_or_ray(ckpt):
     assert "rayckpt-step-00000001" in results["ls"][0].stdout
     assert results["verify"][0].stdout.startswith("ok: ")
     assert "rayckpt Grafana dashboard" in results["dashboard"][0].stdout
+    assert "rayckpt Prometheus alert rules" in results["alerts"][0].stdout

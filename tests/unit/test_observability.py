@@ -85,7 +85,8 @@ def test_docs_panel_table_is_the_dashboard_s():
     from rayckpt.observe import dashboard
 
     page = observability_page()
-    section = page[page.index("## Grafana: the rayckpt dashboard") : page.index("## Metrics")]
+    start = page.index("## Grafana: the rayckpt dashboard")
+    section = page[start : page.index("\n## ", start)]
     assert [tuple(r) for r in table_rows(section)] == [(row, t, d) for row, t, d, _ in dashboard.panels([])]
 
 
