@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from rayckpt.observe import dashboard
+from rayckpt.observe import alerts, dashboard
 from tests.helpers.prometheus import HOW_TO_RUN, SCRAPE_INTERVAL_S, prometheus
 from tests.helpers.promql import missing_from_export, substituted
 from tests.helpers.ray_head import ROOT, TINY, error_line, get, ray_head, submit, submit_and_kill_a_worker, train_py
@@ -41,24 +41,16 @@ def cluster(tmp_path_factory):
 
 def test_requests_that_cannot_run_fail_at_once_with_one_line(cluster, tmp_path):
     storage = str(tmp_path / "ckpts")
-    # A mistyped run to resume: refused before Ray is touched.
-    proc = train_py(cluster, "--storage-path", storage, "--run-name", "never-ran", "--resume", *TINY)
-    assert error_line(proc).startswith("error: --resume: run 'never-ran' has no committed")
-    # More CPUs than the 8-CPU cluster (joined with --address) has: refused before fit().
-    proc = train_py(
-        cluster,
-        "--address",
-        cluster.address,
-        "--storage-path",
-        storage,
-        "--num-workers",
-        "12",
-        "--cpus-per-worker",
-        "1",
-        *TINY,
-    )
-    needs = "error: --num-workers 12 x 1 CPUs per worker needs 12 CPUs, but the Ray cluster has 8"
-    assert error_line(proc).startswith(needs)
+    # A mistyped run to resume: refused before Ray is touched. More CPUs than the 8-CPU cluster (joined with
+    # --address) has: refused before fit(). The two jobs run side by side.
+    never_ran = ["--run-name", "never-ran", "--resume"]
+    too_many = ["--address", cluster.address, "--num-workers", "12", "--cpus-per-worker", "1"]
+    with ThreadPoolExecutor(2) as pool:
+        mistyped = pool.submit(train_py, cluster, *never_ran, "--storage-path", storage, *TINY)
+        needs_more = pool.submit(train_py, cluster, *too_many, "--storage-path", storage, *TINY)
+        assert error_line(mistyped.result()).startswith("error: --resume: run 'never-ran' has no committed")
+        needs = "error: --num-workers 12 x 1 CPUs per worker needs 12 CPUs, but the Ray cluster has 8"
+        assert error_line(needs_more.result()).startswith(needs)
     assert not os.path.exists(os.path.join(storage, "gpt-demo")), "no run directory was made"
 
 
@@ -102,6 +94,10 @@ def test_a_head_that_died_without_ray_stop_is_found_out_in_seconds_not_waited_fo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+#: The alert rules' checkpoint age in the real Prometheus: a run restarting after a kill passes it.
+ALERT_AGE_S = 3.0
+
+
 @pytest.fixture(scope="module", autouse=True)
 def watching(cluster, tmp_path_factory):
     """A real Prometheus scraping the cluster through Ray's service-discovery file from before its first job;
@@ -109,7 +105,8 @@ def watching(cluster, tmp_path_factory):
     if shutil.which("prometheus") is None:
         yield None
         return
-    with prometheus(cluster, str(tmp_path_factory.mktemp("prometheus"))) as server:
+    rules = alerts.rules_yaml(ALERT_AGE_S)
+    with prometheus(cluster, str(tmp_path_factory.mktemp("prometheus")), rules=rules) as server:
         yield server
 
 
@@ -128,18 +125,23 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(cluster, watching, tmp_path_factory):
     """Two runs of the main job side by side, one of them with a worker SIGKILLed mid-run (2 + 2 of the 8
-    CPUs), then the other resumed with 3 workers: saves, a restart that restores, a resume that reshards."""
+    CPUs), the other then resumed with 3 workers: saves, a restart that restores, a resume that reshards."""
     storage = str(tmp_path_factory.mktemp("ckpts"))
-    flags = ["--num-workers", "2", "--steps", "16", "--checkpoint-every", "4", "--storage-path", storage, *TINY]
+    common = ["--checkpoint-every", "4", "--storage-path", storage, *TINY]
+    flags = ["--num-workers", "2", "--steps", "16", *common]
+
+    def plain_then_resumed() -> tuple[dict, dict]:  # the resume begins while the killed run may still go on
+        plain, _ = submit(cluster, *flags, "--run-name", "plain")
+        resumed, _ = submit(cluster, "--num-workers", "3", "--steps", "18", "--resume", "--run-name", "plain", *common)
+        return plain, resumed
+
     began = time.time()
     with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(submit, cluster, *flags, "--run-name", "plain")
+        reference = pool.submit(plain_then_resumed)
         # a worker is SIGKILLed 0.3 s after the step-4 checkpoint's manifest is in storage
         step_4 = os.path.join(storage, "killed", "rayckpt-step-00000004", "manifest.json")
         killed, logs, pid = submit_and_kill_a_worker(cluster, step_4, *flags, "--run-name", "killed", delay=0.3)
-        plain, _ = reference.result()
-    more = ["--num-workers", "3", "--steps", "18", "--resume", "--run-name", "plain"]
-    resumed, _ = submit(cluster, *more, "--checkpoint-every", "4", "--storage-path", storage, *TINY)
+        plain, resumed = reference.result()
     return Runs(plain=plain, killed=killed, resumed=resumed, logs=logs, pid=pid, began=began)
 
 
@@ -256,6 +258,16 @@ def test_the_dashboard_shows_the_saves_restores_and_loads_that_happened(runs, wa
         if not gaps and all(restores.get(k) == n for k, n in wanted.items()):
             break
         assert time.monotonic() < deadline, "\n".join([*gaps, f"restores {restores}, wanted {wanted}"])
+        time.sleep(2)
+
+    # The alert rules, loaded into the same Prometheus: a checkpoint older than ALERT_AGE_S while the run lived
+    # (the killed run's restart) fired; once its rank 0 has ended, nothing fires for it.
+    firing = f'ALERTS{{alertname="{alerts.TOO_OLD}", alertstate="firing", run="killed"}}'
+    fired = watching.query_range(firing, runs.began, time.time(), step=SCRAPE_INTERVAL_S)
+    assert fired and {s["metric"]["tier"] for s in fired} <= {"memory", "storage"}, fired
+    assert watching.query_range('ray_rayckpt_run_active{run="killed"}', runs.began, time.time(), SCRAPE_INTERVAL_S)
+    while watching.query('ray_rayckpt_run_active{run="killed"}') or watching.query(firing):
+        assert time.monotonic() < deadline + 60, "run killed still active, or its alert firing, after it ended"
         time.sleep(2)
 
 

@@ -86,13 +86,19 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus(head: RayHead, folder: str) -> Iterator[Prometheus]:
-    """Prometheus scraping ``head``'s cluster with Ray's configuration, up once it scrapes a target."""
+def prometheus(head: RayHead, folder: str, rules: str = "") -> Iterator[Prometheus]:
+    """Prometheus scraping ``head``'s cluster with Ray's configuration, up once it scrapes a target; ``rules``:
+    the text of a rule file it evaluates every scrape interval."""
     binary = prometheus_binary()
     os.makedirs(folder, exist_ok=True)
     config = os.path.join(folder, "prometheus.yml")
     with open(config, "w") as f:
         f.write(ray_config(head))
+        if rules:
+            rule_file = os.path.join(folder, "rules.yml")
+            with open(rule_file, "w") as r:
+                r.write(rules)
+            f.write(f"rule_files:\n  - '{rule_file}'\n")
     port = free_port()
     log = open(os.path.join(folder, "prometheus.log"), "w")
     proc = subprocess.Popen(

@@ -166,7 +166,8 @@ def test_no_checkpoint_that_loads_raises_naming_each_one_tried(saved, tmp_path):
 def test_a_fallback_is_counted_in_the_metric_and_warned_once(ray_session, monkeypatch, caplog):
     """Rank 0's side of a fallback: one WARNING, ``rayckpt_restore_fallbacks`` + 1, the event."""
     counted: list[tuple[str, float, dict]] = []
-    monkeypatch.setattr(metrics, "inc", lambda name, value=1.0, **tags: counted.append((name, value, tags)))
+    # sent to the MetadataActor, which records it (tests/e2e sees it reach a real Prometheus)
+    monkeypatch.setattr(metrics, "send", lambda name, value, **tags: counted.append((name, value, tags)))
     ckpt = object.__new__(Checkpointer)
     ckpt.run, ckpt.rank, ckpt.fallbacks = "fallback-unit", 0, []
     with caplog.at_level(logging.WARNING, logger=checkpointer_module.__name__):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import time
 import uuid
 from typing import Any
@@ -36,7 +35,7 @@ from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutco
 from .grafana import install_dashboard_soon
 from .layout_cache import LAYOUT_WANTED, LayoutRef, SaveLayouts, ShardReport, SpecLayout, join_shard, join_spec
 from .plan_cache import LoadBundle, PlanCache
-from .run_gauges import REFRESH_S, RunGauges
+from .run_gauges import REFRESH_S, RunGauges, start_counters
 from .save_history import RUNS_KEPT
 from .save_log import SaveLog
 from .views import OperatorViews, show_commits_in_log
@@ -91,11 +90,8 @@ class MetadataActor(OperatorViews):
         install_dashboard_soon()  # where the head's Grafana looks (never fails the actor, never waited for)
 
     def __repr__(self) -> str:
-        """What the Ray dashboard's Actors page shows (its Repr column) and prefixes the actor's log lines with.
-
-        Ray takes it once, when the actor starts (each restart: a new incarnation): what changes later (its
-        runs, their newest commits) is in ``rayckpt status`` and the Grafana dashboard.
-        """
+        """The Ray dashboard's Repr column and the prefix of this actor's log lines: Ray takes it once, as the
+        actor starts (a restart: a new incarnation); its runs and commits are in ``rayckpt status``."""
         return f"MetadataActor(incarnation={self._incarnation}, commit_timeout={self._commit_timeout_s:g}s)"
 
     async def ping(self) -> str:
@@ -108,23 +104,6 @@ class MetadataActor(OperatorViews):
         self._keep_gauges()
         return self._incarnation
 
-    async def debug_stats(self) -> dict[str, Any]:
-        """Records held and this process's resident memory: operators and tests check both stay flat."""
-        import psutil  # a dependency of Ray's
-
-        return {
-            "incarnation": self._incarnation,
-            "pid": os.getpid(),
-            "rss_bytes": psutil.Process().memory_info().rss,
-            **self._tracker.counts(),
-            "waited_saves": len(self._waiters),
-            "event_runs": len(self._events),
-            "events": sum(len(e) for e in self._events.values()),
-            "logged_saves": len(self._log),
-            **self._plans.counts(),
-            **self._layouts.counts(),
-        }
-
     # -- catalog ---------------------------------------------------------------
 
     async def register_run(self, run: str, run_root: str, filesystem: Any = None) -> list[CatalogEntry]:
@@ -135,22 +114,9 @@ class MetadataActor(OperatorViews):
         newest = latest_committed(found)
         if newest is not None:  # when it committed is not on storage: when its save began stands in
             self._gauges.committed(run, newest.step, newest.path, newest.created)
-        self._start_counters(run)
+        start_counters(run)
         self._keep_gauges()
         return found
-
-    @staticmethod
-    def _start_counters(run: str) -> None:
-        """Export the counters of ``run``'s rare events at 0 before their first event, so that Prometheus
-        sees them increase (its ``increase()`` counts nothing at a series' first sample)."""
-        base, tier = run_and_tier(run)
-        for name in ("rayckpt_checkpoints_committed", "rayckpt_checkpoints_failed"):
-            metrics.start_at_zero(name, run=base, tier=tier)
-        metrics.start_at_zero("rayckpt_restore_fallbacks", run=base)
-        for why in ("busy", "no_room"):
-            metrics.start_at_zero("rayckpt_memory_saves_skipped", run=base, reason=why)
-        for source in ("memory_local", "memory_peer", "storage"):
-            metrics.start_at_zero("rayckpt_restored_bytes", run=base, tier=source)
 
     async def record_metric(self, name: str, value: float, tags: dict[str, str]) -> None:
         """Record an event a training worker saw (``metrics.send``: its stall, restore, load; every rank, not

@@ -1,4 +1,5 @@
-"""The gauges the MetadataActor keeps set for each run and tier, between saves as well as at them.
+"""The gauges the MetadataActor keeps set for each run and tier, between saves as well as at them, and the
+counters of a run's rare events that it exports at 0 (``start_counters``).
 
 Ray's export drops a gauge not set for two report intervals, and an age must move
 while nothing happens: ``refresh`` sets every one again (the actor calls it every
@@ -77,3 +78,16 @@ class RunGauges:
         run, tier = key
         metrics.observe("rayckpt_last_commit_timestamp_seconds", newest.at, run=run, tier=tier)
         metrics.observe("rayckpt_checkpoint_age_seconds", max(0.0, now - newest.at), run=run, tier=tier)
+
+
+def start_counters(tracked: str) -> None:
+    """Export the counters of the rare events of ``tracked`` (a run as the actor tracks it) at 0 before their
+    first event, so that Prometheus sees them increase (``increase()`` counts nothing at a series' first sample)."""
+    run, tier = run_and_tier(tracked)
+    for name in ("rayckpt_checkpoints_committed", "rayckpt_checkpoints_failed"):
+        metrics.start_at_zero(name, run=run, tier=tier)
+    metrics.start_at_zero("rayckpt_restore_fallbacks", run=run)
+    for why in ("busy", "no_room"):
+        metrics.start_at_zero("rayckpt_memory_saves_skipped", run=run, reason=why)
+    for source in ("memory_local", "memory_peer", "storage"):
+        metrics.start_at_zero("rayckpt_restored_bytes", run=run, tier=source)

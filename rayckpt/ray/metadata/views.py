@@ -1,5 +1,5 @@
 """The MetadataActor's events and what it shows operators: each run's events (``record_event``, ``events``),
-``rayckpt status`` (``status``) and a run's timeline (``timeline``).
+``rayckpt status`` (``status``), a run's timeline (``timeline``) and the records it holds (``debug_stats``).
 
 A mixin of ``MetadataActor``: it reads the actor's tracker, gauges, save log and events.
 """
@@ -16,6 +16,8 @@ from ...redaction import redact_fields
 from ..records import MEMORY_TIER, STORAGE_TIER, run_and_tier, tracked_run
 from .attempts import AttemptCounter
 from .commit_tracker import CommitTracker
+from .layout_cache import SaveLayouts
+from .plan_cache import PlanCache
 from .run_gauges import RunGauges
 from .save_log import SaveLog
 from .status_report import run_status
@@ -27,8 +29,8 @@ EVENTS_KEPT = 100
 
 
 class OperatorViews:
-    """Events, ``status`` and ``timeline``, for the actor that holds ``_tracker``, ``_gauges``, ``_log``,
-    ``_events`` and ``_attempts`` (and ``fail_pending``)."""
+    """Events, ``status``, ``timeline`` and ``debug_stats``, for the actor that holds ``_tracker``, ``_gauges``,
+    ``_log``, ``_events``, ``_attempts``, ``_waiters``, ``_plans`` and ``_layouts`` (and ``fail_pending``)."""
 
     _incarnation: str
     _tracker: CommitTracker
@@ -36,6 +38,26 @@ class OperatorViews:
     _log: SaveLog
     _events: BoundedMap[str, list[dict[str, Any]]]
     _attempts: AttemptCounter
+    _waiters: dict[str, set[Any]]
+    _plans: PlanCache
+    _layouts: SaveLayouts
+
+    async def debug_stats(self) -> dict[str, Any]:
+        """Records held and this process's resident memory: operators and tests check both stay flat."""
+        import psutil  # a dependency of Ray's
+
+        return {
+            "incarnation": self._incarnation,
+            "pid": os.getpid(),
+            "rss_bytes": psutil.Process().memory_info().rss,
+            **self._tracker.counts(),
+            "waited_saves": len(self._waiters),
+            "event_runs": len(self._events),
+            "events": sum(len(e) for e in self._events.values()),
+            "logged_saves": len(self._log),
+            **self._plans.counts(),
+            **self._layouts.counts(),
+        }
 
     # -- events (the actor's own, and the controller callback's) -------------------
 

@@ -1,0 +1,65 @@
+"""How metrics leave a process: ``record`` by the metric's kind, ``send`` to the MetadataActor, and ``keep_set``'s
+gauge set again while its owner lives (without Ray: the recording calls captured)."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+from rayckpt.ray import metrics
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    got: list[tuple[str, str, float, dict]] = []
+    monkeypatch.setattr(metrics, "inc", lambda name, value=1.0, **tags: got.append(("inc", name, value, tags)))
+    monkeypatch.setattr(metrics, "observe", lambda name, value, **tags: got.append(("observe", name, value, tags)))
+    return got
+
+
+def test_record_increments_counters_and_observes_histograms_and_gauges(recorded):
+    metrics.record("rayckpt_bytes_read", 10, run="r", rank=1)
+    metrics.record("rayckpt_restore_seconds", 0.5, run="r", tier="memory")
+    metrics.record("rayckpt_run_active", 1, run="r")
+    assert [(how, name) for how, name, *_ in recorded] == [
+        ("inc", "rayckpt_bytes_read"),
+        ("observe", "rayckpt_restore_seconds"),
+        ("observe", "rayckpt_run_active"),
+    ]
+    with pytest.raises(KeyError, match="no rayckpt metric 'rayckpt_nope'"):
+        metrics.record("rayckpt_nope", 1)
+
+
+def test_send_outside_ray_does_nothing(recorded):
+    metrics.send("rayckpt_restore_seconds", 0.5, run="r", tier="memory")
+    assert recorded == []
+
+
+def wait_for(condition, what: str, limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_keep_set_sets_the_gauge_again_while_its_owner_lives_and_stops_after(recorded, monkeypatch):
+    monkeypatch.setattr(metrics, "_get", lambda name: object())  # as under Ray: the gauge exists
+    monkeypatch.setattr(metrics, "KEEP_SET_EVERY_S", 0.01)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    metrics.keep_set("rayckpt_run_active", 1, owner, run="r")
+    sets = lambda: [r for r in recorded if r[1] == "rayckpt_run_active"]  # noqa: E731
+    wait_for(lambda: len(sets()) >= 3, "the gauge was not set again")
+    assert set(map(repr, sets())) == {repr(("observe", "rayckpt_run_active", 1, {"run": "r"}))}
+    del owner
+    gc.collect()
+    wait_for(lambda: not metrics._KEEPER, "the thread still sets the gauge of an owner that is gone")
+    assert metrics._KEPT == {}
+    after = len(sets())
+    time.sleep(0.05)  # not a timing assertion: nothing may set it again, however long this waits
+    assert len(sets()) == after
