@@ -2,7 +2,10 @@
 # Regenerate requirements/lock.txt, the pins scripts/setup.sh installs. Without an
 # argument it resolves afresh in a temporary venv the slow way setup.sh used to
 # (torch==2.13.0 first, then pip's resolver on .[test]: minutes), then freezes it.
-# With a venv path (e.g. .venv) it freezes that venv instead.
+# With a venv path (e.g. .venv) it freezes that venv instead. Resolve with the oldest Python
+# that pyproject.toml's requires-python admits (Debian 12's /usr/bin/python3 is 3.11.2:
+# PYTHON=/usr/bin/python3 bash scripts/lock.sh), so that every pin installs on each release it
+# admits; tests/hygiene/test_lock.py checks each pin's Requires-Python against it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

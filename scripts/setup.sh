@@ -6,6 +6,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 lock=requirements/lock.txt
+# The interpreter must be one pyproject.toml's requires-python admits (the lock is resolved for those):
+# refused in one line otherwise, before anything is made.
+need=$(sed -n 's/^requires-python = "\(.*\)"$/\1/p' pyproject.toml)
+found=$("$PYTHON" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2> /dev/null || true)
+lowest=$(sed -n 's/.*>=\([0-9.]*\).*/\1/p' <<< "$need")
+below=$(sed -n 's/.*<\([0-9.]*\).*/\1/p' <<< "$need")
+older() { [ "$1" != "$2" ] && [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -1)" = "$1" ]; }
+if [ -z "$found" ] || older "$found" "$lowest" || ! older "$found" "$below"; then
+  echo "error: $PYTHON is Python ${found:-(none: it does not run)}; rayckpt needs Python $need (set PYTHON=...)" >&2
+  exit 2
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

@@ -5,12 +5,16 @@ broken environment. Regenerate the lock with scripts/lock.sh."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
@@ -177,3 +181,39 @@ def test_lock_problems_follows_only_the_extras_asked_for():
 def test_parse_lock_rejects_what_is_not_one_pin_per_package(lock, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_lock(lock)
+
+
+# The Pythons the package declares: the lock installs on each, and scripts/setup.sh refuses the others.
+
+
+def declared_pythons() -> SpecifierSet:
+    return SpecifierSet(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
+
+
+def lowest_declared(spec: SpecifierSet) -> Version:
+    (lowest,) = [Version(s.version) for s in spec if s.operator == ">="]
+    return lowest
+
+
+def test_every_pin_installs_on_the_oldest_python_the_package_declares(pins):
+    spec = declared_pythons()
+    oldest = lowest_declared(spec)
+    assert oldest in spec and f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}" in spec
+    refused = []
+    for name, pin in sorted(pins.items()):
+        needs = importlib.metadata.distribution(name).metadata.get("Requires-Python")
+        if needs and oldest not in SpecifierSet(needs):
+            refused.append(f"{name}=={pin} requires Python {needs}")
+    assert not refused, f"requirements/lock.txt pins what Python {oldest} cannot install: {refused}"
+
+
+@pytest.mark.parametrize("version", ["3.10.14", "3.12.1"])
+def test_setup_refuses_a_python_the_package_does_not_declare_in_one_line(tmp_path, version):
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!/bin/sh\necho {version}\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake)}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    needs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert done.stderr == f"error: {fake} is Python {version}; rayckpt needs Python {needs} (set PYTHON=...)\n"
