@@ -69,7 +69,6 @@ class MetadataActor(OperatorViews):
         show_commits_in_log()
         #: This incarnation's id: a restart starts a new one, which knows none of the earlier one's saves.
         self._incarnation = uuid.uuid4().hex[:12]
-        self._commit_timeout_s = commit_timeout_s
         self._tracker = CommitTracker(commit_timeout_s)
         self._plans = PlanCache()
         self._layouts = SaveLayouts()
@@ -92,7 +91,7 @@ class MetadataActor(OperatorViews):
     def __repr__(self) -> str:
         """The Ray dashboard's Repr column and the prefix of this actor's log lines: Ray takes it once, as the
         actor starts (a restart: a new incarnation); its runs and commits are in ``rayckpt status``."""
-        return f"MetadataActor(incarnation={self._incarnation}, commit_timeout={self._commit_timeout_s:g}s)"
+        return f"MetadataActor(incarnation={self._incarnation})"
 
     async def ping(self) -> str:
         """``"ok"``: the actor answers (operators, benchmarks)."""

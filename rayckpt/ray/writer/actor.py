@@ -86,7 +86,7 @@ class ShardWriter(MemoryHost):
         """What the Ray dashboard's Actors page shows (its Repr column) and prefixes the actor's log lines with:
         Ray takes it once, when the actor starts; what it holds later is in ``rayckpt status``."""
         budget = self.memory.budget / 2**30
-        return f"ShardWriter(node={self.node_id[:12]}, staging={self.staging_dir}, memory_budget={budget:.1f}GiB)"
+        return f"ShardWriter(node={self.node_id[:12]}, memory_budget={budget:.1f}GiB)"
 
     def debug_stats(self) -> dict[str, Any]:
         """Where this writer runs and what it wrote (called by tests and operators).
