@@ -528,5 +528,5 @@ def test_save_ids_are_utc_so_they_order_saves_across_hosts(monkeypatch):
     finally:
         monkeypatch.undo()
         time.tzset()
-    now = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
+    now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
     assert abs((now - stamp).total_seconds()) < 600

@@ -276,7 +276,7 @@ class MetadataActor(OperatorViews):
             waiters.add(settled)
             try:
                 await asyncio.wait_for(settled.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:
                 waiters.discard(settled)
