@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/prometheus.sh || echo "prometheus: could not be unpacked: the dashboard's test is skipped" >&2
 export PATH="$PWD/.venv/prometheus/usr/bin:$PATH"
-.venv/bin/ruff check rayckpt tests jobs benchmarks
+.venv/bin/ruff check rayckpt testbed tests jobs benchmarks
 # One line per test file as it runs (its tests as dots, then [done/total]), and the 15 slowest
 # tests at the end: per-file progress without a line per test.
 pytest=(.venv/bin/python -m pytest -o console_output_style=count --durations=15)

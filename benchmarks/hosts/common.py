@@ -1,7 +1,7 @@
 """What the hosts benchmarks share: their command-line options, the report's head, and a driver run on a host.
 
 Each sub-command runs in two places. Its ``main`` runs on the machine (as root): it
-builds the hosts (``rayckpt.testing.ray_hosts``), times what it sees from outside and
+builds the hosts (``testbed.ray_hosts``), times what it sees from outside and
 writes the report. What must run inside the cluster runs as a driver on host 0
 (``run_on_host``: ``python -m <module> --on-host CONFIG``), which prints its results as
 one JSON line.
@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks.common.cli import OUT
 from benchmarks.common.harness import machine_info
-from rayckpt.testing.hosts import Host, hosts_unavailable
+from testbed.hosts import Host, hosts_unavailable
 
 #: The repository's root: the drivers on the hosts run there.
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks.
 
-Three Ray hosts and an S3 host (``rayckpt.testing.ray_hosts``), a new cluster for
+Three Ray hosts and an S3 host (``testbed.ray_hosts``), a new cluster for
 every repeat of every setting (Ray reads its ``RAY_<name>`` settings from the hosts'
 environment when the cluster starts). ``ray job submit`` from host 0 runs
 ``jobs/train.py --num-workers 2-3`` (one worker per host), a memory checkpoint every
@@ -44,8 +44,8 @@ from typing import Any
 
 from benchmarks.common.harness import load_sampled, rotated, write_report
 from benchmarks.hosts.common import HOST_ENV, ROOT, add_common_args, head_lines, new_report, require_hosts
-from rayckpt.testing.host_jobs import HostJob
-from rayckpt.testing.ray_hosts import TUNED_HEALTH_CHECKS
+from testbed.host_jobs import HostJob
+from testbed.ray_hosts import TUNED_HEALTH_CHECKS
 
 #: ``tuned``: Ray's health checks as docs/recovery.md recommends; ``tuned-start``: also Ray Train's wait for a
 #: worker group that cannot start (the group of 3 asked for on the cluster as it was before the cut) cut to 10 s.
@@ -111,7 +111,7 @@ def flags(cluster: Any, args: argparse.Namespace) -> list[str]:
 
 def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
     """One cluster with ``setting``'s environment, one job, host 2 cut: the times from the cut."""
-    from rayckpt.testing.ray_hosts import build_ray_hosts
+    from testbed.ray_hosts import build_ray_hosts
 
     env = {**HOST_ENV, **SETTINGS[setting], **dict(kv.split("=", 1) for kv in args.env)}
     log_path = os.path.join(args.out, "cut-logs", f"{setting}-{rep}.log")

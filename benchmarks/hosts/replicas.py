@@ -1,6 +1,6 @@
 """A memory-tier replica from one host to another: over the writers' link against through Ray's object store.
 
-Two Ray hosts (``rayckpt.testing.ray_hosts``). A driver on host 0 holds a file of
+Two Ray hosts (``testbed.ray_hosts``). A driver on host 0 holds a file of
 each size in its host's ``/dev/shm`` (a held file, as the ShardWriter's) and copies it
 to host 1's ShardWriter, as ``replication.replicate`` does, by each way in turn
 (rotated from repeat to repeat):
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     require_hosts()
-    from rayckpt.testing.ray_hosts import build_ray_hosts
+    from testbed.ray_hosts import build_ray_hosts
 
     os.makedirs(args.out, exist_ok=True)
     biggest = int(max(args.sizes))

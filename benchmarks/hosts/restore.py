@@ -1,6 +1,6 @@
 """A restore on real hosts: a state held by three hosts' memory tier against the same state on the S3 host.
 
-Three Ray hosts and an S3 host (``moto_server``, ``rayckpt.testing.ray_hosts``). A
+Three Ray hosts and an S3 host (``moto_server``, ``testbed.ray_hosts``). A
 driver on host 0 runs one TorchTrainer (gloo, CPU) of ``--workers`` M workers, spread
 over the three hosts (``--cpus-per-worker``: by default the hosts' CPUs shared out, so
 M = 3 puts one on each), with the memory-cost benchmark's loop
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     require_hosts()
-    from rayckpt.testing.ray_hosts import build_ray_hosts
+    from testbed.ray_hosts import build_ray_hosts
 
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)

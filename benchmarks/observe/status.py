@@ -1,6 +1,6 @@
 """``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster.
 
-A head started with ``ray start --head --block`` (``rayckpt.testing.ray_head``: its own
+A head started with ``ray start --head --block`` (``testbed.ray_head``: its own
 temp directory and ports, token authentication off, 2 CPUs), a run of two committed
 checkpoints (a driver that saves through ``rayckpt.ray.save_async`` and stays connected,
 so the MetadataActor and the node's ShardWriter are up), then ``--repeats`` rounds of both commands, their
@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from benchmarks.common.harness import load_sampled, machine_info, rotated, summary, write_report
-from rayckpt.testing.ray_head import BIN, ray_head
+from testbed.ray_head import BIN, ray_head
 
 COMMANDS = {
     "rayckpt status": [f"{BIN}/rayckpt", "status", "--address"],

@@ -1,4 +1,4 @@
-"""The faults a cluster has, on real hosts (``rayckpt.testing.ray_hosts``): a host cut off by its link, and a host
+"""The faults a cluster has, on real hosts (``testbed.ray_hosts``): a host cut off by its link, and a host
 crashed in the middle of a save, each under ``ray job submit -- python jobs/train.py`` with the memory tier on and
 S3 (a host of its own) as storage.
 
@@ -19,9 +19,9 @@ import time
 import pytest
 
 from rayckpt.storage.catalog import checkpoint_dir_name
-from rayckpt.testing.host_jobs import HostJob
-from rayckpt.testing.hosts import Host, hosts_unavailable
-from rayckpt.testing.ray_hosts import S3_PORT, TUNED_HEALTH_CHECKS, RayHosts, build_ray_hosts
+from testbed.host_jobs import HostJob
+from testbed.hosts import Host, hosts_unavailable
+from testbed.ray_hosts import S3_PORT, TUNED_HEALTH_CHECKS, RayHosts, build_ray_hosts
 from tests.helpers.host_jobs import ONE_PER_HOST, catalog, completed, events, submit, summary, writers
 from tests.helpers.ray_head import ROOT, TINY
 

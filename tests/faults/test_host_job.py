@@ -1,4 +1,4 @@
-"""The main job across real hosts (``rayckpt.testing.ray_hosts``): three Ray nodes, each in its own network and
+"""The main job across real hosts (``testbed.ray_hosts``): three Ray nodes, each in its own network and
 mount namespace, and an S3 host; ``ray job submit -- python jobs/train.py`` from host 0, as a user submits it.
 
 Three workers, one per host, save to S3 and to the memory tier, whose replicas cross hosts over the writers'
@@ -15,8 +15,8 @@ import os
 import pytest
 
 from rayckpt.storage.catalog import checkpoint_dir_name
-from rayckpt.testing.hosts import Host, hosts_unavailable
-from rayckpt.testing.ray_hosts import RayHosts, build_ray_hosts
+from testbed.hosts import Host, hosts_unavailable
+from testbed.ray_hosts import RayHosts, build_ray_hosts
 from tests.helpers.host_jobs import ONE_PER_HOST, catalog, s3_puts, submit, summary, writers
 from tests.helpers.ray_head import TINY
 

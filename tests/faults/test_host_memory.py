@@ -1,4 +1,4 @@
-"""The memory tier across real hosts (``rayckpt.testing.ray_hosts``) when a host's resources fail it: three Ray
+"""The memory tier across real hosts (``testbed.ray_hosts``) when a host's resources fail it: three Ray
 nodes, each in its own network and mount namespace, and an S3 host; ``ray job submit -- python jobs/train.py``
 from host 0 with three workers, one per host, S3 storage and the memory tier on.
 
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rayckpt.testing.hosts import Host, hosts_unavailable
-from rayckpt.testing.ray_hosts import RayHosts, build_ray_hosts
+from testbed.hosts import Host, hosts_unavailable
+from testbed.ray_hosts import RayHosts, build_ray_hosts
 from tests.helpers.host_jobs import ONE_PER_HOST, catalog, submit, summary, writers
 from tests.helpers.ray_head import TINY
 

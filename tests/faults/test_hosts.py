@@ -1,4 +1,4 @@
-"""Hosts on one machine (``rayckpt.testing.hosts``, ``ray_hosts``): three Ray nodes, each in its own network
+"""Hosts on one machine (``testbed.hosts``, ``ray_hosts``): three Ray nodes, each in its own network
 and mount namespace, and an S3 host; a host's link cut and restored; nothing left once they are closed.
 
 One set of hosts for the module. The tests run in file order: the last closes the hosts.
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-import rayckpt.testing.hosts as hosts_module
-from rayckpt.testing.hosts import build_hosts, hosts_unavailable
-from rayckpt.testing.ray_hosts import RAY_PORT, RayHosts, build_ray_hosts
+import testbed.hosts as hosts_module
+from testbed.hosts import build_hosts, hosts_unavailable
+from testbed.ray_hosts import RAY_PORT, RayHosts, build_ray_hosts
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """``cluster.yaml`` brought up by Ray's cluster launcher: ``ray up`` with the local node provider on three hosts
-(``rayckpt.testing.launcher_hosts``: sshd on each, a PID namespace of its own), ``ray job submit -- python
+(``testbed.launcher_hosts``: sshd on each, a PID namespace of its own), ``ray job submit -- python
 jobs/train.py`` to the cluster it made, then ``ray down``; all from a fourth host, the user's machine.
 
 The config is ``cluster.yaml`` with only the keys a cloud decides, or that need the internet, replaced
@@ -21,7 +21,7 @@ import time
 import pytest
 import yaml
 
-from rayckpt.testing.launcher_hosts import (
+from testbed.launcher_hosts import (
     REPLACED,
     LauncherHosts,
     build_launcher_hosts,
@@ -29,7 +29,7 @@ from rayckpt.testing.launcher_hosts import (
     launcher_unavailable,
     local_cluster_config,
 )
-from rayckpt.testing.ray_hosts import DASHBOARD_PORT, RAY_ENV
+from testbed.ray_hosts import DASHBOARD_PORT, RAY_ENV
 from tests.helpers.host_jobs import ONE_PER_HOST, catalog, summary
 from tests.helpers.ray_head import ROOT, TINY
 

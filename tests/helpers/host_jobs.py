@@ -1,4 +1,4 @@
-"""``jobs/train.py`` submitted to a cluster of real hosts (``rayckpt.testing.ray_hosts``), and what tests read after it:
+"""``jobs/train.py`` submitted to a cluster of real hosts (``testbed.ray_hosts``), and what tests read after it:
 the job's summary, each host's ShardWriter, the run's catalog on storage, the MetadataActor's events.
 
 Everything that talks to the cluster runs on host 0 (the cluster's addresses are reachable from the hosts only).
@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-from rayckpt.testing.host_jobs import HostJob, JobEnd, job_summary
-from rayckpt.testing.hosts import Host
-from rayckpt.testing.ray_hosts import RayHosts
+from testbed.host_jobs import HostJob, JobEnd, job_summary
+from testbed.hosts import Host
+from testbed.ray_hosts import RayHosts
 from tests.helpers.ray_head import BIN, ROOT
 
 #: Two CPUs per worker on 2-CPU hosts: Ray Train can place each worker only on a host of its own.

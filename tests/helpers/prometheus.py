@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from rayckpt.testing.ray_head import RayHead, free_port
+from testbed.ray_head import RayHead, free_port
 
 #: How often the server scrapes (Ray's generated configuration says 10 s).
 SCRAPE_INTERVAL_S = 2

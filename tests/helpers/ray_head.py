@@ -1,5 +1,5 @@
 """`jobs/train.py` submitted with `ray job submit` to a Ray head started as a user does (``ray_head``, from
-``rayckpt.testing.ray_head``: its own ``--temp-dir`` and ports, stopped by its own pid)."""
+``testbed.ray_head``: its own ``--temp-dir`` and ports, stopped by its own pid)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 
-from rayckpt.testing.ray_head import BIN, RayHead, free_port, free_ports, get, ray_head  # noqa: F401 - the tests' names
+from testbed.ray_head import BIN, RayHead, free_port, free_ports, get, ray_head  # noqa: F401 - the tests' names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Flags of a model small enough for a job of a few seconds.

@@ -1,4 +1,4 @@
-"""A job submitted to hosts of one machine (``rayckpt.testing.ray_hosts``) and followed as it runs.
+"""A job submitted to hosts of one machine (``testbed.ray_hosts``) and followed as it runs.
 
 ``HostJob`` submits ``python jobs/train.py ...`` from host 0 with ``ray job submit --no-wait`` and
 reads the job's driver log on the head (``job-driver-<id>.log`` in the head's Ray session: the

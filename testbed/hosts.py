@@ -6,7 +6,7 @@ namespace of its own (the switch): nothing is added to the machine's own network
 the hosts reach nothing but each other. Each host's processes see their own tmpfs at
 ``/dev/shm`` and their own local disk at ``Host.disk``. With ``own_pids`` each host also
 has a PID namespace of its own: its processes see (``/proc``, ``ps``) and can signal only
-each other, so a ``ray stop`` run there stops that host's Ray only. ``rayckpt.testing.ray_hosts``
+each other, so a ``ray stop`` run there stops that host's Ray only. ``testbed.ray_hosts``
 starts a Ray node on each.
 
 Everything is torn down by ``Hosts.close()``: every process of the hosts is killed by its

@@ -1,4 +1,4 @@
-"""A Ray cluster on hosts of one machine (``rayckpt.testing.hosts``): a Ray node on each, and an S3 host.
+"""A Ray cluster on hosts of one machine (``testbed.hosts``): a Ray node on each, and an S3 host.
 
 Host 0 runs ``ray start --head --block``, the others ``ray start --address <head> --block``,
 each with its own address (``--node-ip-address``), CPUs and Ray temp dir, as on
@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from rayckpt.testing.hosts import BIN, Host, Hosts, build_hosts
 from rayckpt.testing.s3_server import S3_ENV, S3Endpoint
+from testbed.hosts import BIN, Host, Hosts, build_hosts
 
 #: The head's GCS port and dashboard port on host 0, and the S3 host's port (each host has a network stack of
 #: its own).

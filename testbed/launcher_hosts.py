@@ -1,6 +1,6 @@
 """Hosts for Ray's cluster launcher: ``ray up`` with the local node provider, over SSH, on one machine.
 
-``build_launcher_hosts(n)`` builds ``n + 1`` hosts (``rayckpt.testing.hosts``), each with a
+``build_launcher_hosts(n)`` builds ``n + 1`` hosts (``testbed.hosts``), each with a
 PID namespace of its own: hosts ``0..n-1`` are the cluster's machines (``sshd`` on each,
 listening on the host's address only), host ``n`` is the user's machine, where ``ray up``,
 ``ray job submit`` and ``ray down`` run (``LauncherHosts.ray``). Every host has its own
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rayckpt.testing.hosts import BIN, Host, Hosts, build_hosts, hosts_unavailable
+from testbed.hosts import BIN, Host, Hosts, build_hosts, hosts_unavailable
 
 SSHD = "/usr/sbin/sshd"
 SSH_PORT = 22
