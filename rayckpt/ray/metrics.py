@@ -111,7 +111,13 @@ def send(name: str, value: float, **tags: Any) -> None:
     except ValueError:  # none by that name
         record(name, value, **tags)
         return
-    actor.record_metric.remote(name, float(value), _tags(name, tags))
+    except Exception as exc:  # noqa: BLE001 - a metric never fails what it measures
+        logger.debug("rayckpt: %s not sent to the MetadataActor: %s", name, exc)
+        return
+    try:
+        actor.record_metric.remote(name, float(value), _tags(name, tags))
+    except Exception as exc:  # noqa: BLE001 - a metric never fails what it measures
+        logger.debug("rayckpt: %s not sent to the MetadataActor: %s", name, exc)
 
 
 #: Every second, ``_keep_setting`` sets these gauges again while their owner lives: (name, tags) -> (value, owner).

@@ -63,3 +63,25 @@ def test_keep_set_sets_the_gauge_again_while_its_owner_lives_and_stops_after(rec
     after = len(sets())
     time.sleep(0.05)  # not a timing assertion: nothing may set it again, however long this waits
     assert len(sets()) == after
+
+
+def test_send_records_here_without_a_metadata_actor_and_never_raises(recorded, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+
+    def none_named(name, namespace=None):
+        raise ValueError(f"Failed to look up actor with name '{name}'")
+
+    monkeypatch.setattr(ray, "get_actor", none_named)
+    metrics.send("rayckpt_restore_seconds", 0.5, run="r", tier="memory")
+    assert recorded == [("observe", "rayckpt_restore_seconds", 0.5, {"run": "r", "tier": "memory"})]
+    metrics.send("rayckpt_bytes_read", 0, run="r", rank=0)  # a counter never counts 0
+    assert len(recorded) == 1
+
+    def unreachable(name, namespace=None):
+        raise ConnectionError("GCS unreachable")
+
+    monkeypatch.setattr(ray, "get_actor", unreachable)
+    metrics.send("rayckpt_restore_seconds", 0.5, run="r", tier="memory")  # dropped, not raised
+    assert len(recorded) == 1
