@@ -9,7 +9,8 @@ process's metrics to its node's export port every report interval (10 s by
 default), so a training worker killed, or ended by Ray Train, loses what it
 recorded since its last report. Events of a training worker (a save's stall, a
 restore, a load) therefore go to the MetadataActor, which lives on the head node
-for the cluster's life and records them (``send``). A gauge that says a process
+for the cluster's life and records them (``send``, from a thread of the worker: the
+caller only queues them). A gauge that says a process
 lives is set again every second from that process (``keep_set``): Ray's export
 drops a gauge that is not set for two report intervals.
 """
@@ -100,24 +101,77 @@ def record(name: str, value: float, **tags: Any) -> None:
 
 
 def send(name: str, value: float, **tags: Any) -> None:
-    """Record an event of a training worker on the MetadataActor (``MetadataActor.record_metric``, not
-    waited for); here when there is no MetadataActor (nothing of rayckpt's runs on this cluster yet)."""
+    """Record an event of a training worker on the MetadataActor (``MetadataActor.record_metrics``); here
+    when there is no MetadataActor (nothing of rayckpt's runs on this cluster yet).
+
+    The caller only queues the sample: a thread of this process sends what is queued, so a save's
+    caller never waits for an actor call. ``flush`` waits until what was queued has been sent.
+    """
     import ray
 
     if not ray.is_initialized() or (metric(name).kind == COUNTER and value <= 0):
         return
+    with _LOCK:
+        _OUTBOX.append((name, float(value), _tags(name, tags)))
+        _QUEUED.set()
+        if not _SENDER or not _SENDER[0].is_alive():
+            _SENDER[:] = [threading.Thread(target=_sending, name="rayckpt-metrics", daemon=True)]
+            _SENDER[0].start()
+
+
+def flush(timeout: float = 10.0) -> bool:
+    """Wait until every sample ``send`` queued has been sent (or recorded here); whether it was in ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with _LOCK:
+            if not _OUTBOX and _IN_HAND[0] == 0:
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
+#: Samples ``send`` queued, oldest first, and how many the sending thread holds now.
+_OUTBOX: list[tuple[str, float, dict[str, str]]] = []
+_IN_HAND = [0]
+_QUEUED = threading.Event()
+_SENDER: list[threading.Thread] = []
+
+
+def _sending() -> None:
+    while True:
+        _QUEUED.wait()
+        with _LOCK:
+            batch = list(_OUTBOX)
+            _OUTBOX.clear()
+            _QUEUED.clear()
+            _IN_HAND[0] = len(batch)
+        try:
+            deliver(batch)
+        finally:
+            with _LOCK:
+                _IN_HAND[0] = 0
+
+
+def deliver(batch: list[tuple[str, float, dict[str, str]]]) -> None:
+    """Send ``batch`` to the MetadataActor in one call (not waited for); record it here when there is none."""
+    import ray
+
+    if not batch:
+        return
     try:
         actor = ray.get_actor(METADATA_ACTOR_NAME, namespace=NAMESPACE)
     except ValueError:  # none by that name
-        record(name, value, **tags)
+        for name, value, tags in batch:
+            record(name, value, **tags)
         return
     except Exception as exc:  # noqa: BLE001 - a metric never fails what it measures
-        logger.debug("rayckpt: %s not sent to the MetadataActor: %s", name, exc)
+        logger.debug("rayckpt: %d metric sample(s) not sent to the MetadataActor: %s", len(batch), exc)
         return
     try:
-        actor.record_metric.remote(name, float(value), _tags(name, tags))
+        actor.record_metrics.remote(batch)
     except Exception as exc:  # noqa: BLE001 - a metric never fails what it measures
-        logger.debug("rayckpt: %s not sent to the MetadataActor: %s", name, exc)
+        logger.debug("rayckpt: %d metric sample(s) not sent to the MetadataActor: %s", len(batch), exc)
 
 
 #: Every second, ``_keep_setting`` sets these gauges again while their owner lives: (name, tags) -> (value, owner).

@@ -4,6 +4,7 @@ gauge set again while its owner lives (without Ray: the recording calls captured
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
@@ -34,7 +35,7 @@ def test_record_increments_counters_and_observes_histograms_and_gauges(recorded)
 
 def test_send_outside_ray_does_nothing(recorded):
     metrics.send("rayckpt_restore_seconds", 0.5, run="r", tier="memory")
-    assert recorded == []
+    assert recorded == [] and metrics._OUTBOX == []
 
 
 def wait_for(condition, what: str, limit_s: float = 30.0) -> None:
@@ -65,23 +66,44 @@ def test_keep_set_sets_the_gauge_again_while_its_owner_lives_and_stops_after(rec
     assert len(sets()) == after
 
 
-def test_send_records_here_without_a_metadata_actor_and_never_raises(recorded, monkeypatch):
+def test_send_only_queues_and_a_thread_delivers_the_samples_in_one_batch(monkeypatch):
     import ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    delivered: list[list] = []
+    gate = threading.Event()
+
+    def deliver(batch):
+        gate.wait(30)  # the caller has returned long before this: it never waits for a delivery
+        delivered.append(batch)
+
+    monkeypatch.setattr(metrics, "deliver", deliver)
+    metrics.send("rayckpt_save_stall_seconds", 0.25, run="r", tier="memory", rank=1)
+    metrics.send("rayckpt_bytes_read", 0, run="r", rank=1)  # a counter never counts 0: not queued
+    assert not metrics.flush(timeout=0.05)  # queued, not delivered yet
+    metrics.send("rayckpt_bytes_read", 10, run="r", rank=1)
+    gate.set()
+    assert metrics.flush(timeout=30)
+    samples = [s for batch in delivered for s in batch]
+    assert samples == [
+        ("rayckpt_save_stall_seconds", 0.25, {"run": "r", "tier": "memory", "rank": "1"}),
+        ("rayckpt_bytes_read", 10.0, {"run": "r", "rank": "1"}),
+    ]
+
+
+def test_delivery_records_here_without_a_metadata_actor_and_never_raises(recorded, monkeypatch):
+    import ray
 
     def none_named(name, namespace=None):
         raise ValueError(f"Failed to look up actor with name '{name}'")
 
     monkeypatch.setattr(ray, "get_actor", none_named)
-    metrics.send("rayckpt_restore_seconds", 0.5, run="r", tier="memory")
+    metrics.deliver([("rayckpt_restore_seconds", 0.5, {"run": "r", "tier": "memory"})])
     assert recorded == [("observe", "rayckpt_restore_seconds", 0.5, {"run": "r", "tier": "memory"})]
-    metrics.send("rayckpt_bytes_read", 0, run="r", rank=0)  # a counter never counts 0
-    assert len(recorded) == 1
 
     def unreachable(name, namespace=None):
         raise ConnectionError("GCS unreachable")
 
     monkeypatch.setattr(ray, "get_actor", unreachable)
-    metrics.send("rayckpt_restore_seconds", 0.5, run="r", tier="memory")  # dropped, not raised
+    metrics.deliver([("rayckpt_restore_seconds", 0.5, {"run": "r", "tier": "memory"})])  # dropped, not raised
     assert len(recorded) == 1

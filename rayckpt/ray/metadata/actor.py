@@ -58,7 +58,7 @@ class MetadataActor(OperatorViews):
     rank's); every rank's ``wait_commit``. Loads: every rank's ``read_plan``. The
     ``Checkpointer``: ``register_run``, ``begin_attempt``, ``user_metadata``. The
     ``RayckptCallback``: ``fail_pending``, ``record_event``. Every rank's events for the metrics:
-    ``record_metric``. Operators: ``checkpoints``, ``latest``,
+    ``record_metrics``. Operators: ``checkpoints``, ``latest``,
     ``events``, ``status``, ``timeline``, ``debug_stats`` (docs/architecture.md, "The MetadataActor's interface").
 
     Args:
@@ -117,11 +117,12 @@ class MetadataActor(OperatorViews):
         self._keep_gauges()
         return found
 
-    async def record_metric(self, name: str, value: float, tags: dict[str, str]) -> None:
-        """Record an event a training worker saw (``metrics.send``: its stall, restore, load; every rank, not
-        waited for). Here, in a process that lives as long as the cluster, it reaches the export port even
-        when the worker ends before Ray's next report of its own metrics."""
-        metrics.record(name, value, **tags)
+    async def record_metrics(self, samples: list[tuple[str, float, dict[str, str]]]) -> None:
+        """Record events training workers saw: (metric, value, tags) each (``metrics.send``: a stall, a restore,
+        a load; every rank, not waited for). Here, in a process that lives as long as the cluster, they reach
+        the export port even when the worker ends before Ray's next report of its own metrics."""
+        for name, value, tags in samples:
+            metrics.record(name, value, **tags)
 
     def _scan(self, run: str) -> list[CatalogEntry]:
         run_root, fs = self._roots[run]
