@@ -40,7 +40,7 @@ from ..storage.shared import keeps_name
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .coordinator import claim as claim_decision
 from .increments import FULL, Increment, choose_base, confirm_base, forget_choice
-from .save_layout import agree_on_plan
+from .save_layout import PlanAgreement, PlanCache, SaveIds
 from .state import FlatState
 from .writer import create_chunk_data, parts_here
 from .writer import write_share as write_rank_share
@@ -307,6 +307,11 @@ def _committed_id(ckdir: CheckpointDir) -> str | None:
         return None
 
 
+#: This process's save plans: the ones ``rayckpt.save`` and the Ray saves of a process
+#: reuse while every rank's layout repeats (``save_layout.PlanCache``).
+PROCESS_PLANS = PlanCache()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaveContext:
     """A save after its first step, on one rank: what the ranks agreed on, and this rank's state."""
@@ -341,6 +346,7 @@ def collect_state(
     overwrite: bool = True,
     incremental: bool = False,
     full_every: int = 0,
+    plans: PlanCache | None = None,
 ) -> SaveContext:
     """Save steps collect and plan (collective): flatten, agree on the save id, plan the writes.
 
@@ -352,12 +358,13 @@ def collect_state(
     ``overwrite``). When this step succeeds the lease is rank 0's to keep and
     release; when it fails, it is released here. ``incremental`` (with ``claim``):
     rank 0 also picks the save's base (``increments``), every ``full_every``-th save none.
+    ``plans``: where the plans are cached (default ``PROCESS_PLANS``).
     """
     if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     claimed: list[str] = []
 
-    def claim_ids() -> tuple[str, str | None, Increment]:
+    def claim_ids() -> SaveIds:
         save_id = new_save_id()
         previous = None
         increment = FULL
@@ -375,25 +382,26 @@ def collect_state(
             claimed.append(save_id)
             if incremental:
                 increment = confirm_base(claim, save_id)
-        return save_id, previous, increment
+        return SaveIds(save_id, previous, increment)
 
+    agreement = PlanAgreement(coord, plans or PROCESS_PLANS, node=node, claim=claim_ids, block_size=block_size)
     try:
         with phase("plan"):
-            a = agree_on_plan(coord, state_dict, node, claim_ids, block_size)
+            a = agreement.agree(state_dict)
     except BaseException:
         if claimed:
             release_lease(claim, claimed[0])
             remove_failed_save(claim, claimed[0])
         raise
     spec = SaveSpec(
-        save_id=a.save_id,
+        save_id=a.ids.save_id,
         world_size=coord.world_size,
         block_size=a.block_size,
-        tensors=a.tensors,
-        values=a.values,
+        tensors=a.root.tensors,
+        values=a.root.values,
         metadata=dict(metadata or {}),
-        paths=a.paths,
-        previous=a.previous,
+        paths=a.root.paths,
+        previous=a.ids.previous,
     )
     return SaveContext(
         spec=spec,
@@ -403,7 +411,7 @@ def collect_state(
         flat=a.flat,
         cached=a.cached,
         layout=a.layouts,
-        increment=a.increment,
+        increment=a.ids.increment,
     )
 
 
