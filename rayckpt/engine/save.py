@@ -6,7 +6,7 @@ initialized); rank 0 commits. ``collect_state`` is the first step of every save,
 rank 0 gathers the ranks' layouts, plans every rank's writes and sends each
 rank its own plan, and holds the ``SaveSpec`` the committer needs (the plans
 are cached while the layouts repeat: ``save_layout``). Then each rank writes its share
-(``write_share`` here; on Ray the node's ShardWriter does, from shared memory)
+(``write_own_share`` here; on Ray the node's ShardWriter does, from shared memory)
 and the committer (rank 0 here; the MetadataActor on Ray) calls
 ``storage.commit.commit_save``. Each step ends in one all-gather that carries
 failures, so an error on any rank is raised on every rank and nobody hangs.
@@ -29,6 +29,7 @@ from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import (
     SaveSpec,
+    WrittenFiles,
     WrittenShard,
     commit_save,
     new_save_id,
@@ -42,8 +43,7 @@ from .coordinator import claim as claim_decision
 from .increments import FULL, Increment, choose_base, confirm_base, forget_choice
 from .save_layout import PlanAgreement, PlanCache, SaveIds
 from .state import FlatState
-from .writer import create_chunk_data, parts_here
-from .writer import write_share as write_rank_share
+from .writer import ShareSpec, create_chunk_data, parts_here, write_rank_share
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,7 +208,7 @@ def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], 
         full_every=options.full_every,
     )
     save_id = ctx.spec.save_id
-    written_files: list[str] = []
+    files = WrittenFiles(ckdir, save_id)
     shards: list[WrittenShard] = []
     committed: list[int] = []  # rank 0, once the manifest is written: the checkpoint's bytes
 
@@ -226,7 +226,7 @@ def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], 
     try:
         # Rank 0 owns the lease it claimed: refreshed while the save runs, deleted when it ends.
         with LeaseKeeper(ckdir, save_id) if coord.rank == 0 else nullcontext():
-            write = partial(write_share, ckdir, ctx, written_files)
+            write = partial(write_own_share, files, ctx)
             with phase("gather_writes"):
                 shards = gather_or_raise(coord, "save (writing shards)", write, SaveFailedError, PeerLostError)
             with phase("gather_commit"):
@@ -243,9 +243,9 @@ def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], 
                 world_size=coord.world_size,
             )
         if isinstance(exc, RayckptError) and not isinstance(exc, PeerLostError):
-            remove_failed_save(ckdir, save_id, written_files)  # every rank saw this failure: nobody commits
+            files.remove_save()  # every rank saw this failure: nobody commits
             raise
-        return _settle_lost(coord, ckdir, save_id, written_files, exc)
+        return _settle_lost(coord, files, exc)
     num_files = sum(len(s.files) for s in shards)
     return SaveInfo(
         path=ckdir.location, save_id=save_id, bytes_written=total, num_files=num_files, world_size=coord.world_size
@@ -256,9 +256,7 @@ def _decision_key(save_id: str) -> str:
     return f"save/{save_id}/decision"
 
 
-def _settle_lost(
-    coord: Coordinator, ckdir: CheckpointDir, save_id: str, written_files: list[str], exc: BaseException
-) -> SaveInfo:
+def _settle_lost(coord: Coordinator, files: WrittenFiles, exc: BaseException) -> SaveInfo:
     """This rank left a save without knowing how the others ended (a collective failed, or it was interrupted).
 
     Rank 0, the only committer, knows it did not commit. Another rank asks the
@@ -268,9 +266,10 @@ def _settle_lost(
     its manifest is there. Raises ``PeerLostError`` (or ``exc`` itself when it is
     not an ``Exception``), unless the save is committed.
     """
+    ckdir, save_id = files.ckdir, files.save_id
     decision = "abort" if coord.rank == 0 else claim_decision(coord, _decision_key(save_id), "abort")
     if decision == "abort":
-        remove_failed_save(ckdir, save_id, written_files)
+        files.remove_save()
         outcome = f"rank {coord.rank} removed the files of save {save_id}; nothing was committed"
     elif decision == "commit":
         if _committed_id(ckdir) == save_id:
@@ -415,19 +414,10 @@ def collect_state(
     )
 
 
-def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]) -> WrittenShard:
-    """Save step write, in this process: this rank's chunks into its shard files."""
+def write_own_share(files: WrittenFiles, ctx: SaveContext) -> WrittenShard:
+    """Save step write, in this process: this rank's chunks into its shard files (added to ``files``)."""
     with phase("write"):
         chunks = create_chunk_data(ctx.plan, ctx.flat)
         parts = parts_here(ctx.spec.world_size, len(ctx.nodes))
-        spec = ctx.spec
-        return write_rank_share(
-            ckdir,
-            chunks,
-            save_id=spec.save_id,
-            rank=ctx.rank,
-            block_size=spec.block_size,
-            written_files=written_files,
-            max_parts=parts,
-            increment=ctx.increment,
-        )
+        share = ShareSpec(rank=ctx.rank, block_size=ctx.spec.block_size, max_parts=parts, increment=ctx.increment)
+        return write_rank_share(files, chunks, share)

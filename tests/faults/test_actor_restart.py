@@ -14,7 +14,7 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt.engine.writer import write_chunks
+from rayckpt.engine.writer import ShareSpec, write_chunks
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkData
 from rayckpt.ray import async_save
@@ -23,7 +23,7 @@ from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.records import SaveTarget
 from rayckpt.ray.save_handle import SaveHandle
 from rayckpt.storage.checkpoint_dir import CheckpointDir
-from rayckpt.storage.commit import SaveSpec
+from rayckpt.storage.commit import SaveSpec, WrittenFiles
 from tests.helpers.gated_fs import gated_filesystem, wait_for_file
 
 pytestmark = pytest.mark.slow
@@ -126,7 +126,7 @@ def test_a_rank_waiting_when_the_actor_restarts_is_answered_at_once(ray_session,
     incarnation = ray.get(registered)
     rows = np.arange(8, dtype=np.float32)
     chunk = ChunkData("w", "float32", Box((0, 0), (2, 4)), rows.view(np.uint8))
-    shard = write_chunks(CheckpointDir.resolve(path), [chunk], save_id, 0, 64, [])
+    shard = write_chunks(WrittenFiles(CheckpointDir.resolve(path), save_id), [chunk], ShareSpec(rank=0, block_size=64))
     ray.get(meta.report_written.remote(replace(target, incarnation=incarnation), shard, 0.0))
     handle = SaveHandle(
         target,
