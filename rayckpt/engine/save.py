@@ -158,11 +158,7 @@ def save(
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
     options = SaveOptions(
-        block_size=block_size,
-        metadata=metadata,
-        overwrite=overwrite,
-        incremental=incremental,
-        full_every=full_every_count(full_every),
+        block_size=block_size, metadata=metadata, overwrite=overwrite, incremental=incremental, full_every=full_every
     )
     try:
         with timed() as clock:
@@ -180,13 +176,22 @@ def save(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaveOptions:
-    """How a save writes, as ``save`` was asked."""
+    """How a save writes: ``save``'s and ``save_async``'s options of that name (see ``save``).
 
+    Raises:
+        ValueError: ``full_every`` is not a whole number >= 0.
+    """
+
+    #: Bytes per block checksum (None: rank 0 picks it); checked by the save's first step.
     block_size: int | None = None
+    #: JSON-able data for the manifest's ``user_metadata``.
     metadata: dict[str, Any] | None = None
     overwrite: bool = True
     incremental: bool = False
     full_every: int = 0
+
+    def __post_init__(self) -> None:
+        full_every_count(self.full_every)
 
 
 def full_every_count(value: Any) -> int:
@@ -197,16 +202,7 @@ def full_every_count(value: Any) -> int:
 
 
 def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], options: SaveOptions) -> SaveInfo:
-    ctx = collect_state(
-        coord,
-        state_dict,
-        block_size=options.block_size,
-        metadata=options.metadata,
-        claim=ckdir,
-        overwrite=options.overwrite,
-        incremental=options.incremental,
-        full_every=options.full_every,
-    )
+    ctx = collect_state(coord, state_dict, options, claim=ckdir)
     save_id = ctx.spec.save_id
     files = WrittenFiles(ckdir, save_id)
     shards: list[WrittenShard] = []
@@ -337,28 +333,27 @@ class SaveContext:
 def collect_state(
     coord: Coordinator,
     state_dict: dict[str, Any] | FlatState,
+    options: SaveOptions = SaveOptions(),
     *,
-    block_size: int | None = None,
-    metadata: dict[str, Any] | None = None,
     node: str = "",
     claim: CheckpointDir | None = None,
-    overwrite: bool = True,
-    incremental: bool = False,
-    full_every: int = 0,
     plans: PlanCache | None = None,
 ) -> SaveContext:
     """Save steps collect and plan (collective): flatten, agree on the save id, plan the writes.
 
     Rank 0 plans every rank's writes and each rank receives its own plan; the
     plans are cached while every rank's layout repeats (``save_layout``).
+    ``state_dict``: flattened here (inside the first collective, so that a rank whose
+    state cannot be saved fails every rank), unless the caller did (a ``FlatState``).
     ``node``: where this rank runs (the Ray node id), sent to rank 0.
     ``claim``: where the save goes; rank 0 claims it for the new save id before
     sharing the id, so before any rank writes (``lease.claim_location``, with
-    ``overwrite``). When this step succeeds the lease is rank 0's to keep and
-    release; when it fails, it is released here. ``incremental`` (with ``claim``):
-    rank 0 also picks the save's base (``increments``), every ``full_every``-th save none.
+    ``options.overwrite``). When this step succeeds the lease is rank 0's to keep and
+    release; when it fails, it is released here. ``options.incremental`` (with ``claim``):
+    rank 0 also picks the save's base (``increments``), every ``options.full_every``-th save none.
     ``plans``: where the plans are cached (default ``PROCESS_PLANS``).
     """
+    block_size, incremental = options.block_size, options.incremental
     if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     claimed: list[str] = []
@@ -369,9 +364,9 @@ def collect_state(
         increment = FULL
         if claim is not None:
             if incremental:
-                choose_base(claim, save_id, full_every)
+                choose_base(claim, save_id, options.full_every)
             try:
-                previous = claim_location(claim, save_id, overwrite=overwrite)
+                previous = claim_location(claim, save_id, overwrite=options.overwrite)
             except BaseException:
                 forget_choice(save_id)
                 claim.delete(keeps_name(save_id))
@@ -398,7 +393,7 @@ def collect_state(
         block_size=a.block_size,
         tensors=a.root.tensors,
         values=a.root.values,
-        metadata=dict(metadata or {}),
+        metadata=dict(options.metadata or {}),
         paths=a.root.paths,
         previous=a.ids.previous,
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayckpt.engine.save import collect_state
+from rayckpt.engine.save import SaveOptions, collect_state
 from rayckpt.engine.save_layout import PlanCache, PlanCounts
 from rayckpt.engine.state import flatten
 from rayckpt.errors import InvalidStateError
@@ -152,7 +152,8 @@ def test_rank_0_picks_the_block_size_from_the_largest_state_and_every_rank_uses_
     ctxs = save_plans(ThreadGroup(3), states)
     assert [c.spec.block_size for c in ctxs] == [128 * 1024] * 3  # rank 1's 360 KB in at most 4 blocks
     group = ThreadGroup(3)
-    explicit = group.run(lambda coord: collect_state(coord, states[coord.rank], block_size=4096, plans=PlanCache()))
+    options = SaveOptions(block_size=4096)
+    explicit = group.run(lambda coord: collect_state(coord, states[coord.rank], options, plans=PlanCache()))
     assert [c.spec.block_size for c in explicit] == [4096] * 3  # the caller's, as given
 
 
