@@ -55,7 +55,7 @@ class Checkpointer:
 
     Checkpoints go to ``<storage_path>/<run name>/rayckpt-step-<step:08d>``; with a memory
     tier, also to the nodes' memory (``rayckpt.ray.memory``). Where each save goes and how
-    it is reported: docs/architecture.md, "The Checkpointer's saves".
+    it is reported: docs/internals.md, "The Checkpointer's saves".
 
     Args:
         block_size: Bytes per block checksum of every save (as for ``save_async``).
@@ -188,7 +188,7 @@ class Checkpointer:
         A storage save goes through ``save_async`` and is reported to Ray Train once
         committed (Ray never copies its files; ``CheckpointConfig`` retention deletes old
         ones). With a memory tier a step may go to memory, storage or both, and a memory
-        save may be skipped or go to storage instead: docs/architecture.md, "The
+        save may be skipped or go to storage instead: docs/internals.md, "The
         Checkpointer's saves". Waits first for this worker's previous save of each tier.
 
         Args:

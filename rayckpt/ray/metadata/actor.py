@@ -6,7 +6,7 @@ the catalog, ``storage.catalog``, re-read from storage, which stays the truth), 
 from worker threads (they do the storage I/O). The shell adds what needs Ray or the
 event loop: ``wait_commit``, the watchdog that expires late saves, metrics, events.
 Ray restarts it when it dies, with an empty state and a new incarnation id
-(docs/architecture.md, "When the MetadataActor restarts mid-save").
+(docs/internals.md, "When the MetadataActor restarts mid-save").
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class MetadataActor(OperatorViews):
     ``Checkpointer``: ``register_run``, ``begin_attempt``, ``user_metadata``. The
     ``RayckptCallback``: ``fail_pending``, ``record_event``. Every rank's events for the metrics:
     ``record_metrics``. Operators: ``checkpoints``, ``latest``,
-    ``events``, ``status``, ``timeline``, ``debug_stats`` (docs/architecture.md, "The MetadataActor's interface").
+    ``events``, ``status``, ``timeline``, ``debug_stats`` (docs/internals.md, "The MetadataActor's interface").
 
     Args:
         commit_timeout_s: How long a save may take to commit unless its registration says.

@@ -20,7 +20,7 @@ A save, across the processes it runs in (every rank calls ``save_async``):
    asks the MetadataActor's ``wait_commit`` for the outcome.
 
 A process's saves of one lane are owned by one ``AsyncSaver``: the save in flight and the staging
-buffer it reuses (docs/architecture.md, "The staging buffer" and "Lanes").
+buffer it reuses (docs/internals.md, "The staging buffer" and "Lanes").
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def save_async(
     Called by every rank (collective when a process group is initialized), inside a Ray
     worker or driver; the order of a save across the ranks, their ShardWriters and the
     MetadataActor is in this module's docstring. A call first waits for the previous
-    save of its ``lane``. The staging buffer and lanes: docs/architecture.md, "The
+    save of its ``lane``. The staging buffer and lanes: docs/internals.md, "The
     staging buffer" and "Lanes".
 
     Args:

@@ -187,7 +187,7 @@ class SaveHandle:
         The outcome is learned once: a failed save's error is raised by its own
         ``wait()`` (each time it is called), or, if nobody waited for it, once by the
         next ``save_async``, never by a later save. If the MetadataActor restarts while
-        the save is in flight, ``wait()`` fails within seconds (docs/architecture.md,
+        the save is in flight, ``wait()`` fails within seconds (docs/internals.md,
         "When the MetadataActor restarts mid-save"); if it died for good, storage
         answers: committed when the directory's manifest carries this save's id.
 
