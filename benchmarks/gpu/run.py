@@ -181,7 +181,7 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
     """
     import ray
 
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
     from rayckpt.ray.writer.actor import get_shard_writer
 
     os.sync()  # the earlier writes' dirty pages go to disk now, not during this order's first commit

@@ -32,7 +32,7 @@ from rayckpt.testing.multiproc import run_ranks
 
 SYSTEMS = ("shm", "object_store", "dcp", "rayckpt")
 #: What the stall is made of, timed where ``async_save`` looks each one up: (owner, name, label).
-#: Owners: "module" (``rayckpt.ray.async_save``) or "saver" (its ``AsyncSaver`` class).
+#: Owners: "module" (``rayckpt.ray.rank.async_save``) or "saver" (its ``AsyncSaver`` class).
 STALL_PARTS = (
     ("module", "collect_state", "plan"),
     ("module", "get_metadata_actor", "actor lookups"),
@@ -60,7 +60,7 @@ def worker(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, An
     import torch.distributed.checkpoint as dcp
 
     import rayckpt
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
 
     _, _, app = build_state(world_size, rank, seed=0, shapes=cfg["shapes"])
     connect_ray(cfg["address"])

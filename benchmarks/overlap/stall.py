@@ -96,7 +96,7 @@ class Saver:
     def __post_init__(self) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        from rayckpt.ray.async_save import local_pieces, prepare_staging
+        from rayckpt.ray.rank.async_save import local_pieces, prepare_staging
 
         self.state = {"app": self.app}
         self.cuda = self.device.startswith("cuda")
@@ -135,7 +135,7 @@ class Saver:
                 return {}
 
             return Pending(staged.result if staged is not None else None, uploaded)
-        from rayckpt.ray.async_save import save_async
+        from rayckpt.ray.rank.async_save import save_async
 
         handle = save_async(self.state, path, run=self.run, step=step, overlap=OVERLAP[mode])
 
@@ -148,7 +148,7 @@ class Saver:
         return Pending(None, finish)
 
     def close(self) -> None:
-        from rayckpt.ray.async_save import release_staging
+        from rayckpt.ray.rank.async_save import release_staging
 
         for stager in self.stagers.values():
             stager.close()

@@ -63,7 +63,7 @@ class LoopSaves:
         import torch.distributed as dist
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        from rayckpt.ray.async_save import local_pieces
+        from rayckpt.ray.rank.async_save import local_pieces
         from rayckpt.train import Checkpointer
 
         self.state = {"app": app}

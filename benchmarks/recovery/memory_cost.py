@@ -55,7 +55,7 @@ def cost_loop(config: dict[str, Any]) -> None:
 
     from benchmarks.common.workload import build_state
     from benchmarks.recovery.loop import one_step
-    from rayckpt.ray.async_save import local_pieces
+    from rayckpt.ray.rank.async_save import local_pieces
     from rayckpt.train import Checkpointer
 
     ctx = ray.train.get_context()
@@ -110,8 +110,8 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
     import torch.distributed as dist
 
     from benchmarks.common.diskio import evict, files_under
-    from rayckpt.ray.async_save import save_async
-    from rayckpt.ray.loading import load
+    from rayckpt.ray.rank.async_save import save_async
+    from rayckpt.ray.rank.loading import load
 
     ckpt.save(step, state, persist=True)  # due for both: to memory, then to storage
     ckpt.wait()

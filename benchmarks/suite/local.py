@@ -7,7 +7,7 @@ save, ``--save-ranks`` (4) gloo ranks, systems alternated within each repeat (th
 order rotates from repeat to repeat):
 
 - ``rayckpt``: ``rayckpt.save`` in process (returns once committed);
-- ``rayckpt Ray async``: ``rayckpt.ray.async_save.save_async`` from ranks connected to
+- ``rayckpt Ray async``: ``rayckpt.ray.rank.async_save.save_async`` from ranks connected to
   a local Ray cluster the driver starts (``ray.init(num_cpus=8)``; each rank calls
   ``ray.init(address=...)``); stall = ``SaveHandle.stall_seconds``, commit = from
   the barrier before ``save_async`` until ``handle.wait()`` returns (staging as

@@ -70,7 +70,7 @@ def s3_save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
 
     endpoint: S3Endpoint = cfg["endpoint"]
     rels: dict[str, str] = cfg["rels"]

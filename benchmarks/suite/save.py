@@ -128,7 +128,7 @@ def warm_code_paths(rank: int, state: dict[str, Any], size_dir: str, run: str, a
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
 
     warm_dir = os.path.join(size_dir, "warmup")
     tiny = {"warm": {f"r{rank}": torch.full((1024,), float(rank))}}
@@ -172,7 +172,7 @@ def save_ops(
     """The timed part of each save system; ``t0`` is when ``measure`` started the clock."""
     import torch.distributed.checkpoint as dcp
 
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
 
     blob = memoryview(bytearray(os.urandom(RAW_BLOCK)))
 

@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from ..ray.joining import ClusterUnreachableError, cluster_address
-    from ..ray.save_handle import local_is_shared_by_env
+    from ..ray.rank.save_handle import local_is_shared_by_env
     from ..train.callback import RayckptCallback
 
     check_storage(args.storage_path)
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def draw_timeline(run: str, path: str) -> None:
     """``--timeline``: the run's checkpoint timeline into ``path``; a failure to draw is one line, not the job's."""
     from ..observe.timeline import PlotUnavailableError, draw
-    from ..ray.status import timeline
+    from ..ray.status.reader import timeline
 
     try:
         log(f"timeline of {draw(timeline(run), path)} saves written to {path}")
