@@ -40,7 +40,7 @@ from ..planning.save_columns import ShardLayout, assign_writers, digest
 from ..planning.save_plan import LocalShard, SavePlan, create_own_plan
 from .coordinator import Coordinator, ProcessGroupCoordinator, plan_at_root
 from .increments import Increment
-from .state import FlatState, flatten
+from .state import FlatState, flat_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +267,7 @@ class PlanAgreement:
         return self.own_plan(decision, share)
 
     def local_header(self, state_dict: dict[str, Any] | FlatState) -> Header:
-        flat = flatten(state_dict)
+        flat = flat_of(state_dict)
         shards = tuple(LocalShard(t.key, t.dtype, t.shape, box) for t in flat.tensors.values() for box in t.boxes())
         self._local = LocalLayout(flat, shards, rank_layout(flat, shards))
         if self.coord.rank == 0:

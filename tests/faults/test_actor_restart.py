@@ -20,7 +20,7 @@ from rayckpt.format.shard_file import ChunkData
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.rank import async_save
 from rayckpt.ray.rank.copier import CopyJob
-from rayckpt.ray.rank.save_handle import SaveHandle
+from rayckpt.ray.rank.save_handle import SaveHandle, StartedSave
 from rayckpt.ray.records import SaveTarget
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec, WrittenFiles
@@ -131,11 +131,10 @@ def test_a_rank_waiting_when_the_actor_restarts_is_answered_at_once(ray_session,
     handle = SaveHandle(
         target,
         CheckpointDir.resolve(path),
-        copy=CopyJob.finished(ray.put(None), 0.0),
-        staged_ref=None,
-        stall_seconds=0.0,
+        StartedSave(
+            copy=CopyJob.finished(ray.put(None), 0.0), staged_ref=None, stall_seconds=0.0, registered=registered
+        ),
         timeout=600.0,
-        registered=registered,
     )
     start = time.monotonic()
     waiter = ErrorCatcher(handle.wait)
@@ -171,9 +170,7 @@ def test_a_save_the_actor_lost_fails_at_its_commit_timeout_and_only_for_its_own_
     handle = SaveHandle(
         SaveTarget(save_id="sid-unheard", run="unheard", step=3, location=str(path), rank=0),
         CheckpointDir.resolve(str(path)),
-        copy=CopyJob.finished(ray.put(None), 0.0),
-        staged_ref=None,
-        stall_seconds=0.0,
+        StartedSave(copy=CopyJob.finished(ray.put(None), 0.0), staged_ref=None, stall_seconds=0.0),
         timeout=2.0,
         on_outcome=saver._seen,
     )

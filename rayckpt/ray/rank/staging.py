@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ...engine.device import DeviceToHost, needs_bounce, pin_host_memory, unpin_host_memory
-from ...engine.state import as_bytes, flatten
+from ...engine.state import FlatState, as_bytes, flat_of
 from ..shm import POPULATED, PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, shm_room, staging_dir
 
 #: Where ``save_async`` stages: "auto" (the reusable buffer, else the object store), "shm", "object_store".
@@ -304,9 +304,10 @@ def staged_size(pieces: Sequence[torch.Tensor]) -> int:
     return layout([p.numel() * p.element_size() for p in pieces])[1]
 
 
-def local_pieces(state_dict: dict[str, Any]) -> list[Any]:
-    """Every local tensor of ``state_dict``: what this rank's staging buffer is sized to (a share never exceeds it)."""
-    return [p.local for leaf in flatten(state_dict).tensors.values() for p in leaf.pieces]
+def local_pieces(state_dict: dict[str, Any] | FlatState) -> list[Any]:
+    """Every local tensor of ``state_dict`` (flattened unless it is): what this rank's staging buffer is
+    sized to (a share never exceeds it)."""
+    return [p.local for leaf in flat_of(state_dict).tensors.values() for p in leaf.pieces]
 
 
 def of_device(pieces: list[Any]) -> Any:
