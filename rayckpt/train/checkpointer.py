@@ -41,9 +41,8 @@ from ..ray.rank.loading import load as ray_load
 from ..ray.rank.options import RayOptions, SaveDestination
 from ..ray.rank.save_handle import SaveHandle
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
-from . import restore_report
 from .announce import SaveAnnouncer
-from .restore_order import candidates, reason
+from .restore import candidates, fell_back, reason, restored
 from .run_id import attempt_key
 from .tiers import MEMORY, STORAGE, MemoryTier, SaveSettings, TierPolicy, memory_need
 
@@ -314,7 +313,7 @@ class Checkpointer:
         return step
 
     def _candidates(self) -> tuple[list[tuple[str, int | None, str]], list[tuple[str, int | None, str]]]:
-        """What ``restore`` tries and what it passes over at once (``restore_order.candidates``)."""
+        """What ``restore`` tries and what it passes over at once (``restore.candidates``)."""
         entries, self._found = self._found, None
         if entries is None:
             entries = self._register_run(STORAGE)
@@ -349,18 +348,18 @@ class Checkpointer:
                 continue
             metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
             self.restored_metadata = metadata
-            restored = metadata.get("step")
+            restored_step = metadata.get("step")
             peer = peer_bytes() - from_peers
             self.restored_from = {
                 "tier": tier,
                 "path": path,
-                "step": restored,
+                "step": restored_step,
                 "bytes_read": self.last_load.bytes_read,
                 "peer_bytes": peer,
             }
             world = ray.train.get_context().get_world_size()
-            restore_report.restored(self.run, self.rank, world, self.restored_from, time.perf_counter() - began)
-            return restored
+            restored(self.run, self.rank, world, self.restored_from, time.perf_counter() - began)
+            return restored_step
         if failed:
             tried = "; ".join(f"step {s} at {p}: {why}" for p, s, why in failed)
             raise RestoreFailedError(
@@ -374,7 +373,7 @@ class Checkpointer:
         path, step, reason = failed
         self.fallbacks.append({"path": path, "step": step, "reason": reason, "next": to[0], "next_step": to[1]})
         if self.rank == 0:
-            restore_report.fell_back(self.run, self.fallbacks[-1])
+            fell_back(self.run, self.fallbacks[-1])
 
     def wait(self) -> CatalogEntry | None:
         """Block until this worker's in-flight saves (storage and memory) are committed.

@@ -33,6 +33,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,8 @@ def staging_mode(staging: str | None) -> str:
 
 
 _ALIGN = 64
+#: ``copy_now`` copies a large CPU piece in slices of at least this many bytes, over the rank's cores.
+SLICE_BYTES = 32 << 20
 _GRANULE = 1 << 20
 
 
@@ -254,6 +257,26 @@ class StagingBuffer:
         else:  # strided: torch copies it
             dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
             dst.view(src.dtype).view(src.shape).copy_(src)
+
+    def copy_now(
+        self, jobs: Sequence[tuple[torch.Tensor, tuple[int, int]]], to_host: DeviceToHost, threads: int = 1
+    ) -> None:
+        """``copy_piece`` for each (piece, span), the bytes of the large contiguous CPU pieces spread over
+        ``threads`` threads in slices (one memcpy each): the cores this rank may use
+        (``engine.writer.parts_here``). One thread: one memcpy per piece, on the caller's."""
+        slices = []
+        for piece, (offset, n) in jobs:
+            src = piece.detach()
+            if threads > 1 and n >= 2 * SLICE_BYTES and not needs_bounce(src) and src.is_contiguous():
+                assert self._map is not None
+                dst, data = np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src)
+                step = max(SLICE_BYTES, -(-n // threads))
+                slices += [(dst[i : i + step], data[i : i + step]) for i in range(0, n, step)]
+            else:
+                self.copy_piece(piece, (offset, n), to_host)
+        if slices:
+            with ThreadPoolExecutor(threads, thread_name_prefix="rayckpt-stage") as pool:
+                list(pool.map(lambda s: np.copyto(*s), slices))
 
     def close(self) -> None:
         """Unmap and close the file; a writer that still maps it keeps reading until it unmaps.
