@@ -224,12 +224,11 @@ class Checkpointer:
         """``save`` to storage, reported to Ray Train; waits first for the storage save before it."""
         self._wait(STORAGE)  # what ``save_async`` does first, here so the previous save's outcome is announced
         handle = self._start(STORAGE, step, state, {**(metadata or {}), "metrics": metrics})
-        began = self._last[STORAGE][1]
         if self.settings.report:
             from ray.train import Checkpoint, CheckpointUploadMode
 
             def wait_for_commit(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
-                self._announced_wait(handle, began, handle.wait)
+                self._announced_wait(handle, handle.wait)
                 return checkpoint
 
             ray.train.report(
