@@ -145,13 +145,8 @@ class PlanCache:
         and each rank gets its part of that; otherwise the plan is this
         request's alone, cached per (checkpoint, request).
         """
-        requests, value_keys, strict, rank, world_size = (
-            ask.requests,
-            ask.value_keys,
-            ask.strict,
-            ask.rank,
-            ask.world_size,
-        )
+        requests, value_keys, strict = ask.requests, ask.value_keys, ask.strict
+        rank, world_size = ask.rank, ask.world_size
         start = time.perf_counter()
         ckpt = self.checkpoint(location, filesystem)
         m = ckpt.manifest
