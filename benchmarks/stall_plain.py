@@ -7,7 +7,10 @@ optimizer, no ``AppState``: nothing is copied beside training). Modes, side by s
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` with one reused
   ``DefaultStager(StagingOptions(True, False, False, False))`` (pinned, staged before
   the call returns).
-- ``rayckpt``: ``rayckpt.ray.save_async`` after ``prepare_staging`` (a local Ray).
+- ``rayckpt``: ``rayckpt.ray.save_async`` after ``prepare_staging`` (a local Ray): the copy spread
+  over the cores the process may use (``StagingBuffer.copy_now``).
+- ``rayckpt-1-thread``: the same, with ``LOCAL_WORLD_SIZE`` set to the core count for the call, so
+  that the copy takes one thread (one memcpy per tensor, as with a rank per core).
 
 A round runs every mode once, the order rotated from round to round; one save is the
 call, timed, then the save waited for and removed. Warm-up rounds are not counted.
@@ -34,7 +37,7 @@ import torch
 
 from benchmarks.common.harness import load_sampled, machine_info, rotated, summary, write_report
 
-MODES = ("copy", "dcp", "rayckpt")
+MODES = ("copy", "dcp", "rayckpt", "rayckpt-1-thread")
 #: ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of DCP's stager.
 DCP_OPTIONS = (True, False, False, False)
 
@@ -72,8 +75,18 @@ class Modes:
             return upload.result
         from rayckpt.ray import save_async
 
-        handle = save_async(self.state, path, run="stall-plain", step=step)
-        return handle.wait
+        if mode == "rayckpt":
+            return save_async(self.state, path, run="stall-plain", step=step).wait
+        cores = len(os.sched_getaffinity(0))
+        before = os.environ.get("LOCAL_WORLD_SIZE")
+        os.environ["LOCAL_WORLD_SIZE"] = str(cores)  # every core taken by a rank: one copy thread
+        try:
+            return save_async(self.state, path, run="stall-plain", step=step).wait
+        finally:
+            if before is None:
+                del os.environ["LOCAL_WORLD_SIZE"]
+            else:
+                os.environ["LOCAL_WORLD_SIZE"] = before
 
     def close(self) -> None:
         from rayckpt.ray import release_staging
@@ -127,7 +140,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"State: {a['size_gb']} GiB of plain fp32 CPU tensors ({a['tensors']} of them) in one process. Modes: "
         "`copy`: every tensor copied into buffers allocated beforehand; `dcp`: `async_save` with one reused "
         "`DefaultStager(StagingOptions(True, False, False, False))`; `rayckpt`: `save_async` after "
-        f"`prepare_staging`. {a['rounds']} rounds after {a['warmup']} warm-up round(s), modes rotated; "
+        "`prepare_staging`, its copy spread over the process's cores; `rayckpt-1-thread`: the same with one "
+        "copy thread. "
+        f"{a['rounds']} rounds after {a['warmup']} warm-up round(s), modes rotated; "
         "seconds: median (min-max) over rounds.",
         "",
         "| mode | stall s | x DCP | x copy |",
@@ -140,6 +155,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {s['median'] / copy:.2f} |"
         )
     lines += ["", f"rayckpt / DCP (medians): {res['rayckpt']['median'] / dcp:.3f}", ""]
+    lines += [f"rayckpt-1-thread / DCP (medians): {res['rayckpt-1-thread']['median'] / dcp:.3f}", ""]
     return "\n".join(lines)
 
 
