@@ -37,13 +37,14 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from benchmarks.common import systems
 from benchmarks.common.diskio import evict, files_under, warm_up
-from benchmarks.common.harness import machine_info
+from benchmarks.common.harness import machine_info, sync, timed
+from benchmarks.common.systems import Where
 
 #: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP stager measured.
 DCP_STAGERS = {
@@ -77,19 +78,6 @@ def make_state(device: str, size_gb: float, tensors: int) -> dict[str, torch.Ten
     return {f"t{i:03d}": torch.randn(numel, generator=g).to(device) for i in range(tensors)}
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - start, out
-
-
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -102,9 +90,9 @@ def copy_limit(state: dict[str, torch.Tensor], device: str, repeats: int) -> dic
         for k, v in state.items():
             hosts[k].copy_(v, non_blocking=pinned)
 
-    limit = [timed(copy, device)[0] for _ in range(repeats)]
+    limit = [timed(copy, device=device)[0] for _ in range(repeats)]
     hosts.clear()
-    pageable = [timed(lambda: [v.cpu() if pinned else v.clone() for v in state.values()], device)[0]]
+    pageable = [timed(lambda: [v.cpu() if pinned else v.clone() for v in state.values()], device=device)[0]]
     return {"limit_s": median(limit), "pageable_s": median(pageable), "pinned_host": pinned}
 
 
@@ -115,12 +103,11 @@ def check_equal(loaded: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
 
 
 def dcp_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
+    where = Where(root)
     out: dict[str, Any] = {"save_s": [], "async": {}}
     for r in range(repeats):
         path = os.path.join(root, f"dcp-save-{r}")
-        out["save_s"].append(timed(lambda path=path: dcp.save(state, checkpoint_id=path), device)[0])
+        out["save_s"].append(timed(lambda r=r: systems.dcp_save(state, where, f"dcp-save-{r}"), device=device)[0])
         if r < repeats - 1:
             shutil.rmtree(path)
     out["kept"] = path
@@ -134,25 +121,18 @@ def dcp_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: i
 
 
 def dcp_async(state: dict[str, torch.Tensor], device: str, root: str, repeats: int, options: Any) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    stager = DefaultStager(StagingOptions(*options)) if options is not None else None
+    stager = systems.dcp_stager(options)
     stalls, totals = [], []
     try:
         for r in range(repeats):
-            path = os.path.join(root, f"dcp-async-{r}")
             sync(device)
             start = time.perf_counter()
-            response = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
-            upload = getattr(response, "upload_completion", response)
-            staged = getattr(response, "staging_completion", None)
-            if staged is not None:
-                staged.result()
+            pending = systems.dcp_async_save(state, Where(root), f"dcp-async-{r}", stager=stager)
+            pending.staged()
             stalls.append(time.perf_counter() - start)
-            upload.result()
+            pending.result()
             totals.append(time.perf_counter() - start)
-            shutil.rmtree(path)
+            shutil.rmtree(os.path.join(root, f"dcp-async-{r}"))
     finally:
         if stager is not None:
             stager.close()
@@ -160,12 +140,10 @@ def dcp_async(state: dict[str, torch.Tensor], device: str, root: str, repeats: i
 
 
 def rayckpt_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
-    import rayckpt
-
     times = []
     for r in range(repeats):
         path = os.path.join(root, f"rayckpt-save-{r}")
-        times.append(timed(lambda path=path: rayckpt.save(state, path), device)[0])
+        times.append(timed(lambda r=r: systems.rayckpt_save(state, Where(root), f"rayckpt-save-{r}"), device=device)[0])
         if r < repeats - 1:
             shutil.rmtree(path)
     return {"save_s": median(times), "kept": path}
@@ -181,23 +159,22 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
     """
     import ray
 
-    from rayckpt.ray import async_save
-    from rayckpt.ray.writer.actor import get_shard_writer
+    from rayckpt.ray import get_shard_writer
 
     os.sync()  # the earlier writes' dirty pages go to disk now, not during this order's first commit
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
     out: dict[str, Any] = {"saves": []}
     if order == "prepared":
         start = time.perf_counter()
-        out["prepare_call_s"] = timed(lambda: async_save.prepare_staging(state), device)[0]
-        async_save.saver().buffer.ready()
+        out["prepare_call_s"] = timed(lambda: systems.prepare_staging(state), device=device)[0]
+        systems.staging_ready()
         ray.get(get_shard_writer().debug_stats.remote())
         out["prepare_background_s"] = time.perf_counter() - start
     for i in range(saves):
         path = os.path.join(root, f"async-{order}-{i}")
         sync(device)
         start = time.perf_counter()
-        handle = async_save.save_async(state, path, run="bench-gpu", step=i + 1)
+        handle = systems.ray_save(state, Where(root), f"async-{order}-{i}", run="bench-gpu", step=i + 1)
         stall = time.perf_counter() - start
         entry = handle.wait()
         commit = time.perf_counter() - start
@@ -206,7 +183,7 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
         out["saves"].append({"stall_s": stall, "commit_s": commit, "staging": handle.staging})
         if i < saves - 1:
             shutil.rmtree(path)
-    async_save.release_staging()
+    systems.release_staging()
     ray.shutdown()
     out["kept"] = path
     later = [s["stall_s"] for s in out["saves"][1:]]
@@ -216,21 +193,14 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
 
 
 def loads(state: dict[str, torch.Tensor], device: str, dcp_path: str, rk_path: str, repeats: int) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
-    import rayckpt
-
-    def target() -> dict[str, torch.Tensor]:
-        return {k: torch.zeros_like(v) for k, v in state.items()}
-
     def dcp_load() -> dict[str, torch.Tensor]:
-        t = target()
-        dcp.load(t, checkpoint_id=dcp_path)
+        t = {k: torch.zeros_like(v) for k, v in state.items()}
+        systems.dcp_load(t, *systems.local(dcp_path))
         return t
 
     def rk_load() -> dict[str, torch.Tensor]:
-        t = target()
-        rayckpt.load(t, rk_path)
+        t = {k: torch.zeros_like(v) for k, v in state.items()}
+        systems.rayckpt_load(t, *systems.local(rk_path))
         return t
 
     out: dict[str, Any] = {}
@@ -240,7 +210,7 @@ def loads(state: dict[str, torch.Tensor], device: str, dcp_path: str, rk_path: s
             for _ in range(repeats):
                 files = files_under(path)
                 evict(files) if temp == "cold" else warm_up(files)
-                seconds, loaded = timed(fn, device)
+                seconds, loaded = timed(fn, device=device)
                 check_equal(loaded, state, f"{name} {temp} load")
                 del loaded
                 times.append(seconds)

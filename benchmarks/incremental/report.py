@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.common.harness import MIB, ratio_row
+from benchmarks.common.harness import MIB, target, targets_table
 
 SAVERS = ("full", "incremental", "dcp")
 #: The targets (printed, not asserted): (state, what, incremental / full at most).
@@ -85,17 +85,17 @@ def summarize_chain(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The target rows (``harness.ratio_row``) of the states and the chained load the run measured."""
+    """The target rows (``harness.target``) of the states and the chained load the run measured."""
     rows = []
     for state, what, threshold in TARGETS:
         if state in report["states"]:
             measured = report["states"][state]["ratios"][f"incremental_over_full_{what}"]
-            rows.append(ratio_row(f"{state}: incremental / full, steady {what}", measured, threshold, False, "median"))
+            rows.append(target(f"{state}: incremental / full, steady {what}", measured, threshold, False, "median"))
     if report.get("chain"):
         for cache in ("cold", "warm"):
             measured = report["chain"][cache]["ratio"]
             name = f"{cache} load: chained / self-contained"
-            rows.append(ratio_row(name, measured, CHAINED_LOAD_TARGET, False, "median"))
+            rows.append(target(name, measured, CHAINED_LOAD_TARGET, False, "median"))
     return rows
 
 
@@ -169,10 +169,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {cache} | {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f}) | "
                 f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | {ch[cache]['ratio']:.3f} |"
             )
-    lines += ["", "| target | measured | threshold | met |", "| --- | ---: | ---: | --- |"]
-    for t in report["targets"]:
-        met = {True: "yes", False: "no", None: "n/a"}[t["met"]]
-        lines.append(f"| {t['target']} | {t['measured']:.3f} | {t['direction']} {t['threshold']} | {met} |")
+    lines += ["", *targets_table(report["targets"])]
     lines += ["", "rayckpt's steady-state save phases (rank 0's `SaveInfo.phases`, medians, seconds):", ""]
     lines += ["| state | saver | total | phases, largest first |", "| --- | --- | ---: | --- |"]
     for state, s in report["states"].items():

@@ -11,7 +11,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from benchmarks.common.harness import ratio_row, summary
+from benchmarks.common.harness import summary, target, targets_table
 
 #: The stall targets: rayckpt's stall at most this fraction of DCP's, and under this many seconds.
 STALL_OVER_DCP = 0.25
@@ -75,7 +75,7 @@ def stall_targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for name, modes in scenarios.items():
         rows.append(
-            ratio_row(
+            target(
                 f"{name}: stall, rayckpt / DCP",
                 stall_ratio(modes, "rayckpt", "dcp"),
                 STALL_OVER_DCP,
@@ -84,7 +84,7 @@ def stall_targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             )
         )
         measured = modes.get("rayckpt", {}).get("stall_slowest", {}).get("median")
-        rows.append(ratio_row(f"{name}: stall, rayckpt, s", measured, STALL_SECONDS, False, "the same, in seconds"))
+        rows.append(target(f"{name}: stall, rayckpt, s", measured, STALL_SECONDS, False, "the same, in seconds"))
     return rows
 
 
@@ -134,11 +134,7 @@ def stall_markdown(report: dict[str, Any]) -> str:
                 f"| {_ratio(stall_ratio(modes, mode, 'dcp'))} | {_ratio(stall_ratio(modes, mode, 'copy'))} "
                 f"| {m['step_waited_s']:.3f} | {m['total_s']:.2f} | {late} |"
             )
-    lines += ["", "| target | measured | threshold | met |", "| --- | ---: | ---: | --- |"]
-    for t in report["targets"]:
-        measured = "" if t["measured"] is None else f"{t['measured']:.3f}"
-        met = "" if t["met"] is None else ("yes" if t["met"] else "no")
-        lines.append(f"| {t['target']} | {measured} | {t['direction']} {t['threshold']} | {met} |")
+    lines += ["", *targets_table(report["targets"])]
     if report.get("notes"):
         lines += [""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"

@@ -34,7 +34,7 @@ seconds and memory by the chunk ratio ("est."): the machine is shared.
 
     .venv/bin/python -m benchmarks.scale --ranks 64,256,1024,4096 --tensors 1992
 
-Writes ``{out}/bench_scale.json``, ``{out}/bench_scale.md`` and ``{out}/bench_scale.svg``.
+Writes ``{out}/bench_scale.json``, ``{out}/bench_scale.md`` and ``{out}/bench_scale.png``.
 """
 
 from __future__ import annotations
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from benchmarks.scale.plot import write_plot
 
-        write_plot(report, os.path.join(out, "bench_scale.svg"))
+        write_plot(report, os.path.join(out, "bench_scale.png"))
     except Exception as exc:  # the figures stand without the plot
         print(f"[scale] no plot: {exc}", flush=True)
     print(md)
