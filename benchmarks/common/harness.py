@@ -220,6 +220,16 @@ def timed(fn: Any, barrier: bool = False, device: str = "cpu") -> tuple[float, A
     return time.perf_counter() - t0, out
 
 
+def sampled(fn: Any, repeats: int) -> tuple[dict[str, Any], Any]:
+    """``repeats`` runs of ``fn``: the ``summary`` of their seconds, and the last run's result."""
+    values, out = [], None
+    for _ in range(repeats):
+        out = None  # the last result is freed before the next run
+        seconds, out = timed(fn)
+        values.append(seconds)
+    return summary(values), out
+
+
 def memcpy_anchor() -> dict[str, float]:
     """Single-thread memory copy speed (64 MiB, 4 times): the anchor for copy-bound phases."""
     import torch

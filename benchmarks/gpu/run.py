@@ -78,10 +78,6 @@ def make_state(device: str, size_gb: float, tensors: int) -> dict[str, torch.Ten
     return {f"t{i:03d}": torch.randn(numel, generator=g).to(device) for i in range(tensors)}
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def copy_limit(state: dict[str, torch.Tensor], device: str, repeats: int) -> dict[str, Any]:
     pinned = device.startswith("cuda")
     hosts = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pinned) for k, v in state.items()}
@@ -93,7 +89,7 @@ def copy_limit(state: dict[str, torch.Tensor], device: str, repeats: int) -> dic
     limit = [timed(copy, device=device)[0] for _ in range(repeats)]
     hosts.clear()
     pageable = [timed(lambda: [v.cpu() if pinned else v.clone() for v in state.values()], device=device)[0]]
-    return {"limit_s": median(limit), "pageable_s": median(pageable), "pinned_host": pinned}
+    return {"limit_s": statistics.median(limit), "pageable_s": statistics.median(pageable), "pinned_host": pinned}
 
 
 def check_equal(loaded: dict[str, torch.Tensor], state: dict[str, torch.Tensor], who: str) -> None:
@@ -116,7 +112,7 @@ def dcp_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: i
             out["async"][name] = dcp_async(state, device, root, repeats, options)
         except Exception as exc:  # a configuration this torch cannot run is a result, not a crash
             out["async"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-    out["save_s"] = median(out["save_s"])
+    out["save_s"] = statistics.median(out["save_s"])
     return out
 
 
@@ -136,7 +132,12 @@ def dcp_async(state: dict[str, torch.Tensor], device: str, root: str, repeats: i
     finally:
         if stager is not None:
             stager.close()
-    return {"stall_s": stalls, "total_s": totals, "stall_median_s": median(stalls), "total_median_s": median(totals)}
+    return {
+        "stall_s": stalls,
+        "total_s": totals,
+        "stall_median_s": statistics.median(stalls),
+        "total_median_s": statistics.median(totals),
+    }
 
 
 def rayckpt_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
@@ -146,7 +147,7 @@ def rayckpt_saves(state: dict[str, torch.Tensor], device: str, root: str, repeat
         times.append(timed(lambda r=r: systems.rayckpt_save(state, Where(root), f"rayckpt-save-{r}"), device=device)[0])
         if r < repeats - 1:
             shutil.rmtree(path)
-    return {"save_s": median(times), "kept": path}
+    return {"save_s": statistics.median(times), "kept": path}
 
 
 def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: int, order: str) -> dict[str, Any]:
@@ -188,7 +189,7 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
     out["kept"] = path
     later = [s["stall_s"] for s in out["saves"][1:]]
     if later:
-        out["first_over_later_stall"] = out["saves"][0]["stall_s"] / median(later)
+        out["first_over_later_stall"] = out["saves"][0]["stall_s"] / statistics.median(later)
     return out
 
 
@@ -214,7 +215,7 @@ def loads(state: dict[str, torch.Tensor], device: str, dcp_path: str, rk_path: s
                 check_equal(loaded, state, f"{name} {temp} load")
                 del loaded
                 times.append(seconds)
-            out[f"{name}_{temp}_s"] = median(times)
+            out[f"{name}_{temp}_s"] = statistics.median(times)
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.common.harness import MIB, target, targets_table
+from benchmarks.common.harness import MIB, summary, target, targets_table
 
 SAVERS = ("full", "incremental", "dcp")
 #: The targets (printed, not asserted): (state, what, incremental / full at most).
@@ -32,11 +32,6 @@ def merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def med(values: list[float]) -> dict[str, float]:
-    """Median, min and max."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def phase_medians(recs: list[dict[str, Any]]) -> dict[str, float]:
     """Each phase's median over the records (0 where a record lacks it)."""
     keys = {k for r in recs for k in r.get("phases", {})}
@@ -51,7 +46,10 @@ def summarize_state(records: list[dict[str, Any]]) -> dict[str, Any]:
         steady = [r for r in recs if r["step"] > 1] or recs
         out[saver] = {
             "first": {"seconds": recs[0]["seconds"], "bytes": recs[0]["bytes"]},
-            "steady": {"seconds": med([r["seconds"] for r in steady]), "bytes": med([r["bytes"] for r in steady])},
+            "steady": {
+                "seconds": summary([r["seconds"] for r in steady]),
+                "bytes": summary([r["bytes"] for r in steady]),
+            },
             "steady_phases_rank0": phase_medians(steady),
             "saves": len(recs),
         }
@@ -75,7 +73,7 @@ def summarize_chain(result: dict[str, Any]) -> dict[str, Any]:
         row = {}
         for kind in ("chained", "self-contained"):
             recs = [r for r in result["loads"] if r["kind"] == kind and r["cache"] == cache]
-            row[kind] = {"seconds": med([r["seconds"] for r in recs]), "phases_rank0": phase_medians(recs)}
+            row[kind] = {"seconds": summary([r["seconds"] for r in recs]), "phases_rank0": phase_medians(recs)}
         row["ratio"] = row["chained"]["seconds"]["median"] / row["self-contained"]["seconds"]["median"]
         out[cache] = row
     saves = result["saves"]

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common.harness import MIB, summary
+from benchmarks.common.harness import MIB, sampled, summary
 from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry
 from rayckpt.format.manifest_files import manifest_file_bytes, manifest_from_bytes
 from rayckpt.planning.bulk import create_dim0_plans
@@ -82,18 +82,6 @@ def build_manifest(saved_ranks: int, tensors: int, rows: int, cols: int, block_s
     )
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> tuple[dict[str, Any], Any]:
-    """Run ``fn`` ``repeats`` times; the summary of the seconds and the last result."""
-    values = []
-    out = None
-    for _ in range(repeats):
-        out = None
-        t0 = time.perf_counter()
-        out = fn()
-        values.append(time.perf_counter() - t0)
-    return summary(values), out
-
-
 def peak_memory(fn: Callable[[], Any]) -> dict[str, int]:
     """Peak bytes allocated while ``fn`` runs, and bytes its result still holds, by tracemalloc."""
     tracemalloc.start()
@@ -129,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"[plan] manifest: {chunks:,} chunks built in {built_s:.1f}s", flush=True)
     specs = [(k, DTYPE, shape) for k in manifest.entries]
 
-    secs, table = timed(lambda: ChunkTable.from_manifest(manifest), reps)
+    secs, table = sampled(lambda: ChunkTable.from_manifest(manifest), reps)
     results["chunk_table"] = {
         "label": "ChunkTable.from_manifest",
         "seconds": secs,
@@ -138,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"[plan] chunk table {secs['median']:.2f}s", flush=True)
 
-    secs, bulk = timed(lambda: create_dim0_plans(manifest, specs, m, table=table), reps)
+    secs, bulk = sampled(lambda: create_dim0_plans(manifest, specs, m, table=table), reps)
     results["bulk_plan"] = {
         "label": f"create_dim0_plans, all {m} target ranks",
         "seconds": secs,
@@ -153,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"[plan] bulk plan {secs['median']:.3f}s", flush=True)
 
-    secs, plan0 = timed(lambda: bulk.for_rank(0), reps)
+    secs, plan0 = sampled(lambda: bulk.for_rank(0), reps)
     results["for_rank"] = {
         "label": "BulkPlan.for_rank (rank 0)",
         "seconds": secs,
@@ -206,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     points = []
     for s in sorted({max(1, min(n, args.save_sample_ranks // 2)), max(1, min(n, args.save_sample_ranks))}):
         shards = [[LocalShard(k, DTYPE, shape, save_boxes[r]) for k in manifest.entries] for r in range(s)]
-        secs, _ = timed(lambda shards=shards: create_save_plans(shards), reps)
+        secs, _ = sampled(lambda shards=shards: create_save_plans(shards), reps)
         points.append({"sample_ranks": s, "seconds": secs})
     last = points[-1]
     results["save_plans"] = {
@@ -220,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shards = []
 
     if not args.no_codec:
-        secs, data = timed(lambda: manifest_file_bytes(manifest), args.codec_repeats)
+        secs, data = sampled(lambda: manifest_file_bytes(manifest), args.codec_repeats)
         stored = sum(map(len, data.values()))
         results["encode_manifest"] = {
             "label": "encode_manifest (manifest.json + chunk table)",
@@ -232,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del manifest, table, bulk, plan0, index
         gc.collect()
         rss1 = rss_bytes()
-        secs, decoded = timed(lambda: manifest_from_bytes(data), args.codec_repeats)
+        secs, decoded = sampled(lambda: manifest_from_bytes(data), args.codec_repeats)
         results["decode_manifest"] = {
             "label": "decode_manifest",
             "seconds": secs,
@@ -240,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "memory": peak_memory(lambda: manifest_from_bytes(data)) if args.codec_memory else None,
         }
         print(f"[plan] decode {secs['median']:.1f}s", flush=True)
-        secs, _ = timed(lambda: ChunkTable.from_manifest(decoded), 1)
+        secs, _ = sampled(lambda: ChunkTable.from_manifest(decoded), 1)
         results["chunk_table_decoded"] = {"label": "ChunkTable.from_manifest (decoded manifest)", "seconds": secs}
     results["rss_end_bytes"] = rss_bytes() - rss0
     return {"manifest": {"chunks": chunks, "build_s": built_s, "shape": list(shape)}, "results": results}
