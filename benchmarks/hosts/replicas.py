@@ -51,9 +51,9 @@ def copy_all(config: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import ray
 
+    from rayckpt.ray import get_shard_writer
     from rayckpt.ray.memory import link
     from rayckpt.ray.memory.replication import _replicate_through_ray
-    from rayckpt.ray.writer.actor import get_shard_writer
 
     connect(config["address"])
     writer = get_shard_writer(node_id_of(config["peer_ip"]))

@@ -8,7 +8,7 @@ M = 3 puts one on each), with the memory-cost benchmark's loop
 builds its share of the FSDP2 state of ``--size-mb`` MiB (``workload.build_state``),
 ``Checkpointer(memory_every=1)`` saves one step to the hosts' memory (each host's
 shard files also held by the ring's next host) and storage, ``save_async`` the same
-step to S3; then the M workers load it (``rayckpt.ray.loading.load``) from each tier in
+step to S3; then the M workers load it (``rayckpt.ray.load``) from each tier in
 turn, rotated from round to round, barrier to barrier (``memory_cost.restores``).
 Medians over ``--repeats`` rounds.
 

@@ -32,7 +32,7 @@ COMMANDS = {
 
 SEED = """
 import sys, ray, torch
-from rayckpt.ray.async_save import save_async
+from rayckpt.ray import save_async
 ray.init(address=sys.argv[1], namespace="rayckpt-bench", log_to_driver=False)
 for step in (1, 2):
     save_async({"w": torch.randn(1024, 256)}, f"{sys.argv[2]}/rayckpt-step-{step:08d}", run="bench", step=step).wait()

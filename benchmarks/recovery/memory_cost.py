@@ -53,9 +53,9 @@ def cost_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from benchmarks.common.systems import local_tensors
     from benchmarks.common.workload import build_state
     from benchmarks.recovery.loop import one_step
-    from rayckpt.ray.async_save import local_pieces
     from rayckpt.train import Checkpointer
 
     ctx = ray.train.get_context()
@@ -68,7 +68,7 @@ def cost_loop(config: dict[str, Any]) -> None:
     state = {"app": app}
     ckpt = Checkpointer(memory_every=1, persist_every=10**9, local_is_shared=config["shared"])
     ckpt.restore(state)  # nothing to restore: makes both lanes' staging buffers, as a real run's restore does
-    pieces = local_pieces(state)
+    pieces = local_tensors(state)
     # made and touched beforehand, like a staging buffer; page-locked for a device's copy (a DMA)
     copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda).fill_(0) for p in pieces]
     share = sum(p.numel() * p.element_size() for p in pieces)
@@ -83,7 +83,7 @@ def cost_loop(config: dict[str, Any]) -> None:
                 t1 = time.perf_counter()
                 skipped = None
                 if mode == "copy":
-                    for dst, src in zip(copies, local_pieces(state)):
+                    for dst, src in zip(copies, local_tensors(state)):
                         dst.copy_(src, non_blocking=cuda)
                     if cuda:
                         torch.cuda.synchronize()
@@ -110,8 +110,7 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
     import torch.distributed as dist
 
     from benchmarks.common.diskio import evict, files_under
-    from rayckpt.ray.async_save import save_async
-    from rayckpt.ray.loading import load
+    from rayckpt.ray import load, save_async
 
     ckpt.save(step, state, persist=True)  # due for both: to memory, then to storage
     ckpt.wait()
