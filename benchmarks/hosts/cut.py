@@ -197,7 +197,7 @@ def markdown(report: dict[str, Any]) -> str:
     rows = [[k, s["runs"], f"{s['node_dead_s']:.1f}", f"{s['restored_s']:.1f}", f"{s['dead_to_restored_s']:.1f}",
              ", ".join(s["tiers"])] for k, s in report["summary"].items()]  # fmt: skip
     lines += table(["setting", "runs", "cut -> node dead s", "cut -> restored s", "node dead -> restored s",
-                    "restored from"], rows, right=4) + [""]  # fmt: skip
+                    "restored from"], rows, right=0) + [""]  # fmt: skip
     rows = []
     for r in report["runs"]:
         run = f"{r['setting']} {r['repeat']}"

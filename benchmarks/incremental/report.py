@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.common.harness import MIB, summary, target, targets_table
+from benchmarks.common.harness import MIB, fmt, run_line, summary, table, target, targets_table
 
 SAVERS = ("full", "incremental", "dcp")
 #: The targets (printed, not asserted): (state, what, incremental / full at most).
@@ -99,7 +99,6 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def header(report: dict[str, Any]) -> list[str]:
     """The title, the command, the machine and versions, the load, and what was measured."""
-    m, la = report["machine"], report["load_average_1min"]
     cfg = report["config"]
     states = "; ".join(
         f"`{k}` {v['state_bytes'] / MIB:,.0f} MiB, {v['frozen_bytes'] / v['state_bytes']:.1%} frozen"
@@ -108,11 +107,7 @@ def header(report: dict[str, Any]) -> list[str]:
     return [
         "## Incremental saves against full saves and DCP",
         "",
-        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.1f} min: {m['nproc']} CPUs, "
-        f"{m['mem_total_gb']:.0f} GB RAM, torch {m['torch']}, pyarrow {m['pyarrow']}, rayckpt {m['rayckpt']}, "
-        f"python {m['python']}. 1-minute load average {la['before_start']:.2f} before the start; during the run "
-        f"median {la['median']:.2f}, max {la['max']:.2f}; CPU used by processes outside the benchmark: mean "
-        f"{la['other_processes_cpu_cores']['mean']:.2f} cores.",
+        run_line(report),
         "",
         f"2 gloo ranks, an FSDP2 state (`nn.Linear` layers `fully_shard`-ed on the CPU; "
         "`model.state_dict()` and an `exp_avg` / `exp_avg_sq` DTensor per trained param, changed in place each "
@@ -129,23 +124,18 @@ def header(report: dict[str, Any]) -> list[str]:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: saves, chained load, targets, rayckpt's phases."""
-    lines = header(report)
-    lines += [
-        "| state | saver | first MiB | first s | steady MiB | steady s | x full MiB | x full s | x DCP s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    lines, rows = header(report), []
     for state, s in report["states"].items():
         for saver in SAVERS:
             d, f, dc = s[saver], s["full"]["steady"], s["dcp"]["steady"]
-            st = d["steady"]
-            lines.append(
-                f"| {state} | {saver} | {d['first']['bytes'] / MIB:,.1f} | {d['first']['seconds']:.3f} | "
-                f"{st['bytes']['median'] / MIB:,.1f} | {st['seconds']['median']:.3f} "
-                f"({st['seconds']['min']:.3f}-{st['seconds']['max']:.3f}) | "
-                f"{st['bytes']['median'] / f['bytes']['median']:.3f} | "
-                f"{st['seconds']['median'] / f['seconds']['median']:.3f} | "
-                f"{st['seconds']['median'] / dc['seconds']['median']:.3f} |"
-            )
+            b, t = d["steady"]["bytes"]["median"], d["steady"]["seconds"]
+            rows.append(
+                [state, saver, f"{d['first']['bytes'] / MIB:,.1f}", f"{d['first']['seconds']:.3f}", f"{b / MIB:,.1f}",
+                 fmt(t, 3), f"{b / f['bytes']['median']:.3f}", f"{t['median'] / f['seconds']['median']:.3f}",
+                 f"{t['median'] / dc['seconds']['median']:.3f}"]
+            )  # fmt: skip
+    header_ = ["state", "saver", "first MiB", "first s", "steady MiB", "steady s", "x full MiB", "x full s", "x DCP s"]
+    lines += table(header_, rows, right=7)
     ch = report.get("chain")
     if ch:
         cfg = report["config"]
@@ -158,23 +148,17 @@ def markdown(report: dict[str, Any]) -> str:
             "(min-max), max over ranks. Tensors differing bit for bit after the "
             f"first load: {ch['differing_tensors']}.",
             "",
-            "| load | chained s | self-contained s | chained / self-contained |",
-            "| --- | ---: | ---: | ---: |",
         ]
-        for cache in ("cold", "warm"):
-            c, s = ch[cache]["chained"]["seconds"], ch[cache]["self-contained"]["seconds"]
-            lines.append(
-                f"| {cache} | {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f}) | "
-                f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | {ch[cache]['ratio']:.3f} |"
-            )
+        rows = [[c, fmt(ch[c]["chained"]["seconds"], 3), fmt(ch[c]["self-contained"]["seconds"], 3),
+                 f"{ch[c]['ratio']:.3f}"] for c in ("cold", "warm")]  # fmt: skip
+        lines += table(["load", "chained s", "self-contained s", "chained / self-contained"], rows, right=3)
     lines += ["", *targets_table(report["targets"])]
     lines += ["", "rayckpt's steady-state save phases (rank 0's `SaveInfo.phases`, medians, seconds):", ""]
-    lines += ["| state | saver | total | phases, largest first |", "| --- | --- | ---: | --- |"]
+    rows = []
     for state, s in report["states"].items():
         for saver in ("full", "incremental"):
             ph = s[saver]["steady_phases_rank0"]
-            shown = ", ".join(
-                f"{k} {v:.3f}" for k, v in sorted(ph.items(), key=lambda kv: -kv[1]) if k != "total" and v >= 5e-4
-            )
-            lines.append(f"| {state} | {saver} | {ph.get('total', 0.0):.3f} | {shown} |")
+            big = sorted(((k, v) for k, v in ph.items() if k != "total" and v >= 5e-4), key=lambda kv: -kv[1])
+            rows.append([state, saver, f"{ph.get('total', 0.0):.3f}", ", ".join(f"{k} {v:.3f}" for k, v in big)])
+    lines += table(["state", "saver", "total", "phases, largest first"], rows)
     return "\n".join(lines) + "\n"
