@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -44,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common.harness import MIB, sampled, summary
+from benchmarks.common.harness import MIB, sampled, summary, write_report
 from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry
 from rayckpt.format.manifest_files import manifest_file_bytes, manifest_from_bytes
 from rayckpt.planning.bulk import create_dim0_plans
@@ -336,12 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["load_average_1min_after"] = os.getloadavg()[0]
     report["total_runtime_s"] = time.perf_counter() - t0
     out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
     md = markdown(report)
-    with open(os.path.join(out, "bench_plan.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.join(out, "bench_plan.md"), "w") as f:
-        f.write(md)
+    write_report(out, "bench_plan", report, md)
     print(md)
     print(f"[plan] total {report['total_runtime_s']:.0f}s; wrote {out}/bench_plan.json and bench_plan.md")
     return 0
