@@ -423,6 +423,9 @@ RAW_KEYS = ("records", "samples", "repeats_raw")
 def write_report(out: str, name: str, report: dict[str, Any], md: str, markdown: str | None = None) -> None:
     """The summary as ``<out>/<name>.json`` (without the raw samples, which go to ``<name>.samples.json``)
     and the Markdown ``md`` as ``<out>/<name>.md`` (and at ``markdown``)."""
+    missing = [k for k in ("command", "date", "machine") if k not in report]
+    if missing:
+        raise ValueError(f"a result names its command, date and machine; {name} lacks {', '.join(missing)}")
     os.makedirs(out, exist_ok=True)
     raw = {k: report[k] for k in RAW_KEYS if k in report}
     load = report.get("load_average_1min")

@@ -31,10 +31,10 @@ Every load is checked bit-exact against the saved state (``torch.equal``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -43,7 +43,7 @@ import torch
 
 from benchmarks.common import systems
 from benchmarks.common.diskio import evict, files_under, warm_up
-from benchmarks.common.harness import machine_info, sync, timed
+from benchmarks.common.harness import import_rayckpt, machine_info, run_line, sync, timed, write_report
 from benchmarks.common.systems import Where
 
 #: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP stager measured.
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="repeats of each timed operation (medians)")
     p.add_argument("--saves", type=int, default=3, help="save_async saves in each order (the first, then later)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    p.add_argument("--out", default="bench_out/gpu/bench_gpu.json", help="the JSON report")
+    p.add_argument("--out", default="bench_out/gpu", help="directory for bench_gpu.json and .md")
     return p.parse_args(argv)
 
 
@@ -225,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (run with --device cpu for the CPU path)")
+    import_rayckpt()  # imported before anything is timed
     started = time.perf_counter()
     root = args.dir or tempfile.mkdtemp(prefix="rayckpt-bench-gpu-")
     os.makedirs(root, exist_ok=True)
     state = make_state(args.device, args.size_gb, args.tensors)
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     report: dict[str, Any] = {
+        "command": " ".join(["python -m benchmarks.gpu", *(sys.argv[1:] if argv is None else argv)]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {
             **machine_info(),
             "ray": ray.__version__,
@@ -248,15 +251,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         report["loads"] = loads(state, args.device, report["dcp"]["kept"], report["rayckpt"]["kept"], args.repeats)
     finally:
-        report["seconds"] = time.perf_counter() - started
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        report["total_runtime_s"] = time.perf_counter() - started
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
         if ray.is_initialized():
             ray.shutdown()
-    print(table(report))
+    md = "\n".join([run_line(report), "", "| measured | value |", "| --- | --- |", table(report)]) + "\n"
+    write_report(args.out, "bench_gpu", report, md)
+    print(md)
     return 0
 
 

@@ -8,9 +8,6 @@ AdamW moments (``--layers``; 20 layers: 1.007 GB), or the suite's ``AppState``
 - ``fresh``: each operation in freshly spawned rank processes, as a job that saves
   once pays it: the package and ``torch.distributed.checkpoint`` imported, nothing
   else; the first call pays whatever it imports or caches.
-- ``imported``: fresh processes too, with ``rayckpt.save`` / ``rayckpt.load`` looked
-  up (their modules imported) before the timed call, as ``torch.distributed.checkpoint``
-  is for DCP in every view: the first call without its imports.
 - ``steady``: the same processes repeat the operation (``--rounds`` times after
   one untimed warm-up): what a training loop pays from its second save on.
 
@@ -91,10 +88,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401 - both systems' packages are imported before any timing
 
-    import rayckpt
-
-    if cfg.get("imported"):  # the view "imported": rayckpt's engine too, before anything is timed
-        rayckpt.save, rayckpt.load  # noqa: B018 - the lazy API imports each on first use
+    import rayckpt  # noqa: F401
 
     model, optim, app = build(world, rank, cfg["layers"], cfg["width"], 1 if cfg["what"] == "save" else 2, cfg["state"])
     out = []
@@ -112,12 +106,10 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rank, "runs": out}
 
 
-def run(
-    system: str, what: str, world: int, cfg: dict[str, Any], times: int, cold: bool = False, imported: bool = False
-) -> list[dict]:
+def run(system: str, what: str, world: int, cfg: dict[str, Any], times: int, cold: bool = False) -> list[dict]:
     """``times`` operations in one set of fresh rank processes: per operation, its time (max over ranks) and
     rank 0's phases (it plans, reads the manifest and commits)."""
-    job = {**cfg, "system": system, "what": what, "times": times, "cold": cold, "imported": imported}
+    job = {**cfg, "system": system, "what": what, "times": times, "cold": cold}
     ranks = run_ranks(worker, world, job, timeout=900)
     rows = []
     for i in range(times):
@@ -135,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
         "--views",
-        default="fresh,imported,steady",
-        help="any of fresh, imported (fresh processes with rayckpt's engine imported before the timed call), steady",
+        default="fresh,steady",
+        help="any of fresh, steady",
     )
     p.add_argument("--cold", action="store_true", help="also loads after evicting the files from the page cache")
     p.add_argument("--out", default="bench_out/phases")
@@ -164,16 +156,13 @@ def main(argv: list[str] | None = None) -> int:
                 for system in order:
                     path = os.path.join(root, system)
                     c = {**cfg, "path": path}
-                    for view in ("fresh", "imported"):
-                        if view not in views:
-                            continue
-                        imported = view == "imported"
-                        results.setdefault(f"{view} save {system}", {}).setdefault("rows", []).extend(
-                            run(system, "save", args.save_ranks, c, 1, imported=imported)
+                    if "fresh" in views:
+                        results.setdefault(f"fresh save {system}", {}).setdefault("rows", []).extend(
+                            run(system, "save", args.save_ranks, c, 1)
                         )
                         for name, cold in loads:
-                            results.setdefault(f"{view} {name} {system}", {}).setdefault("rows", []).extend(
-                                run(system, "load", args.load_ranks, c, 1, cold, imported=imported)
+                            results.setdefault(f"fresh {name} {system}", {}).setdefault("rows", []).extend(
+                                run(system, "load", args.load_ranks, c, 1, cold)
                             )
                 print(f"[phases] round {rnd + 1}/{args.rounds} fresh done, {time.time() - began:.0f} s", flush=True)
             if "steady" in views:
@@ -208,7 +197,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     rows, phase_rows = [], []
-    order = {"fresh": 0, "imported": 1, "steady": 2}
+    order = {"fresh": 0, "steady": 1}
     for name in sorted({k.rsplit(" ", 1)[0] for k in res}, key=lambda n: (order[n.split(" ")[0]], n)):
         view, operation = name.split(" ", 1)
         d, r = res.get(f"{name} dcp"), res.get(f"{name} rayckpt")
