@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common.harness import MIB, sampled, summary, write_report
+from benchmarks.common.harness import MIB, sampled, summary, table, write_report
 from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry
 from rayckpt.format.manifest_files import manifest_file_bytes, manifest_from_bytes
 from rayckpt.planning.bulk import create_dim0_plans
@@ -254,8 +254,6 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['manifest']['build_s']:.1f} s), block size {c['block_size']}; {c['target_ranks']} target ranks. "
         f"Seconds: median (min-max) over {c['repeats']} repeats; memory: tracemalloc peak of one more run.",
         "",
-        "| step | seconds | min-max | peak MiB | kept MiB | notes |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     notes = {
         "chunk_table": lambda r: f"table columns {r['table_bytes'] / MIB:.0f} MiB",
@@ -276,15 +274,12 @@ def markdown(report: dict[str, Any]) -> str:
         "decode_manifest": lambda r: f"RSS +{r['rss_after_bytes'] / MIB:,.0f} MiB held after",
         "chunk_table_decoded": lambda r: "one run, distinct objects per chunk",
     }
-    for name, note in notes.items():
-        if name not in res:
-            continue
-        r = res[name]
-        med, spread = fmt_s(r["seconds"])
+    rows = []
+    for name, r in ((n, res[n]) for n in notes if n in res):
         mem = r.get("memory") or {}
-        peak = f"{mem['peak_bytes'] / MIB:,.0f}" if mem else ""
-        kept = f"{mem['kept_bytes'] / MIB:,.0f}" if mem else ""
-        lines.append(f"| {r['label']} | {med} | {spread} | {peak} | {kept} | {note(r)} |")
+        memory = [f"{mem[k] / MIB:,.0f}" if mem else "" for k in ("peak_bytes", "kept_bytes")]
+        rows.append([r["label"], *fmt_s(r["seconds"]), *memory, notes[name](r)])
+    lines += table(["step", "seconds", "min-max", "peak MiB", "kept MiB", "notes"], rows)
     return "\n".join(lines) + "\n"
 
 
