@@ -27,7 +27,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -220,8 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     report["samples"] = samples
     md = markdown(report)
     write_report(args.out, name, report, md, args.markdown)
-    if not args.keep:
-        shutil.rmtree(os.path.join(args.out, "warmup"), ignore_errors=True)
     print(md)
     print(f"[suite] total {report['total_runtime_s']:.0f}s; wrote {args.out}/{name}.json, .md")
     return 0
