@@ -36,8 +36,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ..ray.status import reader as status
     from ..ray.joining import ClusterUnreachableError
+    from ..ray.status import reader as status
 
     try:
         address = status.join(args.address)
