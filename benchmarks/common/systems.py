@@ -106,14 +106,14 @@ def prepare_staging(state: Any, **kwargs: Any) -> None:
 
 def local_tensors(state: Any) -> list[Any]:
     """The rank's local tensors of ``state`` (a DTensor's local shard), as a save copies them."""
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank.staging import local_pieces
 
-    return async_save.local_pieces(state)
+    return local_pieces(state)
 
 
 def staging_ready() -> None:
     """Wait until the staging buffer ``prepare_staging`` started making in the background is made."""
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
 
     async_save.saver().buffer.ready()
 

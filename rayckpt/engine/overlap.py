@@ -18,7 +18,7 @@ first. Two rules make that safe without the caller's help:
   naming the key: nothing is committed. A DTensor's in-place ops count on the
   DTensor itself, not on its local shard, so both are checked.
 
-This module holds no Ray: the copy itself is the Ray layer's (``rayckpt.ray.copier``).
+This module holds no Ray: the copy itself is the Ray layer's (``rayckpt.ray.rank.copier``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def overlap_mode(overlap: bool | str) -> bool | str:
 
 
 class PendingCopy(Protocol):
-    """A copy in flight that guarded optimizer steps wait for (``rayckpt.ray.copier.CopyJob``)."""
+    """A copy in flight that guarded optimizer steps wait for (``rayckpt.ray.rank.copier.CopyJob``)."""
 
     def wait_copied(self, timeout: float | None = None) -> bool: ...
 

@@ -2,15 +2,16 @@
 
 The package is laid out by the process a line runs in:
 
-- here, the training rank's side: ``async_save`` (``save_async``), ``save_handle``
-  (``SaveHandle``), ``staging`` (the rank's reusable shared-memory buffer), ``copier``
-  (the copy into it, before the call returns or beside the next step), ``loading``
-  (``load``), and ``memory_fs`` (``memory_filesystem``: the memory tier as a filesystem, for any process);
+- ``rank/``: the training rank's side: ``save_async``, ``SaveHandle``, the rank's reusable
+  shared-memory buffer, the copy into it, and ``load``;
 - ``metadata/``: the MetadataActor (one per namespace) and the Ray-free parts it calls;
 - ``writer/``: the node's ShardWriter, which writes the ranks' staged shares;
-- ``memory/``: the memory tier the ShardWriters hold and its replication to a peer node;
+- ``memory/``: the memory tier the ShardWriters hold, its replication to a peer node, and
+  ``memory.fs`` (``memory_filesystem``: the tier as a filesystem, for any process);
+- ``status/``: what ``rayckpt status`` shows: the snapshots the actors publish and their reader;
 - shared by all of them: ``actors`` (names and lookups), ``records`` (``SaveTarget``),
-  ``shm`` (the node's staging directory, ``StagedRegion``), ``metrics``.
+  ``shm`` (the node's staging directory, ``StagedRegion``), ``metrics``, ``joining`` (the cluster
+  a driver joins).
 
 The public names below are importable from ``rayckpt.ray``; each is imported on
 first use. May import ``engine`` and everything below it, and ``ray``; never
@@ -25,28 +26,28 @@ from ..lazy import exports
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see; at run time each is imported on first use
     from ..engine.overlap import guard_optimizer
-    from .async_save import prepare_staging, release_staging, save_async, wait_inflight
-    from .loading import load
+    from .memory.fs import memory_filesystem
     from .memory.store import MemoryBudgetExceeded, peer_bytes
-    from .memory_fs import memory_filesystem
     from .metadata.actor import MetadataActor, get_metadata_actor
+    from .rank.async_save import prepare_staging, release_staging, save_async, wait_inflight
+    from .rank.loading import load
+    from .rank.save_handle import SaveHandle
+    from .rank.staging import StagingBuffer, StagingUnavailable
     from .records import SaveTarget
-    from .save_handle import SaveHandle
-    from .staging import StagingBuffer, StagingUnavailable
     from .writer.actor import get_shard_writer
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
-    "save_async": "rayckpt.ray.async_save",
-    "prepare_staging": "rayckpt.ray.async_save",
-    "release_staging": "rayckpt.ray.async_save",
-    "wait_inflight": "rayckpt.ray.async_save",
-    "SaveHandle": "rayckpt.ray.save_handle",
+    "save_async": "rayckpt.ray.rank.async_save",
+    "prepare_staging": "rayckpt.ray.rank.async_save",
+    "release_staging": "rayckpt.ray.rank.async_save",
+    "wait_inflight": "rayckpt.ray.rank.async_save",
+    "SaveHandle": "rayckpt.ray.rank.save_handle",
     "guard_optimizer": "rayckpt.engine.overlap",
-    "load": "rayckpt.ray.loading",
-    "StagingBuffer": "rayckpt.ray.staging",
-    "StagingUnavailable": "rayckpt.ray.staging",
-    "memory_filesystem": "rayckpt.ray.memory_fs",
+    "load": "rayckpt.ray.rank.loading",
+    "StagingBuffer": "rayckpt.ray.rank.staging",
+    "StagingUnavailable": "rayckpt.ray.rank.staging",
+    "memory_filesystem": "rayckpt.ray.memory.fs",
     "MemoryBudgetExceeded": "rayckpt.ray.memory.store",
     "peer_bytes": "rayckpt.ray.memory.store",
     "get_metadata_actor": "rayckpt.ray.metadata.actor",

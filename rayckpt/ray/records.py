@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..storage.catalog import CatalogEntry
+
 MEMORY_TIER = "memory"
 STORAGE_TIER = "storage"
 #: What the MetadataActor's name of a run's memory checkpoints adds to the run's name.
@@ -48,3 +50,12 @@ class SaveTarget:
     def for_rank(self, rank: int | None) -> SaveTarget:
         """The same save, as reported by ``rank``."""
         return replace(self, rank=rank)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitAnswer:
+    """The MetadataActor's answer to ``wait_commit``: the save's catalog entry and, once it settled, how long
+    it took to commit or fail, by the actor's clock from the moment it first heard of the save."""
+
+    entry: CatalogEntry
+    seconds: float | None = None

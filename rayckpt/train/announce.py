@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from typing import TextIO
 
 from ..bounded import BoundedMap
@@ -20,9 +19,11 @@ from ..storage.catalog import CatalogEntry
 _REMEMBERED = 16
 
 
-def commit_line(run: str, step: int | None, nbytes: int, seconds: float) -> str:
-    """``rayckpt: <run> committed step N (<bytes>, <seconds>)``."""
-    return f"rayckpt: {run} committed step {step} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)"
+def commit_line(run: str, step: int | None, nbytes: int, seconds: float | None) -> str:
+    """``rayckpt: <run> committed step N (<bytes>, <seconds>)``: ``seconds`` from the save's first report
+    to its commit, as the MetadataActor measured them (left out when not known)."""
+    took = f", {seconds:.2f} s" if seconds is not None else ""
+    return f"rayckpt: {run} committed step {step} ({nbytes / 2**20:.1f} MiB{took})"
 
 
 def failure_line(run: str, step: int | None, error: str) -> str:
@@ -41,10 +42,15 @@ class SaveAnnouncer:
         self._announced: BoundedMap[str, None] = BoundedMap(_REMEMBERED)
 
     def announce(
-        self, save_id: str, step: int | None, began: float, entry: CatalogEntry | None = None, error: str | None = None
+        self,
+        save_id: str,
+        step: int | None,
+        entry: CatalogEntry | None = None,
+        error: str | None = None,
+        seconds: float | None = None,
     ) -> None:
-        """The outcome of save ``save_id`` of ``step``, begun at ``began`` (``time.perf_counter()``):
-        its catalog ``entry`` (committed or failed), or the ``error`` it failed with."""
+        """The outcome of save ``save_id`` of ``step``: its catalog ``entry`` (committed or failed) and
+        ``seconds`` it took to commit by the MetadataActor's clock, or the ``error`` it failed with."""
         if self.rank != 0:
             return
         with self._lock:
@@ -52,7 +58,7 @@ class SaveAnnouncer:
                 return
             self._announced.put(save_id, None)
         if entry is not None and entry.status == "committed":
-            line = commit_line(self.run, step, entry.bytes, time.perf_counter() - began)
+            line = commit_line(self.run, step, entry.bytes, seconds)
         else:
             line = failure_line(self.run, step, error or (entry.error if entry is not None else None) or "unknown")
         stream = self._stream or sys.stderr

@@ -34,12 +34,12 @@ from ..engine.save import full_every_count
 from ..engine.state import FlatState, flatten
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
-from ..ray.async_save import DEFAULT_LANE, local_pieces, prepare_staging, save_async, wait_inflight
-from ..ray.loading import load as ray_load
 from ..ray.memory.store import peer_bytes
 from ..ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
-from ..ray.save_handle import SaveHandle
-from ..ray.staging import staged_size
+from ..ray.rank.async_save import DEFAULT_LANE, local_pieces, prepare_staging, save_async, wait_inflight
+from ..ray.rank.loading import load as ray_load
+from ..ray.rank.save_handle import SaveHandle
+from ..ray.rank.staging import staged_size
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
 from . import restore_report
 from .announce import SaveAnnouncer
@@ -55,7 +55,7 @@ class Checkpointer:
 
     Checkpoints go to ``<storage_path>/<run name>/rayckpt-step-<step:08d>``; with a memory
     tier, also to the nodes' memory (``rayckpt.ray.memory``). Where each save goes and how
-    it is reported: docs/architecture.md, "The Checkpointer's saves".
+    it is reported: docs/internals.md, "The Checkpointer's saves".
 
     Args:
         block_size: Bytes per block checksum of every save (as for ``save_async``).
@@ -188,7 +188,7 @@ class Checkpointer:
         A storage save goes through ``save_async`` and is reported to Ray Train once
         committed (Ray never copies its files; ``CheckpointConfig`` retention deletes old
         ones). With a memory tier a step may go to memory, storage or both, and a memory
-        save may be skipped or go to storage instead: docs/architecture.md, "The
+        save may be skipped or go to storage instead: docs/internals.md, "The
         Checkpointer's saves". Waits first for this worker's previous save of each tier.
 
         Args:
@@ -241,7 +241,7 @@ class Checkpointer:
             from ray.train import Checkpoint, CheckpointUploadMode
 
             def wait_for_commit(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
-                self._announced_wait(handle, began, handle.wait)
+                self._announced_wait(handle, handle.wait)
                 return checkpoint
 
             ray.train.report(
@@ -429,12 +429,10 @@ class Checkpointer:
         lane = MEMORY if tier == MEMORY else DEFAULT_LANE
         if tier not in self._last:
             return wait_inflight(lane)
-        handle, began = self._last[tier]
-        return self._announced_wait(handle, began, lambda: wait_inflight(lane))
+        handle, _ = self._last[tier]
+        return self._announced_wait(handle, lambda: wait_inflight(lane))
 
-    def _announced_wait(
-        self, handle: SaveHandle, began: float, wait: Callable[[], CatalogEntry | None]
-    ) -> CatalogEntry | None:
+    def _announced_wait(self, handle: SaveHandle, wait: Callable[[], CatalogEntry | None]) -> CatalogEntry | None:
         """``wait()`` for ``handle``'s outcome (Ray Train's upload thread, or this worker's next
         save or ``wait``), then announce it (rank 0, once per save)."""
         announcer = self.announcer
@@ -443,8 +441,8 @@ class Checkpointer:
         try:
             entry = wait()
         except SaveFailedError as exc:
-            announcer.announce(handle.save_id, handle.step, began, error=str(exc))
+            announcer.announce(handle.save_id, handle.step, error=str(exc))
             raise
         if entry is not None and entry.save_id == handle.save_id:
-            announcer.announce(handle.save_id, handle.step, began, entry)
+            announcer.announce(handle.save_id, handle.step, entry, seconds=handle.commit_seconds)
         return entry

@@ -17,7 +17,7 @@ import ray
 
 from ..engine.coordinator import Coordinator
 from ..ray.actors import writers
-from ..ray.memory_fs import memory_filesystem
+from ..ray.memory.fs import memory_filesystem
 from ..ray.records import MEMORY_TIER, STORAGE_TIER, tracked_run
 from ..ray.writer.actor import get_shard_writer
 from ..storage.catalog import checkpoint_dir_name

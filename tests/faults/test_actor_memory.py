@@ -8,13 +8,13 @@ import pytest
 import ray
 import torch
 
-from rayckpt.ray import async_save
-from rayckpt.ray.loading import load as ray_load
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.metadata.plan_cache import MANIFESTS_CACHED
 from rayckpt.ray.metadata.save_history import SETTLED_KEPT_PER_RUN
 from rayckpt.ray.metadata.save_log import SAVES_KEPT
 from rayckpt.ray.metadata.views import EVENTS_KEPT
+from rayckpt.ray.rank import async_save
+from rayckpt.ray.rank.loading import load as ray_load
 
 pytestmark = pytest.mark.slow
 

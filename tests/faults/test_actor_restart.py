@@ -17,11 +17,11 @@ import rayckpt
 from rayckpt.engine.writer import write_chunks
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkData
-from rayckpt.ray import async_save
-from rayckpt.ray.copier import CopyJob
 from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.rank import async_save
+from rayckpt.ray.rank.copier import CopyJob
+from rayckpt.ray.rank.save_handle import SaveHandle
 from rayckpt.ray.records import SaveTarget
-from rayckpt.ray.save_handle import SaveHandle
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec
 from tests.helpers.gated_fs import gated_filesystem, wait_for_file
@@ -154,7 +154,7 @@ def test_a_save_committed_just_before_the_restart_stays_committed(ray_session, t
     """The actor committed and died before the rank heard: the new incarnation finds it in storage."""
     path = str(tmp_path / "committed")
     handle = async_save.save_async(state(4), path, run="committed", step=4)
-    assert ray.get(get_metadata_actor().wait_commit.remote(handle.target, 60)).status == "committed"
+    assert ray.get(get_metadata_actor().wait_commit.remote(handle.target, 60)).entry.status == "committed"
     restart_metadata_actor()
     entry = handle.wait()
     assert entry.status == "committed" and entry.save_id == handle.save_id

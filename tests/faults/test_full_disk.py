@@ -131,7 +131,7 @@ def test_a_full_disk_at_commit_is_one_line_naming_the_cause_not_a_traceback(tmp_
 
 def test_a_ray_save_that_runs_out_of_space_fails_cleanly(ray_session, tmp_path):
     # The node's ShardWriter writes the files, in its own process: only a real full filesystem reaches it.
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
 
     root = str(tmp_path / "fs")
     with tmpfs(root):

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import rayckpt
-from rayckpt.cli import main
+from rayckpt.cli.commands import main
 from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.storage import lease
 from rayckpt.storage.checkpoint_dir import CheckpointDir

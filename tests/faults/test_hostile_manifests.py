@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import rayckpt
-from rayckpt import cli, tools
+from rayckpt import tools
+from rayckpt.cli import commands as cli
 from rayckpt.errors import CorruptCheckpointError, FormatVersionError, RayckptError
 from rayckpt.format import manifest as manifest_module
 from rayckpt.format.manifest import READ_VERSIONS, decode_manifest

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
+from rayckpt.ray.rank.staging import StagingBuffer
 from rayckpt.ray.shm import PREFIX, SHM_DIR, StagedRegion
-from rayckpt.ray.staging import StagingBuffer
 from rayckpt.ray.writer.regions import StaleSweeper, open_region
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,7 +13,7 @@ import torch
 
 import rayckpt
 from rayckpt.errors import SaveFailedError
-from rayckpt.ray import async_save
+from rayckpt.ray.rank import async_save
 from rayckpt.ray.writer.actor import get_shard_writer
 
 ROWS = 4096  # x 4096 float32: 64 MiB, long enough to write that a kill lands mid-write

@@ -19,8 +19,8 @@ from rayckpt.engine import device
 from rayckpt.engine.app_state import AppState
 from rayckpt.engine.device import HostToDevice
 from rayckpt.errors import SaveFailedError
-from rayckpt.ray import async_save, staging
-from rayckpt.ray.staging import StagingBuffer
+from rayckpt.ray.rank import async_save, staging
+from rayckpt.ray.rank.staging import StagingBuffer
 from rayckpt.ray.writer.regions import open_region
 from rayckpt.testing.multiproc import run_ranks
 from rayckpt.testing.toy import full_state

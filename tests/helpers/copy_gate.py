@@ -10,8 +10,8 @@ import torch
 
 from rayckpt.engine.device import DeviceToHost
 from rayckpt.engine.overlap import is_guarded
-from rayckpt.ray.save_handle import SaveHandle
-from rayckpt.ray.staging import StagingBuffer
+from rayckpt.ray.rank.save_handle import SaveHandle
+from rayckpt.ray.rank.staging import StagingBuffer
 
 
 class CopyGate:

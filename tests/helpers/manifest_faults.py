@@ -9,7 +9,7 @@ import os
 import torch
 
 import rayckpt
-from rayckpt import cli
+from rayckpt.cli import commands as cli
 from rayckpt.storage.catalog import checkpoint_dir_name
 from tests.helpers.checkpoints import make_state
 

@@ -9,7 +9,7 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from rayckpt.ray.memory_fs import memory_filesystem
+from rayckpt.ray.memory.fs import memory_filesystem
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.train.callback import RayckptCallback
 from tests.helpers import ray_workers

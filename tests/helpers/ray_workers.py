@@ -11,8 +11,8 @@ import ray.train
 import torch
 
 from rayckpt.engine.app_state import AppState
-from rayckpt.ray import async_save
 from rayckpt.ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from rayckpt.ray.rank import async_save
 from rayckpt.testing.toy import build_fsdp, full_state, train_steps
 from rayckpt.train.checkpointer import Checkpointer
 from tests.helpers.recovery_faults import Faults, faults_done

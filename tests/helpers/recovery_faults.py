@@ -36,8 +36,8 @@ from typing import Any
 
 import ray
 
-from rayckpt.ray import async_save
 from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.rank import async_save
 from rayckpt.ray.writer.actor import get_shard_writer
 
 

@@ -19,7 +19,7 @@ from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayckpt.engine.app_state import AppState
-from rayckpt.ray import async_save
+from rayckpt.ray.rank import async_save
 from rayckpt.testing.toy import build_fsdp, train_steps
 from rayckpt.train.callback import RayckptCallback
 from rayckpt.train.checkpointer import Checkpointer

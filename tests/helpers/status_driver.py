@@ -33,8 +33,8 @@ def state(step: int) -> dict:
 def main(address: str, root: str, gate: str) -> None:
     ray.init(address=address, namespace="rayckpt-tests", log_to_driver=False)
     from rayckpt.errors import SaveFailedError
-    from rayckpt.ray.async_save import save_async
     from rayckpt.ray.metadata.actor import get_metadata_actor
+    from rayckpt.ray.rank.async_save import save_async
     from tests.helpers.gated_fs import gated_filesystem, wait_for_file
 
     meta = get_metadata_actor()

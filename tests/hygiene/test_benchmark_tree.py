@@ -17,7 +17,7 @@ GROUPS = ["suite", "scale", "recovery", "gpu", "phases", "micro", "overlap", "ho
 #: <benchmark>_<hardware>_<yyyymmdd>.<ext>
 NAME = re.compile(r"^[a-z0-9_]+_[a-z0-9]+_\d{8}\.(md|json|png)$")
 #: Files in results/ that are not one run's result.
-NOT_RESULTS = {"README.md", "TRIED.md"}
+NOT_RESULTS = {"README.md"}
 #: A name that records one run among several: BEFORE/AFTER, RUN2, PARTS1.
 RUN_BY_RUN = re.compile(r"BEFORE|AFTER|RUN\d|PARTS\d", re.I)
 
@@ -74,7 +74,6 @@ def test_every_result_file_is_linked_from_the_docs():
     docs = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     linked = set(re.findall(r"\]\(\.\./benchmarks/results/([^)#\s]+)", docs))
     assert [p.name for p in result_files() if p.name not in linked] == []
-    assert "TRIED.md" in linked
 
 
 def test_result_markdown_names_its_command_and_machine():

@@ -67,3 +67,55 @@ def test_relative_links_resolve(page):
 
 def test_readme_stays_short():
     assert (ROOT / "README.md").stat().st_size < 15_000
+
+
+#: The longest line of prose a page may have: longer ones are unreadable in a diff or a terminal.
+PROSE_LIMIT = 200
+TABLE_ROW = re.compile(r"^\s*\|")
+HEADING = re.compile(r"^#{1,6} ")
+LINK_REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s")
+FENCE_LINE = re.compile(r"^\s*(```|~~~)")
+
+
+def long_prose_lines(text: str, limit: int = PROSE_LIMIT) -> list[int]:
+    """The line numbers of ``text``'s prose lines longer than ``limit`` characters. Not prose, so not
+    counted: code blocks (between fences), table rows, headings and link-reference definitions."""
+    long, fence = [], None
+    for number, line in enumerate(text.splitlines(), start=1):
+        opened = FENCE_LINE.match(line)
+        if fence is not None:
+            if opened and opened.group(1) == fence:
+                fence = None
+            continue
+        if opened:
+            fence = opened.group(1)
+            continue
+        if TABLE_ROW.match(line) or HEADING.match(line) or LINK_REFERENCE.match(line):
+            continue
+        if len(line) > limit:
+            long.append(number)
+    return long
+
+
+PROSE_PAGES = [*PAGES, ROOT / "benchmarks" / "README.md"]
+
+
+@pytest.mark.parametrize("page", PROSE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_prose_line_is_too_long(page):
+    long = long_prose_lines(page.read_text(encoding="utf-8"))
+    assert not long, f"{page.relative_to(ROOT)}: lines {long} are over {PROSE_LIMIT} characters: wrap them"
+
+
+def test_the_prose_check_sees_a_long_line():
+    long = "word " * 50
+    assert long_prose_lines(f"short\n{long}\n") == [2]
+    assert long_prose_lines(f"- an item\n  {long}\n") == [2]
+    # Code, tables, headings and link references may run long.
+    assert long_prose_lines(f"```\n{long}\n```\n~~~python\n{long}\n~~~\n") == []
+    assert long_prose_lines(f"| a | {long} |\n# {long}\n[ref]: https://example.com/{'x' * 250}\n") == []
+    # A fence of the other kind does not close a block; the line after the closing fence counts again.
+    assert long_prose_lines(f"```\n~~~\n{long}\n```\n{long}\n") == [5]
+
+
+def test_architecture_page_is_read_in_one_sitting():
+    assert (ROOT / "docs" / "architecture.md").stat().st_size <= 10_240

@@ -16,10 +16,10 @@ from rayckpt.engine import save as save_engine
 from rayckpt.engine.writer import parts_here
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan as planner
-from rayckpt.ray import async_save, save_handle, staging
-from rayckpt.ray.copier import CopyJob
-from rayckpt.ray.loading import load as ray_load
 from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.rank import async_save, save_handle, staging
+from rayckpt.ray.rank.copier import CopyJob
+from rayckpt.ray.rank.loading import load as ray_load
 from rayckpt.ray.records import SaveTarget
 from rayckpt.ray.writer.actor import ShardWrite, get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
@@ -45,9 +45,10 @@ def committed_order(run: str) -> list[str]:
 def test_async_save_commits_and_loads_with_an_actor_plan(ray_session, tmp_path):
     path = str(tmp_path / "a")
     handle = async_save.save_async(state(1), path, run="basic", step=1)
-    assert handle.stall_seconds > 0
+    assert handle.stall_seconds > 0 and handle.commit_seconds is None
     entry = handle.wait()
     assert entry.status == "committed" and entry.step == 1 and entry.path == path
+    assert handle.commit_seconds is not None and handle.commit_seconds > 0  # the MetadataActor's own measure
     assert os.path.exists(os.path.join(path, "manifest.json"))
     out = target()
     info = ray_load(out, path, run="basic")
@@ -169,8 +170,9 @@ def test_rank_that_never_reports_fails_the_save_after_its_timeout(ray_session, t
     os.makedirs(path)
     spec = SaveSpec(save_id="sid-timeout", world_size=2, block_size=64, tensors={}, values={})
     ray.get(meta.begin_save.remote(spec, SaveTarget(save_id=spec.save_id, run="timeouts", step=9, location=path), 1.0))
-    entry = ray.get(meta.wait_commit.remote(SaveTarget(save_id="sid-timeout"), 30))
-    assert entry.status == "failed"
+    answer = ray.get(meta.wait_commit.remote(SaveTarget(save_id="sid-timeout"), 30))
+    entry = answer.entry
+    assert entry.status == "failed" and answer.seconds is not None
     assert "rank(s) [0, 1] did not report within 1s" in entry.error
     assert not os.path.exists(os.path.join(path, "manifest.json"))
 
@@ -305,12 +307,13 @@ def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tm
     path = str(tmp_path / "orphan")
     handle = async_save.save_async(state(8), path, run="orphan", step=8)
     dying = get_metadata_actor()
-    assert ray.get(dying.wait_commit.remote(SaveTarget(save_id=handle.save_id), 60)).status == "committed"
+    assert ray.get(dying.wait_commit.remote(SaveTarget(save_id=handle.save_id), 60)).entry.status == "committed"
     ray.kill(dying, no_restart=True)
     # the race the Ray Train test hit: this rank looked the actor up just before it was killed
     monkeypatch.setattr(save_handle, "get_metadata_actor", lambda: dying)
     entry = handle.wait()
     assert entry.status == "committed" and entry.save_id == handle.save_id and entry.step == 8
+    assert handle.commit_seconds is None  # storage answered: no actor timed it
     # a save storage does not hold (another save's manifest is there) failed
     other = async_save.SaveHandle(
         SaveTarget(save_id="sid-never", run="orphan", step=9, location=path, rank=0),
@@ -364,7 +367,7 @@ def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_s
     ray.get(meta.report_failed.remote(early.for_rank(1), "staging: OSError"))
     spec = SaveSpec(save_id="sid-early", world_size=2, block_size=64, tensors={}, values={})
     ray.get(meta.begin_save.remote(spec, early, 30.0))
-    entry = ray.get(meta.wait_commit.remote(early, 5))
+    entry = ray.get(meta.wait_commit.remote(early, 5)).entry
     assert entry.status == "failed" and entry.step == 5 and "rank 1: staging: OSError" in entry.error
     (event,) = [e for e in ray.get(meta.events.remote("early")) if e["kind"] == "failed"]
     assert event["step"] == 5 and event["location"] == str(path)

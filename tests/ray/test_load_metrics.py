@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rayckpt
-from rayckpt.ray import loading as ray_load_module
+from rayckpt.ray.rank import loading as ray_load_module
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt.ray.memory_fs import memory_filesystem
+from rayckpt.ray.memory.fs import memory_filesystem
 from rayckpt.ray.shm import SHM_DIR, shm_room
 from rayckpt.ray.writer.actor import get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir

@@ -17,8 +17,8 @@ import torch
 import rayckpt
 from rayckpt.app_state import AppState
 from rayckpt.engine.state import flatten
-from rayckpt.ray import async_save, staging
-from rayckpt.ray.loading import load as ray_load
+from rayckpt.ray.rank import async_save, staging
+from rayckpt.ray.rank.loading import load as ray_load
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt.ray import async_save
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.metadata.layout_cache import LayoutRef
+from rayckpt.ray.rank import async_save
 from rayckpt.ray.records import SaveTarget
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec, read_manifest

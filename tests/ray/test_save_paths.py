@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import rayckpt
 from rayckpt.engine import save as save_module
-from rayckpt.ray import async_save
+from rayckpt.ray.rank import async_save
 from tests.helpers import golden
 
 

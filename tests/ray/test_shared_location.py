@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @ray.remote(max_calls=1)
 def run_save(path: str, value: int, run: str, sync_dir: str, name: str, pause: bool) -> dict:
     """A one-rank run's ``save_async`` + ``wait``; with ``pause``, rank 0 stops once it claimed the location."""
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
     from tests.helpers import concurrent_workers as workers
 
     if pause:

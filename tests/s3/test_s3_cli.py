@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rayckpt
-from rayckpt.cli import main
+from rayckpt.cli.commands import main
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 
 pytestmark = pytest.mark.slow

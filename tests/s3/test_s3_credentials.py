@@ -64,9 +64,9 @@ def test_the_jobs_storage_check_names_a_credentialed_uri_redacted(s3_server):
 def test_ray_actors_open_a_credentialed_location_and_its_events_show_it_redacted(ray_session, s3_server, s3_prefix):
     import ray
 
-    from rayckpt.ray import async_save
-    from rayckpt.ray.loading import load as ray_load
     from rayckpt.ray.metadata.actor import get_metadata_actor
+    from rayckpt.ray.rank import async_save
+    from rayckpt.ray.rank.loading import load as ray_load
 
     ckpt = credentialed(s3_server, f"{s3_prefix}/ray/rayckpt-step-00000002")
     entry = async_save.save_async({"w": torch.ones(16), "step": 2}, ckpt, run="creds", step=2).wait()

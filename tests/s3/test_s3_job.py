@@ -22,7 +22,7 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from rayckpt.cli import main as rayckpt_main
+from rayckpt.cli.commands import main as rayckpt_main
 from rayckpt.examples.job_checks import JobConfigError, check_storage
 from rayckpt.storage.catalog import checkpoint_dir_name, latest_committed
 from rayckpt.tools.listing import ls

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from rayckpt import cli
+from rayckpt.cli import commands as cli
 from rayckpt.observe import alerts
 from rayckpt.observe.dashboard import GLOBAL_FILTERS_ENV
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import rayckpt
-from rayckpt import cli, tools
+from rayckpt import tools
+from rayckpt.cli import commands as cli
 from tests.helpers.checkpoints import manifest_of, write_manifest_doc
 
 # --json schemas: the fields scripts may rely on (docs/CLI.md).

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import rayckpt
-from rayckpt import cli, tools
+from rayckpt import tools
+from rayckpt.cli import commands as cli
 from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.storage import lease
 from rayckpt.storage.catalog import scan_run

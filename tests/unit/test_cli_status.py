@@ -1,5 +1,5 @@
 """``rayckpt status``'s command line without a cluster: what it prints and exits with for each answer the cluster
-side (``rayckpt.ray.status``, replaced here) gives. Against a live cluster: ``tests/ray/test_status.py``."""
+side (``rayckpt.ray.status.reader``, replaced here) gives. Against a live cluster: ``tests/ray/test_status.py``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from rayckpt import cli, cli_status
-from rayckpt.ray import status
+from rayckpt.cli import commands as cli
+from rayckpt.cli import status as cli_status
 from rayckpt.ray.joining import ClusterUnreachableError
+from rayckpt.ray.status import reader as status
 
 NOW = 1_000_000.0
 REPORT = {

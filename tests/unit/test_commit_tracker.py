@@ -88,9 +88,11 @@ def test_registered_first_commits_when_the_last_rank_reports(tracker, clock, tmp
     assert tracker.begin_save(spec_of("s1"), at("s1", run="run", step=7, location=path)) == []
     assert tracker.report_written(at("s1"), write_rank(path, "s1", 0), "node-a") == []
     assert not os.path.exists(os.path.join(path, "manifest.json"))  # rank 1 is missing
-    assert tracker.entry("s1").status == "pending"
+    assert tracker.entry("s1").status == "pending" and tracker.settled_seconds("s1") is None
     clock.now += 2.5
     (outcome,) = tracker.report_written(at("s1"), write_rank(path, "s1", 1), "node-b")
+    clock.now += 30  # rank 0 learns it later: what its commit line prints is still the commit's time
+    assert tracker.settled_seconds("s1") == 2.5
     m = rayckpt.read_manifest(CheckpointDir.resolve(path))
     assert outcome.entry.status == "committed" and outcome.entry.bytes == m.total_bytes > 0
     assert outcome.entry.step == 7 and outcome.entry.world_size == 2 and outcome.entry.path == path

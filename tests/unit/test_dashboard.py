@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rayckpt import cli
+from rayckpt.cli import commands as cli
 from rayckpt.observe import dashboard, metric_defs
 from rayckpt.ray.metadata import grafana
 from tests.helpers.promql import names_and_labels, parse

@@ -15,8 +15,8 @@ import rayckpt
 from rayckpt.engine import device, reader, writer
 from rayckpt.engine.device import DeviceToHost, HostToDevice, bounded_pieces, host_like, needs_bounce
 from rayckpt.format.shard_file import ShardReader
-from rayckpt.ray import staging
-from rayckpt.ray.staging import StagingBuffer
+from rayckpt.ray.rank import staging
+from rayckpt.ray.rank.staging import StagingBuffer
 from rayckpt.ray.writer.regions import open_region
 from tests.helpers.checkpoints import make_state
 

@@ -191,7 +191,7 @@ def test_every_rank_agrees_on_the_layout_digest_and_it_changes_with_the_layout()
 def test_a_new_ray_session_with_the_same_job_id_puts_the_layout_again(monkeypatch):
     from types import SimpleNamespace
 
-    from rayckpt.ray import async_save
+    from rayckpt.ray.rank import async_save
 
     session = {"node": "node-a"}
     context = SimpleNamespace(get_job_id=lambda: "01000000", get_node_id=lambda: session["node"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import subprocess
 import tempfile
 import time
@@ -37,19 +36,27 @@ def entry(status: str, nbytes: int = 3 * 2**20, error: str | None = None) -> Cat
 def test_rank_0_announces_each_commit_once():
     out = io.StringIO()
     announcer = SaveAnnouncer("gpt", 0, out)
-    began = time.perf_counter()
-    announcer.announce("s-1", 5, began, entry("committed"))
-    announcer.announce("s-1", 5, began, entry("committed"))  # the upload thread and wait() both learned it
-    lines = out.getvalue().splitlines()
-    assert len(lines) == 1
-    assert re.fullmatch(r"rayckpt: gpt committed step 5 \(3\.0 MiB, \d+\.\d\d s\)", lines[0]), lines
+    announcer.announce("s-1", 5, entry("committed"), seconds=1.234)
+    announcer.announce("s-1", 5, entry("committed"), seconds=1.234)  # the upload thread and wait() both learned it
+    assert out.getvalue().splitlines() == ["rayckpt: gpt committed step 5 (3.0 MiB, 1.23 s)"]
+
+
+def test_the_commit_line_prints_the_metadata_actor_s_time_and_leaves_it_out_when_unknown():
+    out = io.StringIO()
+    announcer = SaveAnnouncer("gpt", 0, out)
+    announcer.announce("s-1", 5, entry("committed"), seconds=0.5)
+    announcer.announce("s-2", 5, entry("committed"))  # storage answered: the actor that timed it is gone
+    assert out.getvalue().splitlines() == [
+        "rayckpt: gpt committed step 5 (3.0 MiB, 0.50 s)",
+        "rayckpt: gpt committed step 5 (3.0 MiB)",
+    ]
 
 
 def test_failures_are_announced_with_their_error():
     out = io.StringIO()
     announcer = SaveAnnouncer("gpt", 0, out)
-    announcer.announce("s-1", 5, time.perf_counter(), entry("failed", error="rank 2: No space left on device"))
-    announcer.announce("s-2", 10, time.perf_counter(), error="save of step 10 failed; nothing was committed: boom")
+    announcer.announce("s-1", 5, entry("failed", error="rank 2: No space left on device"))
+    announcer.announce("s-2", 10, error="save of step 10 failed; nothing was committed: boom")
     assert out.getvalue().splitlines() == [
         "rayckpt: gpt failed to save step 5, nothing committed: rank 2: No space left on device",
         "rayckpt: gpt failed to save step 10, nothing committed: save of step 10 failed; nothing was committed: boom",
@@ -58,7 +65,7 @@ def test_failures_are_announced_with_their_error():
 
 def test_other_ranks_stay_quiet():
     out = io.StringIO()
-    SaveAnnouncer("gpt", 1, out).announce("s-1", 5, time.perf_counter(), entry("committed"))
+    SaveAnnouncer("gpt", 1, out).announce("s-1", 5, entry("committed"), seconds=1.0)
     assert out.getvalue() == ""
 
 
@@ -168,7 +175,9 @@ def test_checkpointer_wait_announces_the_outcome_it_learns(monkeypatch):
     ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only wait() is used
     ckpt.announcer = SaveAnnouncer("gpt", 0, out)
     ckpt.memory, ckpt.memory_announcer = SimpleNamespace(run="gpt@memory"), SaveAnnouncer("gpt (memory)", 0, out)
-    ckpt._last = {"storage": (SimpleNamespace(save_id="s-1", step=5, run="gpt"), time.perf_counter())}
+    ckpt._last = {
+        "storage": (SimpleNamespace(save_id="s-1", step=5, run="gpt", commit_seconds=0.25), time.perf_counter())
+    }
     monkeypatch.setattr(checkpointer, "wait_inflight", lambda lane: entry("committed"))
     assert ckpt.wait().status == "committed"
 
@@ -177,16 +186,20 @@ def test_checkpointer_wait_announces_the_outcome_it_learns(monkeypatch):
             raise SaveFailedError("save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom")
         return entry("committed")
 
-    ckpt._last = {"memory": (SimpleNamespace(save_id="s-1", step=6, run="gpt@memory"), time.perf_counter())}
+    ckpt._last = {
+        "memory": (SimpleNamespace(save_id="s-1", step=6, run="gpt@memory", commit_seconds=1.5), time.perf_counter())
+    }
     assert ckpt.wait().status == "committed"  # a memory save's line names the tier
 
-    ckpt._last = {"storage": (SimpleNamespace(save_id="s-2", step=10, run="gpt"), time.perf_counter())}
+    ckpt._last = {
+        "storage": (SimpleNamespace(save_id="s-2", step=10, run="gpt", commit_seconds=None), time.perf_counter())
+    }
     monkeypatch.setattr(checkpointer, "wait_inflight", failing)
     with pytest.raises(SaveFailedError, match="boom"):
         ckpt.wait()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 3 and lines[0].startswith("rayckpt: gpt committed step 5 (3.0 MiB, ")
-    assert lines[1].startswith("rayckpt: gpt (memory) committed step 6 (3.0 MiB, ")
+    assert len(lines) == 3 and lines[0] == "rayckpt: gpt committed step 5 (3.0 MiB, 0.25 s)"
+    assert lines[1] == "rayckpt: gpt (memory) committed step 6 (3.0 MiB, 1.50 s)"  # the actor's time
     assert lines[2] == (
         "rayckpt: gpt failed to save step 10, nothing committed: "
         "save of step 10 to /ckpts (save s-2) failed; nothing was committed: boom"

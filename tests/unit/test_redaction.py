@@ -20,7 +20,7 @@ import torch
 
 import rayckpt
 from rayckpt import tools
-from rayckpt.cli import main
+from rayckpt.cli.commands import main
 from rayckpt.errors import CheckpointNotFoundError, RayckptError, describe_error
 from rayckpt.redaction import redact, redact_fields, redact_text
 from rayckpt.storage.checkpoint_dir import CheckpointDir

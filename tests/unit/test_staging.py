@@ -10,8 +10,8 @@ import signal
 import pytest
 import torch
 
+from rayckpt.ray.rank.staging import StagingBuffer, StagingUnavailable, layout, staged_size
 from rayckpt.ray.shm import PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, created_in, staging_dir
-from rayckpt.ray.staging import StagingBuffer, StagingUnavailable, layout, staged_size
 from rayckpt.ray.writer.regions import StaleSweeper, open_region, sweep_stale
 
 
@@ -189,7 +189,7 @@ def test_a_staging_file_the_writer_may_not_open_says_what_to_do(buffer, monkeypa
     def denied(path, flags):  # as /proc/<pid>/fd is for a process that is not dumpable or another user's
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr("rayckpt.ray.staging.os.open", denied)
+    monkeypatch.setattr("rayckpt.ray.rank.staging.os.open", denied)
     with pytest.raises(PermissionError, match=r"cannot open staging file /proc/\d+/fd/\d+ .*staging='object_store'"):
         with open_region(region):
             pass

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from rayckpt.ray import staging
-from rayckpt.ray.staging import StagingBuffer, StagingUnavailable, granules
+from rayckpt.ray.rank import staging
+from rayckpt.ray.rank.staging import StagingBuffer, StagingUnavailable, granules
 from rayckpt.ray.writer.regions import open_region
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rayckpt.cli_status import render
+from rayckpt.cli.status import render
 from rayckpt.observe import timeline
-from rayckpt.ray.metadata.run_gauges import Newest
-from rayckpt.ray.metadata.status_report import phase, run_status
+from rayckpt.ray.status.report import Newest, phase, run_status
 
 NOW = 1_000_000.0
 

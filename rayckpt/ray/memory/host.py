@@ -14,7 +14,8 @@ from typing import Any
 
 import ray
 
-from .. import metrics, published
+from .. import metrics
+from ..status import published
 from .link import ReplicaServer
 from .store import MemoryStore, hold_here
 

@@ -6,7 +6,7 @@ the catalog, ``storage.catalog``, re-read from storage, which stays the truth), 
 from worker threads (they do the storage I/O). The shell adds what needs Ray or the
 event loop: ``wait_commit``, the watchdog that expires late saves, metrics, events.
 Ray restarts it when it dies, with an empty state and a new incarnation id
-(docs/architecture.md, "When the MetadataActor restarts mid-save").
+(docs/internals.md, "When the MetadataActor restarts mid-save").
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from ...redaction import redact
 from ...storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
 from ...storage.checkpoint_dir import CheckpointDir
 from ...storage.commit import SaveSpec, WrittenShard
-from .. import metrics, published
+from .. import metrics
 from ..actors import HEAD_NODE_RESOURCE, METADATA_ACTOR_NAME, NAMESPACE, named
-from ..records import SaveTarget, run_and_tier
+from ..records import CommitAnswer, SaveTarget, run_and_tier
+from ..status import published
 from .attempts import AttemptCounter
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
 from .grafana import install_dashboard_soon
@@ -59,7 +60,7 @@ class MetadataActor(OperatorViews):
     ``Checkpointer``: ``register_run``, ``begin_attempt``, ``user_metadata``. The
     ``RayckptCallback``: ``fail_pending``, ``record_event``. Every rank's events for the metrics:
     ``record_metrics``. Operators: ``checkpoints``, ``latest``,
-    ``events``, ``status``, ``timeline``, ``debug_stats`` (docs/architecture.md, "The MetadataActor's interface").
+    ``events``, ``status``, ``timeline``, ``debug_stats`` (docs/internals.md, "The MetadataActor's interface").
 
     Args:
         commit_timeout_s: How long a save may take to commit unless its registration says.
@@ -251,7 +252,7 @@ class MetadataActor(OperatorViews):
 
     async def wait_commit(
         self, target: SaveTarget, timeout: float | None = None, stall: float | None = None
-    ) -> CatalogEntry:
+    ) -> CommitAnswer:
         """Block until the save committed or failed (every rank).
 
         Args:
@@ -263,7 +264,8 @@ class MetadataActor(OperatorViews):
             stall: how long the save blocked the asking rank (kept for ``timeline``).
 
         Returns:
-            The save's catalog entry ("pending" if it did not settle in time).
+            The save's catalog entry ("pending" if it did not settle in time) and, once it
+            settled, how long it took by this actor's clock (what rank 0's commit line prints).
         """
         save_id = target.save_id
         if stall is not None and target.rank is not None:
@@ -283,7 +285,7 @@ class MetadataActor(OperatorViews):
                 waiters.discard(settled)
                 if not waiters and self._waiters.get(save_id) is waiters:
                     del self._waiters[save_id]
-        return self._tracker.entry(save_id)
+        return CommitAnswer(self._tracker.entry(save_id), self._tracker.settled_seconds(save_id))
 
     def _keep_gauges(self) -> None:
         """Start setting the runs' gauges and publishing ``status()`` (``published``) every ``_GAUGE_REFRESH_S``."""

@@ -250,6 +250,12 @@ class CommitTracker:
                 )
             )
 
+    def settled_seconds(self, save_id: str) -> float | None:
+        """How long the save took to settle, from the tracker first hearing of it (``None``: unsettled or forgotten)."""
+        with self._lock:
+            done = self._history.get(save_id)
+            return done.seconds if done is not None else None
+
     def catalog(self, run: str) -> list[CatalogEntry]:
         """The entries of ``run``'s tracked saves, the last one per location, oldest first."""
         with self._lock:
@@ -389,5 +395,5 @@ class CommitTracker:
         outcome = SaveOutcome(s.entry(), dict(s.writer_nodes), self._clock() - s.started)
         if self._saves.get(s.save_id) is s:
             del self._saves[s.save_id]
-        self._history.add(SettledSave(outcome.entry, s.filesystem))
+        self._history.add(SettledSave(outcome.entry, s.filesystem, outcome.seconds))
         return outcome

@@ -11,24 +11,15 @@ committed checkpoint committed and its age, and the saves in flight. The
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ...bounded import BoundedMap
 from .. import metrics
 from ..records import run_and_tier
+from ..status.report import Newest
 
 #: How often the actor sets the gauges again.
 REFRESH_S = 1.0
-
-
-@dataclass(frozen=True)
-class Newest:
-    """A run's newest committed checkpoint in one tier: its step, where it is, when it committed (Unix seconds)."""
-
-    step: int | None
-    path: str
-    at: float
 
 
 class RunGauges:

@@ -24,10 +24,12 @@ RUNS_KEPT = 64
 
 @dataclass(frozen=True, slots=True)
 class SettledSave:
-    """What is kept of a settled save: its entry, and its filesystem to remove files reported late."""
+    """What is kept of a settled save: its entry, its filesystem to remove files reported late, and how long it
+    took to settle (from the tracker first hearing of it, by the actor's clock)."""
 
     entry: CatalogEntry
     filesystem: Any
+    seconds: float | None = None
 
 
 class SaveHistory:

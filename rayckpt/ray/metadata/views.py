@@ -14,13 +14,13 @@ from typing import Any
 from ...bounded import BoundedMap
 from ...redaction import redact_fields
 from ..records import MEMORY_TIER, STORAGE_TIER, run_and_tier, tracked_run
+from ..status.report import run_status
 from .attempts import AttemptCounter
 from .commit_tracker import CommitTracker
 from .layout_cache import SaveLayouts
 from .plan_cache import PlanCache
 from .run_gauges import RunGauges
 from .save_log import SaveLog
-from .status_report import run_status
 
 logger = logging.getLogger("rayckpt.ray.metadata.actor")
 

@@ -4,10 +4,20 @@ recent failures and restores. Ray-free: made from what the actor holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..records import run_and_tier
-from .run_gauges import Newest
+
+
+@dataclass(frozen=True)
+class Newest:
+    """A run's newest committed checkpoint in one tier: its step, where it is, when it committed (Unix seconds)."""
+
+    step: int | None
+    path: str
+    at: float
+
 
 #: Failures and restores shown per run.
 RECENT = 5

@@ -13,13 +13,13 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray
 
-from ..engine.coordinator import Coordinator, default_coordinator
-from ..engine.load import LoadInfo, tensor_requests
-from ..engine.load import load as _engine_load
-from ..storage.checkpoint_dir import CheckpointDir
-from . import metrics
-from .metadata.actor import get_metadata_actor
-from .records import run_and_tier
+from ...engine.coordinator import Coordinator, default_coordinator
+from ...engine.load import LoadInfo, tensor_requests
+from ...engine.load import load as _engine_load
+from ...storage.checkpoint_dir import CheckpointDir
+from .. import metrics
+from ..metadata.actor import get_metadata_actor
+from ..records import run_and_tier
 from .save_handle import actor_location
 
 

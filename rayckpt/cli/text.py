@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .redaction import redact_text
+from ..redaction import redact_text
 
 
 class UsageError(Exception):

@@ -12,7 +12,7 @@ import json
 import logging
 from typing import Any
 
-from .actors import NAMESPACE
+from ..actors import NAMESPACE
 
 logger = logging.getLogger(__name__)
 

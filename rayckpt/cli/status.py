@@ -1,6 +1,6 @@
 """``rayckpt status``: the one command that joins a running Ray cluster (the others read storage only).
 
-It reads what the MetadataActor and each node's ShardWriter publish (``rayckpt.ray.status``)
+It reads what the MetadataActor and each node's ShardWriter publish (``rayckpt.ray.status.reader``)
 and prints one screen (``render``: per run its newest committed checkpoint per tier, saves in
 flight, recent failures, restores after restarts; then each node's memory tier against its
 budget), JSON with ``--json``, again every N seconds with ``--watch N``; ``--plot FILE.png``
@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from .cli_text import human_bytes, positive_int, print_json
+from .text import human_bytes, positive_int, print_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,8 +36,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .ray import status
-    from .ray.joining import ClusterUnreachableError
+    from ..ray.joining import ClusterUnreachableError
+    from ..ray.status import reader as status
 
     try:
         address = status.join(args.address)
@@ -65,8 +65,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
 
 
-def _plot(args: argparse.Namespace, status) -> int:  # noqa: ANN001 - rayckpt.ray.status, imported by the caller
-    from .observe.timeline import PlotUnavailableError, draw
+def _plot(args: argparse.Namespace, status) -> int:  # noqa: ANN001 - rayckpt.ray.status.reader, imported by the caller
+    from ..observe.timeline import PlotUnavailableError, draw
 
     run = args.run
     if run is None:

@@ -1,6 +1,6 @@
 """The ``rayckpt`` command: look into, verify, plan, convert and clean up checkpoints without a cluster; export
-the Grafana dashboard and Prometheus alert rules of rayckpt's metrics (``cli_dashboard``); ``status``: a running
-cluster's checkpoints (``cli_status``).
+the Grafana dashboard and Prometheus alert rules of rayckpt's metrics (``cli.dashboard``); ``status``: a running
+cluster's checkpoints (``cli.status``).
 
 Thin: parses arguments, calls ``rayckpt.tools`` / ``rayckpt.convert`` and prints
 what they return, as text or (``--json``) as JSON whose fields are those of the
@@ -26,8 +26,11 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from . import __version__, cli_dashboard, cli_status
-from .cli_text import (
+from .. import __version__
+from ..errors import CheckpointNotFoundError, RayckptError
+from ..redaction import redact, redact_text
+from . import dashboard, status
+from .text import (
     ProgressBar,
     UsageError,
     count,
@@ -40,8 +43,6 @@ from .cli_text import (
     table,
     when,
 )
-from .errors import CheckpointNotFoundError, RayckptError
-from .redaction import redact, redact_text
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -58,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from . import tools
+    from .. import tools
 
     entries = tools.ls(args.storage_path, run=args.run)
     if args.json:
@@ -77,7 +78,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from . import tools
+    from .. import tools
 
     if args.tensor is not None:
         s = tools.tensor_summary(args.checkpoint, args.tensor)
@@ -140,7 +141,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from . import tools
+    from .. import tools
 
     bar = ProgressBar("verifying")
     try:
@@ -164,7 +165,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from . import tools
+    from .. import tools
 
     p = tools.plan(args.checkpoint, args.world_size)
     if args.json:
@@ -188,7 +189,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .tools.convert.core import convert
+    from ..tools.convert.core import convert
 
     fmt = args.to or args.from_
     bar = ProgressBar(f"converting ({'to' if args.to else 'from'} {fmt})")
@@ -220,7 +221,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from . import tools
+    from .. import tools
 
     report = tools.gc(args.path, dry_run=args.dry_run)
     if args.json:
@@ -242,7 +243,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from . import tools
+    from .. import tools
 
     if not args.yes:
         plan = tools.remove(args.checkpoint, dry_run=True)
@@ -282,6 +283,26 @@ class _HelpFormatter(argparse.HelpFormatter):
         if default == "" or default == argparse.SUPPRESS:
             return text
         return f"{text} (default: %(default)s)"
+
+
+def _convert_arguments(p: _Parser) -> None:
+    """``rayckpt convert``'s arguments."""
+    p.add_argument("src", metavar="SRC", help="a rayckpt checkpoint (--to) or the file/directory to import (--from)")
+    p.add_argument("dst", metavar="DST", help="must not exist yet (an empty directory is fine)")
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=("torch", "dcp", "safetensors"), help="export the rayckpt checkpoint SRC")
+    way.add_argument("--from", dest="from_", choices=("torch", "dcp", "safetensors"), help="import SRC")
+    p.add_argument(
+        "--prefix", default="", help="export: keep only keys under it, stripped; import: prepend it (none: all keys)"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors file written by --to safetensors",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _parser() -> _Parser:
@@ -327,22 +348,7 @@ def _parser() -> _Parser:
     p.set_defaults(func=_cmd_plan)
 
     p = command("convert", "convert a checkpoint to or from torch.save, DCP and safetensors")
-    p.add_argument("src", metavar="SRC", help="a rayckpt checkpoint (--to) or the file/directory to import (--from)")
-    p.add_argument("dst", metavar="DST", help="must not exist yet (an empty directory is fine)")
-    way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--to", choices=("torch", "dcp", "safetensors"), help="export the rayckpt checkpoint SRC")
-    way.add_argument("--from", dest="from_", choices=("torch", "dcp", "safetensors"), help="import SRC")
-    p.add_argument(
-        "--prefix", default="", help="export: keep only keys under it, stripped; import: prepend it (none: all keys)"
-    )
-    p.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        default="5GB",
-        metavar="SIZE",
-        help="largest safetensors file written by --to safetensors",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
+    _convert_arguments(p)
     p.set_defaults(func=_cmd_convert)
 
     p = command("gc", "remove shard files no manifest names and no live save owns")
@@ -358,11 +364,11 @@ def _parser() -> _Parser:
     p.set_defaults(func=_cmd_rm)
 
     p = command("status", "show a running cluster's checkpoints: newest per tier, in flight, failures, restores")
-    cli_status.add_arguments(p)
-    p.set_defaults(func=cli_status.cmd_status)
+    status.add_arguments(p)
+    p.set_defaults(func=status.cmd_status)
 
     p = command("dashboard", "the Grafana dashboard and Prometheus alert rules of rayckpt's metrics")
-    actions = cli_dashboard.add_actions(p, _HelpFormatter)
+    actions = dashboard.add_actions(p, _HelpFormatter)
     for p in [*sub.choices.values(), *actions]:  # also after it: `rayckpt verify CKPT --debug`
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
@@ -392,15 +398,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return EXIT_OK
     except (UsageError, CheckpointNotFoundError, ValueError) as exc:
-        caught, error, status = exc, exc, EXIT_USAGE
+        caught, error, code = exc, exc, EXIT_USAGE
     except FileNotFoundError as exc:
-        caught, error, status = exc, f"{exc.filename or exc}: no such file or directory", EXIT_USAGE
+        caught, error, code = exc, f"{exc.filename or exc}: no such file or directory", EXIT_USAGE
     except (RayckptError, OSError) as exc:
-        caught, error, status = exc, exc, EXIT_FAILED
+        caught, error, code = exc, exc, EXIT_FAILED
     except Exception as exc:  # noqa: BLE001 - a bug: still one line, the traceback with --debug
-        caught, status = exc, EXIT_FAILED
+        caught, code = exc, EXIT_FAILED
         error = f"internal error ({type(exc).__name__}: {exc}); run again with --debug for the traceback"
     if "--debug" in argv:
         traceback.print_exception(caught, file=sys.stderr)
     print(f"rayckpt: error: {redact_text(_one_line(error))}", file=sys.stderr)
-    return status
+    return code

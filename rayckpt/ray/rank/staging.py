@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine.device import DeviceToHost, needs_bounce, pin_host_memory, unpin_host_memory
-from ..engine.state import as_bytes, flatten
-from .shm import POPULATED, PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, shm_room, staging_dir
+from ...engine.device import DeviceToHost, needs_bounce, pin_host_memory, unpin_host_memory
+from ...engine.state import as_bytes, flatten
+from ..shm import POPULATED, PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, shm_room, staging_dir
 
 #: Where ``save_async`` stages: "auto" (the reusable buffer, else the object store), "shm", "object_store".
 STAGING_ENV = "RAYCKPT_STAGING"

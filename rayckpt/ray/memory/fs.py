@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
 
-from .actors import ask_writers, writers
-from .memory.store import TYPE_NAME, count_peer_bytes, local_store
-from .shm import POPULATED
-from .writer.actor import get_shard_writer
+from ..actors import ask_writers, writers
+from ..shm import POPULATED
+from ..writer.actor import get_shard_writer
+from .store import TYPE_NAME, count_peer_bytes, local_store
 
 
 class _RemoteIn(io.RawIOBase):

@@ -12,9 +12,9 @@ from typing import Any
 
 import ray
 
+from ..actors import METADATA_ACTOR_NAME, NAMESPACE
+from ..joining import cluster_address
 from . import published
-from .actors import METADATA_ACTOR_NAME, NAMESPACE
-from .joining import cluster_address
 
 #: The longest wait for the MetadataActor's answer (``timeline``).
 ASK_TIMEOUT_S = 10.0

@@ -20,7 +20,7 @@ A save, across the processes it runs in (every rank calls ``save_async``):
    asks the MetadataActor's ``wait_commit`` for the outcome.
 
 A process's saves of one lane are owned by one ``AsyncSaver``: the save in flight and the staging
-buffer it reuses (docs/architecture.md, "The staging buffer" and "Lanes").
+buffer it reuses (docs/internals.md, "The staging buffer" and "Lanes").
 """
 
 from __future__ import annotations
@@ -33,25 +33,25 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray
 
-from ..engine.coordinator import Coordinator, default_coordinator
-from ..engine.overlap import overlap_mode
-from ..engine.save import SaveContext, collect_state, full_every_count
-from ..engine.state import FlatState
-from ..engine.writer import chunk_specs, create_chunk_data, parts_here
-from ..errors import InvalidStateError, SaveFailedError
-from ..storage.catalog import CatalogEntry
-from ..storage.checkpoint_dir import CheckpointDir
-from ..storage.commit import remove_failed_save
-from ..storage.lease import release_lease
-from . import metrics
+from ...engine.coordinator import Coordinator, default_coordinator
+from ...engine.overlap import overlap_mode
+from ...engine.save import SaveContext, collect_state, full_every_count
+from ...engine.state import FlatState
+from ...engine.writer import chunk_specs, create_chunk_data, parts_here
+from ...errors import InvalidStateError, SaveFailedError
+from ...storage.catalog import CatalogEntry
+from ...storage.checkpoint_dir import CheckpointDir
+from ...storage.commit import remove_failed_save
+from ...storage.lease import release_lease
+from .. import metrics
+from ..metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
+from ..metadata.layout_cache import LayoutRef, SpecLayout, split_spec
+from ..records import SaveTarget, run_and_tier
+from ..shm import StagedRegion
+from ..writer.actor import ShardWrite, get_shard_writer
 from .copier import Copying, CopyJob, launch
-from .metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
-from .metadata.layout_cache import LayoutRef, SpecLayout, split_spec
-from .records import SaveTarget, run_and_tier
 from .save_handle import LOCAL_IS_SHARED_ENV, SaveHandle, actor_location, local_is_shared_by_env, report_failed
-from .shm import StagedRegion
 from .staging import StagingBuffer, StagingUnavailable, local_pieces, of_device, staged_size, staging_mode
-from .writer.actor import ShardWrite, get_shard_writer
 
 #: The lane of ``save_async`` when none is named: one save in flight per process and lane.
 DEFAULT_LANE = "default"
@@ -325,7 +325,7 @@ def save_async(
     Called by every rank (collective when a process group is initialized), inside a Ray
     worker or driver; the order of a save across the ranks, their ShardWriters and the
     MetadataActor is in this module's docstring. A call first waits for the previous
-    save of its ``lane``. The staging buffer and lanes: docs/architecture.md, "The
+    save of its ``lane``. The staging buffer and lanes: docs/internals.md, "The
     staging buffer" and "Lanes".
 
     Args:

@@ -20,12 +20,12 @@ from typing import Any
 
 import ray
 
-from ..errors import SaveFailedError
-from ..storage.catalog import CatalogEntry, describe
-from ..storage.checkpoint_dir import CheckpointDir
-from .metadata.actor import get_metadata_actor
-from .records import SaveTarget
-from .shm import StagedRegion
+from ...errors import SaveFailedError
+from ...storage.catalog import CatalogEntry, describe
+from ...storage.checkpoint_dir import CheckpointDir
+from ..metadata.actor import get_metadata_actor
+from ..records import SaveTarget
+from ..shm import StagedRegion
 
 #: The incarnation tag of a save whose registration (or incarnation query) reached an
 #: incarnation that died before answering: every live incarnation is another one.
@@ -95,6 +95,9 @@ class SaveHandle:
         self.location = ckdir.location
         #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).
         self.stall_seconds = stall_seconds
+        #: Once the outcome is known: how long the save took to commit (or fail) by the MetadataActor's clock,
+        #: from its first report of the save; ``None`` until then, or when storage answered for a lost actor.
+        self.commit_seconds: float | None = None
         #: Where the share was staged: "shm" (the reusable buffer) or "object_store".
         self.staging = "shm" if isinstance(staged_ref, StagedRegion) else "object_store"
         self._ckdir = ckdir
@@ -184,7 +187,7 @@ class SaveHandle:
         The outcome is learned once: a failed save's error is raised by its own
         ``wait()`` (each time it is called), or, if nobody waited for it, once by the
         next ``save_async``, never by a later save. If the MetadataActor restarts while
-        the save is in flight, ``wait()`` fails within seconds (docs/architecture.md,
+        the save is in flight, ``wait()`` fails within seconds (docs/internals.md,
         "When the MetadataActor restarts mid-save"); if it died for good, storage
         answers: committed when the directory's manifest carries this save's id.
 
@@ -297,7 +300,9 @@ class SaveHandle:
         for pause in (*_RETRY_AFTER_S, None):
             asked = replace(self.target, incarnation=began_under)
             try:
-                return ray.get(get_metadata_actor().wait_commit.remote(asked, limit, self.stall_seconds))
+                answer = ray.get(get_metadata_actor().wait_commit.remote(asked, limit, self.stall_seconds))
+                self.commit_seconds = answer.seconds
+                return answer.entry
             except ray.exceptions.RayActorError:
                 began_under = began_under or UNKNOWN_INCARNATION  # the incarnation asked is gone
                 if pause is not None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_text import UsageError, count, print_json
+from .text import UsageError, count, print_json
 
 EXIT_OK = 0
 
 
 def _write(path: str, text: str) -> None:
-    from .observe.dashboard import write_atomic
+    from ..observe.dashboard import write_atomic
 
     try:
         write_atomic(path, text)
@@ -27,7 +27,7 @@ def _write(path: str, text: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .observe import dashboard
+    from ..observe import dashboard
 
     if args.file == "-":
         if args.json:
@@ -44,7 +44,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_alerts(args: argparse.Namespace) -> int:
-    from .observe import alerts
+    from ..observe import alerts
 
     if args.file == "-" and args.json:
         raise UsageError("--json needs a FILE: `-` writes the alert rules themselves to stdout")
@@ -66,7 +66,7 @@ def cmd_alerts(args: argparse.Namespace) -> int:
 
 def duration(text: str) -> float:
     """An argument's seconds from a Prometheus duration (``30m``) or a number of seconds."""
-    from .observe.alerts import parse_duration
+    from ..observe.alerts import parse_duration
 
     try:
         return parse_duration(text)

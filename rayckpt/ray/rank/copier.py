@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from ..engine.device import DeviceToHost
-from ..engine.overlap import Versions, guarded_storages, storage_of, track, untrack
-from ..engine.save import SaveContext
-from ..engine.writer import chunk_pieces
-from .shm import StagedRegion
+from ...engine.device import DeviceToHost
+from ...engine.overlap import Versions, guarded_storages, storage_of, track, untrack
+from ...engine.save import SaveContext
+from ...engine.writer import chunk_pieces
+from ..shm import StagedRegion
 from .staging import StagingBuffer
 
 
