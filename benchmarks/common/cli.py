@@ -13,17 +13,6 @@ import sys
 OUT = "bench_out"
 
 
-def add_storage_arg(parser: argparse.ArgumentParser, default: str) -> None:
-    """``--storage local|s3``: the suite's saves and loads on a local disk or on an S3 endpoint."""
-    parser.add_argument(
-        "--storage",
-        choices=("local", "s3"),
-        default=default,
-        help="local: a local directory, against DCP, torch.save and the raw disk; s3: a local S3 endpoint "
-        "(moto), against DCP's fsspec writer and reader (default: %(default)s)",
-    )
-
-
 def run_command(prog: str, description: str, commands: dict[str, tuple[str, str]], argv: list[str] | None) -> int:
     """Parse ``COMMAND [ARGS...]`` and run ``commands[COMMAND]``'s module's ``main(ARGS)``.
 

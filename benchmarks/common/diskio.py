@@ -4,8 +4,7 @@ Checkpoint files are evicted from the page cache before cold loads (fsync +
 ``posix_fadvise(DONTNEED)``) or read into it for warm ones, and ``mincore`` tells
 how much of them was resident; the raw-disk anchor writes and reads the same bytes
 as a checkpoint with plain sequential syscalls, the floor a checkpoint system is
-measured against. Used by ``micro.engine`` and the suite (``suite.save``,
-``suite.load``, ``suite.local``).
+measured against.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""The measuring harness the benchmarks share: how an operation is timed and sampled.
+"""The measuring harness every benchmark uses: timing, sampling, statistics, targets and results.
 
-- Memory: ``MemSampler`` samples VmRSS / RssAnon / RssFile / RssShmem of some
-  processes (a rank, a Ray actor) from /proc/<pid>/status in a thread; ``measure``
-  runs one operation barrier to barrier on every rank with it and the rank's I/O
-  counters around it; ``mem_summary`` reduces the samples over repeats and ranks.
-- CPU and load: the 1-minute load average and the CPU cores used by processes
-  outside the benchmark's own process tree, every 5 s (``load_avg_thread``).
-- Statistics and targets: ``summary`` (median, min-max, GB/s) and ``ratio_row``.
-- Plumbing: ``connect_ray``, the rotation of systems from repeat to repeat, partial
-  results of a run cut short, the single-thread memcpy anchor, number formatting.
+- Timing: ``timed`` (one call, optionally between barriers or CUDA syncs); ``measure`` (one
+  operation on every rank, barrier to barrier, with its memory and I/O counters).
+- Sampling: ``MemSampler`` (VmRSS / RssAnon / RssFile / RssShmem of some processes from
+  /proc/<pid>/status, in a thread), ``load_sampled`` (the machine's load and the CPU used
+  outside the benchmark's process tree, every 5 s).
+- Statistics: ``summary`` (median, min-max, GB/s), ``mem_summary``.
+- Targets as data: ``target`` rows (name, measured, threshold, direction, met).
+- Results: ``table`` (the one Markdown table renderer), ``targets_table``, ``run_line``
+  (command, machine, versions) and ``write_report``: ``<out>/<name>.json`` holds the
+  summary, ``<out>/<name>.samples.json`` the raw samples (``bench_out/``, never committed).
 
 Only the standard library at import time (torch and Ray are imported where used), so
 that importing it costs a process such as ``micro.plan`` nothing it measures.
@@ -193,6 +194,42 @@ def measure(fn: Any, pids: dict[str, int], interval: float = SAMPLE_INTERVAL_S) 
     return {"wall": t2 - t0, "own": t1 - t0, "io": io_delta(io0, proc_io()), "mem": mem, **extra}
 
 
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed(fn: Any, barrier: bool = False, device: str = "cpu") -> tuple[float, Any]:
+    """Seconds ``fn()`` took and its result; ``barrier``: between ``dist.barrier()`` calls (the time of the
+    slowest rank); ``device`` "cuda": after a CUDA sync on both sides."""
+
+    def settle() -> None:
+        if barrier:
+            import torch.distributed as dist
+
+            dist.barrier()
+        sync(device)
+
+    settle()
+    t0 = time.perf_counter()
+    out = fn()
+    settle()
+    return time.perf_counter() - t0, out
+
+
+def sampled(fn: Any, repeats: int) -> tuple[dict[str, Any], Any]:
+    """``repeats`` runs of ``fn``: the ``summary`` of their seconds, and the last run's result."""
+    values, out = [], None
+    for _ in range(repeats):
+        out = None  # the last result is freed before the next run
+        seconds, out = timed(fn)
+        values.append(seconds)
+    return summary(values), out
+
+
 def memcpy_anchor() -> dict[str, float]:
     """Single-thread memory copy speed (64 MiB, 4 times): the anchor for copy-bound phases."""
     import torch
@@ -266,7 +303,8 @@ def summary(values: list[float], nbytes: int | None = None) -> dict[str, Any]:
     return out
 
 
-def ratio_row(name: str, measured: float | None, threshold: float, higher_is_better: bool, how: str) -> dict:
+def target(name: str, measured: float | None, threshold: float, higher_is_better: bool, how: str) -> dict:
+    """One target as data: what is measured, against which threshold, which way, and whether it is met."""
     met = None
     if measured is not None:
         met = measured >= threshold if higher_is_better else measured <= threshold
@@ -378,23 +416,67 @@ def load_sampled(report: dict[str, Any]) -> Iterator[None]:
 # Partial results and formatting
 
 
+#: Keys of a report that hold raw samples: written to ``<name>.samples.json``, not to the summary.
+RAW_KEYS = ("records", "samples", "repeats_raw")
+
+
 def write_report(out: str, name: str, report: dict[str, Any], md: str, markdown: str | None = None) -> None:
-    """``report`` as ``<out>/<name>.json`` and its table ``md`` as ``<out>/<name>.md`` (and at ``markdown``)."""
+    """The summary as ``<out>/<name>.json`` (without the raw samples, which go to ``<name>.samples.json``)
+    and the Markdown ``md`` as ``<out>/<name>.md`` (and at ``markdown``)."""
+    missing = [k for k in ("command", "date", "machine") if k not in report]
+    if missing:
+        raise ValueError(f"a result names its command, date and machine; {name} lacks {', '.join(missing)}")
+    os.makedirs(out, exist_ok=True)
+    raw = {k: report[k] for k in RAW_KEYS if k in report}
+    load = report.get("load_average_1min")
+    if isinstance(load, dict) and "samples_time_load1_othercores" in load:
+        raw["load_samples"] = load["samples_time_load1_othercores"]
+    summary_only = {k: v for k, v in report.items() if k not in RAW_KEYS}
+    if "load_samples" in raw:
+        summary_only["load_average_1min"] = {k: v for k, v in load.items() if k != "samples_time_load1_othercores"}
     with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(summary_only, f, indent=2)
+    if raw:
+        with open(os.path.join(out, f"{name}.samples.json"), "w") as f:
+            json.dump(raw, f)
     for path in filter(None, (os.path.join(out, f"{name}.md"), markdown)):
         with open(path, "w") as f:
             f.write(md)
 
 
-def partial_path(out: str, label: str) -> str:
-    return os.path.join(out, f"bench_suite.partial-{label}.json")
+def table(header: list[str], rows: list[list[Any]], right: int = 0) -> list[str]:
+    """A Markdown table: ``header``, then ``rows`` (``None`` cells empty); the last ``right`` columns right-aligned."""
+    align = ["---"] * (len(header) - right) + ["---:"] * right
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    for row in rows:
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in row) + " |")
+    return lines
 
 
-def save_partial(out: str, label: str, result: dict[str, Any]) -> None:
-    """What a size has measured so far, in case the run is cut short (removed at the end of a run)."""
-    with open(partial_path(out, label), "w") as f:
-        json.dump(result, f, indent=1)
+def targets_table(rows: list[dict[str, Any]], digits: int = 3) -> list[str]:
+    """The targets as the one "target | measured | target | met" table every report shows."""
+    out = []
+    for t in rows:
+        met = {True: "yes", False: "no", None: "n/a"}[t["met"]]
+        value = "n/a" if t["measured"] is None else f"{t['measured']:.{digits}f}"
+        out.append([t["target"], value, f"{t['direction']} {t['threshold']:g}", met])
+    return table(["target", "measured", "target", "met"], out)
+
+
+def run_line(report: dict[str, Any]) -> str:
+    """Command, date, machine and versions of a run, and its load: the line every result starts with."""
+    m = report["machine"]
+    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "ray", "pyarrow", "rayckpt") if k in m)
+    line = f"`{report['command']}` on {report['date']}: {m['nproc']} CPUs, {m['mem_total_gb']:.0f} GB RAM"
+    line += f"{', ' + m['device'] if m.get('device') not in (None, 'cpu') else ''}; {versions}."
+    if "total_runtime_s" in report:
+        line += f" Run time {report['total_runtime_s']:.0f} s."
+    load = report.get("load_average_1min")
+    if isinstance(load, dict) and "median" in load:
+        line += f" Load average (1 min): median {load['median']:.2f}, max {load['max']:.2f}"
+        cores = load.get("other_processes_cpu_cores")
+        line += f"; other processes used {cores['mean']:.2f} cores on average." if cores else "."
+    return line
 
 
 def fmt(s: dict[str, Any], digits: int = 2) -> str:

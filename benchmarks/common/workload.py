@@ -6,8 +6,8 @@ exp_avg_sq total about a given number of MiB; plus what the benchmarks need arou
 it: its byte counts (global, or one rank's own shards), zeroing it before a load,
 and bit-exact checksums to verify a loaded state against the saved one.
 
-Shared by ``micro.engine``, the suite (``suite.save`` / ``suite.load``) and
-``micro.ray_save``; every function here runs on the spawned ranks.
+Used by the suite's ranks (``suite.ranks``), ``recovery`` and ``hosts``; every function here runs on
+the spawned ranks.
 """
 
 from __future__ import annotations

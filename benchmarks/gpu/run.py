@@ -31,19 +31,20 @@ Every load is checked bit-exact against the saved state (``torch.equal``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from benchmarks.common import systems
 from benchmarks.common.diskio import evict, files_under, warm_up
-from benchmarks.common.harness import machine_info
+from benchmarks.common.harness import import_rayckpt, machine_info, run_line, sync, timed, write_report
+from benchmarks.common.systems import Where
 
 #: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP stager measured.
 DCP_STAGERS = {
@@ -67,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="repeats of each timed operation (medians)")
     p.add_argument("--saves", type=int, default=3, help="save_async saves in each order (the first, then later)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    p.add_argument("--out", default="bench_out/gpu/bench_gpu.json", help="the JSON report")
+    p.add_argument("--out", default="bench_out/gpu", help="directory for bench_gpu.json and .md")
     return p.parse_args(argv)
 
 
@@ -75,23 +76,6 @@ def make_state(device: str, size_gb: float, tensors: int) -> dict[str, torch.Ten
     numel = int(size_gb * 2**30 / 4 / tensors)
     g = torch.Generator().manual_seed(0)
     return {f"t{i:03d}": torch.randn(numel, generator=g).to(device) for i in range(tensors)}
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - start, out
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def copy_limit(state: dict[str, torch.Tensor], device: str, repeats: int) -> dict[str, Any]:
@@ -102,10 +86,10 @@ def copy_limit(state: dict[str, torch.Tensor], device: str, repeats: int) -> dic
         for k, v in state.items():
             hosts[k].copy_(v, non_blocking=pinned)
 
-    limit = [timed(copy, device)[0] for _ in range(repeats)]
+    limit = [timed(copy, device=device)[0] for _ in range(repeats)]
     hosts.clear()
-    pageable = [timed(lambda: [v.cpu() if pinned else v.clone() for v in state.values()], device)[0]]
-    return {"limit_s": median(limit), "pageable_s": median(pageable), "pinned_host": pinned}
+    pageable = [timed(lambda: [v.cpu() if pinned else v.clone() for v in state.values()], device=device)[0]]
+    return {"limit_s": statistics.median(limit), "pageable_s": statistics.median(pageable), "pinned_host": pinned}
 
 
 def check_equal(loaded: dict[str, torch.Tensor], state: dict[str, torch.Tensor], who: str) -> None:
@@ -115,12 +99,11 @@ def check_equal(loaded: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
 
 
 def dcp_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
+    where = Where(root)
     out: dict[str, Any] = {"save_s": [], "async": {}}
     for r in range(repeats):
         path = os.path.join(root, f"dcp-save-{r}")
-        out["save_s"].append(timed(lambda path=path: dcp.save(state, checkpoint_id=path), device)[0])
+        out["save_s"].append(timed(lambda r=r: systems.dcp_save(state, where, f"dcp-save-{r}"), device=device)[0])
         if r < repeats - 1:
             shutil.rmtree(path)
     out["kept"] = path
@@ -129,46 +112,42 @@ def dcp_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: i
             out["async"][name] = dcp_async(state, device, root, repeats, options)
         except Exception as exc:  # a configuration this torch cannot run is a result, not a crash
             out["async"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-    out["save_s"] = median(out["save_s"])
+    out["save_s"] = statistics.median(out["save_s"])
     return out
 
 
 def dcp_async(state: dict[str, torch.Tensor], device: str, root: str, repeats: int, options: Any) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    stager = DefaultStager(StagingOptions(*options)) if options is not None else None
+    stager = systems.dcp_stager(options)
     stalls, totals = [], []
     try:
         for r in range(repeats):
-            path = os.path.join(root, f"dcp-async-{r}")
             sync(device)
             start = time.perf_counter()
-            response = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
-            upload = getattr(response, "upload_completion", response)
-            staged = getattr(response, "staging_completion", None)
-            if staged is not None:
-                staged.result()
+            pending = systems.dcp_async_save(state, Where(root), f"dcp-async-{r}", stager=stager)
+            pending.staged()
             stalls.append(time.perf_counter() - start)
-            upload.result()
+            pending.result()
             totals.append(time.perf_counter() - start)
-            shutil.rmtree(path)
+            shutil.rmtree(os.path.join(root, f"dcp-async-{r}"))
     finally:
         if stager is not None:
             stager.close()
-    return {"stall_s": stalls, "total_s": totals, "stall_median_s": median(stalls), "total_median_s": median(totals)}
+    return {
+        "stall_s": stalls,
+        "total_s": totals,
+        "stall_median_s": statistics.median(stalls),
+        "total_median_s": statistics.median(totals),
+    }
 
 
 def rayckpt_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
-    import rayckpt
-
     times = []
     for r in range(repeats):
         path = os.path.join(root, f"rayckpt-save-{r}")
-        times.append(timed(lambda path=path: rayckpt.save(state, path), device)[0])
+        times.append(timed(lambda r=r: systems.rayckpt_save(state, Where(root), f"rayckpt-save-{r}"), device=device)[0])
         if r < repeats - 1:
             shutil.rmtree(path)
-    return {"save_s": median(times), "kept": path}
+    return {"save_s": statistics.median(times), "kept": path}
 
 
 def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: int, order: str) -> dict[str, Any]:
@@ -181,23 +160,22 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
     """
     import ray
 
-    from rayckpt.ray.rank import async_save
-    from rayckpt.ray.writer.actor import get_shard_writer
+    from rayckpt.ray import get_shard_writer
 
     os.sync()  # the earlier writes' dirty pages go to disk now, not during this order's first commit
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
     out: dict[str, Any] = {"saves": []}
     if order == "prepared":
         start = time.perf_counter()
-        out["prepare_call_s"] = timed(lambda: async_save.prepare_staging(state), device)[0]
-        async_save.saver().buffer.ready()
+        out["prepare_call_s"] = timed(lambda: systems.prepare_staging(state), device=device)[0]
+        systems.staging_ready()
         ray.get(get_shard_writer().debug_stats.remote())
         out["prepare_background_s"] = time.perf_counter() - start
     for i in range(saves):
         path = os.path.join(root, f"async-{order}-{i}")
         sync(device)
         start = time.perf_counter()
-        handle = async_save.save_async(state, path, run="bench-gpu", step=i + 1)
+        handle = systems.ray_save(state, Where(root), f"async-{order}-{i}", run="bench-gpu", step=i + 1)
         stall = time.perf_counter() - start
         entry = handle.wait()
         commit = time.perf_counter() - start
@@ -206,31 +184,24 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
         out["saves"].append({"stall_s": stall, "commit_s": commit, "staging": handle.staging})
         if i < saves - 1:
             shutil.rmtree(path)
-    async_save.release_staging()
+    systems.release_staging()
     ray.shutdown()
     out["kept"] = path
     later = [s["stall_s"] for s in out["saves"][1:]]
     if later:
-        out["first_over_later_stall"] = out["saves"][0]["stall_s"] / median(later)
+        out["first_over_later_stall"] = out["saves"][0]["stall_s"] / statistics.median(later)
     return out
 
 
 def loads(state: dict[str, torch.Tensor], device: str, dcp_path: str, rk_path: str, repeats: int) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
-    import rayckpt
-
-    def target() -> dict[str, torch.Tensor]:
-        return {k: torch.zeros_like(v) for k, v in state.items()}
-
     def dcp_load() -> dict[str, torch.Tensor]:
-        t = target()
-        dcp.load(t, checkpoint_id=dcp_path)
+        t = {k: torch.zeros_like(v) for k, v in state.items()}
+        systems.dcp_load(t, *systems.local(dcp_path))
         return t
 
     def rk_load() -> dict[str, torch.Tensor]:
-        t = target()
-        rayckpt.load(t, rk_path)
+        t = {k: torch.zeros_like(v) for k, v in state.items()}
+        systems.rayckpt_load(t, *systems.local(rk_path))
         return t
 
     out: dict[str, Any] = {}
@@ -240,11 +211,11 @@ def loads(state: dict[str, torch.Tensor], device: str, dcp_path: str, rk_path: s
             for _ in range(repeats):
                 files = files_under(path)
                 evict(files) if temp == "cold" else warm_up(files)
-                seconds, loaded = timed(fn, device)
+                seconds, loaded = timed(fn, device=device)
                 check_equal(loaded, state, f"{name} {temp} load")
                 del loaded
                 times.append(seconds)
-            out[f"{name}_{temp}_s"] = median(times)
+            out[f"{name}_{temp}_s"] = statistics.median(times)
     return out
 
 
@@ -254,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (run with --device cpu for the CPU path)")
+    import_rayckpt()  # imported before anything is timed
     started = time.perf_counter()
     root = args.dir or tempfile.mkdtemp(prefix="rayckpt-bench-gpu-")
     os.makedirs(root, exist_ok=True)
     state = make_state(args.device, args.size_gb, args.tensors)
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     report: dict[str, Any] = {
+        "command": " ".join(["python -m benchmarks.gpu", *(sys.argv[1:] if argv is None else argv)]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {
             **machine_info(),
             "ray": ray.__version__,
@@ -277,15 +251,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         report["loads"] = loads(state, args.device, report["dcp"]["kept"], report["rayckpt"]["kept"], args.repeats)
     finally:
-        report["seconds"] = time.perf_counter() - started
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        report["total_runtime_s"] = time.perf_counter() - started
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
         if ray.is_initialized():
             ray.shutdown()
-    print(table(report))
+    md = "\n".join([run_line(report), "", "| measured | value |", "| --- | --- |", table(report)]) + "\n"
+    write_report(args.out, "bench_gpu", report, md)
+    print(md)
     return 0
 
 

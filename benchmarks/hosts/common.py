@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.cli import OUT
-from benchmarks.common.harness import machine_info
+from benchmarks.common.harness import machine_info, run_line
 from testbed.hosts import Host, hosts_unavailable
 
 #: The repository's root: the drivers on the hosts run there.
@@ -55,17 +55,7 @@ def new_report(sub: str, argv: list[str] | None) -> dict[str, Any]:
 
 def head_lines(report: dict[str, Any], title: str) -> list[str]:
     """The Markdown's first lines: the title, then the command, the machine, the versions and the load."""
-    m, load = report["machine"], report["load_average_1min"]
-    return [
-        f"## {title}",
-        "",
-        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.1f} min: "
-        f"{m['nproc']} CPUs, {m['mem_total_gb']:.0f} GB, torch {m['torch']}, Ray {m['ray']}, pyarrow "
-        f"{m['pyarrow']}, Python {m['python']}. 1-minute load average {load['before_start']:.2f} before the "
-        f"start; during the run median {load['median']:.2f}, max {load['max']:.2f}; CPU used by processes "
-        f"outside the benchmark: mean {load['other_processes_cpu_cores']['mean']:.2f} cores.",
-        "",
-    ]
+    return [f"## {title}", "", run_line(report), ""]
 
 
 def run_on_host(host: Host, module: str, config: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, rotated, write_report
+from benchmarks.common.harness import load_sampled, rotated, table, write_report
 from benchmarks.hosts.common import HOST_ENV, ROOT, add_common_args, head_lines, new_report, require_hosts
 from testbed.host_jobs import HostJob
 from testbed.ray_hosts import TUNED_HEALTH_CHECKS
@@ -193,24 +193,21 @@ def markdown(report: dict[str, Any]) -> str:
         "`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10` (Ray Train's wait for the group of 3 it first asks for "
         "after the cut). Medians over the runs.",
         "",
-        "| setting | runs | cut -> node dead s | cut -> restored s | node dead -> restored s | restored from |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
-    for setting, s in report["summary"].items():
-        lines.append(
-            f"| {setting} | {s['runs']} | {s['node_dead_s']:.1f} | {s['restored_s']:.1f} "
-            f"| {s['dead_to_restored_s']:.1f} | {', '.join(s['tiers'])} |"
-        )
-    lines += ["", "| run | step at the cut | restored step | workers after | node dead s | restored s | tier |"]
-    lines += ["| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = [[k, s["runs"], f"{s['node_dead_s']:.1f}", f"{s['restored_s']:.1f}", f"{s['dead_to_restored_s']:.1f}",
+             ", ".join(s["tiers"])] for k, s in report["summary"].items()]  # fmt: skip
+    lines += table(["setting", "runs", "cut -> node dead s", "cut -> restored s", "node dead -> restored s",
+                    "restored from"], rows, right=0) + [""]  # fmt: skip
+    rows = []
     for r in report["runs"]:
+        run = f"{r['setting']} {r['repeat']}"
         if "error" in r:
-            lines.append(f"| {r['setting']} {r['repeat']} | failed: {r['error'][:200]} | | | | | |")
-            continue
-        lines.append(
-            f"| {r['setting']} {r['repeat']} | {r['step_at_cut']} | {r['restored_step']} | {r['workers_after']} "
-            f"| {r['node_dead_s']:.1f} | {r['restored_s']:.1f} | {r['tier']} |"
-        )
+            rows.append([run, f"failed: {r['error'][:200]}", "", "", "", "", ""])
+        else:
+            rows.append([run, r["step_at_cut"], r["restored_step"], r["workers_after"], f"{r['node_dead_s']:.1f}",
+                         f"{r['restored_s']:.1f}", r["tier"]])  # fmt: skip
+    header = ["run", "step at the cut", "restored step", "workers after", "node dead s", "restored s", "tier"]
+    lines += table(header, rows)
     return "\n".join(lines) + "\n"
 
 

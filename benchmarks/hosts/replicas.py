@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from benchmarks.common.harness import MIB, load_sampled, rotated, summary, write_report
+from benchmarks.common.harness import MIB, fmt, load_sampled, rotated, summary, table, write_report
 from benchmarks.hosts.common import (
     HOST_ENV,
     ON_HOST,
@@ -51,9 +51,9 @@ def copy_all(config: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import ray
 
+    from rayckpt.ray import get_shard_writer
     from rayckpt.ray.memory import link
     from rayckpt.ray.memory.replication import _replicate_through_ray
-    from rayckpt.ray.writer.actor import get_shard_writer
 
     connect(config["address"])
     writer = get_shard_writer(node_id_of(config["peer_ip"]))
@@ -104,18 +104,13 @@ def markdown(report: dict[str, Any]) -> str:
         f"(the replica held on host 1). Seconds: median (min-max) of {report['repeats']} repeats; MB/s: 1e6 "
         "bytes per second of the median.",
         "",
-        "| size MiB | way | seconds | MB/s | x link |",
-        "| ---: | --- | ---: | ---: | ---: |",
     ]
+    rows = []
     for size, by_way in report["results"].items():
-        link_median = by_way["link"]["median"]
-        for way in WAYS:
-            s = by_way[way]
+        for way, s in ((w, by_way[w]) for w in WAYS):
             rate = float(size) * MIB / 1e6 / s["median"]
-            lines.append(
-                f"| {size} | {LABELS[way]} | {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | {rate:,.0f} "
-                f"| {s['median'] / link_median:.2f} |"
-            )
+            rows.append([size, LABELS[way], fmt(s, 3), f"{rate:,.0f}", f"{s['median'] / by_way['link']['median']:.2f}"])
+    lines += table(["size MiB", "way", "seconds", "MB/s", "x link"], rows, right=3)
     return "\n".join(lines) + "\n"
 
 

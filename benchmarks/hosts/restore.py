@@ -8,7 +8,7 @@ M = 3 puts one on each), with the memory-cost benchmark's loop
 builds its share of the FSDP2 state of ``--size-mb`` MiB (``workload.build_state``),
 ``Checkpointer(memory_every=1)`` saves one step to the hosts' memory (each host's
 shard files also held by the ring's next host) and storage, ``save_async`` the same
-step to S3; then the M workers load it (``rayckpt.ray.rank.loading.load``) from each tier in
+step to S3; then the M workers load it (``rayckpt.ray.load``) from each tier in
 turn, rotated from round to round, barrier to barrier (``memory_cost.restores``).
 Medians over ``--repeats`` rounds.
 
@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, summary, write_report
+from benchmarks.common.harness import fmt, load_sampled, summary, table, write_report
 from benchmarks.common.workload import layer_shapes
 from benchmarks.hosts.common import (
     HOST_ENV,
@@ -111,16 +111,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"loaded into the same {report['workers']} workers from each, barrier to barrier, {report['repeats']} "
         "rounds rotated. Seconds: median (min-max) over the rounds.",
         "",
-        "| from | load s | GB/s | x memory |",
-        "| --- | ---: | ---: | ---: |",
     ]
     memory = report["summary"]["memory"]["median"]
-    for source in SOURCES:
-        s = report["summary"][source]
-        lines.append(
-            f"| {LABELS[source]} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | {s.get('GBps_median', 0):.2f} "
-            f"| {s['median'] / memory:.1f} |"
-        )
+    rows = [[LABELS[k], fmt(s), f"{s.get('GBps_median', 0):.2f}", f"{s['median'] / memory:.1f}"]
+            for k, s in ((k, report["summary"][k]) for k in SOURCES)]  # fmt: skip
+    lines += table(["from", "load s", "GB/s", "x memory"], rows, right=3)
     return "\n".join(lines) + "\n"
 
 

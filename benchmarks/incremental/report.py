@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.common.harness import MIB, ratio_row
+from benchmarks.common.harness import MIB, fmt, run_line, summary, table, target, targets_table
 
 SAVERS = ("full", "incremental", "dcp")
 #: The targets (printed, not asserted): (state, what, incremental / full at most).
@@ -32,11 +32,6 @@ def merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def med(values: list[float]) -> dict[str, float]:
-    """Median, min and max."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def phase_medians(recs: list[dict[str, Any]]) -> dict[str, float]:
     """Each phase's median over the records (0 where a record lacks it)."""
     keys = {k for r in recs for k in r.get("phases", {})}
@@ -51,7 +46,10 @@ def summarize_state(records: list[dict[str, Any]]) -> dict[str, Any]:
         steady = [r for r in recs if r["step"] > 1] or recs
         out[saver] = {
             "first": {"seconds": recs[0]["seconds"], "bytes": recs[0]["bytes"]},
-            "steady": {"seconds": med([r["seconds"] for r in steady]), "bytes": med([r["bytes"] for r in steady])},
+            "steady": {
+                "seconds": summary([r["seconds"] for r in steady]),
+                "bytes": summary([r["bytes"] for r in steady]),
+            },
             "steady_phases_rank0": phase_medians(steady),
             "saves": len(recs),
         }
@@ -75,7 +73,7 @@ def summarize_chain(result: dict[str, Any]) -> dict[str, Any]:
         row = {}
         for kind in ("chained", "self-contained"):
             recs = [r for r in result["loads"] if r["kind"] == kind and r["cache"] == cache]
-            row[kind] = {"seconds": med([r["seconds"] for r in recs]), "phases_rank0": phase_medians(recs)}
+            row[kind] = {"seconds": summary([r["seconds"] for r in recs]), "phases_rank0": phase_medians(recs)}
         row["ratio"] = row["chained"]["seconds"]["median"] / row["self-contained"]["seconds"]["median"]
         out[cache] = row
     saves = result["saves"]
@@ -85,23 +83,22 @@ def summarize_chain(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The target rows (``harness.ratio_row``) of the states and the chained load the run measured."""
+    """The target rows (``harness.target``) of the states and the chained load the run measured."""
     rows = []
     for state, what, threshold in TARGETS:
         if state in report["states"]:
             measured = report["states"][state]["ratios"][f"incremental_over_full_{what}"]
-            rows.append(ratio_row(f"{state}: incremental / full, steady {what}", measured, threshold, False, "median"))
+            rows.append(target(f"{state}: incremental / full, steady {what}", measured, threshold, False, "median"))
     if report.get("chain"):
         for cache in ("cold", "warm"):
             measured = report["chain"][cache]["ratio"]
             name = f"{cache} load: chained / self-contained"
-            rows.append(ratio_row(name, measured, CHAINED_LOAD_TARGET, False, "median"))
+            rows.append(target(name, measured, CHAINED_LOAD_TARGET, False, "median"))
     return rows
 
 
 def header(report: dict[str, Any]) -> list[str]:
     """The title, the command, the machine and versions, the load, and what was measured."""
-    m, la = report["machine"], report["load_average_1min"]
     cfg = report["config"]
     states = "; ".join(
         f"`{k}` {v['state_bytes'] / MIB:,.0f} MiB, {v['frozen_bytes'] / v['state_bytes']:.1%} frozen"
@@ -110,11 +107,7 @@ def header(report: dict[str, Any]) -> list[str]:
     return [
         "## Incremental saves against full saves and DCP",
         "",
-        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.1f} min: {m['nproc']} CPUs, "
-        f"{m['mem_total_gb']:.0f} GB RAM, torch {m['torch']}, pyarrow {m['pyarrow']}, rayckpt {m['rayckpt']}, "
-        f"python {m['python']}. 1-minute load average {la['before_start']:.2f} before the start; during the run "
-        f"median {la['median']:.2f}, max {la['max']:.2f}; CPU used by processes outside the benchmark: mean "
-        f"{la['other_processes_cpu_cores']['mean']:.2f} cores.",
+        run_line(report),
         "",
         f"2 gloo ranks, an FSDP2 state (`nn.Linear` layers `fully_shard`-ed on the CPU; "
         "`model.state_dict()` and an `exp_avg` / `exp_avg_sq` DTensor per trained param, changed in place each "
@@ -131,23 +124,18 @@ def header(report: dict[str, Any]) -> list[str]:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: saves, chained load, targets, rayckpt's phases."""
-    lines = header(report)
-    lines += [
-        "| state | saver | first MiB | first s | steady MiB | steady s | x full MiB | x full s | x DCP s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    lines, rows = header(report), []
     for state, s in report["states"].items():
         for saver in SAVERS:
             d, f, dc = s[saver], s["full"]["steady"], s["dcp"]["steady"]
-            st = d["steady"]
-            lines.append(
-                f"| {state} | {saver} | {d['first']['bytes'] / MIB:,.1f} | {d['first']['seconds']:.3f} | "
-                f"{st['bytes']['median'] / MIB:,.1f} | {st['seconds']['median']:.3f} "
-                f"({st['seconds']['min']:.3f}-{st['seconds']['max']:.3f}) | "
-                f"{st['bytes']['median'] / f['bytes']['median']:.3f} | "
-                f"{st['seconds']['median'] / f['seconds']['median']:.3f} | "
-                f"{st['seconds']['median'] / dc['seconds']['median']:.3f} |"
-            )
+            b, t = d["steady"]["bytes"]["median"], d["steady"]["seconds"]
+            rows.append(
+                [state, saver, f"{d['first']['bytes'] / MIB:,.1f}", f"{d['first']['seconds']:.3f}", f"{b / MIB:,.1f}",
+                 fmt(t, 3), f"{b / f['bytes']['median']:.3f}", f"{t['median'] / f['seconds']['median']:.3f}",
+                 f"{t['median'] / dc['seconds']['median']:.3f}"]
+            )  # fmt: skip
+    header_ = ["state", "saver", "first MiB", "first s", "steady MiB", "steady s", "x full MiB", "x full s", "x DCP s"]
+    lines += table(header_, rows, right=7)
     ch = report.get("chain")
     if ch:
         cfg = report["config"]
@@ -160,26 +148,17 @@ def markdown(report: dict[str, Any]) -> str:
             "(min-max), max over ranks. Tensors differing bit for bit after the "
             f"first load: {ch['differing_tensors']}.",
             "",
-            "| load | chained s | self-contained s | chained / self-contained |",
-            "| --- | ---: | ---: | ---: |",
         ]
-        for cache in ("cold", "warm"):
-            c, s = ch[cache]["chained"]["seconds"], ch[cache]["self-contained"]["seconds"]
-            lines.append(
-                f"| {cache} | {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f}) | "
-                f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | {ch[cache]['ratio']:.3f} |"
-            )
-    lines += ["", "| target | measured | threshold | met |", "| --- | ---: | ---: | --- |"]
-    for t in report["targets"]:
-        met = {True: "yes", False: "no", None: "n/a"}[t["met"]]
-        lines.append(f"| {t['target']} | {t['measured']:.3f} | {t['direction']} {t['threshold']} | {met} |")
+        rows = [[c, fmt(ch[c]["chained"]["seconds"], 3), fmt(ch[c]["self-contained"]["seconds"], 3),
+                 f"{ch[c]['ratio']:.3f}"] for c in ("cold", "warm")]  # fmt: skip
+        lines += table(["load", "chained s", "self-contained s", "chained / self-contained"], rows, right=3)
+    lines += ["", *targets_table(report["targets"])]
     lines += ["", "rayckpt's steady-state save phases (rank 0's `SaveInfo.phases`, medians, seconds):", ""]
-    lines += ["| state | saver | total | phases, largest first |", "| --- | --- | ---: | --- |"]
+    rows = []
     for state, s in report["states"].items():
         for saver in ("full", "incremental"):
             ph = s[saver]["steady_phases_rank0"]
-            shown = ", ".join(
-                f"{k} {v:.3f}" for k, v in sorted(ph.items(), key=lambda kv: -kv[1]) if k != "total" and v >= 5e-4
-            )
-            lines.append(f"| {state} | {saver} | {ph.get('total', 0.0):.3f} | {shown} |")
+            big = sorted(((k, v) for k, v in ph.items() if k != "total" and v >= 5e-4), key=lambda kv: -kv[1])
+            rows.append([state, saver, f"{ph.get('total', 0.0):.3f}", ", ".join(f"{k} {v:.3f}" for k, v in big)])
+    lines += table(["state", "saver", "total", "phases, largest first"], rows)
     return "\n".join(lines) + "\n"

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from benchmarks.common import systems
 from benchmarks.common.diskio import dir_bytes, evict, files_under, warm_up
 from benchmarks.common.harness import MIB, load_sampled, machine_info, rotated, write_report
 from benchmarks.common.workload import layer_shapes
@@ -159,17 +160,14 @@ def new_bytes(saver: str, path: str, save_id: str) -> dict[str, int]:
 def timed_save(saver: str, state: dict[str, Any], path: str, root: str) -> dict[str, Any]:
     """One save, barrier before; this rank's seconds, and on rank 0 the new bytes and rayckpt's phases."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    import rayckpt
-
+    where, rel = systems.local(path)
     dist.barrier()
     t0 = time.perf_counter()
     if saver == "dcp":
-        dcp.save(state, checkpoint_id=path)
-        info = None
+        info = systems.dcp_save(state, where, rel)
     else:
-        info = rayckpt.save(state, path, incremental=saver == "incremental")
+        info = systems.rayckpt_save(state, where, rel, incremental=saver == "incremental")
     seconds = time.perf_counter() - t0
     dist.barrier()
     rec: dict[str, Any] = {"saver": saver, "seconds": seconds}
@@ -218,15 +216,13 @@ def timed_load(state: dict[str, Any], path: str, files: list[str], cold: bool) -
     """Zero the state, evict (cold) or read in (warm) ``files`` on rank 0, then one timed ``rayckpt.load``."""
     import torch.distributed as dist
 
-    import rayckpt
-
     for t in local_tensors(state):
         t.zero_()
     if dist.get_rank() == 0:
         (evict if cold else warm_up)(files)
     dist.barrier()
     t0 = time.perf_counter()
-    info = rayckpt.load(state, path)
+    info = systems.rayckpt_load(state, *systems.local(path))
     seconds = time.perf_counter() - t0
     dist.barrier()
     return {"seconds": seconds, "phases": dict(getattr(info, "phases", None) or {})}

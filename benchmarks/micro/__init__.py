@@ -1,3 +1,1 @@
-"""Focused A/B runs of one piece each: the engine against DCP in process (``engine``), the Ray save
-path (``ray_save``), load planning at scale (``plan``, ``root_plan``), save planning
-(``save_plan``) and manifest validation (``validate``)."""
+"""One piece of rayckpt at a time: load planning and the manifest codec at scale (``plan``)."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -44,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common.harness import MIB, summary
+from benchmarks.common.harness import MIB, sampled, summary, table, write_report
 from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry
 from rayckpt.format.manifest_files import manifest_file_bytes, manifest_from_bytes
 from rayckpt.planning.bulk import create_dim0_plans
@@ -82,18 +81,6 @@ def build_manifest(saved_ranks: int, tensors: int, rows: int, cols: int, block_s
     )
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> tuple[dict[str, Any], Any]:
-    """Run ``fn`` ``repeats`` times; the summary of the seconds and the last result."""
-    values = []
-    out = None
-    for _ in range(repeats):
-        out = None
-        t0 = time.perf_counter()
-        out = fn()
-        values.append(time.perf_counter() - t0)
-    return summary(values), out
-
-
 def peak_memory(fn: Callable[[], Any]) -> dict[str, int]:
     """Peak bytes allocated while ``fn`` runs, and bytes its result still holds, by tracemalloc."""
     tracemalloc.start()
@@ -129,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"[plan] manifest: {chunks:,} chunks built in {built_s:.1f}s", flush=True)
     specs = [(k, DTYPE, shape) for k in manifest.entries]
 
-    secs, table = timed(lambda: ChunkTable.from_manifest(manifest), reps)
+    secs, table = sampled(lambda: ChunkTable.from_manifest(manifest), reps)
     results["chunk_table"] = {
         "label": "ChunkTable.from_manifest",
         "seconds": secs,
@@ -138,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"[plan] chunk table {secs['median']:.2f}s", flush=True)
 
-    secs, bulk = timed(lambda: create_dim0_plans(manifest, specs, m, table=table), reps)
+    secs, bulk = sampled(lambda: create_dim0_plans(manifest, specs, m, table=table), reps)
     results["bulk_plan"] = {
         "label": f"create_dim0_plans, all {m} target ranks",
         "seconds": secs,
@@ -153,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"[plan] bulk plan {secs['median']:.3f}s", flush=True)
 
-    secs, plan0 = timed(lambda: bulk.for_rank(0), reps)
+    secs, plan0 = sampled(lambda: bulk.for_rank(0), reps)
     results["for_rank"] = {
         "label": "BulkPlan.for_rank (rank 0)",
         "seconds": secs,
@@ -206,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     points = []
     for s in sorted({max(1, min(n, args.save_sample_ranks // 2)), max(1, min(n, args.save_sample_ranks))}):
         shards = [[LocalShard(k, DTYPE, shape, save_boxes[r]) for k in manifest.entries] for r in range(s)]
-        secs, _ = timed(lambda shards=shards: create_save_plans(shards), reps)
+        secs, _ = sampled(lambda shards=shards: create_save_plans(shards), reps)
         points.append({"sample_ranks": s, "seconds": secs})
     last = points[-1]
     results["save_plans"] = {
@@ -220,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shards = []
 
     if not args.no_codec:
-        secs, data = timed(lambda: manifest_file_bytes(manifest), args.codec_repeats)
+        secs, data = sampled(lambda: manifest_file_bytes(manifest), args.codec_repeats)
         stored = sum(map(len, data.values()))
         results["encode_manifest"] = {
             "label": "encode_manifest (manifest.json + chunk table)",
@@ -232,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del manifest, table, bulk, plan0, index
         gc.collect()
         rss1 = rss_bytes()
-        secs, decoded = timed(lambda: manifest_from_bytes(data), args.codec_repeats)
+        secs, decoded = sampled(lambda: manifest_from_bytes(data), args.codec_repeats)
         results["decode_manifest"] = {
             "label": "decode_manifest",
             "seconds": secs,
@@ -240,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "memory": peak_memory(lambda: manifest_from_bytes(data)) if args.codec_memory else None,
         }
         print(f"[plan] decode {secs['median']:.1f}s", flush=True)
-        secs, _ = timed(lambda: ChunkTable.from_manifest(decoded), 1)
+        secs, _ = sampled(lambda: ChunkTable.from_manifest(decoded), 1)
         results["chunk_table_decoded"] = {"label": "ChunkTable.from_manifest (decoded manifest)", "seconds": secs}
     results["rss_end_bytes"] = rss_bytes() - rss0
     return {"manifest": {"chunks": chunks, "build_s": built_s, "shape": list(shape)}, "results": results}
@@ -267,8 +254,6 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['manifest']['build_s']:.1f} s), block size {c['block_size']}; {c['target_ranks']} target ranks. "
         f"Seconds: median (min-max) over {c['repeats']} repeats; memory: tracemalloc peak of one more run.",
         "",
-        "| step | seconds | min-max | peak MiB | kept MiB | notes |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     notes = {
         "chunk_table": lambda r: f"table columns {r['table_bytes'] / MIB:.0f} MiB",
@@ -289,15 +274,12 @@ def markdown(report: dict[str, Any]) -> str:
         "decode_manifest": lambda r: f"RSS +{r['rss_after_bytes'] / MIB:,.0f} MiB held after",
         "chunk_table_decoded": lambda r: "one run, distinct objects per chunk",
     }
-    for name, note in notes.items():
-        if name not in res:
-            continue
-        r = res[name]
-        med, spread = fmt_s(r["seconds"])
+    rows = []
+    for name, r in ((n, res[n]) for n in notes if n in res):
         mem = r.get("memory") or {}
-        peak = f"{mem['peak_bytes'] / MIB:,.0f}" if mem else ""
-        kept = f"{mem['kept_bytes'] / MIB:,.0f}" if mem else ""
-        lines.append(f"| {r['label']} | {med} | {spread} | {peak} | {kept} | {note(r)} |")
+        memory = [f"{mem[k] / MIB:,.0f}" if mem else "" for k in ("peak_bytes", "kept_bytes")]
+        rows.append([r["label"], *fmt_s(r["seconds"]), *memory, notes[name](r)])
+    lines += table(["step", "seconds", "min-max", "peak MiB", "kept MiB", "notes"], rows)
     return "\n".join(lines) + "\n"
 
 
@@ -348,12 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["load_average_1min_after"] = os.getloadavg()[0]
     report["total_runtime_s"] = time.perf_counter() - t0
     out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
     md = markdown(report)
-    with open(os.path.join(out, "bench_plan.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.join(out, "bench_plan.md"), "w") as f:
-        f.write(md)
+    write_report(out, "bench_plan", report, md)
     print(md)
     print(f"[plan] total {report['total_runtime_s']:.0f}s; wrote {out}/bench_plan.json and bench_plan.md")
     return 0

@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, machine_info, rotated, summary, write_report
+from benchmarks.common.harness import load_sampled, machine_info, rotated, run_line, summary, table, timed, write_report
 from testbed.ray_head import BIN, ray_head
 
 COMMANDS = {
@@ -32,7 +32,7 @@ COMMANDS = {
 
 SEED = """
 import sys, ray, torch
-from rayckpt.ray.rank.async_save import save_async
+from rayckpt.ray import save_async
 ray.init(address=sys.argv[1], namespace="rayckpt-bench", log_to_driver=False)
 for step in (1, 2):
     save_async({"w": torch.randn(1024, 256)}, f"{sys.argv[2]}/rayckpt-step-{step:08d}", run="bench", step=step).wait()
@@ -41,17 +41,20 @@ sys.stdin.readline()  # held until the benchmark ends: the driver's job stays al
 """
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> float:
-    start = time.perf_counter()
+def run_command(cmd: list[str], env: dict[str, str]) -> None:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
-    seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-2000:]}")
-    return seconds
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = {"machine": machine_info(), "repeats": args.repeats, "times": {}}
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "command": " ".join([".venv/bin/python -m benchmarks.observe status", *argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine_info(),
+        "repeats": args.repeats,
+        "times": {},
+    }
     with (
         tempfile.TemporaryDirectory(prefix="rk-observe-") as tmp,
         ray_head(os.path.join(tmp, "ray"), num_cpus=2) as head,
@@ -71,7 +74,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with load_sampled(report):
                 for rep in range(args.repeats):
                     for name in rotated(list(COMMANDS), rep):
-                        times[name].append(timed(COMMANDS[name] + [head.address], env))
+                        times[name].append(
+                            timed(lambda name=name: run_command(COMMANDS[name] + [head.address], env))[0]
+                        )
             report["times"] = {name: summary(values) for name, values in times.items()}
         finally:
             seeder.stdin.close()
@@ -79,29 +84,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def markdown(report: dict[str, Any], argv: list[str]) -> str:
+def markdown(report: dict[str, Any]) -> str:
     t = report["times"]
-    mine, anchor = t["rayckpt status"]["median"], t["ray status"]["median"]
-    m = report["machine"]
-    lines = [
-        "# `rayckpt status` beside `ray status`",
+    lines = ["# `rayckpt status` beside `ray status`", "", run_line(report), ""]
+    lines += [
+        f"{report['repeats']} rounds, order rotated; a fresh process each, one local cluster with a run of two "
+        "committed checkpoints.",
         "",
-        f"`.venv/bin/python -m benchmarks.observe {' '.join(argv)}`",
-        "",
-        f"{m['nproc']} CPUs, Python {m['python']}, torch {m['torch']}, rayckpt {m['rayckpt']}; "
-        f"{report['repeats']} rounds, order rotated; a fresh process each, one local cluster with a run of "
-        "two committed checkpoints.",
-        "",
-        "| command | median (s) | min (s) | max (s) |",
-        "| --- | --- | --- | --- |",
     ]
-    for name, s in t.items():
-        lines.append(f"| `{name}` | {s['median']:.2f} | {s['min']:.2f} | {s['max']:.2f} |")
-    lines += ["", f"`rayckpt status` / `ray status`, medians: **{mine / anchor:.2f}x**.", ""]
-    load = report.get("load_average_1min") or {}
-    if load.get("median") is not None:
-        lines.append(f"Load average (1 min) during the rounds: median {load['median']:.2f}, max {load['max']:.2f}.")
-    return "\n".join(lines) + "\n"
+    rows = [[f"`{name}`", f"{s['median']:.2f}", f"{s['min']:.2f}", f"{s['max']:.2f}"] for name, s in t.items()]
+    lines += table(["command", "median (s)", "min (s)", "max (s)"], rows)
+    ratio = t["rayckpt status"]["median"] / t["ray status"]["median"]
+    return "\n".join([*lines, "", f"`rayckpt status` / `ray status`, medians: **{ratio:.2f}x**.", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench_out/observe", help="where the report goes")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    report = run(args)
-    write_report(args.out, "status", report, markdown(report, ["status", *argv]))
-    print(markdown(report, ["status", *argv]))
+    report = run(args, argv)
+    write_report(args.out, "status", report, markdown(report))
+    print(markdown(report))
     return 0
 
 

@@ -11,7 +11,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from benchmarks.common.harness import ratio_row, summary
+from benchmarks.common.harness import run_line, summary, table, target, targets_table
 
 #: The stall targets: rayckpt's stall at most this fraction of DCP's, and under this many seconds.
 STALL_OVER_DCP = 0.25
@@ -75,7 +75,7 @@ def stall_targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for name, modes in scenarios.items():
         rows.append(
-            ratio_row(
+            target(
                 f"{name}: stall, rayckpt / DCP",
                 stall_ratio(modes, "rayckpt", "dcp"),
                 STALL_OVER_DCP,
@@ -84,7 +84,7 @@ def stall_targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             )
         )
         measured = modes.get("rayckpt", {}).get("stall_slowest", {}).get("median")
-        rows.append(ratio_row(f"{name}: stall, rayckpt, s", measured, STALL_SECONDS, False, "the same, in seconds"))
+        rows.append(target(f"{name}: stall, rayckpt, s", measured, STALL_SECONDS, False, "the same, in seconds"))
     return rows
 
 
@@ -118,27 +118,23 @@ def stall_markdown(report: dict[str, Any]) -> str:
         f"{args['warmup']} warm-up round(s), modes rotated; seconds: the slowest rank's per round (and the median "
         "rank's), median (min-max) over rounds.",
         "",
-        "| scenario | mode | stall s, slowest rank | stall s, median rank | x DCP | x copy | step waited s "
-        "| save to done s | copied after the call |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for name, modes in report["summary"].items():
         for mode, m in modes.items():
             if "error" in m:
-                lines.append(f"| {name} | {mode} | {m['error']} | | | | | | |")
+                rows.append([name, mode, m["error"], *[""] * 6])
                 continue
             s, med = m["stall_slowest"], m["stall_rank_median"]
-            late = f"{m['late_bytes'] / 2**20:,.0f} MiB" if m["late_bytes"] else ""
-            lines.append(
-                f"| {name} | {mode} | {s['median']:.4f} ({s['min']:.4f}-{s['max']:.4f}) | {med['median']:.4f} "
-                f"| {_ratio(stall_ratio(modes, mode, 'dcp'))} | {_ratio(stall_ratio(modes, mode, 'copy'))} "
-                f"| {m['step_waited_s']:.3f} | {m['total_s']:.2f} | {late} |"
-            )
-    lines += ["", "| target | measured | threshold | met |", "| --- | ---: | ---: | --- |"]
-    for t in report["targets"]:
-        measured = "" if t["measured"] is None else f"{t['measured']:.3f}"
-        met = "" if t["met"] is None else ("yes" if t["met"] else "no")
-        lines.append(f"| {t['target']} | {measured} | {t['direction']} {t['threshold']} | {met} |")
+            rows.append(
+                [name, mode, f"{s['median']:.4f} ({s['min']:.4f}-{s['max']:.4f})", f"{med['median']:.4f}",
+                 _ratio(stall_ratio(modes, mode, "dcp")), _ratio(stall_ratio(modes, mode, "copy")),
+                 f"{m['step_waited_s']:.3f}", f"{m['total_s']:.2f}",
+                 f"{m['late_bytes'] / 2**20:,.0f} MiB" if m["late_bytes"] else ""]
+            )  # fmt: skip
+    header = ["scenario", "mode", "stall s, slowest rank", "stall s, median rank", "x DCP", "x copy"]
+    lines += table([*header, "step waited s", "save to done s", "copied after the call"], rows, right=7)
+    lines += ["", *targets_table(report["targets"])]
     if report.get("notes"):
         lines += [""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -212,44 +208,21 @@ def step_markdown(report: dict[str, Any]) -> str:
         "worker's, median and mean over the steps past each round's first; save call s: median over those "
         "steps' saves; waited: seconds before the optimizer step (DCP's staging, an overlapped copy), per step.",
         "",
-        "| save every | mode | step s, median | x none | x copy | step s, mean | mean x none | save call s "
-        "| waited s per step | memory saves skipped |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for every, modes in report["summary"].items():
         none, copy = modes.get("none"), modes.get("copy")
         for mode, m in modes.items():
-            x_none = _ratio(m["step_median_s"] / none["step_median_s"]) if none else ""
-            x_copy = _ratio(m["step_median_s"] / copy["step_median_s"]) if copy else ""
-            mean_none = _ratio(m["step_mean_s"] / none["step_mean_s"]) if none else ""
-            call = "" if m["save_call_s"] is None else f"{m['save_call_s']:.4f}"
-            skipped = f"{m['skipped']} of {m['saves']}" if mode.startswith("memory") else ""
-            lines.append(
-                f"| {every} | {mode} | {m['step_median_s']:.3f} | {x_none} | {x_copy} | {m['step_mean_s']:.3f} "
-                f"| {mean_none} | {call} | {m['wait_mean_s']:.4f} | {skipped} |"
-            )
+            rows.append(
+                [every, mode, f"{m['step_median_s']:.3f}",
+                 _ratio(m["step_median_s"] / none["step_median_s"]) if none else "",
+                 _ratio(m["step_median_s"] / copy["step_median_s"]) if copy else "", f"{m['step_mean_s']:.3f}",
+                 _ratio(m["step_mean_s"] / none["step_mean_s"]) if none else "",
+                 "" if m["save_call_s"] is None else f"{m['save_call_s']:.4f}", f"{m['wait_mean_s']:.4f}",
+                 f"{m['skipped']} of {m['saves']}" if mode.startswith("memory") else ""]
+            )  # fmt: skip
+    header = ["save every", "mode", "step s, median", "x none", "x copy", "step s, mean", "mean x none"]
+    lines += table([*header, "save call s", "waited s per step", "memory saves skipped"], rows, right=8)
     if report.get("notes"):
         lines += [""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------
-# the run
-
-
-def run_line(report: dict[str, Any]) -> str:
-    """The command, when and how long it ran, the machine and versions, the machine's load meanwhile."""
-    m = report["machine"]
-    la = report.get("load_average_1min")
-    line = (
-        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.1f} min: {m['nproc']} CPUs, "
-        f"{m['mem_total_gb']:.0f} GB RAM, torch {m['torch']}, ray {m['ray']}, pyarrow {m['pyarrow']}, "
-        f"rayckpt {m['rayckpt']}."
-    )
-    if la:
-        line += (
-            f" 1-minute load average {la['before_start']:.2f} before the start; during the run median "
-            f"{la['median']:.2f}, max {la['max']:.2f}; CPU used by processes outside the benchmark: mean "
-            f"{la['other_processes_cpu_cores']['mean']:.2f} cores."
-        )
-    return line

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import systems
 from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
 from benchmarks.overlap.ranks import fit, gather_records, init_ray, read_records
@@ -94,24 +95,20 @@ class Saver:
     failed: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        from rayckpt.ray.rank.async_save import local_pieces, prepare_staging
-
         self.state = {"app": self.app}
         self.cuda = self.device.startswith("cuda")
         # The local tensors, found once: training updates them in place. Their copies are allocated
         # and touched beforehand, as a staging buffer is.
-        self.pieces = local_pieces(self.state) if "copy" in self.modes else []
+        self.pieces = systems.local_tensors(self.state) if "copy" in self.modes else []
         self.buffers = [torch.empty(p.shape, dtype=p.dtype, pin_memory=self.cuda).zero_() for p in self.pieces]
         self.stagers = {}
         for mode in (m for m in self.modes if m in DCP_OPTIONS):
             try:
-                self.stagers[mode] = DefaultStager(StagingOptions(*DCP_OPTIONS[mode]))
+                self.stagers[mode] = systems.dcp_stager(DCP_OPTIONS[mode])
             except Exception as exc:  # a stager this torch cannot run is a result, not a crash
                 self.failed[mode] = error_text(exc)
         if any(m in OVERLAP for m in self.modes):
-            prepare_staging(self.state, wait=True)
+            systems.prepare_staging(self.state, wait=True)
 
     def start(self, mode: str, path: str, step: int) -> Pending:
         """Start one save of ``mode`` (the timed call)."""
@@ -121,23 +118,16 @@ class Saver:
             if self.cuda:
                 torch.cuda.synchronize()
             return Pending()
+        where, rel = systems.local(path)
         if mode in DCP_OPTIONS:
-            import torch.distributed.checkpoint as dcp
-
-            response = dcp.async_save(
-                self.state, checkpoint_id=path, async_stager=self.stagers[mode], process_group=self.dcp_group
-            )
-            upload = getattr(response, "upload_completion", response)
-            staged = getattr(response, "staging_completion", None)
+            pending = systems.dcp_async_save(self.state, where, rel, self.dcp_group, self.stagers[mode])
 
             def uploaded() -> dict[str, Any]:
-                upload.result()
+                pending.upload.result()
                 return {}
 
-            return Pending(staged.result if staged is not None else None, uploaded)
-        from rayckpt.ray.rank.async_save import save_async
-
-        handle = save_async(self.state, path, run=self.run, step=step, overlap=OVERLAP[mode])
+            return Pending(pending.staged, uploaded)
+        handle = systems.ray_save(self.state, where, rel, run=self.run, step=step, overlap=OVERLAP[mode])
 
         def finish() -> dict[str, Any]:
             entry = handle.wait()
@@ -148,12 +138,10 @@ class Saver:
         return Pending(None, finish)
 
     def close(self) -> None:
-        from rayckpt.ray.rank.async_save import release_staging
-
         for stager in self.stagers.values():
             stager.close()
         if any(m in OVERLAP for m in self.modes):
-            release_staging()
+            systems.release_staging()
 
 
 def run_rounds(saver: Saver, model: Any, optim: Any, x: torch.Tensor, args: dict[str, Any], root: str) -> list[dict]:

@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from benchmarks.common import systems
 from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
 from benchmarks.overlap.ranks import fit, gather_records, read_records
@@ -61,9 +62,7 @@ class LoopSaves:
     def __init__(self, app: Any, modes: tuple[str, ...], root: str) -> None:
         import torch
         import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        from rayckpt.ray.rank.async_save import local_pieces
         from rayckpt.train import Checkpointer
 
         self.state = {"app": app}
@@ -78,9 +77,9 @@ class LoopSaves:
         if self.ckpts:  # nothing to restore: makes the staging buffers, as a run's restore does
             next(iter(self.ckpts.values())).restore(self.state)
         # The local tensors, found once (training updates them in place), and their copies made beforehand.
-        self.pieces = local_pieces(self.state) if "copy" in modes else []
+        self.pieces = systems.local_tensors(self.state) if "copy" in modes else []
         self.copies = [torch.empty(p.shape, dtype=p.dtype).zero_() for p in self.pieces]
-        self.stager = DefaultStager(StagingOptions(True, False, False, False)) if "dcp" in modes else None
+        self.stager = systems.dcp_stager((True, False, False, False)) if "dcp" in modes else None
         self.dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
         #: DCP's save in flight (its upload and directory) and its staging, waited for before the optimizer step.
         self.upload: tuple[Any, str] | None = None
@@ -92,16 +91,12 @@ class LoopSaves:
             for dst, src in zip(self.copies, self.pieces):
                 dst.copy_(src)
         elif mode == "dcp":
-            import torch.distributed.checkpoint as dcp
-
             self._finish_dcp()  # the previous save's upload, as torchtitan waits for it
             path = os.path.join(self.root, f"dcp-{step}")
-            response = dcp.async_save(
-                self.state, checkpoint_id=path, async_stager=self.stager, process_group=self.dcp_group
-            )
-            self.upload = (getattr(response, "upload_completion", response), path)
-            if getattr(response, "staging_completion", None) is not None:
-                self.staging.append(response.staging_completion)
+            pending = systems.dcp_async_save(self.state, *systems.local(path), self.dcp_group, self.stager)
+            self.upload = (pending.upload, path)
+            if pending.staging is not None:
+                self.staging.append(pending.staging)
         elif mode in self.ckpts:
             skipped = self.ckpts[mode].memory_skipped
             self.ckpts[mode].save(step, self.state, persist=False)

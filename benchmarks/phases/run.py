@@ -8,9 +8,6 @@ AdamW moments (``--layers``; 20 layers: 1.007 GB), or the suite's ``AppState``
 - ``fresh``: each operation in freshly spawned rank processes, as a job that saves
   once pays it: the package and ``torch.distributed.checkpoint`` imported, nothing
   else; the first call pays whatever it imports or caches.
-- ``imported``: fresh processes too, with ``rayckpt.save`` / ``rayckpt.load`` looked
-  up (their modules imported) before the timed call, as ``torch.distributed.checkpoint``
-  is for DCP in every view: the first call without its imports.
 - ``steady``: the same processes repeat the operation (``--rounds`` times after
   one untimed warm-up): what a training loop pays from its second save on.
 
@@ -25,16 +22,17 @@ per-phase rows of its result file (``benchmarks/results/phases_*``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
 
+from benchmarks.common import systems
 from benchmarks.common.diskio import evict, files_under
-from benchmarks.common.harness import load_avg_thread, machine_info
+from benchmarks.common.harness import load_sampled, machine_info, table, timed, write_report
 from rayckpt.testing.multiproc import run_ranks
 
 SYSTEMS = ("dcp", "rayckpt")
@@ -78,26 +76,11 @@ def put_back(model: Any, optim: Any, app: Any, state: dict[str, Any]) -> None:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def timed(fn: Any) -> tuple[float, Any]:
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    result = fn()
-    dist.barrier()
-    return time.perf_counter() - t0, result
-
-
 def op(system: str, what: str, state: dict[str, Any], path: str) -> Any:
+    where, rel = systems.local(path)
     if system == "rayckpt":
-        import rayckpt
-
-        return rayckpt.save(state, path) if what == "save" else rayckpt.load(state, path)
-    import torch.distributed.checkpoint as dcp
-
-    if what == "save":
-        return dcp.save(state, checkpoint_id=path)
-    return dcp.load(state, checkpoint_id=path)
+        return (systems.rayckpt_save if what == "save" else systems.rayckpt_load)(state, where, rel)
+    return (systems.dcp_save if what == "save" else systems.dcp_load)(state, where, rel)
 
 
 def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -105,10 +88,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401 - both systems' packages are imported before any timing
 
-    import rayckpt
-
-    if cfg.get("imported"):  # the view "imported": rayckpt's engine too, before anything is timed
-        rayckpt.save, rayckpt.load  # noqa: B018 - the lazy API imports each on first use
+    import rayckpt  # noqa: F401
 
     model, optim, app = build(world, rank, cfg["layers"], cfg["width"], 1 if cfg["what"] == "save" else 2, cfg["state"])
     out = []
@@ -119,19 +99,17 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             evict(files_under(cfg["path"]))
         dist.barrier()
         state = state_of(model, optim, app)
-        seconds, info = timed(lambda state=state: op(cfg["system"], cfg["what"], state, cfg["path"]))
+        seconds, info = timed(lambda state=state: op(cfg["system"], cfg["what"], state, cfg["path"]), barrier=True)
         if cfg["what"] == "load":
             put_back(model, optim, app, state)
         out.append((seconds, dict(getattr(info, "phases", None) or {})))
     return {"rank": rank, "runs": out}
 
 
-def run(
-    system: str, what: str, world: int, cfg: dict[str, Any], times: int, cold: bool = False, imported: bool = False
-) -> list[dict]:
+def run(system: str, what: str, world: int, cfg: dict[str, Any], times: int, cold: bool = False) -> list[dict]:
     """``times`` operations in one set of fresh rank processes: per operation, its time (max over ranks) and
     rank 0's phases (it plans, reads the manifest and commits)."""
-    job = {**cfg, "system": system, "what": what, "times": times, "cold": cold, "imported": imported}
+    job = {**cfg, "system": system, "what": what, "times": times, "cold": cold}
     ranks = run_ranks(worker, world, job, timeout=900)
     rows = []
     for i in range(times):
@@ -149,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
         "--views",
-        default="fresh,imported,steady",
-        help="any of fresh, imported (fresh processes with rayckpt's engine imported before the timed call), steady",
+        default="fresh,steady",
+        help="any of fresh, steady",
     )
     p.add_argument("--cold", action="store_true", help="also loads after evicting the files from the page cache")
     p.add_argument("--out", default="bench_out/phases")
@@ -162,58 +140,46 @@ def main(argv: list[str] | None = None) -> int:
     views = args.views.split(",")
     loads = [("load", False)] + ([("cold load", True)] if args.cold else [])
     results: dict[str, dict[str, list[dict]]] = {}
-    samples: list = []
-    import threading
-
-    stop = threading.Event()
-    load_avg_thread(samples, stop)
     began = time.time()
-    try:
-        for rnd in range(args.rounds):
-            order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
-            for system in order:
-                path = os.path.join(root, system)
-                c = {**cfg, "path": path}
-                for view in ("fresh", "imported"):
-                    if view not in views:
-                        continue
-                    imported = view == "imported"
-                    results.setdefault(f"{view} save {system}", {}).setdefault("rows", []).extend(
-                        run(system, "save", args.save_ranks, c, 1, imported=imported)
-                    )
-                    for name, cold in loads:
-                        results.setdefault(f"{view} {name} {system}", {}).setdefault("rows", []).extend(
-                            run(system, "load", args.load_ranks, c, 1, cold, imported=imported)
-                        )
-            print(f"[phases] round {rnd + 1}/{args.rounds} fresh done, {time.time() - began:.0f} s", flush=True)
-        if "steady" in views:
-            for system in SYSTEMS:
-                c = {**cfg, "path": os.path.join(root, system)}
-                results[f"steady save {system}"] = {
-                    "rows": run(system, "save", args.save_ranks, c, args.rounds + 1)[1:]
-                }
-                for name, cold in loads:
-                    rows = run(system, "load", args.load_ranks, c, args.rounds + 1, cold)[1:]
-                    results[f"steady {name} {system}"] = {"rows": rows}
-            print(f"[phases] steady done, {time.time() - began:.0f} s", flush=True)
-    finally:
-        stop.set()
-        shutil.rmtree(root, ignore_errors=True)
-    report = {
-        "command": "python -m benchmarks.phases " + " ".join(argv or os.sys.argv[1:]),
+    report: dict[str, Any] = {
+        "command": "python -m benchmarks.phases " + " ".join(argv or sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
         "machine": machine_info(),
         "state_bytes": nbytes,
         "config": vars(args),
         "results": results,
-        "load_average_1min": [s[1] for s in samples],
-        "runtime_s": time.time() - began,
     }
-    with open(os.path.join(args.out, "phases.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    try:
+        with load_sampled(report):
+            for rnd in range(args.rounds):
+                order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
+                for system in order:
+                    path = os.path.join(root, system)
+                    c = {**cfg, "path": path}
+                    if "fresh" in views:
+                        results.setdefault(f"fresh save {system}", {}).setdefault("rows", []).extend(
+                            run(system, "save", args.save_ranks, c, 1)
+                        )
+                        for name, cold in loads:
+                            results.setdefault(f"fresh {name} {system}", {}).setdefault("rows", []).extend(
+                                run(system, "load", args.load_ranks, c, 1, cold)
+                            )
+                print(f"[phases] round {rnd + 1}/{args.rounds} fresh done, {time.time() - began:.0f} s", flush=True)
+            if "steady" in views:
+                for system in SYSTEMS:
+                    c = {**cfg, "path": os.path.join(root, system)}
+                    results[f"steady save {system}"] = {
+                        "rows": run(system, "save", args.save_ranks, c, args.rounds + 1)[1:]
+                    }
+                    for name, cold in loads:
+                        rows = run(system, "load", args.load_ranks, c, args.rounds + 1, cold)[1:]
+                        results[f"steady {name} {system}"] = {"rows": rows}
+                print(f"[phases] steady done, {time.time() - began:.0f} s", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report["runtime_s"] = time.time() - began
     text = markdown(report)
-    with open(os.path.join(args.out, "phases.md"), "w") as f:
-        f.write(text)
+    write_report(args.out, "phases", report, text)
     print(text)
     return 0
 
@@ -223,36 +189,26 @@ def median(rows: list[dict], key: str | None = None) -> float:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    res = report["results"]
-    gb = report["state_bytes"] / 1e9
+    res, c = report["results"], report["config"]
     lines = [
-        f"`{report['command']}` on {report['date']}, {report['runtime_s']:.0f} s; state {gb:.3f} GB "
-        f"({report['config']['state']}), {report['config']['save_ranks']} ranks save, "
-        f"{report['config']['load_ranks']} load; seconds: median over {report['config']['rounds']} rounds, "
-        "barrier to barrier, max over ranks.",
+        f"`{report['command']}` on {report['date']}, {report['runtime_s']:.0f} s; state "
+        f"{report['state_bytes'] / 1e9:.3f} GB ({c['state']}), {c['save_ranks']} ranks save, {c['load_ranks']} load; "
+        f"seconds: median over {c['rounds']} rounds, barrier to barrier, max over ranks.",
         "",
-        "| view | operation | DCP s | rayckpt s | rayckpt / DCP |",
-        "| --- | --- | ---: | ---: | ---: |",
     ]
-    phase_rows = []
-    order = {"fresh": 0, "imported": 1, "steady": 2}
+    rows, phase_rows = [], []
+    order = {"fresh": 0, "steady": 1}
     for name in sorted({k.rsplit(" ", 1)[0] for k in res}, key=lambda n: (order[n.split(" ")[0]], n)):
         view, operation = name.split(" ", 1)
         d, r = res.get(f"{name} dcp"), res.get(f"{name} rayckpt")
         if not d or not r:
             continue
         dm, rm = median(d["rows"]), median(r["rows"])
-        lines.append(f"| {view} | {operation} | {dm:.3f} | {rm:.3f} | {rm / dm:.2f} |")
+        rows.append([view, operation, f"{dm:.3f}", f"{rm:.3f}", f"{rm / dm:.2f}"])
         keys = sorted({k for row in r["rows"] for k in row["phases"]}, key=lambda k: -median(r["rows"], k))
         shown = ", ".join(f"{k} {median(r['rows'], k):.3f}" for k in keys if k != "total")
-        phase_rows.append(f"| {view} {operation} | {median(r['rows'], 'total'):.3f} | {shown} |")
-    lines += [
-        "",
-        "rayckpt's phases (rank 0's `SaveInfo.phases` / `LoadInfo.phases`, medians, seconds):",
-        "",
-        "| operation | total | phases, largest first |",
-        "| --- | ---: | --- |",
-        *phase_rows,
-        "",
-    ]
-    return "\n".join(lines)
+        phase_rows.append([f"{view} {operation}", f"{median(r['rows'], 'total'):.3f}", shown])
+    lines += table(["view", "operation", "DCP s", "rayckpt s", "rayckpt / DCP"], rows, right=3)
+    lines += ["", "rayckpt's phases (rank 0's `SaveInfo.phases` / `LoadInfo.phases`, medians, seconds):", ""]
+    lines += table(["operation", "total", "phases, largest first"], phase_rows)
+    return "\n".join(lines) + "\n"

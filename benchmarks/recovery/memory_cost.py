@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.common.harness import fmt, load_sampled, machine_info, rotated, run_line, summary, table, write_report
 from benchmarks.common.workload import layer_shapes
 from benchmarks.recovery.loop import append_event
 
@@ -53,9 +53,9 @@ def cost_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from benchmarks.common.systems import local_tensors
     from benchmarks.common.workload import build_state
     from benchmarks.recovery.loop import one_step
-    from rayckpt.ray.rank.async_save import local_pieces
     from rayckpt.train import Checkpointer
 
     ctx = ray.train.get_context()
@@ -68,7 +68,7 @@ def cost_loop(config: dict[str, Any]) -> None:
     state = {"app": app}
     ckpt = Checkpointer(memory_every=1, persist_every=10**9, local_is_shared=config["shared"])
     ckpt.restore(state)  # nothing to restore: makes both lanes' staging buffers, as a real run's restore does
-    pieces = local_pieces(state)
+    pieces = local_tensors(state)
     # made and touched beforehand, like a staging buffer; page-locked for a device's copy (a DMA)
     copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda).fill_(0) for p in pieces]
     share = sum(p.numel() * p.element_size() for p in pieces)
@@ -83,7 +83,7 @@ def cost_loop(config: dict[str, Any]) -> None:
                 t1 = time.perf_counter()
                 skipped = None
                 if mode == "copy":
-                    for dst, src in zip(copies, local_pieces(state)):
+                    for dst, src in zip(copies, local_tensors(state)):
                         dst.copy_(src, non_blocking=cuda)
                     if cuda:
                         torch.cuda.synchronize()
@@ -110,8 +110,7 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
     import torch.distributed as dist
 
     from benchmarks.common.diskio import evict, files_under
-    from rayckpt.ray.rank.async_save import save_async
-    from rayckpt.ray.rank.loading import load
+    from rayckpt.ray import load, save_async
 
     ckpt.save(step, state, persist=True)  # due for both: to memory, then to storage
     ckpt.wait()
@@ -250,54 +249,43 @@ def summarize(events: str) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    load = report["load_average_1min"]
     where = f" on {report['gpu']} (one GPU each, nccl)" if report.get("gpu") else ""
     lines = [
         "## The cost of a memory checkpoint every step",
         "",
-        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.0f} min: "
-        f"{report['machine']['nproc']} CPUs, torch {report['machine']['torch']}. 1-minute load average "
-        f"{load['before_start']:.2f} before the start; during the run median {load['median']:.2f}, max "
-        f"{load['max']:.2f}; CPU used by processes outside the benchmark: mean "
-        f"{load['other_processes_cpu_cores']['mean']:.2f} cores.",
+        run_line(report),
         "",
         f"State: {report['state_bytes'] / 1e9:.3f} GB, {report['workers']} workers{where}; a step: an in-place update "
         f"of every local shard, one all-reduce and a {report['step_sleep_s']} s sleep standing in for forward "
         f"and backward. {report['rounds']} rounds of every mode, {report['steps']} steps each, order rotated; "
         "seconds: the slowest worker's, medians over the steps past each round's first.",
         "",
-        "| scenario | mode | step s | x none | x copy | save call s | memory saves skipped | shard bytes per "
-        "memory save (each copied to a peer across nodes) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for sc, r in report["scenarios"].items():
-        none, copy = r["none"]["step_s"], r["copy"]["step_s"]
+        none, copy, per_save = r["none"]["step_s"], r["copy"]["step_s"], r["shard_bytes_per_memory_save"]
         for mode in MODES:
-            m = r[mode]
-            skipped = f"{m['skipped']} of {m['saves']}" if mode == "memory" else ""
-            nbytes = (
-                f"{r['shard_bytes_per_memory_save'] / 1e6:.0f} MB"
-                if mode == "memory" and r["shard_bytes_per_memory_save"]
-                else ""
-            )
-            lines.append(
-                f"| {sc} | {mode} | {m['step_s']:.3f} | {m['step_s'] / none:.2f} | {m['step_s'] / copy:.2f} "
-                f"| {m['save_s']:.3f} | {skipped} | {nbytes} |"
-            )
-    restore = {sc: r["restore_s"] for sc, r in report["scenarios"].items() if r.get("restore_s")}
-    for sc, by_source in restore.items():
+            m, memory = r[mode], mode == "memory"
+            rows.append(
+                [sc, mode, f"{m['step_s']:.3f}", f"{m['step_s'] / none:.2f}", f"{m['step_s'] / copy:.2f}",
+                 f"{m['save_s']:.3f}", f"{m['skipped']} of {m['saves']}" if memory else "",
+                 f"{per_save / 1e6:.0f} MB" if memory and per_save else ""]
+            )  # fmt: skip
+    header = ["scenario", "mode", "step s", "x none", "x copy", "save call s", "memory saves skipped"]
+    lines += table([*header, "shard bytes per memory save (each copied to a peer across nodes)"], rows, right=6)
+    for sc, by_source in ((sc, r["restore_s"]) for sc, r in report["scenarios"].items() if r.get("restore_s")):
         memory = statistics.median(by_source["memory"])
         lines += [
             "",
             f"Restore of one step into the same {report['workers']} workers ({sc}), barrier to barrier, "
             f"{report['restore_rounds']} rounds rotated; seconds: median (min-max).",
             "",
-            "| from | load s | / from memory |",
-            "| --- | ---: | ---: |",
         ]
-        for source, times in by_source.items():
-            med = statistics.median(times)
-            lines.append(f"| {source} | {med:.2f} ({min(times):.2f}-{max(times):.2f}) | {med / memory:.1f} |")
+        rows = [
+            [source, fmt(summary(times)), f"{statistics.median(times) / memory:.1f}"]
+            for source, times in by_source.items()
+        ]
+        lines += table(["from", "load s", "/ from memory"], rows, right=2)
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,7 @@ import json
 import statistics
 from typing import Any
 
-from benchmarks.common.harness import fmt, summary
+from benchmarks.common.harness import fmt, run_line, summary, table
 
 #: (phase, from milestone, to milestone), in order: the phases add up to kill -> first step.
 PHASES = (
@@ -208,21 +208,11 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     """The recovery section: the run, a phase table, the controller's timeline, the method."""
-    m, c = report["machine"], report["config"]
-    la = report.get("load_average_1min") or {}
+    c = report["config"]
     lines = [
         "## Recovery time",
         "",
-        f"`{report['command']}` on {report['date']}, {report['total_runtime_s'] / 60:.0f} min: {m['nproc']} CPUs, "
-        f"{m['mem_total_gb']:.0f} GB RAM, torch {m['torch']}, ray {m['ray']}, pyarrow {m['pyarrow']}, "
-        f"rayckpt {m['rayckpt']}."
-        + (
-            f" 1-minute load average: {la['before_start']:.2f} before the start; during the run median "
-            f"{la['median']:.2f}, max {la['max']:.2f}; CPU used by processes outside the benchmark: mean "
-            f"{la['other_processes_cpu_cores']['mean']:.2f} cores."
-            if la
-            else ""
-        ),
+        run_line(report),
         "",
         f"State: {report['state_bytes'] / 1e9:.3f} GB ({c['size_mb']:g}MB: the suite's fp32 params + AdamW "
         f"exp_avg + exp_avg_sq, {len(report['layer_shapes_rows_cols'])} FSDP2 Linear layers), saved every "
@@ -230,20 +220,18 @@ def markdown(report: dict[str, Any]) -> str:
         f"plus a {c['step_sleep_s']:g} s sleep standing in for forward and backward. Seconds: median (min-max) "
         f"over {c['repeats']} repeat(s); each phase ends when the last worker reaches it.",
         "",
-        "| scenario | workers | kill -> noticed | -> restarted | -> state built | -> restored | -> first step "
-        "| kill -> first step | restore's share | steps re-done | restored | step s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
+    rows = []
     for sc in report["scenarios"].values():
-        s = sc["summary"]
-        p = s["phases_s"]
-        step = fmt(s["step_s"]) if s["step_s"] else ""
-        lines.append(
-            f"| {sc['label']} | {', '.join(s['worlds'])} | {fmt(p['detect'])} | {fmt(p['restart'])} | "
-            f"{fmt(p['build'])} | {fmt(p['restore'])} | {fmt(p['first_step'])} | {fmt(s['total_s'])} | "
-            f"{s['restore_share']['median']:.1%} | {fmt(s['steps_redone'], 0)} | {'; '.join(s['restored_from'])} "
-            f"| {step} |"
-        )
+        s, p = sc["summary"], sc["summary"]["phases_s"]
+        rows.append(
+            [sc["label"], ", ".join(s["worlds"]), *(fmt(p[k]) for k in ("detect", "restart", "build", "restore")),
+             fmt(p["first_step"]), fmt(s["total_s"]), f"{s['restore_share']['median']:.1%}",
+             fmt(s["steps_redone"], 0), "; ".join(s["restored_from"]), fmt(s["step_s"]) if s["step_s"] else ""]
+        )  # fmt: skip
+    header = ["scenario", "workers", "kill -> noticed", "-> restarted", "-> state built", "-> restored"]
+    header += ["-> first step", "kill -> first step", "restore's share", "steps re-done", "restored", "step s"]
+    lines += table(header, rows)
     lines += [
         "",
         "Where Ray's part goes: seconds after the kill, median (min-max) over the repeats that reached each "
@@ -251,15 +239,12 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     names = [n for n, _, _, _ in MILESTONES]
-    lines += [
-        "| scenario | " + " | ".join(MILESTONE_LABELS[n] for n in names) + " | workers in loop | group starts |",
-        "| --- | " + " | ".join("---:" for _ in names) + " | ---: | --- |",
-    ]
+    rows = []
     for sc in report["scenarios"].values():
         s = sc["summary"]
         entered = summary([r["phases_s"]["detect"] + r["phases_s"]["restart"] for r in sc["repeats"]])
         cells = [fmt(s["controller_s"][n]) if n in s["controller_s"] else "" for n in names]
-        starts = "; ".join(s["group_starts"])
-        lines.append(f"| {sc['label']} | " + " | ".join(cells) + f" | {fmt(entered)} | {starts} |")
+        rows.append([sc["label"], *cells, fmt(entered), "; ".join(s["group_starts"])])
+    lines += table(["scenario", *(MILESTONE_LABELS[n] for n in names), "workers in loop", "group starts"], rows)
     lines += ["", "### Method (recovery)", ""] + [f"- {x}" for x in report["method"]]
     return "\n".join(lines) + "\n"

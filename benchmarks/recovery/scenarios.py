@@ -81,7 +81,7 @@ def wait_for_kill_point(
     ``--steps-past`` more steps are done; the first attempt's ``enter`` events."""
     import ray
 
-    from rayckpt.ray.metadata.actor import get_metadata_actor
+    from rayckpt.ray import get_metadata_actor
 
     save_step = args.save_every * args.kill_after_save
     deadline = time.monotonic() + args.timeout
@@ -118,7 +118,7 @@ def record_actor_events(run: str, events: str) -> None:
     """Append the MetadataActor's events of ``run`` (committed, failed, reported, exception) as ``actor_<kind>``."""
     import ray
 
-    from rayckpt.ray.metadata.actor import get_metadata_actor
+    from rayckpt.ray import get_metadata_actor
 
     with open(events, "a") as f:
         for e in ray.get(get_metadata_actor().events.remote(run)):
@@ -185,7 +185,7 @@ def start_metadata_actor() -> None:
     so its start-up is in no measured phase."""
     import ray
 
-    from rayckpt.ray.metadata.actor import get_metadata_actor
+    from rayckpt.ray import get_metadata_actor
 
     ray.get(get_metadata_actor().ping.remote())
 

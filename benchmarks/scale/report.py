@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from benchmarks.common.harness import table, target, targets_table
+
 GIB = 2**30
 #: The rank count the targets name.
 TARGET_RANKS = 4096
@@ -116,8 +118,7 @@ def series(report: dict[str, Any]) -> dict[str, list[tuple[int, float | None]]]:
 
 
 def _row(name: str, measured: float | None, threshold: float, le: bool, how: str) -> dict[str, Any]:
-    met = None if measured is None else (measured <= threshold if le else measured >= threshold)
-    return {"target": name, "measured": measured, "threshold": threshold, "met": met, "how": how}
+    return target(name, measured, threshold, not le, how)
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -203,40 +204,47 @@ def markdown(report: dict[str, Any]) -> str:
         f"dim-0 sharded; rayckpt block size {c['block_size']}. CPU seconds of the step's process; "
         '"est.": extrapolated (method below). One rank: read + parse + the plan of rank M/2 of M.',
         "",
-        "| ranks | chunks rayckpt / DCP | metadata MB rayckpt / DCP (ratio) | create + write s rayckpt / DCP dump "
-        "| read + parse s rayckpt / DCP (DCP / rayckpt) |",
-        "| ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for n, f in figs.items():
         re, de = f["rayckpt_est"], f["dcp_est"]
-        lines.append(
-            f"| {n:,} | {_n(f['rayckpt_chunks'], re)} / {_n(f['dcp_chunks'], de)} | {_mb(f['rayckpt_bytes'], re)} / "
-            f"{_mb(f['dcp_bytes'], de)} ({_x(f['rayckpt_bytes'], f['dcp_bytes'])}) | {_s(f['rayckpt_create'], re)} + "
-            f"{_s(f['rayckpt_write'], re)} / {_s(f['dcp_write'], de)} | {_s(f['rayckpt_read'], re)} / "
-            f"{_s(f['dcp_read'], de)} ({_x(f['dcp_read'], f['rayckpt_read'])}) |"
+        rows.append(
+            [
+                f"{n:,}",
+                f"{_n(f['rayckpt_chunks'], re)} / {_n(f['dcp_chunks'], de)}",
+                f"{_mb(f['rayckpt_bytes'], re)} / {_mb(f['dcp_bytes'], de)} ({_x(f['rayckpt_bytes'], f['dcp_bytes'])})",
+                f"{_s(f['rayckpt_create'], re)} + {_s(f['rayckpt_write'], re)} / {_s(f['dcp_write'], de)}",
+                f"{_s(f['rayckpt_read'], re)} / {_s(f['dcp_read'], de)} ({_x(f['dcp_read'], f['rayckpt_read'])})",
+            ]
         )
-    lines += [
-        "",
-        "| ranks | global save plan s: rayckpt / DCP uncached; cached: rayckpt / DCP "
-        "| load plan, whole job s, N -> N-1: rayckpt / DCP | N -> N/2 "
-        "| load plan, one rank without Ray s, N -> N-1: rayckpt / DCP | N -> N/2 "
-        "| peak extra GiB rayckpt / DCP |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    header = ["ranks", "chunks rayckpt / DCP", "metadata MB rayckpt / DCP (ratio)"]
+    header += ["create + write s rayckpt / DCP dump", "read + parse s rayckpt / DCP (DCP / rayckpt)"]
+    lines += table(header, rows, right=5) + [""]
+    rows = []
     for n, f in figs.items():
         re, de = f["rayckpt_est"], f["dcp_est"]
-        job = " | ".join(
+        job = [
             f"{_s(f[f'rayckpt_job_{t}'], re)} / {_s(f[f'dcp_job_{t}'], f[f'dcp_job_{t}_est'])}"
             for t in ("minus", "half")
-        )
-        rank = " | ".join(f"{_s(f[f'rayckpt_rank_{t}'], re)} / {_s(f[f'dcp_rank_{t}'], de)}" for t in ("minus", "half"))
+        ]
+        rank = [f"{_s(f[f'rayckpt_rank_{t}'], re)} / {_s(f[f'dcp_rank_{t}'], de)}" for t in ("minus", "half")]
         pk = " / ".join(
             _s(None if f[k] is None else f[k] / GIB, e) for k, e in (("rayckpt_peak_extra", re), ("dcp_peak_extra", de))
         )
-        lines.append(
-            f"| {n:,} | {_s(f['rayckpt_save_plan'])} / {_s(f['dcp_save_plan'], f['dcp_save_plan_est'])}; "
-            f"{_s(f.get('rayckpt_save_plan_cached'))} / {_s(f['dcp_save_plan_cached'])} | {job} | {rank} | {pk} |"
+        plan = f"{_s(f['rayckpt_save_plan'])} / {_s(f['dcp_save_plan'], f['dcp_save_plan_est'])}; "
+        rows.append(
+            [
+                f"{n:,}",
+                plan + f"{_s(f.get('rayckpt_save_plan_cached'))} / {_s(f['dcp_save_plan_cached'])}",
+                *job,
+                *rank,
+                pk,
+            ]
         )
+    header = ["ranks", "global save plan s: rayckpt / DCP uncached; cached: rayckpt / DCP"]
+    header += ["load plan, whole job s, N -> N-1: rayckpt / DCP", "N -> N/2"]
+    header += ["load plan, one rank without Ray s, N -> N-1: rayckpt / DCP", "N -> N/2", "peak extra GiB rayckpt / DCP"]
+    lines += table(header, rows, right=7)
     lines += [
         "",
         "One rank's plan alone (no read), N -> N/2: rayckpt `create_load_plan` / `BulkPlan.for_rank` (Ray) / DCP "
@@ -259,15 +267,13 @@ def markdown(report: dict[str, Any]) -> str:
         + ".",
     ]
     lines += ["", "Growth exponents (value ~ N^k, fitted over the rank counts measured):", ""]
-    lines += ["| series | k | points |", "| --- | ---: | ---: |"]
-    for name, fit in report.get("fits", {}).items():
-        k = fit.get("exponent")
-        lines.append(f"| {SERIES[name][1]} | {'-' if k is None else f'{k:.2f}'} | {len(fit.get('points', []))} |")
-    lines += ["", "Targets:", "", "| target | measured | threshold | met | how |"]
-    lines.append("| --- | ---: | ---: | --- | --- |")
-    for t in report.get("targets", []):
-        met = "not measured" if t["met"] is None else "met" if t["met"] else "**not met**"
-        lines.append(f"| {t['target']} | {_s(t['measured'])} | {t['threshold']} | {met} | {t['how']} |")
+    fits = report.get("fits", {}).items()
+    rows = [
+        [SERIES[k][1], "-" if f.get("exponent") is None else f"{f['exponent']:.2f}", len(f.get("points", []))]
+        for k, f in fits
+    ]
+    lines += table(["series", "k", "points"], rows, right=2) + ["", "Targets:", ""]
+    lines += targets_table(report.get("targets", []))
     methods = []
     for n, r in sorted(report["results"].items(), key=lambda kv: int(kv[0])):
         for system in ("rayckpt", "dcp"):

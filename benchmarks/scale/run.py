@@ -34,7 +34,7 @@ seconds and memory by the chunk ratio ("est."): the machine is shared.
 
     .venv/bin/python -m benchmarks.scale --ranks 64,256,1024,4096 --tensors 1992
 
-Writes ``{out}/bench_scale.json``, ``{out}/bench_scale.md`` and ``{out}/bench_scale.svg``.
+Writes ``{out}/bench_scale.json``, ``{out}/bench_scale.md`` and ``{out}/bench_scale.png``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common.harness import REPO_ROOT, MemSampler, machine_info
+from benchmarks.common.harness import REPO_ROOT, MemSampler, machine_info, write_report
 from benchmarks.scale import layout as lay
 from benchmarks.scale.report import fit_exponent, markdown, targets
 
@@ -340,18 +340,16 @@ def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:
                     per_n[step] = json.load(f)
                 os.remove(path)
             print(f"[scale] N={n} {step} {time.perf_counter() - t0:.0f}s", flush=True)
-            write_report(report, out)
+            finish(report, out)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def write_report(report: dict[str, Any], out: str) -> str:
+def finish(report: dict[str, Any], out: str) -> str:
+    """Fits, targets and the result files of what was measured so far (a run cut short keeps them)."""
     report["fits"] = fit_exponents(report)
     report["targets"] = targets(report)
     md = markdown(report)
-    with open(os.path.join(out, "bench_scale.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(out, "bench_scale.md"), "w") as f:
-        f.write(md)
+    write_report(out, "bench_scale", report, md)
     return md
 
 
@@ -405,11 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     run_all(args, report, out)
     report["machine"]["load_average_1min_after"] = os.getloadavg()[0]
     report["total_runtime_s"] = time.perf_counter() - t0
-    md = write_report(report, out)
+    md = finish(report, out)
     try:
         from benchmarks.scale.plot import write_plot
 
-        write_plot(report, os.path.join(out, "bench_scale.svg"))
+        write_plot(report, os.path.join(out, "bench_scale.png"))
     except Exception as exc:  # the figures stand without the plot
         print(f"[scale] no plot: {exc}", flush=True)
     print(md)

@@ -285,6 +285,26 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _convert_arguments(p: _Parser) -> None:
+    """``rayckpt convert``'s arguments."""
+    p.add_argument("src", metavar="SRC", help="a rayckpt checkpoint (--to) or the file/directory to import (--from)")
+    p.add_argument("dst", metavar="DST", help="must not exist yet (an empty directory is fine)")
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=("torch", "dcp", "safetensors"), help="export the rayckpt checkpoint SRC")
+    way.add_argument("--from", dest="from_", choices=("torch", "dcp", "safetensors"), help="import SRC")
+    p.add_argument(
+        "--prefix", default="", help="export: keep only keys under it, stripped; import: prepend it (none: all keys)"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors file written by --to safetensors",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
 def _parser() -> _Parser:
     parser = _Parser(
         prog="rayckpt",
@@ -328,22 +348,7 @@ def _parser() -> _Parser:
     p.set_defaults(func=_cmd_plan)
 
     p = command("convert", "convert a checkpoint to or from torch.save, DCP and safetensors")
-    p.add_argument("src", metavar="SRC", help="a rayckpt checkpoint (--to) or the file/directory to import (--from)")
-    p.add_argument("dst", metavar="DST", help="must not exist yet (an empty directory is fine)")
-    way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--to", choices=("torch", "dcp", "safetensors"), help="export the rayckpt checkpoint SRC")
-    way.add_argument("--from", dest="from_", choices=("torch", "dcp", "safetensors"), help="import SRC")
-    p.add_argument(
-        "--prefix", default="", help="export: keep only keys under it, stripped; import: prepend it (none: all keys)"
-    )
-    p.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        default="5GB",
-        metavar="SIZE",
-        help="largest safetensors file written by --to safetensors",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
+    _convert_arguments(p)
     p.set_defaults(func=_cmd_convert)
 
     p = command("gc", "remove shard files no manifest names and no live save owns")

@@ -160,25 +160,15 @@ def train(
 
     resumed_from = checkpointer.restore(state) if config["resume"] else None
     start = resumed_from or 0
-    stored: dict[str, Any] = {}
+    stored = checkpointer.restored_metadata.get("hparams") or {} if resumed_from is not None else {}
     if resumed_from is not None:
-        stored = checkpointer.restored_metadata.get("hparams") or {}
-        # The schedule belongs to the run: keep the stored horizon unless --schedule-steps is given
-        # (a checkpoint that stores no horizon: this launch's --steps).
-        horizon = config.get("schedule_steps") or stored.get("schedule_steps") or total
-        sched.lr_lambdas = [warmup_cosine(horizon)]
-        for group, base_lr in zip(optim.param_groups, sched.base_lrs):
-            group["lr"] = base_lr * sched.lr_lambdas[0](sched.last_epoch)
+        horizon = resume_schedule(sched, config.get("schedule_steps") or stored.get("schedule_steps") or total)
     requested = run_hparams(config, horizon)
     # The peak LR in effect: a resumed scheduler keeps the run's base LR whatever --lr says.
     hparams = {**requested, "lr": sched.base_lrs[0]}
     restarts = getattr(checkpointer, "restarts", None) or 0
     if rank == 0:
-        where = f"resumed from step {resumed_from}" if resumed_from is not None else "fresh start"
-        log(f"GPT with {model_size(model):,} parameters on {world_size} rank(s), {where}, {horizon}-step LR schedule")
-        if restarts:
-            tier = {"tier": getattr(checkpointer, "restored_from", {}).get("tier")} if resumed_from is not None else {}
-            log(restart_line(restarts, resumed_from, world_size, {**checkpointer.restored_metadata, **tier}))
+        log_start(checkpointer, resumed_from, f"{model_size(model):,}", world_size, horizon)
         changed = {k: (stored[k], v) for k, v in requested.items() if k in stored and stored[k] != v}
         if changed:
             log(
@@ -204,28 +194,53 @@ def train(
         pending.append(global_loss)
         if rank == 0:
             log(f"step {done}/{total} loss {global_loss:.4f} ({history[-1]['seconds']:.2f}s)")
-        if done % every == 0 or done == total:
+        if done % every == 0 or done == total or (in_memory and done % in_memory == 0):
             app.extras["step"] = done
             metrics: dict[str, Any] = {
                 "loss": global_loss,
                 "step": done,
-                "losses": pending,
                 "world_size": world_size,
                 "restarts": restarts,
             }
-            if resumed_from is not None:
-                metrics["resumed_from"] = resumed_from
-                metrics["restored_tier"] = getattr(checkpointer, "restored_from", {}).get("tier", "storage")
-            checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams})
-            pending = []
-        elif in_memory and done % in_memory == 0:
-            app.extras["step"] = done
-            metrics = {"loss": global_loss, "step": done, "world_size": world_size, "restarts": restarts}
-            checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams}, persist=False)
+            persist = done % every == 0 or done == total
+            if persist:
+                metrics["losses"] = pending
+                if resumed_from is not None:
+                    metrics["resumed_from"] = resumed_from
+                    metrics["restored_tier"] = getattr(checkpointer, "restored_from", {}).get("tier", "storage")
+                pending = []
+            if persist:
+                checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams})
+            else:  # a memory-only save: under Ray only, where the Checkpointer has a memory tier
+                checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams}, persist=False)
     if in_memory:
         checkpointer.release_memory()  # the last step is in storage: the run's memory checkpoints are done with
     checkpointer.wait()
     return history
+
+
+def resume_schedule(sched: torch.optim.lr_scheduler.LambdaLR, horizon: int) -> int:
+    """A resumed run's LR schedule over ``horizon`` steps, the LR set for the restored step; returns ``horizon``.
+
+    The schedule belongs to the run: the stored horizon is kept unless ``--schedule-steps``
+    is given (a checkpoint that stores no horizon: this launch's ``--steps``).
+    """
+    sched.lr_lambdas = [warmup_cosine(horizon)]
+    for group, base_lr in zip(sched.optimizer.param_groups, sched.base_lrs):
+        group["lr"] = base_lr * sched.lr_lambdas[0](sched.last_epoch)
+    return horizon
+
+
+def log_start(
+    checkpointer: CheckpointerLike, resumed_from: int | None, params: str, world_size: int, horizon: int
+) -> None:
+    """Rank 0's first lines: the model, where it starts, the LR schedule; after a restart, from where."""
+    where = f"resumed from step {resumed_from}" if resumed_from is not None else "fresh start"
+    log(f"GPT with {params} parameters on {world_size} rank(s), {where}, {horizon}-step LR schedule")
+    restarts = getattr(checkpointer, "restarts", None) or 0
+    if restarts:
+        tier = {"tier": getattr(checkpointer, "restored_from", {}).get("tier")} if resumed_from is not None else {}
+        log(restart_line(restarts, resumed_from, world_size, {**checkpointer.restored_metadata, **tier}))
 
 
 def restart_line(restarts: int, step: int | None, world_size: int, restored: dict[str, Any]) -> str:

@@ -26,7 +26,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The job's flags; ``--help`` shows each one's default."""
-    defaults = GPTConfig()
     p = argparse.ArgumentParser(
         description="Train a small GPT with FSDP2 on Ray Train, checkpointed by rayckpt.",
         formatter_class=_HelpFormatter,
@@ -54,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="length of the warmup + cosine LR schedule (default: --steps of the run's first launch; a resumed "
         "run keeps the stored one unless this is given)",
     )
+    _checkpoint_flags(p)
+    _cluster_flags(p)
+    _model_flags(p)
+    return p
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of what is saved, how often and where, and of resuming."""
     p.add_argument(
         "--checkpoint-every",
         "--persist-every",
@@ -102,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue the run's latest committed checkpoint if there is one, else start fresh",
     )
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of where the job runs: the cluster, GPUs, CPUs per worker."""
     p.add_argument(
         "--address",
         default=None,
@@ -123,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="submit even when the cluster's resources now cannot hold the workers (an autoscaling cluster)",
     )
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's and the optimizer's flags (defaults: ``GPTConfig``'s)."""
+    defaults = GPTConfig()
     p.add_argument("--d-model", type=int, default=defaults.d_model, help="model width")
     p.add_argument("--n-layers", type=int, default=defaults.n_layers, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=defaults.n_heads, help="attention heads (must divide --d-model)")
@@ -134,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup, cosine decay)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
-    return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

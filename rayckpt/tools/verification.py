@@ -103,6 +103,35 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
         if isinstance(e, TensorEntry):
             for c in e.chunks:
                 by_file[c.file].append((key, c))
+    actual = _check_files(ckdir, m, by_file, problems)
+    total = sum(c.byte_length for path in actual for _, c in by_file[path])
+    reader = ShardReader(ckdir, m.blocks, actual)
+    done = chunks = 0
+    try:
+        for path in actual:
+            for key, c in by_file[path]:
+                problems.extend(_check_chunk(reader, key, c, actual[path]))
+                chunks += 1
+                done += c.byte_length
+                if on_progress:
+                    on_progress(done, total)
+    finally:
+        reader.close()
+    return VerifyReport(
+        path=ckdir.location,
+        ok=not problems,
+        files_checked=len(actual),
+        chunks_checked=chunks,
+        bytes_checked=reader.bytes_read,
+        problems=tuple(_with_owner(ckdir, m.save_id, problems)),
+    )
+
+
+def _check_files(
+    ckdir: CheckpointDir, m: Manifest, by_file: dict[str, list[tuple[str, ChunkEntry]]], problems: list[Problem]
+) -> dict[str, int]:
+    """Step 2 of ``verify``: each file the manifest names is there, no link, of its size, and a readable Arrow
+    file with its chunks (problems appended to ``problems``). Returns the size of each file that is there."""
     actual: dict[str, int] = {}
     for f in m.files:
         keys = sorted({k for k, _ in by_file[f.path]})
@@ -138,27 +167,7 @@ def verify(ckpt: str | os.PathLike[str] | CheckpointDir, *, on_progress: Progres
             )
         else:
             problems.extend(_check_arrow(ckdir, f.path, by_file[f.path], m))
-    total = sum(c.byte_length for path in actual for _, c in by_file[path])
-    reader = ShardReader(ckdir, m.blocks, actual)
-    done = chunks = 0
-    try:
-        for path in actual:
-            for key, c in by_file[path]:
-                problems.extend(_check_chunk(reader, key, c, actual[path]))
-                chunks += 1
-                done += c.byte_length
-                if on_progress:
-                    on_progress(done, total)
-    finally:
-        reader.close()
-    return VerifyReport(
-        path=ckdir.location,
-        ok=not problems,
-        files_checked=len(actual),
-        chunks_checked=chunks,
-        bytes_checked=reader.bytes_read,
-        problems=tuple(_with_owner(ckdir, m.save_id, problems)),
-    )
+    return actual
 
 
 def _with_owner(ckdir: CheckpointDir, save_id: str, problems: list[Problem]) -> list[Problem]:

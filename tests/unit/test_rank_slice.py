@@ -8,7 +8,6 @@ tell ranks that ask alike; plans with items not of dim-0 slabs are left to each 
 
 from __future__ import annotations
 
-import json
 import pickle
 
 import numpy as np
@@ -134,18 +133,6 @@ def test_ranks_asking_alike_send_the_same_small_ask():
     ):
         assert not asked_alike([asks[0], other, asks[2]])
     assert not asked_alike([])
-
-
-def test_bench_root_plan_smoke(tmp_path, capsys):
-    from benchmarks.micro import root_plan as bench_root_plan
-
-    out = str(tmp_path / "out")
-    argv = ["--saved-ranks", "6", "--target-ranks", "4", "5", "--tensors", "12", "--check", "--repeat", "2"]
-    assert bench_root_plan.main([*argv, "--out", out]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 6 -> ")]
-    assert [r.split(" | ")[0] for r in rows] == ["| 6 -> 4", "| 6 -> 5"]
-    with open(f"{out}/bench_root_plan.json") as f:
-        assert [r["target_ranks"] for r in json.load(f)["rows"]] == [4, 5]
 
 
 def test_a_checkpoint_read_from_storage_slices_from_its_stored_columns(tmp_path):

@@ -1,0 +1,323 @@
+"""What the suite's gloo ranks run, on a local disk or an S3 endpoint alike, and how their records reduce.
+
+``save_worker`` (``--save-ranks`` ranks) builds the FSDP2 state, joins the driver's Ray, warms
+every code path on a tiny state and makes its staging buffer, then per repeat saves with every
+system of its storage, the order rotating from repeat to repeat, each timed barrier to barrier by
+``harness.measure``. ``load_worker`` (the M ranks of an N->M reshard) builds a differently seeded
+state and loads every checkpoint it is given, the first load of each system into a zeroed state
+checked bit-exact against the saved checksums; it can then save the M-rank checkpoints a later
+reshard reads. Locally, the checkpoint's files are dropped from the page cache before each load
+(the ``_warm`` systems read them into it first); on S3, rank 0 reads the server's request counts
+around each operation (``s3_counter``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import systems
+from benchmarks.common.diskio import RAW_BLOCK, evict, read_raw, resident_fraction, warm_up, write_raw
+from benchmarks.common.harness import (
+    connect_ray,
+    import_rayckpt,
+    measure,
+    mem_summary,
+    memcpy_anchor,
+    rotated,
+    summary,
+)
+from benchmarks.common.systems import Where
+from benchmarks.common.workload import build_state, checksums, local_bytes, state_bytes, verify_loaded, zero_state
+
+#: Per storage: the save systems and the load systems.
+SAVES = {
+    "local": ("rayckpt", "rayckpt_ray", "dcp", "dcp_async", "torch_save", "raw"),
+    "s3": ("rayckpt", "rayckpt_ray", "dcp"),
+}
+LOADS = {
+    "local": ("rayckpt", "dcp", "torch_load", "rayckpt_warm", "dcp_warm"),
+    "s3": ("rayckpt", "dcp", "dcp_nocache"),
+}
+#: The checkpoint each load system reads: its saving system's.
+SOURCE = {"rayckpt_warm": "rayckpt", "dcp_warm": "dcp", "dcp_nocache": "dcp", "torch_load": "torch_save"}
+
+
+def counted(op: Any, rank: int, where: Where, pids: dict[str, int], interval: float) -> dict[str, Any]:
+    """``measure`` of ``op``; on an endpoint, with the server's request counts around it (read by rank 0:
+    the others wait in ``measure``'s first barrier until it has)."""
+    from benchmarks.suite.s3_counter import counts_delta, read_counts
+
+    s3 = where.endpoint is not None and rank == 0
+    before = read_counts(where.endpoint.host_port) if s3 else {}
+    rec = measure(op, pids, interval)
+    if s3:
+        rec["server"] = counts_delta(before, read_counts(where.endpoint.host_port))
+    return rec
+
+
+# ---------------------------------------------------------------------------
+# Saves
+
+
+def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One save rank: every repeat of every save system; its records for ``save_report``."""
+    import_rayckpt()
+    import ray
+    import torch.distributed as dist
+
+    where: Where = cfg["where"]
+    rels: dict[str, str] = cfg["rels"]
+    model, optim, app = build_state(world_size, rank, seed=0, shapes=cfg["shapes"])
+    state = {"app": app}
+    names = SAVES[cfg["storage"]]
+    out: dict[str, Any] = {"rank": rank, "own_bytes": local_bytes(app), "save": {s: [] for s in names}}
+    out["raw_read"] = []
+    sums = checksums(model, optim, compute=rank == 0) if cfg["verify"] else {}
+    if rank == 0:
+        out.update(state_bytes=state_bytes(app), checksums=sums, **memcpy_anchor())
+    me = {"rank": os.getpid()}
+    pids = connect_actors(cfg["ray_address"], rank, me)
+    group = dist.new_group(backend="gloo") if "dcp_async" in names else None
+    run = f"bench-{cfg['storage']}-{cfg['size_label']}"
+
+    tiny = {"warm": {f"r{rank}": torch.full((1024,), float(rank))}}
+    systems.rayckpt_save(tiny, where, f"{rels['warmup']}/rayckpt")
+    systems.ray_save(tiny, where, f"{rels['warmup']}/ray", run=run + "-warmup", step=0).wait()
+    systems.prepare_staging(state)
+    systems.dcp_save(tiny, where, f"{rels['warmup']}/dcp")
+    if group is not None:
+        systems.dcp_async_save(tiny, where, f"{rels['warmup']}/dcp_async", group).result()
+    dist.barrier()
+    if rank == 0:
+        where.delete(rels["warmup"])
+
+    full: dict[str, Any] = {}
+    if "torch_save" in names:  # gathered once, reported apart
+        out["gather"] = measure(lambda t0: full.update(systems.full_state(model, optim), step=7), me)
+        if rank != 0:
+            full.clear()
+    raw_bytes = -(-state_bytes(app) // world_size // RAW_BLOCK) * RAW_BLOCK
+    mine = os.path.join(where.uri(rels.get("raw", "raw")), f"rank{rank}.bin")
+    if "raw" in names:
+        os.makedirs(os.path.dirname(mine), exist_ok=True)
+    blob = memoryview(bytearray(os.urandom(RAW_BLOCK)))
+
+    def op(system: str, t0: float, rep: int) -> dict[str, Any]:
+        if system == "rayckpt_ray":
+            handle = systems.ray_save(state, where, rels[system], run=run, step=rep)
+            returned = time.perf_counter() - t0
+            entry = handle.wait()
+            done = time.perf_counter() - t0
+            return {"stall": handle.stall_seconds, "stall_external": returned, "commit": done, "status": entry.status}
+        if system == "dcp_async":
+            pending = systems.dcp_async_save(state, where, rels[system], group)
+            stall = time.perf_counter() - t0
+            pending.result()
+            return {"stall": stall, "commit": time.perf_counter() - t0}
+        if system == "rayckpt":
+            systems.rayckpt_save(state, where, rels[system])
+        elif system == "dcp":
+            systems.dcp_save(state, where, rels[system])
+        elif system == "torch_save" and rank == 0:
+            systems.torch_save(full, where.uri(rels[system]))
+        elif system == "raw":
+            write_raw(mine, raw_bytes, blob, fsync=True)
+        t = time.perf_counter() - t0
+        return {"stall": t, "commit": t}
+
+    for rep in range(cfg["repeats"]):
+        for system in rotated(names, rep):
+            if rank == 0 and system != "raw":
+                where.delete(rels[system])  # untimed: an empty target
+            if where.endpoint is None:
+                os.sync()  # untimed: no one's dirty pages get flushed inside the timed window
+            who = pids if system == "rayckpt_ray" else me
+            rec = counted(functools.partial(op, system, rep=rep), rank, where, who, cfg["mem_interval"])
+            rec["repeat"] = rep
+            out["save"][system].append(rec)
+            if system == "raw":
+                evict([mine])
+                resident = resident_fraction([mine])
+                rec = measure(lambda t0: {"bytes": read_raw(mine)}, me, cfg["mem_interval"])
+                out["raw_read"].append({**rec, "repeat": rep, "resident_before": resident})
+                os.unlink(mine)
+    dist.barrier()
+    full.clear()
+    systems.release_staging()
+    ray.shutdown()
+    return out
+
+
+def connect_actors(address: str, rank: int, me: dict[str, int]) -> dict[str, int]:
+    """Join the Ray cluster and warm the MetadataActor and this node's ShardWriter; the pids whose memory
+    the Ray save samples (rank 0 also the writer's)."""
+    import ray
+
+    from rayckpt.ray import get_metadata_actor, get_shard_writer
+
+    connect_ray(address)
+    ray.get(get_metadata_actor().ping.remote())
+    writer = get_shard_writer()
+    ray.get(writer.node.remote())
+    pids = dict(me)
+    if rank == 0:
+        try:
+            pids["writer"] = ray.get(writer.__ray_call__.remote(lambda self: os.getpid()))
+        except Exception:  # noqa: BLE001 - the writer's memory is optional
+            pass
+    return pids
+
+
+# ---------------------------------------------------------------------------
+# Loads
+
+
+def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One load rank of an N->M reshard: every repeat of every load system in ``cfg["sources"]``."""
+    import_rayckpt()
+    import torch.distributed as dist
+
+    where: Where = cfg["where"]
+    sources: dict[str, str] = cfg["sources"]
+    t_setup = time.perf_counter()
+    model, optim, app = build_state(world_size, rank, seed=100, shapes=cfg["shapes"])
+    state = {"app": app}
+    names = [s for s in LOADS[cfg["storage"]] if SOURCE.get(s, s) in sources]
+    out: dict[str, Any] = {"rank": rank, "own_bytes": local_bytes(app), "load": {s: [] for s in names}}
+    out.update(verified={}, setup_s=time.perf_counter() - t_setup)
+    every_file = [f for rel in sources.values() for f in where.files(rel)]
+    me = {"rank": os.getpid()}
+
+    def op(system: str, t0: float) -> dict[str, Any]:
+        rel = sources[SOURCE.get(system, system)]
+        if system.startswith("rayckpt"):
+            info = systems.rayckpt_load(state, where, rel)
+            keys = ("bytes_needed", "bytes_read", "bytes_fetched", "requests", "num_reads")
+            return {k: getattr(info, k) for k in keys if hasattr(info, k)}
+        if system == "torch_load":
+            read_s, rest = systems.torch_load(model, optim, where.uri(rel))
+            app.extras["step"] = rest["step"]
+            return {"read_s": read_s}
+        systems.dcp_load(state, where, rel, **({"default_cache_type": "none"} if system == "dcp_nocache" else {}))
+        return {}
+
+    for rep in range(cfg["repeats"]):
+        for system in rotated(names, rep):
+            if rep == 0 and cfg["verify"]:
+                zero_state(model, optim, app)
+            resident = None
+            if rank == 0 and every_file:
+                evict(every_file)
+                files = where.files(sources[SOURCE.get(system, system)])
+                if system.endswith("_warm"):
+                    warm_up(files)
+                resident = resident_fraction(files)
+            rec = counted(functools.partial(op, system), rank, where, me, cfg["mem_interval"])
+            out["load"][system].append({**rec, "repeat": rep, "resident_before": resident})
+            if rep == 0 and cfg["verify"]:
+                out["verified"][system] = verify_loaded(system, model, optim, app, cfg["checksums"])
+
+    resave = cfg.get("resave")
+    if resave:  # the checkpoints of this world size, for later M->K loads
+        if rank == 0:
+            for rel in resave.values():
+                where.delete(rel)
+        dist.barrier()
+        systems.rayckpt_save(state, where, resave["rayckpt"])
+        systems.dcp_save(state, where, resave["dcp"])
+    dist.barrier()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# On the driver
+
+
+def server_summary(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The server's counts of each repeat (rank 0's records): object GETs and their bytes, all requests,
+    PUTs and their bytes; the kinds of the first repeat in full."""
+    if "server" not in recs[0]:
+        return None
+
+    def total(rec: dict[str, Any], kind: str, field: str) -> int:
+        return rec["server"].get(kind, {}).get(field, 0)
+
+    return {
+        "get_requests": [total(r, "GET_object", "requests") for r in recs],
+        "get_bytes": [total(r, "GET_object", "bytes_out") for r in recs],
+        "all_requests": [sum(c["requests"] for c in r["server"].values()) for r in recs],
+        "put_requests": [total(r, "PUT", "requests") for r in recs],
+        "put_bytes": [total(r, "PUT", "bytes_in") for r in recs],
+        "by_kind_first_repeat": recs[0]["server"],
+    }
+
+
+def rows_of(ranks: list[dict[str, Any]], kind: str, system: str) -> list[list[dict[str, Any]]]:
+    """Per repeat, every rank's record of ``system``."""
+    return [[r[kind][system][i] for r in ranks] for i in range(len(ranks[0][kind][system]))]
+
+
+def save_report(saved: list[dict[str, Any]], total: int) -> dict[str, Any]:
+    """Per system: stall / commit / persist (max over ranks; median, min-max over repeats), memory, server."""
+    own = [r["own_bytes"] for r in saved]
+    out: dict[str, Any] = {}
+    for system in saved[0]["save"]:
+        rows = rows_of(saved, "save", system)
+        out[system] = {
+            "stall_s": summary([max(x["stall"] for x in row) for row in rows], total),
+            "commit_s": summary([max(x["commit"] for x in row) for row in rows], total),
+            "persist_s": summary([max(x["commit"] - x["stall"] for x in row) for row in rows], total),
+            "mem": mem_summary([r["save"][system] for r in saved], "rank", own),
+            "server": server_summary(saved[0]["save"][system]),
+            "stall_per_rank": [[round(x["stall"], 4) for x in row] for row in rows],
+        }
+    out["rayckpt_ray"]["writer_mem"] = mem_summary([saved[0]["save"]["rayckpt_ray"]], "writer", [total])
+    if saved[0]["raw_read"]:
+        reads = [[r["raw_read"][i] for r in saved] for i in range(len(saved[0]["raw_read"]))]
+        out["raw_read"] = {"wall_s": summary([max(x["wall"] for x in row) for row in reads], total)}
+    if "gather" in saved[0]:
+        g = [r["gather"] for r in saved]
+        out["torch_save_gather"] = {
+            "wall_s": max(x["wall"] for x in g),
+            "rank0_extra_rss": g[0]["mem"]["rank"]["extra_rss"],
+        }
+    return out
+
+
+def load_report(loaded: list[dict[str, Any]], total: int) -> dict[str, Any]:
+    """Per system: load time (max over ranks; median, min-max over repeats), bytes read against the bytes
+    needed (read amplification: on S3 the server's GET bytes), memory."""
+    own = [r["own_bytes"] for r in loaded]
+    needed = [r["load"]["rayckpt"][0]["bytes_needed"] for r in loaded]
+    out: dict[str, Any] = {"ranks": len(loaded), "own_bytes_per_rank": own, "bytes_needed_per_rank": needed}
+    for system in loaded[0]["load"]:
+        rows = rows_of(loaded, "load", system)
+        server = server_summary(loaded[0]["load"][system])
+        if server:
+            read = [float(b) for b in server["get_bytes"]]
+        elif system.startswith("rayckpt"):
+            read = [float(sum(x["bytes_read"] for x in row)) for row in rows]
+        else:
+            read = [float(sum(x["io"].get("rchar", 0) for x in row)) for row in rows]
+        out[system] = {
+            "wall_s": summary([max(x["wall"] for x in row) for row in rows], total),
+            "mem": mem_summary([r["load"][system] for r in loaded], "rank", own),
+            "verified_tensors": loaded[0]["verified"].get(system),
+            "bytes_read": read,
+            "read_amplification": [b / max(sum(needed), 1) for b in read],
+            "resident_before": [row[0].get("resident_before") for row in rows],
+            "server": server,
+        }
+        if "requests" in rows[0][0]:
+            out[system]["loadinfo"] = {
+                "requests": [sum(x["requests"] for x in row) for row in rows],
+                "bytes_fetched": [sum(x["bytes_fetched"] for x in row) for row in rows],
+            }
+        if system == "torch_load":
+            out[system]["read_only_s"] = summary([max(x["read_s"] for x in row) for row in rows], total)
+    return out
