@@ -61,7 +61,7 @@ def median_seconds(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4096)
-    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)

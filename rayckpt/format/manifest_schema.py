@@ -137,12 +137,24 @@ class _Compiler:
         unknown = set(s) - _ANNOTATIONS - set(_KEYWORDS)
         if unknown:
             raise ValueError(f"the manifest schema uses keyword(s) the compiled check lacks: {sorted(unknown)}")
-        if s.get("type") == "integer" and set(s) - _ANNOTATIONS <= {"type", "minimum", "maximum"}:
+        keywords = set(s) - _ANNOTATIONS
+        # The nodes a manifest repeats most (chunks, files, lists of integers), each in one closure.
+        if s.get("type") == "integer" and keywords <= {"type", "minimum", "maximum"}:
             lo, hi = s.get("minimum", -math.inf), s.get("maximum", math.inf)
-            return lambda v: type(v) is int and lo <= v <= hi  # the commonest node, in one closure
+            return lambda v: type(v) is int and lo <= v <= hi
+        if s.get("type") == "string" and keywords <= {"type", "minLength"}:
+            n = s.get("minLength", 0)
+            return lambda v: type(v) is str and len(v) >= n
+        if s.get("type") == "object" and keywords <= {"type", "required", "properties"}:
+            return self.record(s)
+        if s.get("type") == "array" and keywords == {"type", "items"}:
+            return self.items(s, strict=True)
         checks = [_KEYWORDS[k](self, s) for k in s if k in _KEYWORDS and k != "then"]
         if len(checks) == 1:
             return checks[0]
+        if len(checks) == 2:
+            first, second = checks
+            return lambda v: first(v) and second(v)
         return lambda v: all(c(v) for c in checks)
 
     def type(self, s: dict[str, Any]) -> Check:
@@ -198,14 +210,47 @@ class _Compiler:
         c = self.node(sub)
         return lambda v: type(v) is not dict or all(c(x) for k, x in v.items() if k not in named)
 
-    def items(self, s: dict[str, Any]) -> Check:
-        c = self.node(s["items"])
+    def items(self, s: dict[str, Any], strict: bool = False) -> Check:
+        """``items``; with ``strict`` the node's ``"type": "array"`` too."""
+        sub = s["items"]
+        sub = self.defs[sub["$ref"].removeprefix("#/$defs/")] if set(sub) - _ANNOTATIONS == {"$ref"} else sub
+        if sub.get("type") == "integer" and set(sub) - _ANNOTATIONS <= {"type", "minimum", "maximum"}:
+            lo, hi = sub.get("minimum", -math.inf), sub.get("maximum", math.inf)
+
+            def integers(v: Any) -> bool:
+                if type(v) is not list:
+                    return not strict
+                for x in v:
+                    if type(x) is not int or not lo <= x <= hi:
+                        return False
+                return True
+
+            return integers
+        c = self.node(sub)
 
         def check(v: Any) -> bool:
             if type(v) is not list:
-                return True
+                return not strict
             for x in v:
                 if not c(x):
+                    return False
+            return True
+
+        return check
+
+    def record(self, s: dict[str, Any]) -> Check:
+        """An object node of ``type``, ``required`` and ``properties`` only."""
+        names = tuple(s.get("required", ()))
+        fields = tuple((name, self.node(sub)) for name, sub in s.get("properties", {}).items())
+
+        def check(v: Any) -> bool:
+            if type(v) is not dict:
+                return False
+            for name in names:
+                if name not in v:
+                    return False
+            for name, c in fields:
+                if name in v and not c(v[name]):
                     return False
             return True
 
