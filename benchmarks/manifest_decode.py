@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -40,13 +41,28 @@ def build_manifest(ranks: int, tensors: int, rows: int, cols: int) -> Manifest:
                 continue
             length = n * cols * ITEMSIZE
             sums = tuple((r * 7919 + t * 104729 + b) % 2**64 for b in range(-(-length // BLOCK_SIZE)))
-            chunks.append(ChunkEntry(box=Box((lo, 0), (n, cols)), file=files[r].path, byte_offset=offsets[r],
-                                     byte_length=length, checksums=sums))
+            chunks.append(
+                ChunkEntry(
+                    box=Box((lo, 0), (n, cols)),
+                    file=files[r].path,
+                    byte_offset=offsets[r],
+                    byte_length=length,
+                    checksums=sums,
+                )
+            )
             offsets[r] += length
         entries[key] = TensorEntry("float32", (rows, cols), tuple(chunks), ("model", "layers", t, "weight"))
     files = [replace(f, size=offsets[f.rank]) for f in files]
-    return Manifest(save_id="20261129T000000-0badcafe", world_size=ranks, block_size=BLOCK_SIZE, entries=entries,
-                    files=tuple(files), created=1795000000.0, version=4, user_metadata={"step": 1000})
+    return Manifest(
+        save_id="20261129T000000-0badcafe",
+        world_size=ranks,
+        block_size=BLOCK_SIZE,
+        entries=entries,
+        files=tuple(files),
+        created=1795000000.0,
+        version=4,
+        user_metadata={"step": 1000},
+    )
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -80,7 +96,7 @@ def main() -> None:
             "version_4": median_seconds(lambda: manifest_from_bytes(v4), args.repeats),
             "version_3": median_seconds(lambda: decode_manifest(v3), args.repeats),
         },
-        "python": platform.python_version(),
+        "machine": {"nproc": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
     }
     print(json.dumps(result, indent=1))
 

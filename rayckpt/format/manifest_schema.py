@@ -7,8 +7,8 @@ in another language implements it, and this module checks documents against it
 two ways, each built once per process from the file:
 
 - ``accepts``: a check compiled from the schema's keywords into Python closures.
-  Decoding runs it on every manifest: it walks tens of thousands of objects in
-  the time jsonschema takes for a few hundred.
+  Decoding runs it on every manifest: jsonschema, written for any schema, would
+  take most of the decode of a large one (``benchmarks/manifest_decode.py``).
 - ``find_problem``: when ``accepts`` refuses a document, jsonschema (imported
   then, not before) validates it and its first error becomes a ``SchemaError``
   carrying the JSON path of the bad field (``entries['model.w'].chunks[3].byte_offset``)
