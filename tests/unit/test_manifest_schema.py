@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rayckpt.errors import CorruptCheckpointError
-from rayckpt.format.manifest import decode_manifest, encode_manifest
+from rayckpt.format.manifest import CHECKSUMS, DTYPES, READ_VERSIONS, decode_manifest, encode_manifest
 from rayckpt.format.manifest_files import manifest_file_bytes
 from rayckpt.format.manifest_schema import SCHEMA_PATH, accepts, document_definition, manifest_schema, validator
 from tests.helpers import golden
@@ -39,6 +39,13 @@ GOLDEN = golden_manifests()
 def test_the_schema_is_a_valid_json_schema():
     jsonschema.Draft202012Validator.check_schema(manifest_schema())
     assert json.loads(SCHEMA_PATH.read_text())["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+
+
+def test_the_schema_lists_what_the_code_reads():
+    defs = manifest_schema()["$defs"]
+    assert defs["dtype"]["enum"] == list(DTYPES)
+    assert defs["checksum"]["enum"] == list(CHECKSUMS)
+    assert manifest_schema()["properties"]["version"]["enum"] == list(READ_VERSIONS)
 
 
 @pytest.mark.parametrize("name", list(GOLDEN))
