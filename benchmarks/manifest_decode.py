@@ -66,13 +66,15 @@ def build_manifest(ranks: int, tensors: int, rows: int, cols: int) -> Manifest:
 
 
 def seconds(fn, repeats: int) -> dict[str, float]:
-    """The median and the fastest of ``repeats`` calls of ``fn``."""
-    times = []
+    """The median and fastest wall time of ``repeats`` calls of ``fn``, and their median CPU time (the
+    process's own: on a shared machine it varies less with the other processes' load)."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return {"median": statistics.median(times), "min": min(times)}
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return {"median": statistics.median(wall), "min": min(wall), "cpu_median": statistics.median(cpu)}
 
 
 def main() -> None:

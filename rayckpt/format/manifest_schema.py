@@ -110,6 +110,17 @@ TYPES: dict[str, Check] = {
     "boolean": lambda v: type(v) is bool,
     "null": lambda v: v is None,
 }
+_MISSING = object()
+#: Markers in a compiled record: the field is an integer (a list of integers) in the field's bounds.
+_INTEGER = object()
+_INTEGERS = object()
+
+
+def _integers(s: dict[str, Any]) -> bool:
+    """Whether a node is an integer in bounds and nothing else."""
+    return s.get("type") == "integer" and set(s) - _ANNOTATIONS <= {"type", "minimum", "maximum"}
+
+
 #: Keywords that only describe: the compiled check skips them.
 _ANNOTATIONS = frozenset({"$schema", "$defs", "title", "description"})
 
@@ -239,22 +250,57 @@ class _Compiler:
         return check
 
     def record(self, s: dict[str, Any]) -> Check:
-        """An object node of ``type``, ``required`` and ``properties`` only."""
-        names = tuple(s.get("required", ()))
-        fields = tuple((name, self.node(sub)) for name, sub in s.get("properties", {}).items())
+        """An object node of ``type``, ``required`` and ``properties`` only.
+
+        One pass over its fields; an integer field, or a list of integers, is checked in the loop.
+        """
+        required = s.get("required", ())
+        properties = s.get("properties", {})
+        unlisted = tuple(name for name in required if name not in properties)
+        fields = []
+        for name, sub in properties.items():
+            sub = self.resolve(sub)
+            items = self.resolve(sub.get("items", {})) if set(sub) - _ANNOTATIONS == {"type", "items"} else {}
+            if _integers(sub):
+                fields.append(
+                    (name, name in required, _INTEGER, sub.get("minimum", -math.inf), sub.get("maximum", math.inf))
+                )
+            elif sub.get("type") == "array" and _integers(items):
+                fields.append(
+                    (name, name in required, _INTEGERS, items.get("minimum", -math.inf), items.get("maximum", math.inf))
+                )
+            else:
+                fields.append((name, name in required, self.node(sub), 0, 0))
 
         def check(v: Any) -> bool:
             if type(v) is not dict:
                 return False
-            for name in names:
-                if name not in v:
+            for name, needed, c, lo, hi in fields:
+                x = v.get(name, _MISSING)
+                if x is _MISSING:
+                    if needed:
+                        return False
+                elif c is _INTEGER:
+                    if type(x) is not int or not lo <= x <= hi:
+                        return False
+                elif c is _INTEGERS:
+                    if type(x) is not list:
+                        return False
+                    for i in x:
+                        if type(i) is not int or not lo <= i <= hi:
+                            return False
+                elif not c(x):
                     return False
-            for name, c in fields:
-                if name in v and not c(v[name]):
+            for name in unlisted:
+                if name not in v:
                     return False
             return True
 
         return check
+
+    def resolve(self, s: dict[str, Any]) -> dict[str, Any]:
+        """The definition a node that is only a ``$ref`` (and annotations) names; else the node."""
+        return self.defs[s["$ref"].removeprefix("#/$defs/")] if set(s) - _ANNOTATIONS == {"$ref"} else s
 
     def reference(self, s: dict[str, Any]) -> Check:
         return self.ref(s["$ref"])
