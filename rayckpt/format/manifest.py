@@ -316,7 +316,7 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
         dup = next(i for i, f in enumerate(files) if f.path in {g.path for g in files[:i]})
         raise SchemaError(f"files[{dup}].path", f"{files[dup].path!r} is listed twice")
     sums = "crc32" if version == 1 else "checksums"
-    safe: dict[str, str] = {}  # file name as written -> checked path (a few files, millions of chunks)
+    listed: dict[str, str] = {}  # file name as written -> its checked path (a few files, millions of chunks)
     entries: dict[str, Entry] = {}
     for key, e in doc["entries"].items():
         at = f"entries[{key!r}]"
@@ -329,20 +329,22 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
             entries[key] = ValueEntry(e["value"], path)
             continue
         shape = e["shape"]
+        ndim = len(shape)
         chunks = []
         for i, c in enumerate(() if version >= CHUNK_TABLE_VERSION else e["chunks"]):
             offsets, sizes, name = c["offsets"], c["sizes"], c["file"]
-            if len(offsets) != len(shape) or len(sizes) != len(shape):
-                field = "offsets" if len(offsets) != len(shape) else "sizes"
+            if len(offsets) != ndim or len(sizes) != ndim:
+                field = "offsets" if len(offsets) != ndim else "sizes"
                 raise SchemaError(
                     f"{at}.chunks[{i}].{field}",
-                    f"expected {len(shape)} integer(s), one per dimension of the shape {shape}, got {len(c[field])}",
+                    f"expected {ndim} integer(s), one per dimension of the shape {shape}, got {len(c[field])}",
                 )
-            file = safe.get(name)
+            file = listed.get(name)
             if file is None:
-                file = safe[name] = safe_file_path(name, f"{at}.chunks[{i}].file")
-            if file not in known:
-                raise SchemaError(f"{at}.chunks[{i}].file", f"{file!r} is missing from 'files'")
+                file = safe_file_path(name, f"{at}.chunks[{i}].file")
+                if file not in known:
+                    raise SchemaError(f"{at}.chunks[{i}].file", f"{file!r} is missing from 'files'")
+                listed[name] = file
             chunks.append(
                 ChunkEntry(
                     box=Box(tuple(offsets), tuple(sizes)),

@@ -150,7 +150,7 @@ class _Compiler:
             raise ValueError(f"the manifest schema uses keyword(s) the compiled check lacks: {sorted(unknown)}")
         keywords = set(s) - _ANNOTATIONS
         # The nodes a manifest repeats most (chunks, files, lists of integers), each in one closure.
-        if s.get("type") == "integer" and keywords <= {"type", "minimum", "maximum"}:
+        if _integers(s):
             lo, hi = s.get("minimum", -math.inf), s.get("maximum", math.inf)
             return lambda v: type(v) is int and lo <= v <= hi
         if s.get("type") == "string" and keywords <= {"type", "minLength"}:
@@ -223,9 +223,8 @@ class _Compiler:
 
     def items(self, s: dict[str, Any], strict: bool = False) -> Check:
         """``items``; with ``strict`` the node's ``"type": "array"`` too."""
-        sub = s["items"]
-        sub = self.defs[sub["$ref"].removeprefix("#/$defs/")] if set(sub) - _ANNOTATIONS == {"$ref"} else sub
-        if sub.get("type") == "integer" and set(sub) - _ANNOTATIONS <= {"type", "minimum", "maximum"}:
+        sub = self.resolve(s["items"])
+        if _integers(sub):
             lo, hi = sub.get("minimum", -math.inf), sub.get("maximum", math.inf)
 
             def integers(v: Any) -> bool:
