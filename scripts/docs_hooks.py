@@ -1,9 +1,8 @@
-"""mkdocs hooks (mkdocs.yml): bring README.md (as the home page), LICENSE, benchmarks/README.md, the
-manifest's JSON Schema and the benchmark results (benchmarks/results/, pages outside the nav) into the
-site, and rewrite every relative link to its file's place in the site, so the Markdown's links stay right where it is
-read on disk (README's ``docs/guide.md``, a page's ``../benchmarks/results/...``) and resolve in
-the site too. A link to a file that is in neither place is left as written, for mkdocs' strict
-build to report."""
+"""mkdocs hooks (mkdocs.yml): bring README.md (as the home page), LICENSE, benchmarks/README.md and the
+benchmark results (benchmarks/results/, pages outside the nav) into the site, and rewrite every relative
+link to its file's place in the site, so the Markdown's links stay right where it is read on disk
+(README's ``docs/guide.md``, a page's ``../benchmarks/results/...``) and resolve in the site too. A link
+to a file that is in neither place is left as written, for mkdocs' strict build to report."""
 
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ EXTRA = {
     "README.md": "index.md",
     "LICENSE": "LICENSE",
     "benchmarks/README.md": "benchmarks/README.md",
-    # The manifest's JSON Schema: the package's file (decoding loads it), at the site's root.
-    "rayckpt/format/manifest.schema.json": "manifest.schema.json",
     **{
         f"{RESULTS}/{name}": f"{RESULTS}/{name}"
         for name in sorted(os.listdir(os.path.join(ROOT, RESULTS)))

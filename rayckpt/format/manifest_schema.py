@@ -1,6 +1,6 @@
 """What a manifest's JSON must hold: ``manifest.schema.json`` (JSON Schema 2020-12) beside this module. Pure.
 
-Stdlib only: jsonschema is imported when a document fails, to name what is wrong.
+The standard library only, until a document fails: then jsonschema is imported to name what is wrong.
 
 The schema file is the one statement of what is valid: the docs publish it, a reader
 in another language implements it, and this module checks documents against it
@@ -22,7 +22,6 @@ keeps the two in agreement.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Callable
@@ -347,7 +346,8 @@ def validator(definition: str | None = None) -> Any:
 
     jsonschema is imported here, on first use: decoding a valid manifest never needs it.
     """
-    jsonschema = importlib.import_module("jsonschema")
+    import jsonschema  # the one import outside the standard library, on first use (the purity test allows it)
+
     base = jsonschema.Draft202012Validator
     types = base.TYPE_CHECKER.redefine_many({name: _typed(check) for name, check in TYPES.items()})
     strict = jsonschema.validators.extend(base, type_checker=types)

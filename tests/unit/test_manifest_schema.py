@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import replace
 
 import jsonschema
@@ -39,6 +40,13 @@ GOLDEN = golden_manifests()
 def test_the_schema_is_a_valid_json_schema():
     jsonschema.Draft202012Validator.check_schema(manifest_schema())
     assert json.loads(SCHEMA_PATH.read_text())["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+
+
+def test_the_published_schema_is_the_one_the_decoder_reads():
+    published = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "docs", "manifest.schema.json"
+    )
+    assert os.path.realpath(published) == str(SCHEMA_PATH.resolve())  # one file: docs/ links to the package's
 
 
 def test_the_schema_lists_what_the_code_reads():
