@@ -1,8 +1,7 @@
 """The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run.
 
 The state is ``model.LinearStack`` (params + AdamW moments about ``--size-gb``
-GiB) after one training step, as ``AppState(model, opt)`` (``--plain``: copies of its tensors, no optimizer's),
-in two scenarios:
+GiB) after one training step, as ``AppState(model, opt)``, in two scenarios:
 
 - ``one-process``: one process holds all of it (on ``--device``: ``cuda`` puts
   it on the GPU), in a local Ray.
@@ -94,12 +93,9 @@ class Saver:
     dcp_group: Any = None
     #: Modes that raised, with their error: not run again.
     failed: dict[str, str] = field(default_factory=dict)
-    plain: bool = False
 
     def __post_init__(self) -> None:
         self.state = {"app": self.app}
-        if self.plain:  # plain tensors no optimizer owns: every byte copied before the call returns
-            self.state = {f"t{i}": t.detach().clone() for i, t in enumerate(systems.local_tensors(self.state))}
         self.cuda = self.device.startswith("cuda")
         # The local tensors, found once: training updates them in place. Their copies are allocated
         # and touched beforehand, as a staging buffer is.
@@ -213,7 +209,7 @@ def one_process(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> 
     model, optim, app = build(shape, args.device)
     init_ray(args.workers, args.ray_logs)
     try:
-        saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}", plain=args.plain)
+        saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}")
         try:
             records = run_rounds(saver, model, optim, batch(shape, args.batch, args.device), vars(args), root)
         finally:
@@ -273,7 +269,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="bench_out/overlap", help="directory for overlap_stall.json and .md")
     p.add_argument("--markdown", help="also write the table here")
     p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
-    p.add_argument("--plain", action="store_true", help="one-process saves plain copies of the tensors")
     args = p.parse_args(argv)
     scenarios = args.scenarios.split(",")
     if bad := [s for s in scenarios if s not in SCENARIOS]:
