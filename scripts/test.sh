@@ -16,9 +16,10 @@ fi
 # skipped without CUDA); `pytest tests/faults` runs one. The tiers mostly wait (Ray start-ups, Ray Train's
 # restarts, jobs on the hosts tests' nodes), so they run as three pytest processes side by side, each with its
 # own local Ray, Ray heads and clusters (free ports, temp dirs, namespaces and host names of their own): the
-# fault tier; the other tiers that start Ray; the two one-process tiers (hygiene: the repository itself; unit).
+# fault and e2e tiers; the other tiers; the two one-process tiers (hygiene: the repository itself; unit), niced:
+# they only compute, while a Ray node that starts slowly may outlast Ray's own start-up timeouts.
 # The first prints as it runs; each other's output follows it, one after the other.
-streams=("tests/faults" "" "tests/hygiene tests/unit")
+streams=("tests/faults tests/e2e" "" "tests/hygiene tests/unit")
 for dir in tests/*/; do
     dir=${dir%/}
     case " ${streams[0]} ${streams[2]} " in *" $dir "*) continue ;; esac
@@ -28,11 +29,13 @@ for dir in tests/*/; do
 done
 logs=() pids=() names=()
 trap 'for pid in "${pids[@]}"; do kill "$pid" 2> /dev/null || true; done; rm -f "${logs[@]}"' EXIT
-for stream in "${streams[@]:1}"; do
+for i in 1 2; do
+    stream=${streams[$i]}
     [ -n "$stream" ] || continue
     log=$(mktemp)
+    niceness=$((i == 2 ? 10 : 0))
     # shellcheck disable=SC2086 # a stream is its folders, split on spaces
-    "${pytest[@]}" -p no:cacheprovider $stream > "$log" 2>&1 &
+    nice -n "$niceness" "${pytest[@]}" -p no:cacheprovider $stream > "$log" 2>&1 &
     logs+=("$log") pids+=($!) names+=("$stream")
 done
 failed=()
