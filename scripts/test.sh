@@ -13,29 +13,48 @@ if [ "$#" -gt 0 ]; then
     exec "${pytest[@]}" "$@"
 fi
 # The whole suite: every tier folder under tests/ (hygiene, unit, multiproc, ray, faults, recovery, s3, e2e, gpu:
-# skipped without CUDA); `pytest tests/faults` runs one. The two one-process tiers (hygiene: the repository itself;
-# unit) run beside the others, which begin with the fault tier: its processes leave part of a core idle, which the
-# one-process tiers fill. Their output follows the others'.
-beside=(tests/hygiene tests/unit)
-tiers=(tests/faults)
+# skipped without CUDA); `pytest tests/faults` runs one. The tiers mostly wait (Ray start-ups, Ray Train's
+# restarts, jobs on the hosts tests' nodes), so they run as three pytest processes side by side, each with its
+# own local Ray, Ray heads and clusters (free ports, temp dirs, namespaces and host names of their own): the
+# fault and e2e tiers; the other tiers; the two one-process tiers (hygiene: the repository itself; unit), niced:
+# they only compute, while a Ray node that starts slowly may outlast Ray's own start-up timeouts.
+# The first prints as it runs; each other's output follows it, one after the other.
+streams=("tests/faults tests/e2e" "" "tests/hygiene tests/unit")
 for dir in tests/*/; do
     dir=${dir%/}
-    case " ${beside[*]} tests/faults " in *" $dir "*) continue ;; esac
+    case " ${streams[0]} ${streams[2]} " in *" $dir "*) continue ;; esac
     if compgen -G "$dir/test_*.py" > /dev/null; then
-        tiers+=("$dir")
+        streams[1]+="${streams[1]:+ }$dir"
     fi
 done
-beside_log=$(mktemp)
-"${pytest[@]}" -p no:cacheprovider "${beside[@]}" > "$beside_log" 2>&1 &
-beside_pid=$!
-trap 'kill "$beside_pid" 2> /dev/null || true; rm -f "$beside_log"' EXIT
+logs=() pids=() names=()
+trap 'for pid in "${pids[@]}"; do kill "$pid" 2> /dev/null || true; done; rm -f "${logs[@]}"' EXIT
+for i in 1 2; do
+    stream=${streams[$i]}
+    [ -n "$stream" ] || continue
+    log=$(mktemp)
+    niceness=$((i == 2 ? 10 : 0))
+    # shellcheck disable=SC2086 # a stream is its folders, split on spaces
+    nice -n "$niceness" "${pytest[@]}" -p no:cacheprovider $stream > "$log" 2>&1 &
+    logs+=("$log") pids+=($!) names+=("$stream")
+done
+failed=()
 status=0
-"${pytest[@]}" "${tiers[@]}" || status=$?
-beside_status=0
-wait "$beside_pid" || beside_status=$?
-echo "===== ${beside[*]} (ran beside the tiers above) ====="
-cat "$beside_log"
-if [ "$status" -ne 0 ] || [ "$beside_status" -ne 0 ]; then
-    echo "FAILED: the tiers above exited $status, ${beside[*]} $beside_status" >&2
+# shellcheck disable=SC2086
+"${pytest[@]}" ${streams[0]} || status=$?
+if [ "$status" -ne 0 ]; then
+    failed+=("${streams[0]} (exit $status)")
+fi
+for i in "${!pids[@]}"; do
+    status=0
+    wait "${pids[$i]}" || status=$?
+    echo "===== ${names[$i]} (ran beside the tiers above) ====="
+    cat "${logs[$i]}"
+    if [ "$status" -ne 0 ]; then
+        failed+=("${names[$i]} (exit $status)")
+    fi
+done
+if [ "${#failed[@]}" -gt 0 ]; then
+    printf 'FAILED: %s\n' "${failed[@]}" >&2
     exit 1
 fi

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 BIN = os.path.dirname(sys.executable)
 START_TIMEOUT_S = 120
 STOP_GRACE_S = 3
+#: How often the dashboard is asked whether it is up while the head starts.
+POLL_S = 0.2
 
 
 def free_port() -> int:
@@ -108,7 +110,7 @@ def ray_head(temp_dir: str, extra_env: Mapping[str, str] | None = None, num_cpus
             except OSError:
                 if time.time() > deadline or head.poll() is not None:
                     raise RuntimeError("ray start --head did not bring up the dashboard") from None
-                time.sleep(1)
+                time.sleep(POLL_S)
         yield RayHead(
             env=env,
             dashboard=dashboard,

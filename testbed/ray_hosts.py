@@ -33,6 +33,9 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     "GLOO_SOCKET_IFNAME": "eth0",
+    # A node joining asks the GCS for the head node this many times, 2 s apart (Ray's default 20): on a loaded
+    # machine the head's node registers later than its GCS answers, which is when the others are started.
+    "RAY_NUM_REDIS_GET_RETRIES": "60",
 }
 
 #: Ray's health checks of the nodes (its GCS's), tuned as docs/recovery.md recommends: a check every second, two

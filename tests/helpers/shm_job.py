@@ -70,7 +70,8 @@ def fit(storage: str, out: str, run: str, **extra: Any) -> None:
 
 
 def main(storage: str, out: str) -> None:
-    ray.init(num_cpus=4, include_dashboard=False, namespace="rayckpt-shm-job")
+    # address="local": a Ray of its own, never the cluster another process on this machine last started
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="rayckpt-shm-job")
     with ThreadPoolExecutor(2) as pool:  # the two runs side by side, 2 workers each
         ends = pool.submit(fit, storage, out, "ends")
         fails = pool.submit(fit, storage, out, "fails", fail_at=1)

@@ -31,7 +31,7 @@ def driver_output(capfd, patterns: list[str], timeout: float = 60.0) -> str:
         seen += out + err
         if all(re.search(p, seen) for p in patterns) or time.monotonic() > deadline:
             return seen
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def metadata_actor_log() -> str:

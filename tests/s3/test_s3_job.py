@@ -37,7 +37,9 @@ RAY_TRAIN_RECORDS = {RAY_SNAPSHOT, ".validate_storage_marker"}
 
 @pytest.fixture(scope="module")
 def cluster(s3_env, tmp_path_factory):
-    with ray_head(str(tmp_path_factory.mktemp("ray")), extra_env=s3_env) as head:
+    # Ray's processes report their metrics to the export port every second (default 10 s): the test waits for them.
+    env = {**s3_env, "RAY_metrics_report_interval_ms": "1000"}
+    with ray_head(str(tmp_path_factory.mktemp("ray")), extra_env=env) as head:
         yield head
 
 
