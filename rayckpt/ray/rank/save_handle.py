@@ -31,8 +31,9 @@ from ..shm import StagedRegion
 #: incarnation that died before answering: every live incarnation is another one.
 UNKNOWN_INCARNATION = "unknown"
 #: Seconds a rank waits before asking again when the MetadataActor died under its request
-#: (Ray restarts it; a request sent just then may fail too); then storage answers.
-_RETRY_AFTER_S = (0.2, 0.5, 1.0, 2.0)
+#: (Ray restarts it; a request sent just then may fail too, and a restart on a busy node takes
+#: seconds: a new process, its imports, its catalog read back from storage); then storage answers.
+_RETRY_AFTER_S = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 #: Set to 1 where a local path is storage every node mounts (NFS): saves across nodes may use it.
