@@ -14,9 +14,7 @@ OUT = "bench_out"
 
 
 def run_command(prog: str, description: str, commands: dict[str, tuple[str, str]], argv: list[str] | None) -> int:
-    """Parse ``COMMAND [ARGS...]`` and run ``commands[COMMAND]``'s module's ``main(ARGS)``.
-
-    ``commands`` maps a sub-command to (module, one line of help)."""
+    """Parse ``COMMAND [ARGS...]`` and run ``commands[COMMAND]``'s module's ``main(ARGS)``."""
     width = max(len(name) for name in commands)
     epilog = "commands:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, (_, text) in commands.items())
     epilog += f"\n\n{prog} COMMAND --help shows a command's options."

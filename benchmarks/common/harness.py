@@ -1,19 +1,4 @@
-"""The measuring harness every benchmark uses: timing, sampling, statistics, targets and results.
-
-- Timing: ``timed`` (one call, optionally between barriers or CUDA syncs); ``measure`` (one
-  operation on every rank, barrier to barrier, with its memory and I/O counters).
-- Sampling: ``MemSampler`` (VmRSS / RssAnon / RssFile / RssShmem of some processes from
-  /proc/<pid>/status, in a thread), ``load_sampled`` (the machine's load and the CPU used
-  outside the benchmark's process tree, every 5 s).
-- Statistics: ``summary`` (median, min-max, GB/s), ``mem_summary``.
-- Targets as data: ``target`` rows (name, measured, threshold, direction, met).
-- Results: ``table`` (the one Markdown table renderer), ``targets_table``, ``run_line``
-  (command, machine, versions) and ``write_report``: ``<out>/<name>.json`` holds the
-  summary, ``<out>/<name>.samples.json`` the raw samples (``bench_out/``, never committed).
-
-Only the standard library at import time (torch and Ray are imported where used), so
-that importing it costs a process such as ``micro.plan`` nothing it measures.
-"""
+"""The measuring harness every benchmark uses: timing, sampling, statistics, targets and results."""
 
 from __future__ import annotations
 
@@ -273,11 +258,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def import_rayckpt() -> None:
-    """Import what ``rayckpt.save`` and ``rayckpt.load`` run, now.
-
-    ``import rayckpt`` imports its API on first use; that one-time cost (tens of
-    MiB of modules) must not land inside the first timed, memory-sampled operation.
-    """
+    """Import what ``rayckpt.save`` and ``rayckpt.load`` run, now."""
     import rayckpt
 
     for name in ("save", "load"):

@@ -1,32 +1,4 @@
-"""The GPU path in one process: the copy limit, DCP against rayckpt, first and later async saves, loads.
-
-One command, one run, JSON out::
-
-    python -m benchmarks.gpu --size-gb 4                                 # on a CUDA machine
-    python -m benchmarks.gpu --device cpu --size-gb 0.5                  # the same rows on the CPU
-
-The state is ``--tensors`` fp32 tensors of ``--size-gb`` in all on ``--device``.
-What is timed, each a median over ``--repeats`` (saves go to new directories
-under ``--dir``, removed once measured):
-
-- ``limit``: the state copied into host memory allocated beforehand (page-locked
-  on CUDA): the floor an async save's stall is measured against; ``pageable``:
-  ``.cpu()`` of each tensor (host memory allocated by the copy).
-- ``dcp_save``; ``dcp_async_save`` with its default stager and with each
-  ``DefaultStager(StagingOptions(...))`` configuration: stall (until
-  ``async_save`` and its staging returned) and total; one that raises is
-  reported as a failure with its error, not left out.
-- ``rayckpt_save``; ``save_async`` in two orders, each over ``--saves`` saves:
-  ``unprepared`` (the first save makes nothing ready beforehand) and
-  ``prepared`` (``prepare_staging`` when the state exists, as
-  ``Checkpointer.restore`` does; its background work is timed apart, then the
-  saves), with stall and commit per save and the first save's stall over the
-  later saves' median.
-- loads into ``--device`` targets, cold (files fsynced and dropped from the page
-  cache) and warm: ``dcp.load`` and ``rayckpt.load``.
-
-Every load is checked bit-exact against the saved state (``torch.equal``).
-"""
+"""The GPU path in one process: the copy limit, DCP against rayckpt, first and later async saves, loads."""
 
 from __future__ import annotations
 
@@ -151,13 +123,7 @@ def rayckpt_saves(state: dict[str, torch.Tensor], device: str, root: str, repeat
 
 
 def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: int, order: str) -> dict[str, Any]:
-    """``saves`` save_async calls in a row in a new local Ray (new actors: the first save's fixed costs count).
-
-    ``order``: "unprepared" (nothing made beforehand: the first save makes the
-    staging buffer and starts the ShardWriter), or "prepared" (``prepare_staging``
-    first, as ``Checkpointer.restore`` does; the time its background work and the
-    ShardWriter's start take is reported, then the saves).
-    """
+    """``saves`` save_async calls in a row in a new local Ray (new actors: the first save's fixed costs count)."""
     import ray
 
     from rayckpt.ray import get_shard_writer

@@ -1,11 +1,4 @@
-"""What the hosts benchmarks share: their command-line options, the report's head, and a driver run on a host.
-
-Each sub-command runs in two places. Its ``main`` runs on the machine (as root): it
-builds the hosts (``testbed.ray_hosts``), times what it sees from outside and
-writes the report. What must run inside the cluster runs as a driver on host 0
-(``run_on_host``: ``python -m <module> --on-host CONFIG``), which prints its results as
-one JSON line.
-"""
+"""What the hosts benchmarks share: their command-line options, the report's head, and a driver run on a host."""
 
 from __future__ import annotations
 
@@ -59,11 +52,7 @@ def head_lines(report: dict[str, Any], title: str) -> list[str]:
 
 
 def run_on_host(host: Host, module: str, config: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run ``python -m module --on-host CONFIG`` on ``host`` from the repository root; its last line, parsed.
-
-    Raises:
-        RuntimeError: The driver failed or printed no JSON; the message has its output's end.
-    """
+    """Run ``python -m module --on-host CONFIG`` on ``host`` from the repository root; its last line, parsed."""
     proc = host.run([sys.executable, "-m", module, ON_HOST, json.dumps(config)], cwd=str(ROOT), timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

@@ -1,31 +1,4 @@
-"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks.
-
-Three Ray hosts and an S3 host (``testbed.ray_hosts``), a new cluster for
-every repeat of every setting (Ray reads its ``RAY_<name>`` settings from the hosts'
-environment when the cluster starts). ``ray job submit`` from host 0 runs
-``jobs/train.py --num-workers 2-3`` (one worker per host), a memory checkpoint every
-step, storage on S3 every ``--checkpoint-every`` steps. Once the group of 3 has
-logged step ``--cut-after-step``, host 2's link goes down (``Host.link_down``: its
-port on the switch, a real partition: its processes keep running, cut off). The
-times, from the cut, at which (this machine's clock):
-
-- ``node dead``: Ray's GCS no longer counts host 2's node alive (a driver on host 0
-  polling ``ray.nodes()`` every 0.1 s);
-- ``restored``: the restarted group's rank 0 logs ``restart N: resumed from step S
-  with 2 worker(s), from <tier>`` (``gpt_job.restart_line``, once every rank has
-  restored); the tier it names is recorded. The line is timestamped when it reaches
-  the job's driver log on the head (``job-driver-<id>.log``, read every 0.05 s), where
-  Ray's log monitor forwards the workers' output.
-
-Settings (``SETTINGS``): ``default`` (Ray's as shipped: none set), ``tuned`` (Ray's health
-checks as docs/recovery.md recommends), ``tuned-start`` (also Ray Train's worker-group start
-timeout cut). Repeats alternate the settings.
-
-    .venv/bin/python -m benchmarks.hosts cut --repeats 3
-
-Writes ``{out}/cut.json`` and ``cut.md`` (``--out``: ``bench_out/hosts``), and each
-run's job driver log under ``{out}/cut-logs/``.
-"""
+"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks."""
 
 from __future__ import annotations
 

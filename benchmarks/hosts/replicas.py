@@ -1,23 +1,4 @@
-"""A memory-tier replica from one host to another: over the writers' link against through Ray's object store.
-
-Two Ray hosts (``testbed.ray_hosts``). A driver on host 0 holds a file of
-each size in its host's ``/dev/shm`` (a held file, as the ShardWriter's) and copies it
-to host 1's ShardWriter, as ``replication.replicate`` does, by each way in turn
-(rotated from repeat to repeat):
-
-- ``link``: ``link.send`` to the writer's replica listener (``mem_endpoint``): the
-  kernel sends the file, the writer splices the stream into its store.
-- ``ray``: ``replication._replicate_through_ray``: the file mapped, put into host 0's
-  object store, pulled into host 1's, copied by the writer's ``mem_put`` into its store.
-
-A copy's time runs from the call to its return (the replica held on host 1); the
-replica is dropped (``mem_delete``) before the next. One untimed copy of 1 MiB each
-way first (connections, the writer's first call). Medians over ``--repeats``.
-
-    .venv/bin/python -m benchmarks.hosts replicas --sizes-mb 64,256 --repeats 5
-
-Writes ``{out}/replicas.json`` and ``replicas.md`` (``--out``: ``bench_out/hosts``).
-"""
+"""A memory-tier replica from one host to another: over the writers' link against through Ray's object store."""
 
 from __future__ import annotations
 

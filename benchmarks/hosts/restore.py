@@ -1,21 +1,4 @@
-"""A restore on real hosts: a state held by three hosts' memory tier against the same state on the S3 host.
-
-Three Ray hosts and an S3 host (``moto_server``, ``testbed.ray_hosts``). A
-driver on host 0 runs one TorchTrainer (gloo, CPU) of ``--workers`` M workers, spread
-over the three hosts (``--cpus-per-worker``: by default the hosts' CPUs shared out, so
-M = 3 puts one on each), with the memory-cost benchmark's loop
-(``benchmarks.recovery.memory_cost.cost_loop``, no training rounds): each worker
-builds its share of the FSDP2 state of ``--size-mb`` MiB (``workload.build_state``),
-``Checkpointer(memory_every=1)`` saves one step to the hosts' memory (each host's
-shard files also held by the ring's next host) and storage, ``save_async`` the same
-step to S3; then the M workers load it (``rayckpt.ray.load``) from each tier in
-turn, rotated from round to round, barrier to barrier (``memory_cost.restores``).
-Medians over ``--repeats`` rounds.
-
-    .venv/bin/python -m benchmarks.hosts restore --size-mb 1024 --repeats 3
-
-Writes ``{out}/restore.json`` and ``restore.md`` (``--out``: ``bench_out/hosts``).
-"""
+"""A restore on real hosts: a state held by three hosts' memory tier against the same state on the S3 host."""
 
 from __future__ import annotations
 

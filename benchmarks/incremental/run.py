@@ -1,32 +1,4 @@
-"""Incremental saves against full saves and DCP, step after step, and the load of a chained checkpoint.
-
-Two gloo ranks (``rayckpt.testing.multiproc.run_ranks``) hold an FSDP2 state on the CPU: ``nn.Linear``
-layers ``fully_shard``-ed on a 1-D mesh, saved as ``{"model": model.state_dict(), "optim": moments,
-"step": n}``, where ``moments`` holds an ``exp_avg`` and ``exp_avg_sq`` DTensor for each trained param
-(no optimizer object: a step adds a small value in place to every trained param and moment, as an
-optimizer step changes them). Three states (``--states``), each sized to about ``--size-mb`` MiB:
-
-- ``dense``: every layer trained; every tensor changes each step.
-- ``frozen70``: a frozen encoder (params only) holding 70% of the bytes, never changed, and a trained
-  decoder (params and moments, 30%) that changes each step.
-- ``lora99``: a frozen base (99% of the bytes) and a rank-r adapter pair per base layer (params and
-  moments, 1%) that change each step.
-
-Each step saves the state three ways, the order rotated from step to step: ``full``
-(``rayckpt.save(incremental=False)`` to ``full/step-N``), ``incremental`` (``rayckpt.save(incremental=True)``
-to ``incremental/step-N``, its shard files in ``incremental/.rayckpt-shared``) and ``dcp``
-(``torch.distributed.checkpoint.save`` to ``dcp/step-N``). Per save: the bytes of the files it created
-(the incremental save: the store files named after its save id, and its checkpoint directory), and the
-seconds of the call, barrier before, max over ranks. After each save every file of the run is fsynced
-and evicted from the page cache (``diskio.evict``), untimed; after each step the ``full`` and ``dcp``
-directories of the step are removed (the incremental chain stays). Before step 1 each saver saves the
-state once, untimed, elsewhere: step 1 is each saver's first save at its location, not the process's.
-
-Chained load: the ``frozen70`` state saved ``--chain`` times incrementally (the decoder changed between
-saves) and once self-contained after the last; then ``rayckpt.load`` of each, alternating, ``--repeats``
-times (after one untimed load), with the files evicted from the page cache (cold) and read into it
-beforehand (warm); the first timed load of each is checked bit for bit against the saved state.
-"""
+"""Incremental saves against full saves and DCP, step after step, and the load of a chained checkpoint."""
 
 from __future__ import annotations
 

@@ -1,32 +1,4 @@
-"""Planning at scale, no I/O: the load planner and the manifest codec on a synthetic manifest.
-
-The manifest: ``--tensors`` float32 tensors of shape (``--rows``, ``--cols``), each
-saved dim-0 sharded by ``--saved-ranks`` ranks (``planner.dim0_boxes``), one shard
-file per saved rank (``r{rank}.arrow``) holding that rank's chunk of every tensor
-back to back, one checksum per chunk, block size ``--block-size``. Its
-``ChunkEntry`` objects are built directly (no save, no files).
-
-Timed, median and min-max over ``--repeats``:
-
-- ``ChunkTable.from_manifest`` (the columnar copy the bulk planner needs, built
-  once per manifest; also once on the decoded manifest, whose objects are not shared);
-- ``create_dim0_plans``: the plans of all ``--target-ranks`` ranks, FSDP2 dim-0 targets;
-- ``BulkPlan.for_rank``: one rank's ``LoadPlan`` objects (rank 0);
-- ``planner.create_load_plan`` for a few ranks with a shared ``ChunkIndex``,
-  extrapolated to all target ranks (labelled);
-- ``planner.create_save_plans`` on the shards of a sample of saved ranks,
-  extrapolated linearly to all of them (labelled);
-- the manifest's encoding (``manifest_file_bytes``: JSON + chunk table, and their size) and
-  decoding (``manifest_from_bytes``), ``--codec-repeats`` times.
-
-Memory: peak bytes allocated during one extra run of each step (``tracemalloc``,
-which counts numpy's buffers too), and what the result keeps.
-
-    .venv/bin/python -m benchmarks.micro plan --saved-ranks 1024 --tensors 2000 --target-ranks 1000 \\
-        --repeats 3
-
-Writes ``{out}/bench_plan.json`` and ``{out}/bench_plan.md`` and prints the markdown table.
-"""
+"""Planning at scale, no I/O: the load planner and the manifest codec on a synthetic manifest."""
 
 from __future__ import annotations
 

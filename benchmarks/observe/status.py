@@ -1,16 +1,4 @@
-"""``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster.
-
-A head started with ``ray start --head --block`` (``testbed.ray_head``: its own
-temp directory and ports, token authentication off, 2 CPUs), a run of two committed
-checkpoints (a driver that saves through ``rayckpt.ray.save_async`` and stays connected,
-so the MetadataActor and the node's ShardWriter are up), then ``--repeats`` rounds of both commands, their
-order rotated from round to round. ``ray status`` is the anchor: Ray's own one-screen
-view of a cluster, also a fresh process joining it. Medians and their ratio.
-
-    .venv/bin/python -m benchmarks.observe status --repeats 15
-
-Writes ``{out}/status.json`` and ``status.md`` (``--out``: ``bench_out/observe``).
-"""
+"""``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster."""
 
 from __future__ import annotations
 

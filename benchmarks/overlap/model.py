@@ -1,12 +1,4 @@
-"""The model both overlap benchmarks train and save: a stack of square ``nn.Linear`` layers with AdamW.
-
-Unlike ``common.workload.BenchModel`` (state only, never run), this model runs a
-real forward and backward: the copy an overlapped save leaves for later runs
-beside them. Its size is set by the state it saves: params + AdamW's exp_avg and
-exp_avg_sq (3 fp32 copies, 12 bytes per parameter) total about ``size_gb`` GiB,
-in ``layers`` layers as wide as that allows; the batch is a few rows, so a step
-is mostly the weights' memory traffic (and, sharded, their all-gathers).
-"""
+"""The model both overlap benchmarks train and save: a stack of square ``nn.Linear`` layers with AdamW."""
 
 from __future__ import annotations
 
@@ -82,13 +74,7 @@ def build(
     shape: StackShape, device: str = "cpu", world_size: int = 1, seed: int = 0, reshard_after_forward: bool = False
 ) -> tuple[Any, Any, AppState]:
     """The model, its AdamW and ``AppState(model, opt)`` (which guards the optimizer), after one
-    training step so AdamW's moments exist.
-
-    ``world_size`` > 1: every layer and the stack ``fully_shard``-ed over a 1-D mesh of the default
-    process group (gloo on the CPU), made on the meta device and only the local shards materialized;
-    ``reshard_after_forward`` as for ``fully_shard``.
-    ``device``: "cpu", or "cuda" (this process's current CUDA device).
-    """
+    training step so AdamW's moments exist."""
     target = torch.device("cuda", torch.cuda.current_device()) if device.startswith("cuda") else torch.device("cpu")
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh

@@ -1,9 +1,4 @@
-"""The overlap benchmarks' arithmetic and tables: per-rank records in, medians, ratios and Markdown out.
-
-``stall`` and ``step`` measure on a real Ray; what they report is computed here
-from their records alone (plain dicts, one per rank and save or step), so the
-hygiene tests check it with made-up records.
-"""
+"""The overlap benchmarks' arithmetic and tables: per-rank records in, medians, ratios and Markdown out."""
 
 from __future__ import annotations
 
@@ -35,11 +30,7 @@ STALL_MODES = {
 
 
 def summarize_stall(records: list[dict[str, Any]], errors: dict[str, str] | None = None) -> dict[str, Any]:
-    """Per mode: the stall of each round's slowest rank and of its median rank, over rounds.
-
-    ``records``: one per rank, round and mode (``stall_s``, ``staged_wait_s``, ``opt_wait_s``,
-    ``total_s``, ``late_bytes``, ``copy_s``). ``errors``: modes that failed, with their error.
-    """
+    """Per mode: the stall of each round's slowest rank and of its median rank, over rounds."""
     by_round: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         by_round[r["mode"]][r["round"]].append(r)
@@ -157,11 +148,7 @@ STEP_MODES = {
 
 def summarize_step(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per save interval and mode: the slowest worker's step, median and mean over the steps past each
-    round's first; the save call and the waits before the optimizer step; memory saves skipped.
-
-    ``records``: one per worker and step (``every``, ``round``, ``mode``, ``i``, ``step``, ``step_s``,
-    ``save_s``, ``wait_s``, ``saved``, ``skipped``).
-    """
+    round's first; the save call and the waits before the optimizer step; memory saves skipped."""
     by_step: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         by_step[(r["every"], r["step"])].append(r)

@@ -1,42 +1,4 @@
-"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run.
-
-The state is ``model.LinearStack`` (params + AdamW moments about ``--size-gb``
-GiB) after one training step, as ``AppState(model, opt)``, in two scenarios:
-
-- ``one-process``: one process holds all of it (on ``--device``: ``cuda`` puts
-  it on the GPU), in a local Ray.
-- ``four-ranks``: ``--workers`` TorchTrainer workers (gloo, CPU), the stack
-  FSDP2-sharded, each holding its share; each worker times its own save call.
-
-Modes, each saving ``{"app": app}``:
-
-- ``copy``: every local tensor (found once: training updates them in place)
-  copied into host buffers allocated beforehand (page-locked on CUDA, the copy
-  waited for): the floor.
-- ``dcp``: ``torch.distributed.checkpoint.async_save`` with one reused
-  ``DefaultStager(StagingOptions(True, False, False, False))`` (pinned, staged
-  before the call returns: the best stager that runs on a CPU); on ranks, its
-  upload's collectives on a gloo group of their own, as torchtitan does.
-  ``dcp-async-staging`` (on CUDA): ``StagingOptions(True, True, True, True)``,
-  its staging waited for before the optimizer step; a stager that raises is
-  reported with its error.
-- ``rayckpt-sync``: ``save_async(..., overlap=False)``; ``rayckpt``:
-  ``save_async(...)`` (overlap: the optimizer's tensors copied beside the next
-  forward and backward); ``rayckpt-all`` (not run unless named):
-  ``overlap="all"``. ``prepare_staging`` first, as ``Checkpointer.restore`` does.
-
-A round runs every mode once, the order rotated from round to round; one save
-is: the call, timed; one training step (forward, backward, then the optimizer
-step, which waits for an overlapped copy still running); the save waited for
-(DCP: its upload; rayckpt: ``handle.wait()``), then removed. Warm-up rounds
-come first and are not counted. Reported per mode: the slowest rank's stall and
-the median rank's, medians over rounds, their ratios to ``dcp`` and ``copy``,
-and the targets (rayckpt's stall at most 0.25x DCP's and under 0.03 s). Run::
-
-    .venv/bin/python -m benchmarks.overlap stall
-
-A run the docs cite goes to ``benchmarks/results/overlap_stall_<hardware>_<yyyymmdd>.{md,json}``.
-"""
+"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run."""
 
 from __future__ import annotations
 

@@ -1,38 +1,4 @@
-"""A training loop's step time with a save every step and every 10 steps, rayckpt beside DCP and a bare copy.
-
-``--workers`` TorchTrainer workers (gloo, CPU) train ``model.LinearStack``
-(params + AdamW moments about ``--size-gb`` GiB), FSDP2-sharded, as
-``AppState(model, opt)``. A step: the save when one is due (every ``--every``
-steps, of the state the step before left; each interval a run of its own
-rounds), then a real forward and backward of ``--batch`` rows per worker and
-AdamW's step; so what a save costs the training beside it counts in its own
-step. A round runs every mode for ``--steps`` steps, the order rotated from
-round to round:
-
-- ``none``: no save.
-- ``copy``: each worker's share (its local tensors, found once: training updates
-  them in place) copied into buffers made beforehand (``Tensor.copy_``).
-- ``dcp``: ``torch.distributed.checkpoint.async_save`` with one reused pinned
-  ``DefaultStager`` (staged before the call returns on a CPU), its upload's
-  collectives on a gloo group of their own; as torchtitan does, its staging is
-  waited for before the next optimizer step and the previous save's upload
-  before the next save.
-- ``memory``: ``rayckpt.train.Checkpointer(memory_every=1).save(step, state,
-  persist=False)``: the memory tier, overlap by default (the optimizer's
-  tensors copied beside the next forward and backward; its step waits).
-- ``memory-sync``: the same with ``Checkpointer(overlap=False)``.
-
-A step's time is the slowest worker's (the save call to the optimizer step's end);
-reported per mode: its median and mean over the steps past each round's first
-and their ratios to ``none`` and ``copy``, the save call, the seconds waited
-before the optimizer step (DCP's staging; ``rayckpt.engine.overlap.waited``),
-and the memory saves skipped (``Checkpointer.memory_skipped``: the one before
-still unwritten). Run::
-
-    .venv/bin/python -m benchmarks.overlap step
-
-A run the docs cite goes to ``benchmarks/results/overlap_step_<hardware>_<yyyymmdd>.{md,json}``.
-"""
+"""A training loop's step time with a save every step and every 10 steps, rayckpt beside DCP and a bare copy."""
 
 from __future__ import annotations
 
@@ -132,11 +98,7 @@ class LoopSaves:
 
 
 def step_loop(config: dict[str, Any]) -> None:
-    """Each TorchTrainer worker: its share of the FSDP2 stack, then every interval's rounds; records to rank 0.
-
-    A step that saves saves first (the state the step before left), then trains: what an overlapped
-    copy costs the forward, backward and optimizer step beside it counts in the same step.
-    """
+    """Each TorchTrainer worker: its share of the FSDP2 stack, then every interval's rounds; records to rank 0."""
     import ray.train
     import torch.distributed as dist
 

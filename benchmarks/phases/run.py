@@ -1,23 +1,4 @@
-"""The first call as a user meets it: N ranks save, M ranks load, rayckpt beside DCP, with rayckpt's phases.
-
-A user's first call, beside the suite's method (``python -m benchmarks.suite``): the state is
-``get_state_dict`` of an FSDP2 model of ``nn.Linear(2048, 2048)`` layers with
-AdamW moments (``--layers``; 20 layers: 1.007 GB), or the suite's ``AppState``
-(``--state app``). Two views of every operation, DCP and rayckpt alternating:
-
-- ``fresh``: each operation in freshly spawned rank processes, as a job that saves
-  once pays it: the package and ``torch.distributed.checkpoint`` imported, nothing
-  else; the first call pays whatever it imports or caches.
-- ``steady``: the same processes repeat the operation (``--rounds`` times after
-  one untimed warm-up): what a training loop pays from its second save on.
-
-Each time is barrier to barrier, max over ranks; the load follows its save, so the
-page cache is warm (``--cold`` adds loads after evicting the files). For rayckpt,
-rank 0's ``SaveInfo.phases`` / ``LoadInfo.phases`` are kept: the
-per-phase rows of its result file (``benchmarks/results/phases_*``).
-
-    .venv/bin/python -m benchmarks.phases --layers 20 --rounds 3
-"""
+"""The first call as a user meets it: N ranks save, M ranks load, rayckpt beside DCP, with rayckpt's phases."""
 
 from __future__ import annotations
 

@@ -1,28 +1,4 @@
-"""What checkpointing to memory every step costs a training loop, against its anchors, in one run.
-
-One TorchTrainer run per scenario, 4 gloo CPU workers holding the 1 GB suite's FSDP2
-state (``workload.build_state``). The loop takes the recovery benchmark's steps
-(``recovery.loop.one_step``: an in-place update of every local shard, one all-reduce,
-a sleep standing in for forward and backward) in rounds; each round runs every mode
-for ``--steps`` steps, the order rotated from round to round:
-
-- ``none``: no checkpoint: the step itself.
-- ``copy``: the anchor: each worker copies its whole share once into buffers made
-  beforehand (``Tensor.copy_``), the least any in-memory checkpoint of it costs on
-  the CPU.
-- ``memory``: ``Checkpointer(memory_every=1).save(step, state, persist=False)``
-  (staged, written into the node's memory tier and, across nodes, copied to the
-  ring's peer node in the background; skipped while the one before is unwritten).
-
-Scenarios: ``one-node`` (a local Ray) and ``two-nodes`` (a ``ray.cluster_utils.Cluster``
-of a head and two 2-CPU worker nodes, each with its own ``RAYCKPT_SHM_DIR``: every shard
-file also goes to the other node). A step's time is the slowest worker's (start of the
-update to the end of the save); the table shows medians over every step of a mode
-past each round's first, and ratios to ``none`` and to ``copy``. ``--device cuda`` (one-node only):
-one worker per GPU, nccl, the state on the device, the anchor a copy into page-locked host buffers
-(a DMA, waited for). Run:
-``.venv/bin/python -m benchmarks.recovery memory-cost ``.
-"""
+"""What checkpointing to memory every step costs a training loop, against its anchors, in one run."""
 
 from __future__ import annotations
 

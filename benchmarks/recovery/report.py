@@ -1,14 +1,4 @@
-"""The recovery benchmark's arithmetic and tables: events in, phases and markdown out (nothing here measures).
-
-A repeat's events (``recovery.loop.append_event``: ``{"t": time.time(), "kind": ...}``
-from the workers, the controller and the driver) become its phases
-(``recovery_times``): kill -> failure noticed (the controller's ``after_exception``)
--> workers restarted (every worker of the new group entered the loop) -> state built
-(every worker begins ``Checkpointer.restore``: the model and optimizer made, the
-Checkpointer created) -> state restored (``restore`` returned on every worker) ->
-first step done (on every worker); and the steps re-done (done before the kill,
-minus the restored step). ``summarize`` reduces repeats, ``markdown`` writes the tables.
-"""
+"""The recovery benchmark's arithmetic and tables: events in, phases and markdown out (nothing here measures)."""
 
 from __future__ import annotations
 

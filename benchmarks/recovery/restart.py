@@ -1,38 +1,4 @@
-"""Recovery time under Ray Train, measured: where the time from a failure to the next step goes.
-
-A TorchTrainer run (gloo, CPU) on each of its workers builds the benchmark suite's
-FSDP2 state (``workload.build_state``: fp32 params + AdamW moments of ``--size-mb``
-MiB), calls ``Checkpointer().restore``, then steps, saving every ``--save-every``
-steps (``benchmarks.recovery.loop``). Once the ``--kill-after-save``-th save has
-committed and Ray Train has it (the controller's ``reported`` event) and
-``--steps-past`` more steps are done, the driver breaks the run:
-
-- ``worker-kill``: a local Ray (``ray.init(address="local")``), a fixed
-  ``--workers`` workers; rank ``--kill-rank``'s process is SIGKILLed;
-- ``node-removal``: a ``ray.cluster_utils.Cluster``: a head without training
-  resources and two worker nodes of ``--workers``/2 CPUs each (its own
-  ``RAYCKPT_SHM_DIR``; a custom resource keeps the workers there), storage a local
-  directory shared by the nodes (``local_is_shared``), ``ScalingConfig(num_workers=
-  (workers/2, workers))``; the node of rank ``--kill-rank`` is removed
-  (``Cluster.remove_node(allow_graceful=False)``: its raylet and every process on it
-  SIGKILLed, as when a machine dies) and the run goes on with the other node's workers.
-  Ray's default health checks (what users get); ``--fast-health-check`` adds a row
-  with faster GCS node health checks (the head's ``_system_config``) to show how
-  much of it is detection, ``--start-timeout-s S`` one with Ray Train's worker group
-  start timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, default 60 s) set to S.
-
-``FailureConfig(max_failures=1)``: Ray Train restarts the group, the Checkpointer
-restores the newest committed checkpoint (N -> M) and the run stops
-``--after-steps`` steps later. Phases (``recovery.report``): kill -> failure
-noticed (controller's ``after_exception``) -> workers restarted -> state built ->
-state restored -> first step done, plus the steps re-done; and the controller's
-own milestones (state changes, worker group shutdown and start).
-
-    PYTHONPATH=. .venv/bin/python -m benchmarks.recovery restart --size-mb 1024 --repeats 2
-
-Writes ``{out}/recovery.json`` and ``{out}/recovery.md`` (``--out``: ``bench_out/recovery``);
-``--markdown PATH`` writes the section there too.
-"""
+"""Recovery time under Ray Train, measured: where the time from a failure to the next step goes."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""How the recovery benchmark breaks a TorchTrainer run and times its recovery: one repeat per call.
-
-``run_repeat`` runs a fresh TorchTrainer (``recovery.loop.train_loop`` on every
-worker, ``NoticeCallback`` and ``ControllerTimeline`` in the controller) and, from a
-thread, waits for the kill point and breaks the run; ``worker_kill`` does it on a
-local Ray by SIGKILLing a worker, ``node_removal`` on a fresh ``Cluster`` per repeat
-by removing a worker node. ``recovery.restart`` is the command line around them.
-"""
+"""How the recovery benchmark breaks a TorchTrainer run and times its recovery: one repeat per call."""
 
 from __future__ import annotations
 
@@ -233,11 +226,7 @@ def worker_kill(args: argparse.Namespace, scenario: str = "worker-kill") -> list
 
 
 def node_removal(args: argparse.Namespace, scenario: str, system_config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each repeat on a fresh cluster of a head and two worker nodes, one of which is removed.
-
-    A fresh cluster, not a node added back: Ray Train's elastic policy may not see
-    a node added just before ``fit()`` and would start with fewer workers.
-    """
+    """Each repeat on a fresh cluster of a head and two worker nodes, one of which is removed."""
     return [node_removal_repeat(args, scenario, rep, system_config) for rep in range(args.repeats)]
 
 

@@ -1,21 +1,4 @@
-"""The scale benchmark's layout and rayckpt's side of it: synthetic metadata, no tensors.
-
-The layout (``gpt_layout``): the tensors of a 55-layer GPT (``rayckpt.examples.gpt``:
-d_model 4096, MLP 16384, vocabulary 50,304, 2,048 positions, tied head: 664
-parameters, 11.3 B) with AdamW's state, i.e. every parameter, its ``exp_avg`` and
-its ``exp_avg_sq``: 1,992 float32 tensors, keyed and nested as rayckpt and DCP
-see a ``{"model": ..., "optim": ...}`` state dict. Every tensor is dim-0 sharded
-over the ranks as FSDP2 does (``planning.load_plan.dim0_box``; empty boxes on the
-ranks past the last row, as ``torch.chunk`` leaves them).
-
-The rayckpt section below is the only place that calls rayckpt: the entry points
-the benchmark measures (``create_manifest``, ``commit_manifest``, ``read_manifest``,
-``create_save_plans``, ``ChunkTable`` + ``create_dim0_plans`` + ``BulkPlan.for_rank``,
-``create_load_plan``), fed what a real save would hand them: each rank's written
-chunks in a ``{save_id}-r{rank}-float.arrow`` file, byte offsets back to back
-(64-byte aligned) and one pseudo-random XXH3-64 value per checksum block of the
-library's default block size. Change these few functions when the entry points change.
-"""
+"""The scale benchmark's layout and rayckpt's side of it: synthetic metadata, no tensors."""
 
 from __future__ import annotations
 
@@ -74,10 +57,7 @@ def gpt_parameters(**shape: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 def gpt_layout(tensors: int = 1992, **shape: int) -> Layout:
-    """The first ``tensors`` tensors of the model + AdamW state dict (params, then each one's states).
-
-    ``shape`` overrides ``GPT_SHAPE`` fields (a smaller model for a real save).
-    """
+    """The first ``tensors`` tensors of the model + AdamW state dict (params, then each one's states)."""
     params = gpt_parameters(**{**GPT_SHAPE, **shape})
     wanted = params[: -(-tensors // (1 + len(OPTIM_STATES)))]
     paths = [("model", name) for name, _ in wanted]

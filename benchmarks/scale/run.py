@@ -1,41 +1,4 @@
-"""Thousands of ranks, metadata only: rayckpt side by side with DCP.
-
-The layout of ``layout.gpt_layout`` (1,992 float32 tensors: a 55-layer GPT and
-its AdamW state) dim-0 sharded over N ranks, for each N of ``--ranks``. No tensor
-data: each library's own code on the metadata a save of that layout produces
-(``layout`` for rayckpt, ``dcp`` for DCP). For each N, each step runs
-in a fresh process (``--worker``), so its peak memory is its own:
-
-- ``rayckpt_commit``: ``create_manifest`` (build + validate), then ``commit_manifest``
-  (encode + atomic write) into a local directory; its metadata files' bytes;
-- ``rayckpt_load``: ``read_manifest`` (read + decode + validate); one target rank's
-  ``create_load_plan`` for N -> N-1 and N -> N/2 (one rank without Ray = read + that);
-  the whole job's plans as on Ray (``ChunkTable.from_manifest`` + ``create_dim0_plans``);
-- ``rayckpt_save_plan``: ``create_save_plans`` over every rank's shards;
-- ``dcp_commit``: ``.metadata`` pickled to a file (+ fsync), as ``FileSystemWriter.finish``;
-- ``dcp_load``: unpickle ``.metadata``; ``create_default_local_load_plan`` for one target
-  rank's DTensors; the whole job = every target rank's local plan, summed (or the
-  median of ``--dcp-sample-ranks`` ranks x the ranks, "est.", when the sum would
-  pass ``--budget-s``);
-- ``dcp_save_plan``: ``DefaultSavePlanner.create_global_plan`` over N local plans,
-  uncached, and cached (``enable_plan_caching=True``: its second save, where every
-  rank sends an unchanged-plan marker). When the uncached plan would pass
-  ``--budget-s`` (its validation is quadratic in N for tensors wider than tall),
-  it is timed per shape on one tensor of each shape and summed over the tensors
-  ("est."), and the cache is filled with those plans (the cached path's cost does
-  not depend on what the cache holds).
-
-Seconds are CPU seconds of the step's process (wall seconds in the JSON); memory is
-the peak RSS above the RSS before the step (sampled every 20 ms). Growth exponents:
-least squares on log-log over the N points. A system's manifest steps whose process
-would not fit in ``--max-gib`` (or the memory available less 3 GiB), at
-``BYTES_PER_CHUNK``, run on every k-th tensor of each shape and scale their bytes,
-seconds and memory by the chunk ratio ("est."): the machine is shared.
-
-    .venv/bin/python -m benchmarks.scale --ranks 64,256,1024,4096 --tensors 1992
-
-Writes ``{out}/bench_scale.json``, ``{out}/bench_scale.md`` and ``{out}/bench_scale.png``.
-"""
+"""Thousands of ranks, metadata only: rayckpt side by side with DCP."""
 
 from __future__ import annotations
 
@@ -307,10 +270,7 @@ def mem_available() -> int:
 
 
 def tensor_stride(system: str, n: int, args: argparse.Namespace) -> int:
-    """1, or the stride of tensors a system's manifest steps sample when the whole would not fit in memory.
-
-    The room: ``--max-gib``, or what the machine has available less 3 GiB if that is less.
-    """
+    """1, or the stride of tensors a system's manifest steps sample when the whole would not fit in memory."""
     need = BYTES_PER_CHUNK[system] * lay.chunk_count(lay.gpt_layout(args.tensors), n)
     room = min(args.max_gib * GIB, mem_available() - 3 * GIB)
     return max(1, int(-(-need // max(room, GIB))))

@@ -1,15 +1,4 @@
-"""What the suite's gloo ranks run, on a local disk or an S3 endpoint alike, and how their records reduce.
-
-``save_worker`` (``--save-ranks`` ranks) builds the FSDP2 state, joins the driver's Ray, warms
-every code path on a tiny state and makes its staging buffer, then per repeat saves with every
-system of its storage, the order rotating from repeat to repeat, each timed barrier to barrier by
-``harness.measure``. ``load_worker`` (the M ranks of an N->M reshard) builds a differently seeded
-state and loads every checkpoint it is given, the first load of each system into a zeroed state
-checked bit-exact against the saved checksums; it can then save the M-rank checkpoints a later
-reshard reads. Locally, the checkpoint's files are dropped from the page cache before each load
-(the ``_warm`` systems read them into it first); on S3, rank 0 reads the server's request counts
-around each operation (``s3_counter``).
-"""
+"""What the suite's gloo ranks run, on a local disk or an S3 endpoint alike, and how their records reduce."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The suite's report: targets as data, the Markdown tables and a chart of the target ratios.
-
-Nothing here measures: it turns what ``python -m benchmarks.suite`` assembled into each size's
-target rows (``targets``), the run's Markdown (``markdown``) and a PNG (``write_chart``,
-matplotlib, imported only there: the chart is optional).
-"""
+"""The suite's report: targets as data, the Markdown tables and a chart of the target ratios."""
 
 from __future__ import annotations
 

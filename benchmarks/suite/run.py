@@ -1,25 +1,5 @@
 """The benchmark suite: rayckpt against torch DCP, torch.save and the raw disk, on a local disk or on
-an S3 endpoint, through one code path.
-
-For each state size (``common.workload``'s FSDP2 state: fp32 params + AdamW moments in uneven
-``Linear`` layers), on ``--save-ranks`` gloo ranks, the systems alternated within each repeat:
-
-- saves: ``rayckpt.save``; ``rayckpt.ray.save_async`` from ranks joined to a local Ray the driver
-  starts (stall = ``SaveHandle.stall_seconds``, commit = until ``handle.wait()``); ``dcp.save``;
-  locally also ``dcp.async_save``, ``torch.save`` of the full state on rank 0 and the raw disk;
-- loads, for each reshard N->M: M fresh ranks load the rayckpt and DCP checkpoints of N ranks
-  (locally the page cache dropped before each, and warm; 4->1 also ``torch.load``; on S3 DCP also
-  with s3fs's read-ahead off). 2-rank checkpoints are saved by the 4->2 ranks after their loads.
-
-``--storage s3`` starts moto's S3 server behind a request-counting middleware (``s3_counter``).
-Then (locally) planning at scale, no I/O: ``python -m benchmarks.micro plan`` in its own process.
-
-    .venv/bin/python -m benchmarks.suite --sizes-mb 256,1024 --repeats 3
-    .venv/bin/python -m benchmarks.suite --storage s3 --sizes-mb 256,1024 --repeats 3
-
-Writes ``{out}/bench_suite.{json,md,png}`` (``bench_s3.*`` on S3) and the ranks' records as
-``.samples.json``; ``--out`` is ``bench_out/suite`` (``bench_out/s3``), outside git.
-"""
+an S3 endpoint, through one code path."""
 
 from __future__ import annotations
 

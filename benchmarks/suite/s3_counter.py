@@ -1,21 +1,4 @@
-"""moto's S3 server with a counting middleware: requests and body bytes per kind, read over HTTP.
-
-``python -m benchmarks.suite.s3_counter -H 127.0.0.1 -p PORT`` serves moto's WSGI app
-as ``python -m moto.server`` does (werkzeug, a thread per connection, moto's
-request handler), so ``rayckpt.testing.s3_server.start_moto_server(...,
-module="benchmarks.suite.s3_counter")`` starts it like the plain server; plain ranged
-GETs are answered from the range of the stored object (``range_in_place``; moto's
-own path reads the whole object per GET: ``--moto-ranges``). Every request
-is counted by kind (``GET_object`` / ``GET_list`` / ``HEAD`` / ``PUT`` / ``POST`` /
-``DELETE``): requests, response body bytes the server wrote (``bytes_out``),
-responses cut short because the client hung up (``aborted``), the server's time
-from a request's arrival in the app to its last byte written (``service_us``),
-request body bytes (``bytes_in``, from the headers), ranged GETs (``ranged``; served
-in place: ``in_place``) and the bodies' sizes by power of two. ``GET /_counts`` (not
-a valid bucket name, so never an S3 request) returns the
-running totals as JSON; a benchmark diffs two snapshots around an operation, so
-both systems under test are counted by the server, the same way.
-"""
+"""moto's S3 server with a counting middleware: requests and body bytes per kind, read over HTTP."""
 
 from __future__ import annotations
 
@@ -34,13 +17,7 @@ SETTLE_TIMEOUT_S = 30.0
 
 
 class CountingApp:
-    """WSGI middleware: counts each request to ``app`` by kind, with the bytes of its bodies.
-
-    ``ranges_in_place``: serve a plain ranged GetObject (``bytes=a-b``, no query, no
-    conditions) by reading just that range of moto's stored object, instead of moto's
-    own path, which reads (and copies) the whole object for every ranged GET: that
-    makes a GET's cost grow with its object, not its range, unlike a real store.
-    """
+    """WSGI middleware: counts each request to ``app`` by kind, with the bytes of its bodies."""
 
     def __init__(self, app: Any, ranges_in_place: bool = False) -> None:
         self.app = app
