@@ -18,10 +18,6 @@ MIB = 2**20
 SAMPLE_INTERVAL_S = 0.005
 
 
-# ---------------------------------------------------------------------------
-# Memory sampling
-
-
 _MEM_FIELDS = {b"VmRSS:": "rss", b"RssAnon:": "anon", b"RssFile:": "file", b"RssShmem:": "shmem"}
 
 
@@ -146,10 +142,6 @@ def mem_summary(recs_by_rank: list[list[dict[str, Any]]], label: str, own: list[
     }
 
 
-# ---------------------------------------------------------------------------
-# Timing one operation on the ranks
-
-
 def proc_io() -> dict[str, int]:
     """This process's I/O counters (read_bytes / write_bytes: what reached the block layer)."""
     try:
@@ -272,10 +264,6 @@ def connect_ray(address: str) -> None:
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, namespace="rayckpt-bench")
 
 
-# ---------------------------------------------------------------------------
-# Statistics
-
-
 def summary(values: list[float], nbytes: int | None = None) -> dict[str, Any]:
     med = statistics.median(values)
     out = {"values": values, "median": med, "min": min(values), "max": max(values)}
@@ -297,10 +285,6 @@ def target(name: str, measured: float | None, threshold: float, higher_is_better
         "met": met,
         "how": how,
     }
-
-
-# ---------------------------------------------------------------------------
-# CPU and load of the machine during a run
 
 
 def busy_jiffies() -> int:
@@ -391,10 +375,6 @@ def load_sampled(report: dict[str, Any]) -> Iterator[None]:
         sampler.join()
     report["load_average_1min"] = load_average(before, samples)
     report["total_runtime_s"] = time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------------------
-# Partial results and formatting
 
 
 #: Keys of a report that hold raw samples: written to ``<name>.samples.json``, not to the summary.

@@ -70,10 +70,6 @@ def local(path: str) -> tuple[Where, str]:
     return Where(os.path.dirname(path) or "."), os.path.basename(path)
 
 
-# ---------------------------------------------------------------------------
-# Saves and loads
-
-
 def rayckpt_save(state: Any, where: Where, rel: str, **kwargs: Any) -> Any:
     import rayckpt
 

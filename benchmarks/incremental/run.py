@@ -25,10 +25,6 @@ FROZEN = {"dense": 0.0, "frozen70": 0.70, "lora99": 0.99}
 SHARED = ".rayckpt-shared"
 
 
-# ---------------------------------------------------------------------------
-# On the ranks
-
-
 def layout(kind: str, size_mb: float) -> dict[str, Any]:
     """The layers of a state: frozen (rows, cols), trained (rows, cols), and the adapters' rank (lora99)."""
     frozen_mb = size_mb * FROZEN[kind]

@@ -13,10 +13,6 @@ STALL_OVER_DCP = 0.25
 STALL_SECONDS = 0.03
 
 
-# ---------------------------------------------------------------------------
-# stall
-
-
 #: What each mode of ``stall`` does, for its table.
 STALL_MODES = {
     "copy": "every local tensor copied into host buffers allocated beforehand",
@@ -129,10 +125,6 @@ def stall_markdown(report: dict[str, Any]) -> str:
     if report.get("notes"):
         lines += [""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------
-# step
 
 
 #: What each mode of ``step`` does, for its table.

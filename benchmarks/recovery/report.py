@@ -192,10 +192,6 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------------
-# Markdown
-
-
 def markdown(report: dict[str, Any]) -> str:
     """The recovery section: the run, a phase table, the controller's timeline, the method."""
     c = report["config"]

@@ -30,10 +30,6 @@ FAST_HEALTH_CHECK = {
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
-# ---------------------------------------------------------------------------
-# One repeat
-
-
 def make_trainer(
     args: argparse.Namespace, run: str, events: str, num_workers: Any, resources: dict, shared: bool, memory_every: int
 ):
@@ -167,10 +163,6 @@ def run_repeat(args: argparse.Namespace, scenario: str, rep: int, kill: Callable
         flush=True,
     )
     return times
-
-
-# ---------------------------------------------------------------------------
-# The scenarios
 
 
 def start_metadata_actor() -> None:

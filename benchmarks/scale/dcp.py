@@ -161,10 +161,6 @@ def read_metadata(directory: str) -> Metadata:
     return metadata
 
 
-# ---------------------------------------------------------------------------
-# Global save plan, with and without the plan cache
-
-
 def global_plan(plans: list[SavePlan], caching: bool = False) -> tuple[list[SavePlan], Metadata]:
     """``DefaultSavePlanner.create_global_plan`` (dedup, metadata, validation) on the coordinator."""
     return DefaultSavePlanner(enable_plan_caching=caching).create_global_plan(plans)
@@ -192,10 +188,6 @@ def hydrate_plan_cache(plans: list[SavePlan]) -> None:
 def unchanged_plans(world_size: int) -> list[SavePlan]:
     """What every rank sends once its local plan equals its cached one (``create_local_plan``)."""
     return [SavePlan([], usable=False)] * world_size
-
-
-# ---------------------------------------------------------------------------
-# Load plans on a fake process group
 
 
 @contextlib.contextmanager
@@ -239,10 +231,6 @@ def local_load_plan(state: dict[str, Any], metadata: Metadata) -> Any:
 
 def load_items(plan: Any) -> int:
     return len(plan.items)
-
-
-# ---------------------------------------------------------------------------
-# The same Metadata through DCP's own planner (a check of ``build_metadata`` at a few ranks)
 
 
 def _gathered(obj: Any) -> Any:

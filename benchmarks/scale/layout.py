@@ -99,10 +99,6 @@ def metadata_bytes(directory: str, shard_file: Any = None) -> dict[str, int]:
     return out
 
 
-# ---------------------------------------------------------------------------
-# rayckpt: the entry points measured, and what a save hands them
-
-
 def rayckpt_block_size(layout: Layout) -> int:
     """The block size a save of ``layout`` picks (``auto_block_size`` of the whole state)."""
     from rayckpt.format.shard_file import auto_block_size

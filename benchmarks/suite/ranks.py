@@ -49,10 +49,6 @@ def counted(op: Any, rank: int, where: Where, pids: dict[str, int], interval: fl
     return rec
 
 
-# ---------------------------------------------------------------------------
-# Saves
-
-
 def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One save rank: every repeat of every save system; its records for ``save_report``."""
     import_rayckpt()
@@ -162,10 +158,6 @@ def connect_actors(address: str, rank: int, me: dict[str, int]) -> dict[str, int
     return pids
 
 
-# ---------------------------------------------------------------------------
-# Loads
-
-
 def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One load rank of an N->M reshard: every repeat of every load system in ``cfg["sources"]``."""
     import_rayckpt()
@@ -221,10 +213,6 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
         systems.dcp_save(state, where, resave["dcp"])
     dist.barrier()
     return out
-
-
-# ---------------------------------------------------------------------------
-# On the driver
 
 
 def server_summary(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
