@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from benchmarks.common.harness import fmt, load_sampled, summary, table, write_report
+from benchmarks.common.raytrain import trainer
 from benchmarks.common.workload import layer_shapes
 from benchmarks.hosts.common import (
     HOST_ENV,
@@ -34,8 +35,6 @@ def restore_all(config: dict[str, Any]) -> dict[str, Any]:
     import logging
 
     import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from benchmarks.recovery.memory_cost import cost_loop
 
@@ -52,12 +51,8 @@ def restore_all(config: dict[str, Any]) -> dict[str, Any]:
         "s3_uri": config["s3_uri"],
         "restore_from": list(SOURCES),
     }
-    TorchTrainer(
-        cost_loop,
-        train_loop_config=loop,
-        scaling_config=ScalingConfig(num_workers=config["workers"], resources_per_worker={"CPU": config["cpus"]}),
-        run_config=RunConfig(storage_path=config["storage"], name=f"hosts-restore-{time.time_ns()}"),
-    ).fit()
+    resources = {"CPU": config["cpus"]}
+    trainer(cost_loop, loop, config["workers"], config["storage"], resources=resources).fit()
     return {}
 
 

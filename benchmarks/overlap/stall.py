@@ -16,8 +16,8 @@ import torch
 
 from benchmarks.common import systems
 from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.common.raytrain import fit, gather_records, new_ray
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
-from benchmarks.overlap.ranks import fit, gather_records, init_ray, read_records
 from benchmarks.overlap.report import stall_markdown, stall_targets, summarize_stall
 
 SCENARIOS = ("one-process", "four-ranks")
@@ -163,22 +163,17 @@ def run_rounds(saver: Saver, model: Any, optim: Any, x: torch.Tensor, args: dict
 
 def one_process(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> tuple[list[dict], dict[str, str]]:
     """The whole state in this process (on ``--device``), in a new local Ray."""
-    import ray
-
     if args.device.startswith("cuda"):
         torch.cuda.set_device(0)
     shape = stack_shape(args.size_gb, args.layers)
     model, optim, app = build(shape, args.device)
-    init_ray(args.workers, args.ray_logs)
-    try:
+    with new_ray(args.workers, logs=args.ray_logs):
         saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}")
         try:
             records = run_rounds(saver, model, optim, batch(shape, args.batch, args.device), vars(args), root)
         finally:
             saver.close()
         return records, saver.failed
-    finally:
-        ray.shutdown()
 
 
 def ranks_loop(config: dict[str, Any]) -> None:
@@ -200,17 +195,14 @@ def ranks_loop(config: dict[str, Any]) -> None:
 
 
 def four_ranks(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> list[dict]:
-    result = os.path.join(args.out, "overlap_stall.ranks.json")
     config = {
         "shape": asdict(stack_shape(args.size_gb, args.layers)),
         "modes": [m for m in modes if m != "dcp-async-staging"],
         "run": f"overlap-stall-ranks-{time.time_ns()}",
         "root": root,
-        "result": result,
         **{k: getattr(args, k) for k in ("batch", "reshard_after_forward", "rounds", "warmup")},
     }
-    fit(ranks_loop, config, args.workers, args.out, args.ray_logs)
-    return read_records(result)
+    return fit(ranks_loop, config, args.workers, args.out, args.ray_logs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -13,8 +13,8 @@ from typing import Any
 
 from benchmarks.common import systems
 from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.common.raytrain import fit, gather_records
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
-from benchmarks.overlap.ranks import fit, gather_records, read_records
 from benchmarks.overlap.report import step_markdown, summarize_step
 
 MODES = ("none", "copy", "dcp", "memory", "memory-sync")
@@ -189,20 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
     }
     root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-step-", dir=args.dir)
-    result = os.path.join(args.out, "overlap_step.ranks.json")
     config = {
         "shape": asdict(shape),
         "modes": modes,
         "root": root,
-        "result": result,
         **{k: getattr(args, k) for k in ("batch", "reshard_after_forward", "every", "rounds", "steps")},
     }
     try:
         with load_sampled(report):
-            fit(step_loop, config, args.workers, args.out, args.ray_logs)
+            report["records"] = fit(step_loop, config, args.workers, args.out, args.ray_logs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report["records"] = read_records(result)
     report["summary"] = summarize_step(report["records"])
     md = step_markdown(report)
     write_report(args.out, "overlap_step", report, md, args.markdown)

@@ -9,17 +9,8 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
+from benchmarks.common.raytrain import append_event
 from rayckpt.train import RayckptCallback
-
-
-def append_event(path: str, kind: str, **data: Any) -> None:
-    """One JSON line ``{"t": time.time(), "kind": kind, ...}``, appended with one write (O_APPEND)."""
-    line = json.dumps({"t": time.time(), "kind": kind, **data}) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
 
 
 def prior_entries(path: str, rank: int) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from typing import Any
 
@@ -53,13 +52,6 @@ MILESTONE_LABELS = {
 
 class RecoveryEventsError(ValueError):
     """A repeat's events do not describe one kill and one complete recovery."""
-
-
-def read_events(path: str) -> list[dict[str, Any]]:
-    """The events of one repeat, in time order."""
-    with open(path) as f:
-        events = [json.loads(line) for line in f if line.strip()]
-    return sorted(events, key=lambda e: e["t"])
 
 
 def _one(values: set[Any], what: str) -> Any:
