@@ -17,7 +17,7 @@ from benchmarks.common.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_sampled
 from benchmarks.common.systems import Where
 from benchmarks.common.workload import layer_shapes
 from benchmarks.suite.ranks import load_report, load_worker, save_report, save_worker
-from benchmarks.suite.report import MEM_BUFFER_BYTES, markdown, targets, write_chart
+from benchmarks.suite.report import MEM_BUFFER_BYTES, markdown, targets
 from rayckpt.testing.multiproc import run_ranks
 
 BUCKET = "rayckpt-bench"
@@ -123,13 +123,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reshards-at", action="append", default=[], help="SIZE=N:M,... : other reshards for one size")
     p.add_argument("--out", default=None, help="directory for the report (default: bench_out/suite, bench_out/s3)")
     p.add_argument("--markdown", default=None, help="also write the tables here")
-    p.add_argument("--chart", default=None, help="PNG of the target ratios (default: {out}/bench_suite.png)")
     p.add_argument("--mem-interval-ms", type=float, default=SAMPLE_INTERVAL_S * 1000, help="RSS sampling period")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of the first loads")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints under --out (local)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per group of ranks")
     p.add_argument("--plan-scale", default="1024x2000x1000", help="planning, SAVEDxTENSORSxTARGET ('none': skip)")
-    p.add_argument("--moto-ranges", action="store_true", help="S3: ranged GETs through moto's own path")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -150,7 +148,6 @@ def s3_endpoint(stack: ExitStack, args: argparse.Namespace) -> tuple[Any, dict[s
         BUCKET,
         module="benchmarks.suite.s3_counter",
         env={"PYTHONPATH": path},
-        args=["--moto-ranges"] if args.moto_ranges else [],
     )
     stack.callback(server.stop)
     return server.endpoint, {n: version(n) for n in ("moto", "s3fs", "aiobotocore", "fsspec")}
@@ -193,9 +190,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[suite] {size_mb:g}MB done in {result['runtime_s']:.0f}s", flush=True)
     if args.storage == "local" and args.plan_scale.lower() != "none":
         report["plan"] = run_plan_bench(args.plan_scale, args.out, args.repeats)
-    png = os.path.abspath(args.chart or os.path.join(args.out, f"{name}.png"))
-    if write_chart(report, png):
-        report["chart"] = os.path.relpath(png, REPO_ROOT) if png.startswith(str(REPO_ROOT) + os.sep) else png
     report["samples"] = samples
     md = markdown(report)
     write_report(args.out, name, report, md, args.markdown)

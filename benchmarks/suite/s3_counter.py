@@ -19,9 +19,8 @@ SETTLE_TIMEOUT_S = 30.0
 class CountingApp:
     """WSGI middleware: counts each request to ``app`` by kind, with the bytes of its bodies."""
 
-    def __init__(self, app: Any, ranges_in_place: bool = False) -> None:
+    def __init__(self, app: Any) -> None:
         self.app = app
-        self.ranges_in_place = ranges_in_place
         self.lock = threading.Condition()
         self.counts: dict[str, dict[str, int]] = {}
         self.in_flight = 0
@@ -43,7 +42,7 @@ class CountingApp:
         ranged = bool(environ.get("HTTP_RANGE"))
         try:
             body = None
-            if kind == "GET_object" and ranged and self.ranges_in_place:
+            if kind == "GET_object" and ranged:
                 body = range_in_place(environ, start_response)
             in_place = body is not None
             if body is None:
@@ -201,17 +200,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("-H", "--host", default="127.0.0.1")
     parser.add_argument("-p", "--port", type=int, required=True)
-    parser.add_argument(
-        "--moto-ranges", action="store_true", help="ranged GETs through moto's own path (whole object per GET)"
-    )
-    parser.add_argument("--nagle", action="store_true", help="leave Nagle's algorithm on (werkzeug's default)")
     args = parser.parse_args(argv)
-    app = CountingApp(DomainDispatcherApplication(create_backend_app), ranges_in_place=not args.moto_ranges)
+    app = CountingApp(DomainDispatcherApplication(create_backend_app))
 
     class Handler(MotoRequestHandler):
         # TCP_NODELAY: werkzeug writes a response's headers and body separately; with Nagle's algorithm
         # the body waits for the client's delayed ACK (40 ms on Linux) on every request.
-        disable_nagle_algorithm = not args.nagle
+        disable_nagle_algorithm = True
 
     run_simple(args.host, args.port, app, threaded=True, request_handler=Handler)
 
