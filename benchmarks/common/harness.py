@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -234,6 +235,7 @@ def machine_info() -> dict[str, Any]:
     import platform
 
     import pyarrow
+    import ray
     import torch
 
     import rayckpt
@@ -241,11 +243,24 @@ def machine_info() -> dict[str, Any]:
     return {
         "nproc": os.cpu_count(),
         "torch": torch.__version__,
+        "ray": ray.__version__,
         "pyarrow": pyarrow.__version__,
         "rayckpt": rayckpt.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "mem_total_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+    }
+
+
+def new_report(command: str, argv: list[str] | None, **fields: Any) -> dict[str, Any]:
+    """What every report starts with: its command line (``command``: ``benchmarks.<group> [sub-command]``,
+    then ``argv``), the date (UTC) and the machine; then ``fields``."""
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "command": " ".join([".venv/bin/python -m", command, *args]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine_info(),
+        **fields,
     }
 
 

@@ -6,7 +6,6 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 
 from benchmarks.common import systems
 from benchmarks.common.diskio import evict, files_under, warm_up
-from benchmarks.common.harness import import_rayckpt, machine_info, run_line, sync, timed, write_report
+from benchmarks.common.harness import import_rayckpt, new_report, run_line, sync, timed, write_report
 from benchmarks.common.systems import Where
 
 #: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP stager measured.
@@ -197,17 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(root, exist_ok=True)
     state = make_state(args.device, args.size_gb, args.tensors)
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
-    report: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.gpu", *(sys.argv[1:] if argv is None else argv)]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {
-            **machine_info(),
-            "ray": ray.__version__,
-            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        },
-        "args": vars(args),
-        "state_bytes": nbytes,
-    }
+    report = new_report("benchmarks.gpu", argv, args=vars(args), state_bytes=nbytes)
+    report["machine"]["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     try:
         report["copy"] = copy_limit(state, args.device, args.repeats)
         report["dcp"] = dcp_saves(state, args.device, root, args.repeats)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common.cli import OUT
-from benchmarks.common.harness import machine_info, run_line
+from benchmarks.common.harness import run_line
 from testbed.hosts import Host, hosts_unavailable
 
 #: The repository's root: the drivers on the hosts run there.
@@ -32,18 +31,6 @@ def require_hosts() -> None:
     reason = hosts_unavailable()
     if reason is not None:
         raise SystemExit(f"benchmarks.hosts: {reason}")
-
-
-def new_report(sub: str, argv: list[str] | None) -> dict[str, Any]:
-    """The fields every hosts report starts with: command, date, machine and versions."""
-    import ray
-
-    args = sys.argv[1:] if argv is None else argv
-    return {
-        "command": " ".join([".venv/bin/python", "-m", "benchmarks.hosts", sub, *args]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {**machine_info(), "ray": ray.__version__},
-    }
 
 
 def head_lines(report: dict[str, Any], title: str) -> list[str]:

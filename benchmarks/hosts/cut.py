@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, rotated, table, write_report
-from benchmarks.hosts.common import HOST_ENV, ROOT, add_common_args, head_lines, new_report, require_hosts
+from benchmarks.common.harness import load_sampled, new_report, rotated, table, write_report
+from benchmarks.hosts.common import HOST_ENV, ROOT, add_common_args, head_lines, require_hosts
 from testbed.host_jobs import HostJob
 from testbed.ray_hosts import TUNED_HEALTH_CHECKS
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     require_hosts()
     os.makedirs(args.out, exist_ok=True)
-    report = new_report("cut", argv)
+    report = new_report("benchmarks.hosts cut", argv)
     report.update(
         settings={s: SETTINGS[s] for s in args.settings},
         extra_env=args.env,

@@ -8,14 +8,13 @@ import os
 import sys
 from typing import Any
 
-from benchmarks.common.harness import MIB, fmt, load_sampled, rotated, summary, table, write_report
+from benchmarks.common.harness import MIB, fmt, load_sampled, new_report, rotated, summary, table, write_report
 from benchmarks.hosts.common import (
     HOST_ENV,
     ON_HOST,
     add_common_args,
     connect,
     head_lines,
-    new_report,
     node_id_of,
     require_hosts,
     run_on_host,
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ray's copy holds the file in both nodes' object stores; the store's budget (half the tmpfs) holds the replica.
     object_store_mb = max(256, 2 * biggest)
     shm_mb = object_store_mb + 2 * biggest + 256
-    report = new_report("replicas", argv)
+    report = new_report("benchmarks.hosts replicas", argv)
     report.update(repeats=args.repeats, sizes_mb=args.sizes)
     report["cluster"] = {"hosts": 2, "num_cpus": args.num_cpus, "shm_mb": shm_mb, "object_store_mb": object_store_mb}
     with load_sampled(report):

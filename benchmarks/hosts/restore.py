@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common.harness import fmt, load_sampled, summary, table, write_report
+from benchmarks.common.harness import fmt, load_sampled, new_report, summary, table, write_report
 from benchmarks.common.raytrain import trainer
 from benchmarks.common.workload import layer_shapes
 from benchmarks.hosts.common import (
@@ -19,7 +19,6 @@ from benchmarks.hosts.common import (
     ON_HOST,
     add_common_args,
     head_lines,
-    new_report,
     require_hosts,
     run_on_host,
 )
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     object_store_mb = 256
     # Each host holds its share, a peer's share (the replica) and its workers' staging buffers in its /dev/shm.
     shm_mb = object_store_mb + int(2 * args.size_mb) + 256
-    report = new_report("restore", argv)
+    report = new_report("benchmarks.hosts restore", argv)
     report.update(
         state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
         workers=args.workers,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from typing import Any
@@ -14,7 +13,7 @@ import torch.nn as nn
 
 from benchmarks.common import systems
 from benchmarks.common.diskio import dir_bytes, evict, files_under, warm_up
-from benchmarks.common.harness import MIB, load_sampled, machine_info, rotated, write_report
+from benchmarks.common.harness import MIB, load_sampled, new_report, rotated, write_report
 from benchmarks.common.workload import layer_shapes
 from benchmarks.incremental.report import SAVERS, markdown, merge, summarize_chain, summarize_state, targets
 from rayckpt.testing.multiproc import run_ranks
@@ -272,15 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first save and a steady one)")
     os.makedirs(args.out, exist_ok=True)
-    argv_shown = sys.argv[1:] if argv is None else argv
-    report: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.incremental", *argv_shown]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine_info(),
-        "config": vars(args),
-        "layouts": {s: layout_bytes(s, args.size_mb) for s in dict.fromkeys([*states, "frozen70"])},
-        "states": {},
-    }
+    layouts = {s: layout_bytes(s, args.size_mb) for s in dict.fromkeys([*states, "frozen70"])}
+    report = new_report("benchmarks.incremental", argv, config=vars(args), layouts=layouts, states={})
     raw: dict[str, Any] = {}
     with load_sampled(report):
         for state in states:

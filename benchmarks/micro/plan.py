@@ -9,13 +9,12 @@ rank's plan (``BulkPlan.for_rank``); memory is ``tracemalloc``'s peak of one mor
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common.harness import MIB, machine_info, sampled, table, write_report
+from benchmarks.common.harness import MIB, new_report, sampled, table, write_report
 from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import ChunkTable
@@ -138,12 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.repeats, args.saved_ranks, args.target_ranks, args.tensors) < 1:
         parser.error("--repeats and the rank and tensor counts must be >= 1")
-    report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "-m", "benchmarks.micro", "plan", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "machine": machine_info(),
-    }
+    report = new_report("benchmarks.micro plan", argv, config={k: v for k, v in vars(args).items() if k != "out"})
     report.update(run(args))
     md = markdown(report)
     write_report(args.out, "bench_plan", report, md)

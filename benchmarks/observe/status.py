@@ -7,10 +7,18 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, machine_info, rotated, run_line, summary, table, timed, write_report
+from benchmarks.common.harness import (
+    load_sampled,
+    new_report,
+    rotated,
+    run_line,
+    summary,
+    table,
+    timed,
+    write_report,
+)
 from testbed.ray_head import BIN, ray_head
 
 COMMANDS = {
@@ -36,13 +44,7 @@ def run_command(cmd: list[str], env: dict[str, str]) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python -m benchmarks.observe status", *argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine_info(),
-        "repeats": args.repeats,
-        "times": {},
-    }
+    report = new_report("benchmarks.observe status", argv, repeats=args.repeats, times={})
     with (
         tempfile.TemporaryDirectory(prefix="rk-observe-") as tmp,
         ray_head(os.path.join(tmp, "ray"), num_cpus=2) as head,

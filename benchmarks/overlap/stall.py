@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import systems
-from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records, new_ray
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
 from benchmarks.overlap.report import stall_markdown, stall_targets, summarize_stall
@@ -239,27 +238,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)  # the workers run in another directory
-    import ray
 
     os.makedirs(args.out, exist_ok=True)
     cuda = args.device == "cuda"
     modes = tuple(args.modes.split(",")) if args.modes else (CUDA_MODES if cuda else CPU_MODES)
     shape = stack_shape(args.size_gb, args.layers)
-    report: dict[str, Any] = {
-        "command": "python -m benchmarks.overlap stall " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {
-            **machine_info(),
-            "ray": ray.__version__,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-        },
-        "args": vars(args),
-        "shape": asdict(shape),
-        "state_bytes": shape.state_bytes,
-        "modes": list(modes),
-        "records": {},
-        "errors": {},
-    }
+    report = new_report(
+        "benchmarks.overlap stall",
+        argv,
+        args=vars(args),
+        shape=asdict(shape),
+        state_bytes=shape.state_bytes,
+        modes=list(modes),
+        records={},
+        errors={},
+    )
+    report["machine"]["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-", dir=args.dir)
     try:
         with load_sampled(report):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
 
 from benchmarks.common import systems
-from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
 from benchmarks.overlap.report import step_markdown, summarize_step
@@ -172,22 +171,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)  # the workers run in another directory
-    import ray
 
     os.makedirs(args.out, exist_ok=True)
     modes = args.modes.split(",")
     notes = []
     shape = stack_shape(args.size_gb, args.layers)
-    report: dict[str, Any] = {
-        "command": "python -m benchmarks.overlap step " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {**machine_info(), "ray": ray.__version__, "device": "cpu"},
-        "args": vars(args),
-        "shape": asdict(shape),
-        "state_bytes": shape.state_bytes,
-        "modes": modes,
-        "notes": notes,
-    }
+    report = new_report(
+        "benchmarks.overlap step",
+        argv,
+        args=vars(args),
+        shape=asdict(shape),
+        state_bytes=shape.state_bytes,
+        modes=modes,
+        notes=notes,
+    )
     root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-step-", dir=args.dir)
     config = {
         "shape": asdict(shape),

@@ -6,14 +6,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
 from benchmarks.common import systems
 from benchmarks.common.diskio import evict, files_under
-from benchmarks.common.harness import load_sampled, machine_info, table, timed, write_report
+from benchmarks.common.harness import load_sampled, new_report, table, timed, write_report
 from rayckpt.testing.multiproc import run_ranks
 
 SYSTEMS = ("dcp", "rayckpt")
@@ -101,14 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [("load", False)] + ([("cold load", True)] if args.cold else [])
     results: dict[str, dict[str, list[dict]]] = {}
     began = time.time()
-    report: dict[str, Any] = {
-        "command": "python -m benchmarks.phases " + " ".join(argv or sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
-        "machine": machine_info(),
-        "state_bytes": nbytes,
-        "config": vars(args),
-        "results": results,
-    }
+    report = new_report("benchmarks.phases", argv, state_bytes=nbytes, config=vars(args), results=results)
     try:
         with load_sampled(report):
             for rnd in range(args.rounds):

@@ -6,11 +6,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
-from benchmarks.common.harness import fmt, load_sampled, machine_info, rotated, run_line, summary, table, write_report
+from benchmarks.common.harness import (
+    fmt,
+    load_sampled,
+    new_report,
+    rotated,
+    run_line,
+    summary,
+    table,
+    write_report,
+)
 from benchmarks.common.raytrain import append_event, new_ray, trainer
 from benchmarks.common.workload import layer_shapes
 
@@ -264,20 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out = os.path.abspath(args.out)  # the workers run in another directory
     os.makedirs(args.out, exist_ok=True)
     shapes = layer_shapes(args.size_mb)
-    report: dict[str, Any] = {
-        "command": "python -m benchmarks.recovery memory-cost " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine_info(),
-        "state_bytes": 12 * sum(rows * cols + rows for rows, cols in shapes),
-        "workers": args.workers,
-        "rounds": args.rounds,
-        "steps": args.steps,
-        "step_sleep_s": args.step_sleep_s,
-        "device": args.device,
-        "gpu": gpu_name(args.device),
-        "restore_rounds": args.restore_rounds,
-        "scenarios": {},
-    }
+    report = new_report(
+        "benchmarks.recovery memory-cost",
+        argv,
+        state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
+        gpu=gpu_name(args.device),
+        scenarios={},
+        **{k: getattr(args, k) for k in ("workers", "rounds", "steps", "step_sleep_s", "device", "restore_rounds")},
+    )
     args.s3_endpoint, server = None, None
     if args.s3:
         from rayckpt.testing.s3_server import S3_ENV, start_moto_server

@@ -14,13 +14,12 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, machine_info, write_report
+from benchmarks.common.harness import load_sampled, new_report, write_report
 from benchmarks.common.raytrain import append_event, new_ray, read_events, trainer
 from benchmarks.common.workload import layer_shapes
 from benchmarks.recovery.loop import ControllerTimeline, NoticeCallback, train_loop
@@ -260,20 +259,18 @@ def node_removal(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import ray
 
     os.makedirs(os.path.join(args.out, "events"), exist_ok=True)
     shapes = layer_shapes(args.size_mb)
-    report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "-m", "benchmarks.recovery", "restart", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
-        "machine": {**machine_info(), "ray": ray.__version__},
-        "state_bytes": 12 * sum(rows * cols + rows for rows, cols in shapes),
-        "layer_shapes_rows_cols": shapes,
-        "scenarios": {},
-        "method": method(args),
-    }
+    report = new_report(
+        "benchmarks.recovery restart",
+        argv,
+        config={k: v for k, v in vars(args).items() if k != "out"},
+        state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
+        layer_shapes_rows_cols=shapes,
+        scenarios={},
+        method=method(args),
+    )
     with load_sampled(report):
         for sc in args.scenarios:
             repeats = (worker_kill if sc.startswith("worker-kill") else node_removal)(args, sc)

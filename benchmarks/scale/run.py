@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common.harness import REPO_ROOT, MemSampler, machine_info, write_report
+from benchmarks.common.harness import REPO_ROOT, MemSampler, new_report, write_report
 from benchmarks.scale import layout as lay
 from benchmarks.scale.report import fit_exponent, markdown, targets
 
@@ -332,20 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks must be >= 2 and --tensors >= 1")
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "-m", "benchmarks.scale", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "config": {
-            "ranks": args.ranks,
-            "tensors": args.tensors,
-            "budget_s": args.budget_s,
-            "dcp_sample_ranks": args.dcp_sample_ranks,
-            "max_gib": args.max_gib,
-            "block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)),
-            "model": lay.GPT_SHAPE,
-        },
-        "machine": {**machine_info(), "load_average_1min_before": os.getloadavg()[0]},
-        "results": {},
+    report = new_report("benchmarks.scale", argv, results={})
+    report["machine"]["load_average_1min_before"] = os.getloadavg()[0]
+    report["config"] = {
+        "ranks": args.ranks,
+        "tensors": args.tensors,
+        "budget_s": args.budget_s,
+        "dcp_sample_ranks": args.dcp_sample_ranks,
+        "max_gib": args.max_gib,
+        "block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)),
+        "model": lay.GPT_SHAPE,
     }
     t0 = time.perf_counter()
     run_all(args, report, out)

@@ -13,7 +13,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from benchmarks.common.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_sampled, machine_info, write_report
+from benchmarks.common.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_sampled, new_report, write_report
 from benchmarks.common.systems import Where
 from benchmarks.common.workload import layer_shapes
 from benchmarks.suite.ranks import load_report, load_worker, save_report, save_worker
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "bench_suite" if args.storage == "local" else "bench_s3"
     import ray
 
-    report: dict[str, Any] = {"command": " ".join([".venv/bin/python", "-m", "benchmarks.suite", *argv])}
-    report |= {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "storage": args.storage, "sizes": {}}
+    report = new_report("benchmarks.suite", argv, storage=args.storage, sizes={})
     report["config"] = {
         "sizes_mb": sizes,
         "repeats": args.repeats,
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.storage == "s3":
             endpoint, versions = s3_endpoint(stack, args)
             where = Where(args.out, endpoint)
-        report["machine"] = {**machine_info(), **versions, "ray": ray.__version__}
+        report["machine"].update(versions)
         # A cluster of its own (address="local"), even where someone else's was started with `ray start`.
         ray.init(
             address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
