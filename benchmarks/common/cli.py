@@ -83,3 +83,15 @@ def run_group(group: str, argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     module = importlib.import_module(commands[args.command][0])
     return module.main(args.args) or 0
+
+
+def parser(doc: str | None, out: str, *, markdown: bool = False, ray_logs: bool = False) -> argparse.ArgumentParser:
+    """A benchmark's options: ``doc`` (its module's docstring) as the description, ``--out`` (default
+    ``bench_out/<out>``), and where asked ``--markdown`` and ``--ray-logs``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default=f"{OUT}/{out}", help="directory for the report's .json and .md")
+    if markdown:
+        p.add_argument("--markdown", default=None, help="also write the Markdown here")
+    if ray_logs:
+        p.add_argument("--ray-logs", action="store_true", help="forward the workers' output to this terminal")
+    return p

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import systems
+from benchmarks.common.cli import parser
 from benchmarks.common.diskio import evict, files_under, warm_up
 from benchmarks.common.harness import import_rayckpt, new_report, run_line, sync, timed, write_report
 from benchmarks.common.systems import Where
@@ -32,14 +33,13 @@ ASYNC_ORDERS = ("unprepared", "prepared")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "gpu")
     p.add_argument("--device", default="cuda", help="where the state lives: cuda (default) or cpu")
     p.add_argument("--size-gb", type=float, default=4.0, help="the state's size in GiB")
     p.add_argument("--tensors", type=int, default=32, help="how many fp32 tensors it is made of")
     p.add_argument("--repeats", type=int, default=2, help="repeats of each timed operation (medians)")
     p.add_argument("--saves", type=int, default=3, help="save_async saves in each order (the first, then later)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    p.add_argument("--out", default="bench_out/gpu", help="directory for bench_gpu.json and .md")
     return p.parse_args(argv)
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.cli import OUT
 from benchmarks.common.harness import run_line
 from testbed.hosts import Host, hosts_unavailable
 
@@ -18,12 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST_ENV = {"PYTHONPATH": str(ROOT)}
 #: The flag a sub-command's module takes to run as the driver on a host.
 ON_HOST = "--on-host"
-
-
-def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
-    """``--out`` (default ``bench_out/hosts``) and ``--markdown``."""
-    parser.add_argument("--out", default=f"{OUT}/hosts", help=f"directory for {name}.json and {name}.md")
-    parser.add_argument("--markdown", default=None, help="also write the Markdown here")
 
 
 def require_hosts() -> None:

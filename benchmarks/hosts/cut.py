@@ -15,8 +15,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from benchmarks.common.cli import parser
 from benchmarks.common.harness import load_sampled, new_report, rotated, table, write_report
-from benchmarks.hosts.common import HOST_ENV, ROOT, add_common_args, head_lines, require_hosts
+from benchmarks.hosts.common import HOST_ENV, ROOT, head_lines, require_hosts
 from testbed.host_jobs import HostJob
 from testbed.ray_hosts import TUNED_HEALTH_CHECKS
 
@@ -185,7 +186,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "hosts", markdown=True)
     p.add_argument("--repeats", type=int, default=3, help="runs of each setting")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--cut-after-step", type=int, default=30, help="cut once the group of 3 has logged this step")
@@ -194,7 +195,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds a run may take to each of its moments")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="added to every setting's hosts")
     p.add_argument("--job-args", default="", help="more flags for jobs/train.py")
-    add_common_args(p, "cut")
     args = p.parse_args(argv)
     args.settings = [s for s in args.settings.split(",") if s]
     if not args.settings or set(args.settings) - set(SETTINGS) or args.repeats < 1:

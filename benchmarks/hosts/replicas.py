@@ -8,11 +8,11 @@ import os
 import sys
 from typing import Any
 
+from benchmarks.common.cli import parser
 from benchmarks.common.harness import MIB, fmt, load_sampled, new_report, rotated, summary, table, write_report
 from benchmarks.hosts.common import (
     HOST_ENV,
     ON_HOST,
-    add_common_args,
     connect,
     head_lines,
     node_id_of,
@@ -95,12 +95,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "hosts", markdown=True)
     p.add_argument("--sizes-mb", default="64,256", help="file sizes in MiB, comma-separated")
     p.add_argument("--repeats", type=int, default=5, help="copies of each size each way")
     p.add_argument("--num-cpus", type=int, default=2, help="each Ray node's CPUs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the driver on host 0 may take")
-    add_common_args(p, "replicas")
     args = p.parse_args(argv)
     try:
         args.sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]

@@ -11,13 +11,13 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.common.cli import parser
 from benchmarks.common.harness import fmt, load_sampled, new_report, summary, table, write_report
 from benchmarks.common.raytrain import trainer
 from benchmarks.common.workload import layer_shapes
 from benchmarks.hosts.common import (
     HOST_ENV,
     ON_HOST,
-    add_common_args,
     head_lines,
     require_hosts,
     run_on_host,
@@ -97,7 +97,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "hosts", markdown=True, ray_logs=True)
     p.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (params + AdamW moments)")
     p.add_argument("--workers", type=int, default=HOSTS, help="the ranks that save and load (M)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of loads from every tier")
@@ -106,8 +106,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cpus-per-worker", type=float, default=None, help="default: the hosts' CPUs shared out over the workers"
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds the driver on host 0 may take")
-    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to the driver's output")
-    add_common_args(p, "restore")
     args = p.parse_args(argv)
     if args.workers < 1 or args.repeats < 1 or args.size_mb <= 0:
         p.error("--workers >= 1, --repeats >= 1, --size-mb > 0")

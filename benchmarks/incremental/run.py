@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -12,6 +11,7 @@ from typing import Any
 import torch.nn as nn
 
 from benchmarks.common import systems
+from benchmarks.common.cli import parser
 from benchmarks.common.diskio import dir_bytes, evict, files_under, warm_up
 from benchmarks.common.harness import MIB, load_sampled, new_report, rotated, write_report
 from benchmarks.common.workload import layer_shapes
@@ -256,14 +256,13 @@ def layout_bytes(kind: str, size_mb: float) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, run each state's saves and the chained load on 2 ranks, write the report."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = parser(__doc__, "incremental")
     p.add_argument("--size-mb", type=float, default=1024, help="each state's size in MiB (default: %(default)s)")
     p.add_argument("--steps", type=int, default=12, help="saves per saver and state; the first is reported apart")
     p.add_argument("--repeats", type=int, default=5, help="loads of each checkpoint, cold and warm, in the chain test")
     p.add_argument("--chain", type=int, default=10, help="incremental saves in the chain that is loaded")
     p.add_argument("--states", default=",".join(STATES), help="any of " + ", ".join(STATES))
     p.add_argument("--no-chain", action="store_true", help="skip the chained load")
-    p.add_argument("--out", default="bench_out/incremental")
     args = p.parse_args(argv)
     states = [s for s in args.states.split(",") if s]
     if unknown := set(states) - set(STATES):

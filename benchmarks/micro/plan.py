@@ -14,6 +14,7 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.common import cli
 from benchmarks.common.harness import MIB, new_report, sampled, table, write_report
 from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry
 from rayckpt.planning.bulk import create_dim0_plans
@@ -125,7 +126,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__, "plan")
     parser.add_argument("--saved-ranks", type=int, default=1024)
     parser.add_argument("--tensors", type=int, default=2000)
     parser.add_argument("--target-ranks", type=int, default=1000)
@@ -133,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cols", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench_out/plan")
     args = parser.parse_args(argv)
     if min(args.repeats, args.saved_ranks, args.target_ranks, args.tensors) < 1:
         parser.error("--repeats and the rank and tensor counts must be >= 1")

@@ -9,6 +9,7 @@ import sys
 import tempfile
 from typing import Any
 
+from benchmarks.common.cli import parser
 from benchmarks.common.harness import (
     load_sampled,
     new_report,
@@ -90,9 +91,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.observe status", description=__doc__.split("\n")[0])
+    p = parser(__doc__, "observe")
     p.add_argument("--repeats", type=int, default=15, help="rounds of both commands")
-    p.add_argument("--out", default="bench_out/observe", help="where the report goes")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     report = run(args, argv)

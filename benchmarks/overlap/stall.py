@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import systems
+from benchmarks.common.cli import parser
 from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records, new_ray
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
@@ -205,9 +206,7 @@ def four_ranks(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> l
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = parser(__doc__, "overlap", markdown=True, ray_logs=True)
     add_model_args(p)
     p.add_argument("--rounds", type=int, default=5, help="counted rounds of every mode")
     p.add_argument("--warmup", type=int, default=1, help="rounds of every mode first, not counted")
@@ -219,9 +218,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where one-process's state lives")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    p.add_argument("--out", default="bench_out/overlap", help="directory for overlap_stall.json and .md")
-    p.add_argument("--markdown", help="also write the table here")
-    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
     args = p.parse_args(argv)
     scenarios = args.scenarios.split(",")
     if bad := [s for s in scenarios if s not in SCENARIOS]:

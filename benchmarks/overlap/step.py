@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.common import systems
+from benchmarks.common.cli import parser
 from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
@@ -145,9 +146,7 @@ def step_loop(config: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = parser(__doc__, "overlap", markdown=True, ray_logs=True)
     add_model_args(p)
     p.add_argument("--every", type=int, nargs="+", default=[1, 10], help="save every N steps (each N its own rounds)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
@@ -155,9 +154,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="TorchTrainer workers (the local Ray's CPUs)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--dir", default=None, help="where DCP's checkpoints go (default: a temporary directory)")
-    p.add_argument("--out", default="bench_out/overlap", help="directory for overlap_step.json and .md")
-    p.add_argument("--markdown", help="also write the table here")
-    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
     args = p.parse_args(argv)
     if bad := [m for m in args.modes.split(",") if m not in MODES]:
         p.error(f"--modes: unknown {', '.join(bad)} (expected some of {', '.join(MODES)})")

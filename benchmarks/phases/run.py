@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -11,6 +10,7 @@ import time
 from typing import Any
 
 from benchmarks.common import systems
+from benchmarks.common.cli import parser
 from benchmarks.common.diskio import evict, files_under
 from benchmarks.common.harness import load_sampled, new_report, table, timed, write_report
 from rayckpt.testing.multiproc import run_ranks
@@ -82,7 +82,7 @@ def run(system: str, what: str, world: int, cfg: dict[str, Any], times: int, col
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = parser(__doc__, "phases")
     p.add_argument("--layers", type=int, default=20, help="nn.Linear(width, width) layers (20 x 2048: 1.007 GB)")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--save-ranks", type=int, default=4)
@@ -90,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--views", default="fresh,steady", help="any of fresh, steady")
     p.add_argument("--cold", action="store_true", help="also loads after evicting the files from the page cache")
-    p.add_argument("--out", default="bench_out/phases")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     nbytes = args.layers * (args.width * args.width + args.width) * 4 * 3

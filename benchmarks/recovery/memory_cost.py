@@ -9,6 +9,7 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks.common.cli import parser
 from benchmarks.common.harness import (
     fmt,
     load_sampled,
@@ -227,9 +228,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = parser(__doc__, "memory_cost", markdown=True, ray_logs=True)
     p.add_argument("--size-mb", type=float, default=1024, help="state size (params + AdamW moments)")
     p.add_argument("--workers", type=int, default=4, help="training workers (split over two nodes in two-nodes)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
@@ -239,12 +238,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--object-store-mb", type=int, default=1536, help="object store per Ray node")
     p.add_argument("--restore-rounds", type=int, default=3, help="rounds of restores by tier (one-node; 0: none)")
     p.add_argument("--s3", action="store_true", help="also restore from S3 (a local moto server, as the tests')")
-    p.add_argument("--out", default="bench_out/memory_cost", help="directory for memory_cost.json, .md, event files")
-    p.add_argument("--markdown", help="also write the table here")
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per worker, nccl, one-node only"
     )
-    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
     args = p.parse_args(argv)
     bad = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
     if bad:

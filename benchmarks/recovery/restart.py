@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.common import cli
 from benchmarks.common.harness import load_sampled, new_report, write_report
 from benchmarks.common.raytrain import append_event, new_ray, read_events, trainer
 from benchmarks.common.workload import layer_shapes
@@ -35,10 +36,9 @@ LABELS = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__, "recovery", markdown=True, ray_logs=True)
     parser.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (params + AdamW moments)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", default="bench_out/recovery")
     parser.add_argument(
         "--scenarios",
         default="worker-kill,node-removal",
@@ -54,8 +54,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-sleep-s", type=float, default=0.5, help="per step, standing in for compute")
     parser.add_argument("--object-store-mb", type=int, default=512, help="each Ray node's object store")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to reach a repeat's kill point")
-    parser.add_argument("--ray-logs", action="store_true", help="forward the workers' output to this terminal")
-    parser.add_argument("--markdown", default=None, help="also write the section here")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints under --out")
     args = parser.parse_args(argv)
     args.out = os.path.abspath(args.out)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.common import cli
 from benchmarks.common.harness import REPO_ROOT, MemSampler, new_report, write_report
 from benchmarks.scale import layout as lay
 from benchmarks.scale.report import fit_exponent, markdown, targets
@@ -312,7 +313,7 @@ def fit_exponents(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__, "scale")
     parser.add_argument("--ranks", default="64,256,1024,4096", help="comma-separated saved rank counts")
     parser.add_argument("--tensors", type=int, default=1992)
     parser.add_argument("--budget-s", type=float, default=120.0, help="longest a DCP step runs before sampling")
@@ -320,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-gib", type=float, default=12.0, help="memory a manifest step may use (else sampled)")
     parser.add_argument("--tensor-stride", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--work", default="/tmp/rayckpt-bench-scale", help="where the metadata files go")
-    parser.add_argument("--out", default="bench_out/scale")
     parser.add_argument("--worker", choices=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+from benchmarks.common.cli import parser
 from benchmarks.common.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_sampled, new_report, write_report
 from benchmarks.common.systems import Where
 from benchmarks.common.workload import layer_shapes
@@ -109,7 +110,7 @@ def run_plan_bench(spec: str, out: str, repeats: int) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "suite", markdown=True)
     p.add_argument(
         "--storage",
         choices=("local", "s3"),
@@ -121,8 +122,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-ranks", type=int, default=4)
     p.add_argument("--reshards", default="4:3,4:2,2:4,4:1", help="N:M load reshards")
     p.add_argument("--reshards-at", action="append", default=[], help="SIZE=N:M,... : other reshards for one size")
-    p.add_argument("--out", default=None, help="directory for the report (default: bench_out/suite, bench_out/s3)")
-    p.add_argument("--markdown", default=None, help="also write the tables here")
     p.add_argument("--mem-interval-ms", type=float, default=SAMPLE_INTERVAL_S * 1000, help="RSS sampling period")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of the first loads")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints under --out (local)")
@@ -131,7 +130,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    args.out = os.path.abspath(args.out or f"bench_out/{'suite' if args.storage == 'local' else 's3'}")
+    if args.storage == "s3" and args.out == p.get_default("out"):
+        args.out = "bench_out/s3"
+    args.out = os.path.abspath(args.out)
     return args
 
 
