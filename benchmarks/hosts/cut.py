@@ -80,14 +80,14 @@ def flags(cluster: Any, args: argparse.Namespace) -> list[str]:
     assert cluster.s3 is not None
     out = ["--num-workers", "2-3", "--cpus-per-worker", str(cluster.num_cpus), "--memory-every", "1"]
     out += ["--checkpoint-every", str(args.checkpoint_every), "--steps", "1000000", "--max-failures", "3"]
-    return [*out, "--run-name", "cut", "--storage-path", cluster.s3.uri("runs"), *TINY, *args.job_args.split()]
+    return [*out, "--run-name", "cut", "--storage-path", cluster.s3.uri("runs"), *TINY]
 
 
 def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
     """One cluster with ``setting``'s environment, one job, host 2 cut: the times from the cut."""
     from testbed.ray_hosts import build_ray_hosts
 
-    env = {**HOST_ENV, **SETTINGS[setting], **dict(kv.split("=", 1) for kv in args.env)}
+    env = {**HOST_ENV, **SETTINGS[setting]}
     log_path = os.path.join(args.out, "cut-logs", f"{setting}-{rep}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     if os.path.exists(log_path):
@@ -193,14 +193,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=10, help="the job's storage (S3) saves")
     p.add_argument("--num-cpus", type=int, default=2, help="each Ray host's CPUs (one worker takes them all)")
     p.add_argument("--timeout", type=float, default=600, help="seconds a run may take to each of its moments")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="added to every setting's hosts")
-    p.add_argument("--job-args", default="", help="more flags for jobs/train.py")
     args = p.parse_args(argv)
     args.settings = [s for s in args.settings.split(",") if s]
     if not args.settings or set(args.settings) - set(SETTINGS) or args.repeats < 1:
         p.error(f"--settings: some of {', '.join(SETTINGS)}; --repeats >= 1")
-    if any("=" not in kv for kv in args.env):
-        p.error("--env KEY=VALUE")
     args.out = os.path.abspath(args.out)
     return args
 
@@ -213,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     report = new_report("benchmarks.hosts cut", argv)
     report.update(
         settings={s: SETTINGS[s] for s in args.settings},
-        extra_env=args.env,
         cut_after_step=args.cut_after_step,
         checkpoint_every=args.checkpoint_every,
         runs=[],
