@@ -18,6 +18,15 @@ from benchmarks.common import cli
 from benchmarks.common.harness import REPO_ROOT, MemSampler, new_report, write_report
 from benchmarks.scale import layout as lay
 from benchmarks.scale.report import fit_exponent, markdown, targets
+from rayckpt.format.chunk_columns import ChunkColumns
+from rayckpt.planning.bulk import create_dim0_plans
+from rayckpt.planning.chunk_table import ChunkTable
+from rayckpt.planning.load_plan import TensorRequest, create_load_plan, dim0_box
+from rayckpt.planning.rank_slice import slice_plan
+from rayckpt.planning.save_columns import ShardLayout, assign_writers, digest
+from rayckpt.planning.save_plan import create_own_plan
+from rayckpt.storage.checkpoint_dir import CheckpointDir
+from rayckpt.storage.commit import commit_manifest, create_manifest, read_manifest
 
 #: Tensors of each shape timed for DCP's estimated global save plan.
 SHAPE_SAMPLE = 4
@@ -58,13 +67,15 @@ def rayckpt_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     spec, shards = lay.rayckpt_save_inputs(layout, n)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
-    out["create_manifest"], manifest = measured(lambda: lay.rayckpt_create_manifest(spec, shards))
+    # What the committer runs on every save: the validated manifest of every rank's chunks, then its
+    # encoding, written atomically.
+    out["create_manifest"], manifest = measured(lambda: create_manifest(spec, shards))
     shards.clear()  # the commit needs only the manifest
     directory = os.path.join(work, f"rayckpt-{n}")
-    out["commit"], _ = measured(lambda: lay.rayckpt_commit(directory, manifest))
+    out["commit"], _ = measured(lambda: commit_manifest(CheckpointDir.resolve(directory), manifest))
     out["files"] = lay.rayckpt_metadata_bytes(directory)
     out["metadata_bytes"] = sum(out["files"].values())
-    out["chunks"] = lay.rayckpt_manifest_chunks(manifest)
+    out["chunks"] = sum(len(e.chunks) for e in manifest.entries.values() if hasattr(e, "chunks"))
     return out
 
 
@@ -73,24 +84,35 @@ def rayckpt_load(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     rank's plan from its slice; last, each rank planning alone from the manifest (the fallback), which
     builds millions of chunk objects and is kept from disturbing the steps before it."""
     out: dict[str, Any] = {"targets": {}}
-    out["read"], manifest = measured(lambda: lay.rayckpt_read(os.path.join(work, f"rayckpt-{n}")))
-    out["chunk_table"], table = measured(lambda: lay.rayckpt_chunk_table(manifest))
+    out["read"], manifest = measured(lambda: read_manifest(CheckpointDir.resolve(os.path.join(work, f"rayckpt-{n}"))))
+    out["chunk_table"], table = measured(lambda: ChunkTable.from_manifest(manifest))
     for_rank, from_slice = {}, {}
     for m in targets_of(n):
         rank = m // 2
         t = out["targets"][m] = {"rank": rank}
-        t["bulk_plan"], bulk = measured(lambda m=m, table=table: lay.rayckpt_bulk_plan(manifest, layout, m, table))
+        # Every target rank's plan at once, as the MetadataActor plans on Ray.
+        t["bulk_plan"], bulk = measured(
+            lambda m=m, table=table: create_dim0_plans(manifest, lay.specs(layout), m, table=table)
+        )
         t["for_rank"], for_rank[m] = repeated(lambda bulk=bulk, rank=rank: bulk.for_rank(rank))
         # Without Ray: rank 0 slices the bulk plan; each rank builds its plan from its slice.
-        t["slices"], slices = measured(lambda bulk=bulk: lay.rayckpt_rank_slices(manifest, layout, bulk))
+        t["slices"], slices = measured(
+            lambda bulk=bulk: slice_plan(bulk, lay.specs(layout), (), ChunkColumns.from_manifest(manifest))
+        )
         mine = slices[rank]
         t["slice_bytes"] = mine.nbytes
-        t["from_slice"], from_slice[m] = repeated(lambda mine=mine: lay.rayckpt_plan_from_slice(mine, layout))
+        t["from_slice"], from_slice[m] = repeated(lambda mine=mine: mine.plan(lay.specs(layout)))
         del bulk, slices, mine
     del table
+
+    def rank_plan(m: int, rank: int) -> Any:
+        """One rank's plan from the decoded manifest, as ``engine.load.plan_from_manifest`` makes it."""
+        requests = [TensorRequest(k, d, s, dim0_box(s, m, rank)) for k, d, s in lay.specs(layout)]
+        return create_load_plan(manifest, requests)
+
     for m in targets_of(n):
         t = out["targets"][m]
-        stats, plan = measured(lambda m=m, rank=t["rank"]: lay.rayckpt_rank_plan(manifest, layout, m, rank))
+        stats, plan = measured(lambda m=m, rank=t["rank"]: rank_plan(m, rank))
         t.update(rank_plan=stats, reads=len(plan.reads))
         t["for_rank_equals_rank_plan"] = for_rank[m] == plan
         t["from_slice_equals_rank_plan"] = from_slice[m] == plan
@@ -101,16 +123,23 @@ def rayckpt_save_plan(layout: lay.Layout, n: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     shards = lay.rayckpt_local_shards(layout, n)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
-    layouts = lay.rayckpt_shard_layouts(shards)  # made on each rank, in parallel
-    out["save_plan"], assignment = measured(lambda: lay.rayckpt_global_save_plan(layouts))
+    layouts = [ShardLayout.from_shards(own) for own in shards]  # made on each rank, in parallel
+    # Rank 0's part of an uncached save plan: which rank writes each distinct (key, box).
+    out["save_plan"], assignment = measured(lambda: assign_writers(layouts))
     out["write_items"] = sum(len(w) for w in assignment.written)
     rank, mine = n // 2, assignment.written[n // 2]
-    out["rank_save_plan"], _ = measured(lambda: lay.rayckpt_rank_save_plan(shards[rank], rank, mine))
-    # The next save of the same layout: each rank hashes its own layout, rank 0 compares the digest.
-    out["rank_layout_hash"], _ = repeated(lambda: lay.rayckpt_layout_hashes(shards[:1]))
-    hashes = lay.rayckpt_layout_hashes(shards)
-    cached = lay.rayckpt_plan_digest(hashes)  # what the first save cached
-    out["cached_save_plan"], hit = repeated(lambda: lay.rayckpt_cached_save_plan(hashes, cached))
+
+    def rank_save_plan() -> Any:  # one rank's own part: its layout, then its plan from what it writes
+        ShardLayout.from_shards(shards[rank])
+        return create_own_plan(rank, shards[rank], mine)
+
+    out["rank_save_plan"], _ = measured(rank_save_plan)
+    # The next save of the same layout: each rank hashes its own layout, rank 0 compares the digest of
+    # every rank's hash with the one the first save cached; a hit reuses the cached plan.
+    out["rank_layout_hash"], _ = repeated(lambda: ShardLayout.from_shards(shards[0]).digest())
+    hashes = [ShardLayout.from_shards(own).digest() for own in shards]
+    cached = digest(*hashes)
+    out["cached_save_plan"], hit = repeated(lambda: digest(*hashes) == cached)
     assert hit
     return out
 
