@@ -36,17 +36,10 @@ class StackShape:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """The model's options, the same for both benchmarks: ``--size-gb``, ``--layers``, ``--batch``,
-    ``--reshard-after-forward``."""
+    """The model's options, the same for both benchmarks: ``--size-gb``, ``--layers``, ``--batch``."""
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (params + AdamW moments)")
     parser.add_argument("--layers", type=int, default=4, help="square Linear layers in the stack")
     parser.add_argument("--batch", type=int, default=8, help="rows per training step (per rank)")
-    parser.add_argument(
-        "--reshard-after-forward",
-        action="store_true",
-        help="FSDP2 frees the gathered params after forward and gathers them again for backward (default: "
-        "kept from forward to backward, one all-gather per step: over gloo the gathers are most of a step)",
-    )
 
 
 def stack_shape(size_gb: float, layers: int) -> StackShape:
@@ -70,11 +63,10 @@ class LinearStack(nn.Module):
         return x
 
 
-def build(
-    shape: StackShape, device: str = "cpu", world_size: int = 1, seed: int = 0, reshard_after_forward: bool = False
-) -> tuple[Any, Any, AppState]:
+def build(shape: StackShape, device: str = "cpu", world_size: int = 1, seed: int = 0) -> tuple[Any, Any, AppState]:
     """The model, its AdamW and ``AppState(model, opt)`` (which guards the optimizer), after one
-    training step so AdamW's moments exist."""
+    training step so AdamW's moments exist. On several ranks FSDP2 keeps the gathered params from
+    forward to backward: one all-gather a step."""
     target = torch.device("cuda", torch.cuda.current_device()) if device.startswith("cuda") else torch.device("cpu")
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -84,8 +76,8 @@ def build(
         with torch.device("meta"):
             model = LinearStack(shape)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
         model.to_empty(device=target)
     else:
         model = LinearStack(shape).to(target)

@@ -75,11 +75,6 @@ def stall_targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _gathers(args: dict[str, Any]) -> str:
-    """How FSDP2 gathered the params: once per step, or again for backward."""
-    return "; params gathered again for backward" if args.get("reshard_after_forward") else "; one all-gather a step"
-
-
 def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -95,7 +90,8 @@ def stall_markdown(report: dict[str, Any]) -> str:
         f"State: {report['state_bytes'] / 2**30:.3f} GiB on {report['machine']['device']} (fp32 params + AdamW "
         f"exp_avg + exp_avg_sq of {shape['layers']} square `nn.Linear` layers {shape['width']} wide); "
         f"`one-process`: one process holds all of it, as `AppState(model, opt)`; `four-ranks`: {args['workers']} "
-        f"TorchTrainer workers (gloo{_gathers(args)}), the stack FSDP2-sharded, each holding 1/{args['workers']}. "
+        "TorchTrainer workers (gloo; one all-gather a step), the stack FSDP2-sharded, each holding "
+        f"1/{args['workers']}. "
         "Each save: the call timed, one training "
         f"step ({args['batch']} rows: forward, backward, AdamW step; an overlapped copy runs beside forward and "
         "backward and the step waits for what is left of it), then the save waited for (DCP: its upload; "
@@ -179,7 +175,8 @@ def step_markdown(report: dict[str, Any]) -> str:
         "",
         f"State: {report['state_bytes'] / 2**30:.3f} GiB (fp32 params + AdamW exp_avg + exp_avg_sq of "
         f"{shape['layers']} square `nn.Linear` layers {shape['width']} wide), FSDP2-sharded over "
-        f"{args['workers']} TorchTrainer workers (gloo, CPU{_gathers(args)}), as `AppState(model, opt)`. A step: "
+        f"{args['workers']} TorchTrainer workers (gloo, CPU; one all-gather a step), as `AppState(model, opt)`. "
+        "A step: "
         f"the save when one is due, then forward and backward of {args['batch']} rows per worker and the AdamW "
         "step (what a save costs the training beside it counts in its own step). Modes: "
         + "; ".join(f"`{m}`: {STEP_MODES[m]}" for m in report.get("modes", STEP_MODES) if m in STEP_MODES)

@@ -184,7 +184,7 @@ def ranks_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     shape = StackShape(**config["shape"])
-    model, optim, app = build(shape, "cpu", world, seed=rank, reshard_after_forward=config["reshard_after_forward"])
+    model, optim, app = build(shape, "cpu", world, seed=rank)
     dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
     saver = Saver(app, "cpu", tuple(config["modes"]), run=config["run"], dcp_group=dcp_group)
     try:
@@ -200,7 +200,7 @@ def four_ranks(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> l
         "modes": [m for m in modes if m != "dcp-async-staging"],
         "run": f"overlap-stall-ranks-{time.time_ns()}",
         "root": root,
-        **{k: getattr(args, k) for k in ("batch", "reshard_after_forward", "rounds", "warmup")},
+        **{k: getattr(args, k) for k in ("batch", "rounds", "warmup")},
     }
     return fit(ranks_loop, config, args.workers, args.out, args.ray_logs)
 

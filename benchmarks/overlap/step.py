@@ -107,7 +107,7 @@ def step_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     shape = StackShape(**config["shape"])
-    model, optim, app = build(shape, "cpu", world, seed=rank, reshard_after_forward=config["reshard_after_forward"])
+    model, optim, app = build(shape, "cpu", world, seed=rank)
     x = batch(shape, config["batch"], seed=rank + 1)
     modes = tuple(config["modes"])
     saves = LoopSaves(app, modes, config["root"])
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": asdict(shape),
         "modes": modes,
         "root": root,
-        **{k: getattr(args, k) for k in ("batch", "reshard_after_forward", "every", "rounds", "steps")},
+        **{k: getattr(args, k) for k in ("batch", "every", "rounds", "steps")},
     }
     try:
         with load_sampled(report):
