@@ -1,9 +1,8 @@
 """mkdocs hooks (mkdocs.yml): bring README.md (as the home page), LICENSE, benchmarks/README.md and the
-benchmark results (benchmarks/results/, pages outside the nav) into the site, and rewrite every
-relative link to its file's place in the site, so the Markdown's links stay right where it is
-read on disk (README's ``docs/guide.md``, a page's ``../benchmarks/results/...``) and resolve in
-the site too. A link to a file that is in neither place is left as written, for mkdocs' strict
-build to report."""
+benchmark results (benchmarks/results/, pages outside the nav) into the site, and rewrite every relative
+link to its file's place in the site, so the Markdown's links stay right where it is read on disk
+(README's ``docs/guide.md``, a page's ``../benchmarks/results/...``) and resolve in the site too. A link
+to a file that is in neither place is left as written, for mkdocs' strict build to report."""
 
 from __future__ import annotations
 

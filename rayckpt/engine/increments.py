@@ -158,16 +158,8 @@ def base_records(key: str, rank: int, base: str) -> Records | None:
     return saves.get(base) if saves is not None and base else None
 
 
-def remember(
-    key: str,
-    rank: int,
-    save_id: str,
-    shard: WrittenShard,
-    block_size: int,
-    dtypes: Mapping[str, str],
-    base: Records | None,
-) -> None:
-    """Keep the records of what ``rank`` wrote (or shared) for ``save_id``: a later save's base.
+def remember(key: str, shard: WrittenShard, block_size: int, dtypes: Mapping[str, str], base: Records | None) -> None:
+    """Keep the records of what ``shard``'s rank wrote (or shared) for its save: a later save's base.
 
     ``dtypes``: each key's dtype; ``base``: the records the save was written against (a shared chunk keeps
     the payload its base recorded for its file).
@@ -188,11 +180,11 @@ def remember(
         )
         for c in shard.chunks
     }
-    saves = _WRITTEN.get((key, rank))
+    saves = _WRITTEN.get((key, shard.rank))
     if saves is None:
         saves = BoundedMap(RECORDS_KEPT)
-        _WRITTEN.put((key, rank), saves)
-    saves.put(save_id, records)
+        _WRITTEN.put((key, shard.rank), saves)
+    saves.put(shard.save_id, records)
 
 
 def split_unchanged(

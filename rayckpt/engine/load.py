@@ -18,14 +18,14 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ..errors import RayckptError
-from ..format.manifest import Blocks, manifest_values
+from ..format.manifest import manifest_values
 from ..phases import log_phases, phase, timed
-from ..planning.load_plan import LoadPlan, TensorRequest, create_load_plan
+from ..planning.load_plan import TensorRequest, create_load_plan
 from ..planning.rank_slice import LoadAsk, RankSlice, asked_alike, create_rank_slices, specs_of
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import read_manifest
 from .coordinator import Coordinator, default_coordinator, gather_or_raise, plan_at_root
-from .reader import LoadInfo, read_into
+from .reader import LoadInfo, RankRead, read_into
 from .state import FlatState, flatten
 
 
@@ -109,8 +109,8 @@ def load(
 
         def read() -> LoadInfo:
             with phase("plan_local"):
-                plan, blocks, sizes, values = source(ckdir, flat(), strict)
-            return read_into(ckdir, plan, flat(), blocks, sizes, values)
+                read = source(ckdir, flat(), strict)
+            return read_into(ckdir, read, flat())
 
         with phase("gather_reads"):
             info = gather_or_raise(coord, "load", read, RayckptError)[coord.rank]
@@ -122,17 +122,15 @@ def load(
 
 
 #: Gives a loading rank its read plan, the checksum blocks, file sizes and stored values.
-PlanSource = Callable[[CheckpointDir, FlatState, bool], tuple[LoadPlan, Blocks, dict[str, int], dict[str, Any]]]
+PlanSource = Callable[[CheckpointDir, FlatState, bool], RankRead]
 
 
-def plan_from_manifest(
-    ckdir: CheckpointDir, flat: FlatState, strict: bool
-) -> tuple[LoadPlan, Blocks, dict[str, int], dict[str, Any]]:
+def plan_from_manifest(ckdir: CheckpointDir, flat: FlatState, strict: bool) -> RankRead:
     """In-process planning: read the manifest and plan this rank's reads."""
     manifest = read_manifest(ckdir)
     plan = create_load_plan(manifest, tensor_requests(flat), flat.values.keys(), strict)
     sizes = {f.path: f.size for f in manifest.files}
-    return plan, manifest.blocks, sizes, manifest_values(manifest, flat.values)
+    return RankRead(plan, manifest.blocks, sizes, manifest_values(manifest, flat.values))
 
 
 def planned_at_root(
@@ -168,12 +166,12 @@ def planned_at_root(
 
     part = plan_at_root(coord, "load", ask, plan, RayckptError)
 
-    def source(ckdir: CheckpointDir, flat: FlatState, strict: bool) -> tuple[LoadPlan, Blocks, dict, dict]:
+    def source(ckdir: CheckpointDir, flat: FlatState, strict: bool) -> RankRead:
         if part is None:
             return plan_from_manifest(ckdir, flat, strict)
         if isinstance(part, RayckptError):
             raise part
-        return part.plan(specs_of(tensor_requests(flat))), part.blocks, part.file_sizes, part.values
+        return RankRead(part.plan(specs_of(tensor_requests(flat))), part.blocks, part.file_sizes, part.values)
 
     return source
 

@@ -76,19 +76,28 @@ class LoadInfo:
         return self.bytes_fetched / self.bytes_needed if self.bytes_needed else 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class RankRead:
+    """What one rank's reads need: its plan, and from the manifest the checksum blocks, the file
+    sizes and the stored values."""
+
+    plan: LoadPlan
+    blocks: Blocks
+    file_sizes: Mapping[str, int]
+    #: Value keys to their stored (tagged JSON) form.
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+
 def read_into(
     ckdir: CheckpointDir,
-    plan: LoadPlan,
+    read: RankRead,
     flat: FlatState,
-    blocks: Blocks,
-    file_sizes: Mapping[str, int],
-    values: Mapping[str, Any],
     reader: ShardReader | None = None,
     to_device: HostToDevice | None = None,
 ) -> LoadInfo:
-    """Carry out ``plan``: verified ranged reads copied straight into the targets.
+    """Carry out ``read.plan``: verified ranged reads copied straight into the targets.
 
-    ``values`` maps value keys to their stored (tagged JSON) form. Before the
+    Before the
     first read, every file the plan reads is checked on storage (exists, has
     its recorded size, holds the ranges), so a mismatch fails with nothing
     written into the targets. ``reader``: one to reuse (the tools read many
@@ -97,7 +106,8 @@ def read_into(
     copied through ``to_device``'s bounded pinned slots; every copy is done
     when this returns.
     """
-    reader = reader or ShardReader(ckdir, blocks, dict(file_sizes))
+    plan, values = read.plan, read.values
+    reader = reader or ShardReader(ckdir, read.blocks, dict(read.file_sizes))
     fetched, requests = reader.bytes_fetched, reader.requests
     with phase("check"):
         reader.check_ranges((fr.file, fr.offset, fr.length) for fr in plan.reads)

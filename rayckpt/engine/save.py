@@ -6,7 +6,7 @@ initialized); rank 0 commits. ``collect_state`` is the first step of every save,
 rank 0 gathers the ranks' layouts, plans every rank's writes and sends each
 rank its own plan, and holds the ``SaveSpec`` the committer needs (the plans
 are cached while the layouts repeat: ``save_layout``). Then each rank writes its share
-(``write_share`` here; on Ray the node's ShardWriter does, from shared memory)
+(``write_own_share`` here; on Ray the node's ShardWriter does, from shared memory)
 and the committer (rank 0 here; the MetadataActor on Ray) calls
 ``storage.commit.commit_save``. Each step ends in one all-gather that carries
 failures, so an error on any rank is raised on every rank and nobody hangs.
@@ -29,6 +29,7 @@ from ..planning.save_plan import SavePlan
 from ..storage.checkpoint_dir import CheckpointDir
 from ..storage.commit import (
     SaveSpec,
+    WrittenFiles,
     WrittenShard,
     commit_save,
     new_save_id,
@@ -40,10 +41,9 @@ from ..storage.shared import keeps_name
 from .coordinator import Coordinator, default_coordinator, gather_or_raise
 from .coordinator import claim as claim_decision
 from .increments import FULL, Increment, choose_base, confirm_base, forget_choice
-from .save_layout import agree_on_plan
+from .save_layout import PlanAgreement, PlanCache, SaveIds
 from .state import FlatState
-from .writer import create_chunk_data, parts_here
-from .writer import write_share as write_rank_share
+from .writer import ShareSpec, create_chunk_data, parts_here, write_rank_share
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,11 +158,7 @@ def save(
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
     options = SaveOptions(
-        block_size=block_size,
-        metadata=metadata,
-        overwrite=overwrite,
-        incremental=incremental,
-        full_every=full_every_count(full_every),
+        block_size=block_size, metadata=metadata, overwrite=overwrite, incremental=incremental, full_every=full_every
     )
     try:
         with timed() as clock:
@@ -180,13 +176,22 @@ def save(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaveOptions:
-    """How a save writes, as ``save`` was asked."""
+    """How a save writes: ``save``'s and ``save_async``'s options of that name (see ``save``).
 
+    Raises:
+        ValueError: ``full_every`` is not a whole number >= 0.
+    """
+
+    #: Bytes per block checksum (None: rank 0 picks it); checked by the save's first step.
     block_size: int | None = None
+    #: JSON-able data for the manifest's ``user_metadata``.
     metadata: dict[str, Any] | None = None
     overwrite: bool = True
     incremental: bool = False
     full_every: int = 0
+
+    def __post_init__(self) -> None:
+        full_every_count(self.full_every)
 
 
 def full_every_count(value: Any) -> int:
@@ -197,18 +202,9 @@ def full_every_count(value: Any) -> int:
 
 
 def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], options: SaveOptions) -> SaveInfo:
-    ctx = collect_state(
-        coord,
-        state_dict,
-        block_size=options.block_size,
-        metadata=options.metadata,
-        claim=ckdir,
-        overwrite=options.overwrite,
-        incremental=options.incremental,
-        full_every=options.full_every,
-    )
+    ctx = collect_state(coord, state_dict, options, claim=ckdir)
     save_id = ctx.spec.save_id
-    written_files: list[str] = []
+    files = WrittenFiles(ckdir, save_id)
     shards: list[WrittenShard] = []
     committed: list[int] = []  # rank 0, once the manifest is written: the checkpoint's bytes
 
@@ -226,7 +222,7 @@ def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], 
     try:
         # Rank 0 owns the lease it claimed: refreshed while the save runs, deleted when it ends.
         with LeaseKeeper(ckdir, save_id) if coord.rank == 0 else nullcontext():
-            write = partial(write_share, ckdir, ctx, written_files)
+            write = partial(write_own_share, files, ctx)
             with phase("gather_writes"):
                 shards = gather_or_raise(coord, "save (writing shards)", write, SaveFailedError, PeerLostError)
             with phase("gather_commit"):
@@ -243,9 +239,9 @@ def _save(coord: Coordinator, ckdir: CheckpointDir, state_dict: dict[str, Any], 
                 world_size=coord.world_size,
             )
         if isinstance(exc, RayckptError) and not isinstance(exc, PeerLostError):
-            remove_failed_save(ckdir, save_id, written_files)  # every rank saw this failure: nobody commits
+            files.remove_save()  # every rank saw this failure: nobody commits
             raise
-        return _settle_lost(coord, ckdir, save_id, written_files, exc)
+        return _settle_lost(coord, files, exc)
     num_files = sum(len(s.files) for s in shards)
     return SaveInfo(
         path=ckdir.location, save_id=save_id, bytes_written=total, num_files=num_files, world_size=coord.world_size
@@ -256,9 +252,7 @@ def _decision_key(save_id: str) -> str:
     return f"save/{save_id}/decision"
 
 
-def _settle_lost(
-    coord: Coordinator, ckdir: CheckpointDir, save_id: str, written_files: list[str], exc: BaseException
-) -> SaveInfo:
+def _settle_lost(coord: Coordinator, files: WrittenFiles, exc: BaseException) -> SaveInfo:
     """This rank left a save without knowing how the others ended (a collective failed, or it was interrupted).
 
     Rank 0, the only committer, knows it did not commit. Another rank asks the
@@ -268,9 +262,10 @@ def _settle_lost(
     its manifest is there. Raises ``PeerLostError`` (or ``exc`` itself when it is
     not an ``Exception``), unless the save is committed.
     """
+    ckdir, save_id = files.ckdir, files.save_id
     decision = "abort" if coord.rank == 0 else claim_decision(coord, _decision_key(save_id), "abort")
     if decision == "abort":
-        remove_failed_save(ckdir, save_id, written_files)
+        files.remove_save()
         outcome = f"rank {coord.rank} removed the files of save {save_id}; nothing was committed"
     elif decision == "commit":
         if _committed_id(ckdir) == save_id:
@@ -307,6 +302,11 @@ def _committed_id(ckdir: CheckpointDir) -> str | None:
         return None
 
 
+#: This process's save plans: the ones ``rayckpt.save`` and the Ray saves of a process
+#: reuse while every rank's layout repeats (``save_layout.PlanCache``).
+PROCESS_PLANS = PlanCache()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaveContext:
     """A save after its first step, on one rank: what the ranks agreed on, and this rank's state."""
@@ -333,39 +333,40 @@ class SaveContext:
 def collect_state(
     coord: Coordinator,
     state_dict: dict[str, Any] | FlatState,
+    options: SaveOptions = SaveOptions(),
     *,
-    block_size: int | None = None,
-    metadata: dict[str, Any] | None = None,
     node: str = "",
     claim: CheckpointDir | None = None,
-    overwrite: bool = True,
-    incremental: bool = False,
-    full_every: int = 0,
+    plans: PlanCache | None = None,
 ) -> SaveContext:
     """Save steps collect and plan (collective): flatten, agree on the save id, plan the writes.
 
     Rank 0 plans every rank's writes and each rank receives its own plan; the
     plans are cached while every rank's layout repeats (``save_layout``).
+    ``state_dict``: flattened here (inside the first collective, so that a rank whose
+    state cannot be saved fails every rank), unless the caller did (a ``FlatState``).
     ``node``: where this rank runs (the Ray node id), sent to rank 0.
     ``claim``: where the save goes; rank 0 claims it for the new save id before
     sharing the id, so before any rank writes (``lease.claim_location``, with
-    ``overwrite``). When this step succeeds the lease is rank 0's to keep and
-    release; when it fails, it is released here. ``incremental`` (with ``claim``):
-    rank 0 also picks the save's base (``increments``), every ``full_every``-th save none.
+    ``options.overwrite``). When this step succeeds the lease is rank 0's to keep and
+    release; when it fails, it is released here. ``options.incremental`` (with ``claim``):
+    rank 0 also picks the save's base (``increments``), every ``options.full_every``-th save none.
+    ``plans``: where the plans are cached (default ``PROCESS_PLANS``).
     """
+    block_size, incremental = options.block_size, options.incremental
     if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     claimed: list[str] = []
 
-    def claim_ids() -> tuple[str, str | None, Increment]:
+    def claim_ids() -> SaveIds:
         save_id = new_save_id()
         previous = None
         increment = FULL
         if claim is not None:
             if incremental:
-                choose_base(claim, save_id, full_every)
+                choose_base(claim, save_id, options.full_every)
             try:
-                previous = claim_location(claim, save_id, overwrite=overwrite)
+                previous = claim_location(claim, save_id, overwrite=options.overwrite)
             except BaseException:
                 forget_choice(save_id)
                 claim.delete(keeps_name(save_id))
@@ -375,25 +376,26 @@ def collect_state(
             claimed.append(save_id)
             if incremental:
                 increment = confirm_base(claim, save_id)
-        return save_id, previous, increment
+        return SaveIds(save_id, previous, increment)
 
+    agreement = PlanAgreement(coord, plans or PROCESS_PLANS, node=node, claim=claim_ids, block_size=block_size)
     try:
         with phase("plan"):
-            a = agree_on_plan(coord, state_dict, node, claim_ids, block_size)
+            a = agreement.agree(state_dict)
     except BaseException:
         if claimed:
             release_lease(claim, claimed[0])
             remove_failed_save(claim, claimed[0])
         raise
     spec = SaveSpec(
-        save_id=a.save_id,
+        save_id=a.ids.save_id,
         world_size=coord.world_size,
         block_size=a.block_size,
-        tensors=a.tensors,
-        values=a.values,
-        metadata=dict(metadata or {}),
-        paths=a.paths,
-        previous=a.previous,
+        tensors=a.root.tensors,
+        values=a.root.values,
+        metadata=dict(options.metadata or {}),
+        paths=a.root.paths,
+        previous=a.ids.previous,
     )
     return SaveContext(
         spec=spec,
@@ -403,23 +405,14 @@ def collect_state(
         flat=a.flat,
         cached=a.cached,
         layout=a.layouts,
-        increment=a.increment,
+        increment=a.ids.increment,
     )
 
 
-def write_share(ckdir: CheckpointDir, ctx: SaveContext, written_files: list[str]) -> WrittenShard:
-    """Save step write, in this process: this rank's chunks into its shard files."""
+def write_own_share(files: WrittenFiles, ctx: SaveContext) -> WrittenShard:
+    """Save step write, in this process: this rank's chunks into its shard files (added to ``files``)."""
     with phase("write"):
         chunks = create_chunk_data(ctx.plan, ctx.flat)
         parts = parts_here(ctx.spec.world_size, len(ctx.nodes))
-        spec = ctx.spec
-        return write_rank_share(
-            ckdir,
-            chunks,
-            save_id=spec.save_id,
-            rank=ctx.rank,
-            block_size=spec.block_size,
-            written_files=written_files,
-            max_parts=parts,
-            increment=ctx.increment,
-        )
+        share = ShareSpec(rank=ctx.rank, block_size=ctx.spec.block_size, max_parts=parts, increment=ctx.increment)
+        return write_rank_share(files, chunks, share)

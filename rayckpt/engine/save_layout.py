@@ -14,18 +14,18 @@ own shards) to rank 0, which plans every rank's writes once
 (``coordinator.plan_at_root``). Only rank 0 (the committer) learns every
 tensor and path; the others hold the save's ids.
 
-The cache holds one plan per process group (keyed by the group and its world
-size) in this process; plans depend on the layouts only, so one made for a
-save to one location serves saves to any other.
+``PlanAgreement`` runs these steps on one rank; the plans are kept in a
+``PlanCache`` its caller holds (one plan per process group).
 """
 
 from __future__ import annotations
 
 import math
 import pickle
+import threading
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,10 +40,7 @@ from ..planning.save_columns import ShardLayout, assign_writers, digest
 from ..planning.save_plan import LocalShard, SavePlan, create_own_plan
 from .coordinator import Coordinator, ProcessGroupCoordinator, plan_at_root
 from .increments import Increment
-from .state import FlatState, flatten
-
-#: Counts of this process's save plans: made ("planned") and reused from the cache ("cached").
-PLAN_STATS = {"planned": 0, "cached": 0}
+from .state import FlatState, flat_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +72,48 @@ class CachedPlan:
     #: Digest of every rank's layout hash, in rank order.
     layouts: bytes
     plan: SavePlan
-    #: Rank 0 only (empty elsewhere): every tensor's (dtype, shape), every key's path.
-    tensors: dict[str, tuple[str, tuple[int, ...]]]
-    paths: dict[str, Path]
+    #: Rank 0 only (empty elsewhere): what the committer learned by planning.
+    root: RootPlan
 
 
-_CACHE: dict[tuple[Any, ...], CachedPlan] = {}
+@dataclass(frozen=True, slots=True)
+class PlanCounts:
+    """How many save plans a ``PlanCache`` made (``planned``) and reused (``cached``)."""
+
+    planned: int = 0
+    cached: int = 0
 
 
-def clear_plan_cache() -> None:
-    _CACHE.clear()
+class PlanCache:
+    """Save plans, one per process group (keyed by the group, its world size and the rank), kept while
+    the layouts repeat; plans depend on the layouts only, so one made for a save to one location
+    serves saves to any other. Held by whoever runs the saves (``engine.save.PROCESS_PLANS`` for
+    ``rayckpt.save`` and the Ray saves of a process); any thread may use it."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[Any, ...], CachedPlan] = {}
+        self._counts = PlanCounts()
+        self._lock = threading.Lock()
+
+    def get(self, coord: Coordinator) -> CachedPlan | None:
+        return self._plans.get(_group_key(coord))
+
+    def reused(self) -> None:
+        with self._lock:
+            self._counts = PlanCounts(self._counts.planned, self._counts.cached + 1)
+
+    def keep(self, coord: Coordinator, cached: CachedPlan) -> None:
+        """Keep the plan just made for ``coord``'s group (replacing the one it had)."""
+        with self._lock:
+            self._plans[_group_key(coord)] = cached
+            self._counts = PlanCounts(self._counts.planned + 1, self._counts.cached)
+
+    def counts(self) -> PlanCounts:
+        return self._counts
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
 
 
 def _group_key(coord: Coordinator) -> tuple[Any, ...]:
@@ -105,6 +134,15 @@ def _group_key(coord: Coordinator) -> tuple[Any, ...]:
     return (ident, coord.world_size, coord.rank)
 
 
+@dataclass(frozen=True, slots=True)
+class SaveIds:
+    """Rank 0's claim on a save's location: the new save's id, the save it replaces, its ``Increment``."""
+
+    save_id: str
+    previous: str | None
+    increment: Increment
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Header:
     """What a rank sends at the start of every save."""
@@ -118,21 +156,58 @@ class Header:
     state_bytes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Rank 0's answer to the headers, the same for every rank."""
+
+    ids: SaveIds
+    #: The nodes the ranks run on (each once, sorted).
+    nodes: tuple[str, ...]
+    block_size: int
+    #: Digest of every rank's layout when every rank's cached plan was made for them (None: plan again).
+    cached: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """What rank 0's planner sends one rank: every rank's layouts digest, and which of its shards it writes."""
+
+    layouts: bytes
+    #: One bit per shard of the rank, in its order.
+    written: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RootPlan:
+    """What the committer (rank 0) needs beyond its own plan; empty on the other ranks."""
+
+    #: Every tensor's (dtype, shape).
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    #: Every rank's plain values, merged (``_merge_values``).
+    values: dict[str, Any] = field(default_factory=dict)
+    #: Every key's path.
+    paths: dict[str, Path] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalLayout:
+    """This rank's state flattened, its shards and the layout it sends."""
+
+    flat: FlatState
+    shards: tuple[LocalShard, ...]
+    layout: RankLayout
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgreedPlan:
     """A save's plan on one rank, after the collectives."""
 
-    save_id: str
-    previous: str | None
+    ids: SaveIds
     plan: SavePlan
-    #: Rank 0's decision on sharing with an earlier save (``increments``), the same on every rank.
-    increment: Increment
     #: The nodes the ranks run on (each once, sorted).
     nodes: tuple[str, ...]
     #: Rank 0 only (empty elsewhere): what the committer needs.
-    tensors: dict[str, tuple[str, tuple[int, ...]]]
-    values: dict[str, Any]
-    paths: dict[str, Path]
+    root: RootPlan
     #: Whether the cached plan was used.
     cached: bool
     flat: FlatState
@@ -142,108 +217,128 @@ class AgreedPlan:
     block_size: int = DEFAULT_BLOCK_SIZE
 
 
-def agree_on_plan(
-    coord: Coordinator,
-    state_dict: dict[str, Any] | FlatState,
-    node: str,
-    claim: Callable[[], tuple[str, str | None, Increment]],
-    block_size: int | None = None,
-) -> AgreedPlan:
-    """Flatten this rank's state and agree on the save's plan (collective; see the module).
+class PlanAgreement:
+    """One save's planning on one rank, in the order its steps run (collective; see the module).
 
-    ``claim``: rank 0's new save id, the save it replaces (it claims the
-    location) and its ``Increment``; called on rank 0 only, before anything is shared. ``block_size``:
-    the checksum block size (rank 0's is used); None: rank 0 picks it from the
-    largest state any rank holds (``auto_block_size``), the same on every rank.
+    1. ``local_header`` (every rank): flatten the state, make the rank's layout and header;
+       rank 0 first claims the save (``claim``).
+    2. ``decide`` (rank 0, on every header): the save's ids, nodes and block size, and whether
+       every rank's cached plan holds. When it does, each rank takes its cached plan (``_reuse``).
+    3. ``plan_writes`` (rank 0, on every rank's layout): who writes what; each rank gets its ``Share``.
+    4. ``own_plan`` (every rank): its plan from its share, kept in ``plans``.
+
+    Args:
+        coord: How the ranks agree.
+        plans: The cache the plan is taken from and kept in.
+        node: Where this rank runs (the Ray node id), sent to rank 0.
+        claim: Rank 0's claim on the location, called on rank 0 only, before anything is shared.
+        block_size: The checksum block size (rank 0's is used); None: rank 0 picks it from the
+            largest state any rank holds (``auto_block_size``).
     """
-    key = _group_key(coord)
-    local: dict[str, Any] = {}
 
-    def header() -> Header:
-        flat = flatten(state_dict)
-        shards = [LocalShard(t.key, t.dtype, t.shape, box) for t in flat.tensors.values() for box in t.boxes()]
-        local.update(flat=flat, shards=shards, layout=rank_layout(flat, shards))
-        if coord.rank == 0:
-            local["ids"] = claim()
-        cached = _CACHE.get(key)
-        values = {k: encode_value(v.value, k) for k, v in flat.values.items()}
+    def __init__(
+        self,
+        coord: Coordinator,
+        plans: PlanCache,
+        *,
+        node: str,
+        claim: Callable[[], SaveIds],
+        block_size: int | None,
+    ) -> None:
+        self.coord = coord
+        self.plans = plans
+        self.node = node
+        self.claim = claim
+        self.block_size = block_size
+        self._local: LocalLayout | None = None
+        self._ids: SaveIds | None = None  # rank 0
+        self._values: list[dict[str, Any]] = []  # rank 0: every rank's plain values
+        self._layouts = b""  # rank 0: every rank's layouts digest
+        self._root = RootPlan()
+
+    def agree(self, state_dict: dict[str, Any] | FlatState) -> AgreedPlan:
+        """Run the steps on ``state_dict`` (every rank calls it)."""
+        header = lambda: self.local_header(state_dict)  # noqa: E731
+        decision = plan_at_root(self.coord, "save (collecting state)", header, self.decide, *_ERRORS)
+        cached = self.plans.get(self.coord)
+        if decision.cached is not None and cached is not None and cached.layouts == decision.cached:
+            return self._reuse(decision, cached)
+        share = plan_at_root(self.coord, "save (planning)", self._layout, self.plan_writes, *_ERRORS)
+        return self.own_plan(decision, share)
+
+    def local_header(self, state_dict: dict[str, Any] | FlatState) -> Header:
+        flat = flat_of(state_dict)
+        shards = tuple(LocalShard(t.key, t.dtype, t.shape, box) for t in flat.tensors.values() for box in t.boxes())
+        self._local = LocalLayout(flat, shards, rank_layout(flat, shards))
+        if self.coord.rank == 0:
+            self._ids = self.claim()
+        cached = self.plans.get(self.coord)
         nbytes = sum(math.prod(t.shape) * itemsize(t.dtype) for t in flat.tensors.values())
         return Header(
-            layout=local["layout"].hash,
+            layout=self._local.layout.hash,
             cached=cached.layouts if cached else None,
-            node=node,
-            values=values,
+            node=self.node,
+            values={k: encode_value(v.value, k) for k, v in flat.values.items()},
             state_bytes=nbytes,
         )
 
-    root: dict[str, Any] = {}  # rank 0: what it learns from the headers
-
-    def decide(headers: list[Header]) -> list[tuple[str, str | None, Increment, bytes | None, tuple[str, ...], int]]:
-        layouts = digest(*(h.layout for h in headers))
-        hit = all(h.cached == layouts for h in headers)
-        root.update(layouts=layouts, values=[h.values for h in headers])
-        save_id, previous, increment = local["ids"]
+    def decide(self, headers: list[Header]) -> list[Decision]:
+        assert self._ids is not None
+        self._layouts = digest(*(h.layout for h in headers))
+        self._values = [h.values for h in headers]
+        hit = all(h.cached == self._layouts for h in headers)
         nodes = tuple(sorted({h.node for h in headers}))
-        block = block_size or auto_block_size(max(h.state_bytes for h in headers))
-        return [(save_id, previous, increment, layouts if hit else None, nodes, block)] * coord.world_size
+        block = self.block_size or auto_block_size(max(h.state_bytes for h in headers))
+        decision = Decision(self._ids, nodes, block, self._layouts if hit else None)
+        return [decision] * self.coord.world_size
 
-    phase = "save (collecting state)"
-    agreed = plan_at_root(coord, phase, header, decide, SaveFailedError, PeerLostError)
-    save_id, previous, increment, hit, nodes, block = agreed
-    flat: FlatState = local["flat"]
-    cached = _CACHE.get(key)
-    if hit is not None and cached is not None and cached.layouts == hit:
-        PLAN_STATS["cached"] += 1
-        values = _merge_values(root["values"], cached.tensors) if coord.rank == 0 else {}
-        tensors, paths = dict(cached.tensors), dict(cached.paths)
-        return AgreedPlan(
-            save_id=save_id,
-            previous=previous,
-            increment=increment,
-            plan=cached.plan,
-            nodes=nodes,
-            tensors=tensors,
-            values=values,
-            paths=paths,
-            cached=True,
-            flat=flat,
-            layouts=hit,
-            block_size=block,
-        )
-
-    def plan(layouts: list[RankLayout]) -> list[tuple[bytes, bytes]]:
+    def plan_writes(self, layouts: list[RankLayout]) -> list[Share]:
         assignment = assign_writers([lay.shards for lay in layouts])
-        root.update(tensors=assignment.tensors, paths=_merge_paths(layouts))
-        root["merged"] = _merge_values(root["values"], assignment.tensors)
-        # Each rank's part: which of its shards it writes, one bit per shard.
+        values = _merge_values(self._values, assignment.tensors)
+        self._root = RootPlan(assignment.tensors, values, _merge_paths(layouts))
         return [
-            (root["layouts"], _bits(written, len(lay.shards.entry)))
+            Share(self._layouts, _bits(written, len(lay.shards.entry)))
             for written, lay in zip(assignment.written, layouts, strict=True)
         ]
 
-    phase = "save (planning)"
-    layouts, written = plan_at_root(coord, phase, lambda: local["layout"], plan, SaveFailedError, PeerLostError)
-    shards = local["shards"]
-    mine = np.flatnonzero(np.unpackbits(np.frombuffer(written, dtype=np.uint8), count=len(shards)))
-    own = create_own_plan(coord.rank, shards, mine.tolist(), save_plan.MAX_CHUNK_BYTES)
-    tensors, paths = root.get("tensors", {}), root.get("paths", {})
-    _CACHE[key] = CachedPlan(layouts, own, tensors, paths)
-    PLAN_STATS["planned"] += 1
-    merged = root.get("merged", {})
-    return AgreedPlan(
-        save_id=save_id,
-        previous=previous,
-        increment=increment,
-        plan=own,
-        nodes=nodes,
-        tensors=tensors,
-        values=merged,
-        paths=paths,
-        cached=False,
-        flat=flat,
-        layouts=layouts,
-        block_size=block,
-    )
+    def own_plan(self, decision: Decision, share: Share) -> AgreedPlan:
+        local = self._local
+        assert local is not None
+        bits = np.frombuffer(share.written, dtype=np.uint8)
+        mine = np.flatnonzero(np.unpackbits(bits, count=len(local.shards)))
+        own = create_own_plan(self.coord.rank, list(local.shards), mine.tolist(), save_plan.MAX_CHUNK_BYTES)
+        self.plans.keep(self.coord, CachedPlan(share.layouts, own, self._root))
+        return self._agreed(decision, own, self._root, cached=False, layouts=share.layouts)
+
+    def _layout(self) -> RankLayout:
+        assert self._local is not None
+        return self._local.layout
+
+    def _reuse(self, decision: Decision, cached: CachedPlan) -> AgreedPlan:
+        self.plans.reused()
+        root = RootPlan()
+        if self.coord.rank == 0:
+            values = _merge_values(self._values, cached.root.tensors)
+            root = RootPlan(dict(cached.root.tensors), values, dict(cached.root.paths))
+        return self._agreed(decision, cached.plan, root, cached=True, layouts=cached.layouts)
+
+    def _agreed(
+        self, decision: Decision, plan: SavePlan, root: RootPlan, *, cached: bool, layouts: bytes
+    ) -> AgreedPlan:
+        assert self._local is not None
+        return AgreedPlan(
+            ids=decision.ids,
+            plan=plan,
+            nodes=decision.nodes,
+            root=root,
+            cached=cached,
+            flat=self._local.flat,
+            layouts=layouts,
+            block_size=decision.block_size,
+        )
+
+
+_ERRORS = (SaveFailedError, PeerLostError)
 
 
 def _bits(indices: np.ndarray, n: int) -> bytes:

@@ -125,6 +125,12 @@ def flatten(state_dict: dict[str, Any] | FlatState) -> FlatState:
     return flat
 
 
+def flat_of(state_dict: dict[str, Any] | FlatState) -> FlatState:
+    """``state_dict`` flattened (``flatten``), or as is when its caller flattened it already: a save
+    flattens its state once, wherever it starts."""
+    return state_dict if isinstance(state_dict, FlatState) else flatten(state_dict)
+
+
 def _has_tensor(obj: Any) -> bool:
     if isinstance(obj, torch.Tensor) or is_stateful(obj):
         return True

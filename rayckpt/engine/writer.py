@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,8 +22,8 @@ from ..errors import SaveFailedError
 from ..format.manifest import FileEntry, itemsize
 from ..format.shard_file import ChunkData, ChunkSpec, WrittenChunk, storage_type, write_shard_file
 from ..planning.save_plan import SavePlan
-from ..storage.checkpoint_dir import CheckpointDir, join_location
-from ..storage.commit import WrittenShard, shard_file_name
+from ..storage.checkpoint_dir import join_location
+from ..storage.commit import WrittenFiles, WrittenShard, shard_file_name
 from ..storage.shared import shared_path, store_of
 from .device import DeviceToHost, host_like, needs_bounce
 from .increments import FULL, BaseChunk, Increment, Records, base_records, remember, split_unchanged, store_key
@@ -86,29 +86,37 @@ def split_parts(chunks: Sequence[ChunkData], max_parts: int) -> list[list[ChunkD
     return groups
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShareSpec:
+    """How one rank's share of a save is written (the rank itself, its node's ShardWriter, an import)."""
+
+    rank: int
+    #: Bytes per block checksum.
+    block_size: int
+    #: > 1: a storage type's bytes may be split over that many files (``split_parts``), written at once.
+    max_parts: int = 1
+    #: Whether the save is incremental and which save it shares with (``increments``).
+    increment: Increment = FULL
+
+
 def write_chunks(
-    ckdir: CheckpointDir,
-    chunks: Sequence[ChunkData],
-    save_id: str,
-    rank: int,
-    block_size: int,
-    written_files: list[str],
-    max_parts: int = 1,
-    *,
-    incremental: bool = False,
-    base: Records | None = None,
+    files: WrittenFiles, chunks: Sequence[ChunkData], share: ShareSpec, base: Records | None = None
 ) -> WrittenShard:
-    """Write one rank's chunks: one Arrow file per storage type, each durable on return.
+    """Write one rank's chunks into ``files.ckdir`` for save ``files.save_id``: one Arrow file per
+    storage type, each durable on return.
 
-    ``max_parts`` > 1: a storage type's bytes may be split over that many files (``split_parts``),
-    written at once on their own threads. 1 (the default): one file per type, written in
-    sorted type order (a streamed import reads its chunks in that order). Appends each file
-    to ``written_files`` before writing anything, so a failure can clean up.
+    ``share.max_parts`` > 1: a storage type's bytes may be split over that many files
+    (``split_parts``), written at once on their own threads. 1: one file per type, written in
+    sorted type order (a streamed import reads its chunks in that order). Adds each file to
+    ``files`` before writing anything, so a failure can clean up.
 
-    ``incremental``: the files go into the shared store beside ``ckdir`` (``storage.shared``)
-    and each record carries its chunk's fingerprint; a chunk byte-identical to its record in
-    ``base`` (the base save's records, ``increments``) is not written: its record is the base's.
+    An incremental ``share.increment``: the files go into the shared store beside the checkpoint
+    directory (``storage.shared``) and each record carries its chunk's fingerprint; a chunk
+    byte-identical to its record in ``base`` (the base save's records, ``increments``) is not
+    written: its record is the base's.
     """
+    ckdir, save_id, rank, block_size = files.ckdir, files.save_id, share.rank, share.block_size
+    incremental, max_parts = share.increment.incremental, share.max_parts
     shared: list[BaseChunk] = []
     hashed: Callable[[ChunkData], bool] | bool = incremental
     if base:
@@ -125,7 +133,7 @@ def write_chunks(
     ]
     if jobs:
         (store_of(ckdir) if incremental else ckdir).makedirs()
-    written_files.extend(rel for rel, _ in jobs)
+    files.add(rel for rel, _ in jobs)
 
     def write(rel: str, data: list[ChunkData]) -> tuple[list[WrittenChunk], FileEntry]:
         try:
@@ -146,35 +154,24 @@ def write_chunks(
     if incremental and jobs:
         store_of(ckdir).sync_dir()  # the files' directory entries, before the commit names them
     written = [record for records, _ in results for record in records] + [b.chunk for b in shared]
-    files = [entry for _, entry in results] + list({b.file.path: b.file for b in shared}.values())
-    return WrittenShard(rank, tuple(written), tuple(files), save_id)
+    entries = [entry for _, entry in results] + list({b.file.path: b.file for b in shared}.values())
+    return WrittenShard(rank, tuple(written), tuple(entries), save_id)
 
 
-def write_share(
-    ckdir: CheckpointDir,
-    chunks: Sequence[ChunkData],
-    *,
-    save_id: str,
-    rank: int,
-    block_size: int,
-    written_files: list[str],
-    max_parts: int = 1,
-    increment: Increment = FULL,
-) -> WrittenShard:
+def write_rank_share(files: WrittenFiles, chunks: Sequence[ChunkData], share: ShareSpec) -> WrittenShard:
     """``write_chunks`` for one rank's share of a save (the rank itself, or its node's ShardWriter).
 
     An incremental save is written against the base's records this process holds for
     the rank (none: every chunk is written), and the records of what it wrote or shared
     are kept for the rank's next save (``increments``).
     """
-    if not increment.incremental:
-        return write_chunks(ckdir, chunks, save_id, rank, block_size, written_files, max_parts)
-    key = store_key(ckdir)
-    base = base_records(key, rank, increment.base)
-    shard = write_chunks(
-        ckdir, chunks, save_id, rank, block_size, written_files, max_parts, incremental=True, base=base
-    )
-    remember(key, rank, save_id, shard, block_size, {c.key: c.dtype for c in chunks}, base)
+    if not share.increment.incremental:
+        return write_chunks(files, chunks, share)
+    key = store_key(files.ckdir)
+    base = base_records(key, share.rank, share.increment.base)
+    shard = write_chunks(files, chunks, share, base)
+    dtypes = {c.key: c.dtype for c in chunks}
+    remember(key, shard, share.block_size, dtypes, base)
     return shard
 
 

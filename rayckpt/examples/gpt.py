@@ -146,12 +146,12 @@ def shard_model(model: GPT, mesh: DeviceMesh) -> GPT:
 
 
 def synthetic_batch(
-    step: int, global_batch: int, seq_len: int, vocab: int, rank: int = 0, world_size: int = 1, seed: int = 0
+    step: int, global_batch: int, cfg: GPTConfig, rank: int = 0, world_size: int = 1, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s ``(inputs, targets)`` of the global batch of ``step``, each ``(global_batch // W, seq_len)``.
+    """Rank ``rank``'s ``(inputs, targets)`` of the global batch of ``step``, each ``(global_batch // W, cfg.seq_len)``.
 
     Sample ``i`` is an arithmetic sequence ``start + stride * j (mod A)``, with ``A =
-    min(vocab, DATA_ALPHABET)`` and a start and stride drawn from a generator seeded
+    min(cfg.vocab_size, DATA_ALPHABET)`` and a start and stride drawn from a generator seeded
     by ``(seed, step)``, so the global batch depends on nothing else. Rank ``r`` takes samples ``r::world_size``. The
     batch must split evenly: FSDP averages gradients across ranks, which equals the
     gradient of the global mean loss only when every rank holds as many samples.
@@ -166,7 +166,7 @@ def synthetic_batch(
         )
     # The CPU generator keeps 32 bits of its seed: fold the run seed in with a large odd constant.
     gen = torch.Generator().manual_seed((step + seed * 0x9E3779B1) % 2**32)
-    alphabet = min(vocab, DATA_ALPHABET)
+    seq_len, alphabet = cfg.seq_len, min(cfg.vocab_size, DATA_ALPHABET)
     starts = torch.randint(0, alphabet, (global_batch,), generator=gen)
     strides = torch.randint(1, MAX_STRIDE + 1, (global_batch,), generator=gen)
     starts, strides = starts[rank::world_size], strides[rank::world_size]

@@ -182,7 +182,7 @@ def train(
         began = time.perf_counter()
         lr = optim.param_groups[0]["lr"]
         torch.manual_seed(seed + step)
-        inputs, targets = synthetic_batch(step, config["global_batch"], cfg.seq_len, cfg.vocab_size, rank, world_size)
+        inputs, targets = synthetic_batch(step, config["global_batch"], cfg, rank, world_size)
         loss = model.loss(inputs.to(device), targets.to(device))
         loss.backward()
         optim.step()

@@ -12,22 +12,12 @@ import gc
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import CorruptCheckpointError, FormatVersionError, InvalidStateError
 from .boxes import Box
 from .file_paths import is_shared, safe_file_path
-from .manifest_schema import (
-    CHECKSUM_LIMIT,
-    INT_LIMIT,
-    Checked,
-    SchemaError,
-    field_path,
-    item_path,
-    key_path,
-    manifest_schema,
-    show,
-)
+from .manifest_schema import SchemaError, accepts, document_definition, find_problem, show
 from .paths import Path, decode_path, encode_path
 from .values import check_value
 
@@ -304,20 +294,16 @@ def _decode(data: bytes, where: str, table: TableLoader | None) -> Manifest:
     return table(manifest, ref)
 
 
-#: The schema of each chunk checksum field name ("crc32" in version 1), and of version 4 ("table").
-_SCHEMAS = {
-    sums: manifest_schema(tuple(DTYPES), CHECKSUMS, sums, Checked(check_value, "a stored value"), sums == "table")
-    for sums in ("crc32", "checksums", "table")
-}
-
-
 def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manifest:
-    """The manifest of a document whose format and version are known; raises ``SchemaError``."""
-    sums = "crc32" if version == 1 else "checksums"
-    by_table = version >= CHUNK_TABLE_VERSION
-    schema = _SCHEMAS["table" if by_table else sums]
-    # Everything but the entries through the schema (a few objects); the entries below.
-    schema.check(doc, "", skip=("entries",))
+    """The manifest of a document whose format and version are known; raises ``SchemaError``.
+
+    The schema (``manifest_schema``) checks every field's type and range; what it cannot
+    say is checked here: file paths stay inside the checkpoint, each chunk names a listed
+    file and one offset and size per dimension, stored values decode, paths spell their keys.
+    """
+    definition = document_definition(version)
+    if not accepts(doc, definition):
+        _raise_problem(doc, definition)
     files = tuple(
         FileEntry(safe_file_path(f["path"], f"files[{i}].path"), f["size"], f["rank"])
         for i, f in enumerate(doc["files"])
@@ -329,74 +315,46 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
     if len(known) != len(files):
         dup = next(i for i, f in enumerate(files) if f.path in {g.path for g in files[:i]})
         raise SchemaError(f"files[{dup}].path", f"{files[dup].path!r} is listed twice")
-    entry_docs = doc["entries"]
-    entry_schema = schema.fields["entries"]
-    if type(entry_docs) is not dict:
-        entry_schema.check(entry_docs, "entries")
-    tagged = entry_schema.item  # type: ignore[attr-defined]
-    tensor_schema, value_schema = tagged.kinds["tensor"], tagged.kinds["value"]
-    chunk_schema = None if by_table else tensor_schema.fields["chunks"].item
-    safe: dict[str, str] = {}  # file name as written -> checked path (a few files, millions of chunks)
+    sums = "crc32" if version == 1 else "checksums"
+    listed: dict[str, str] = {}  # file name as written -> its checked path (a few files, millions of chunks)
     entries: dict[str, Entry] = {}
-    for key, e in entry_docs.items():
-        at = key_path("entries", key)
-        kind = e.get("kind") if type(e) is dict else None
-        if kind == "value":
-            value_schema.check(e, at)
-        elif kind != "tensor":
-            tagged.check(e, at)
-        path = decode_path(e["path"], key, field_path(at, "path")) if "path" in e and version >= 3 else None
-        if kind == "value":
+    for key, e in doc["entries"].items():
+        at = f"entries[{key!r}]"
+        path = decode_path(e["path"], key, f"{at}.path") if "path" in e and version >= 3 else None
+        if e["kind"] == "value":
+            try:
+                check_value(e["value"])
+            except ValueError as exc:
+                raise SchemaError(f"{at}.value", str(exc)) from None
             entries[key] = ValueEntry(e["value"], path)
             continue
-        dtype, shape, chunk_docs = e.get("dtype"), e.get("shape"), [] if by_table else e.get("chunks")
-        if (
-            type(dtype) is not str
-            or dtype not in DTYPES
-            or type(shape) is not list
-            or not _sizes_ok(shape)
-            or type(chunk_docs) is not list
-        ):
-            tensor_schema.check(e, at)
+        shape = e["shape"]
         ndim = len(shape)
         chunks = []
-        for i, c in enumerate(chunk_docs):
-            try:
-                offsets, sizes, name = c["offsets"], c["sizes"], c["file"]
-                byte_offset, byte_length, block_sums = c["byte_offset"], c["byte_length"], c[sums]
-            except (KeyError, TypeError):
-                raise _chunk_problem(chunk_schema, c, item_path(field_path(at, "chunks"), i), shape) from None
-            if not (
-                type(byte_offset) is int
-                and type(byte_length) is int
-                and 0 <= byte_offset < INT_LIMIT
-                and 0 <= byte_length < INT_LIMIT
-                and type(offsets) is list
-                and type(sizes) is list
-                and len(offsets) == ndim
-                and len(sizes) == ndim
-                and _sizes_ok(offsets)
-                and _sizes_ok(sizes)
-                and type(block_sums) is list
-                and _checksums_ok(block_sums)
-                and type(name) is str
-            ):
-                raise _chunk_problem(chunk_schema, c, item_path(field_path(at, "chunks"), i), shape)
-            file = safe.get(name)
+        for i, c in enumerate(() if version >= CHUNK_TABLE_VERSION else e["chunks"]):
+            offsets, sizes, name = c["offsets"], c["sizes"], c["file"]
+            if len(offsets) != ndim or len(sizes) != ndim:
+                field = "offsets" if len(offsets) != ndim else "sizes"
+                raise SchemaError(
+                    f"{at}.chunks[{i}].{field}",
+                    f"expected {ndim} integer(s), one per dimension of the shape {shape}, got {len(c[field])}",
+                )
+            file = listed.get(name)
             if file is None:
-                file = safe[name] = safe_file_path(name, f"{item_path(field_path(at, 'chunks'), i)}.file")
-            if file not in known:
-                raise SchemaError(f"{item_path(field_path(at, 'chunks'), i)}.file", f"{file!r} is missing from 'files'")
+                file = safe_file_path(name, f"{at}.chunks[{i}].file")
+                if file not in known:
+                    raise SchemaError(f"{at}.chunks[{i}].file", f"{file!r} is missing from 'files'")
+                listed[name] = file
             chunks.append(
                 ChunkEntry(
                     box=Box(tuple(offsets), tuple(sizes)),
                     file=file,
-                    byte_offset=byte_offset,
-                    byte_length=byte_length,
-                    checksums=tuple(block_sums),
+                    byte_offset=c["byte_offset"],
+                    byte_length=c["byte_length"],
+                    checksums=tuple(c[sums]),
                 )
             )
-        entries[key] = TensorEntry(dtype, tuple(shape), tuple(chunks), path)
+        entries[key] = TensorEntry(e["dtype"], tuple(shape), tuple(chunks), path)
     return Manifest(
         save_id=doc["save_id"],
         world_size=doc["world_size"],
@@ -410,33 +368,16 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
     )
 
 
-def _sizes_ok(values: list[Any]) -> bool:
-    for v in values:
-        if type(v) is not int or not 0 <= v < INT_LIMIT:
-            return False
-    return True
-
-
-def _checksums_ok(values: list[Any]) -> bool:
-    for v in values:
-        if type(v) is not int or not 0 <= v < CHECKSUM_LIMIT:
-            return False
-    return True
-
-
-def _chunk_problem(schema: Any, chunk: Any, at: str, shape: list[int]) -> SchemaError:
-    """What is wrong with a chunk the fast check refused: the schema's finding, else a rank mismatch."""
-    try:
-        schema.check(chunk, at)
-    except SchemaError as exc:
-        return exc
-    for name in ("offsets", "sizes"):
-        if len(chunk[name]) != len(shape):
-            return SchemaError(
-                field_path(at, name),
-                f"expected {len(shape)} integer(s), one per dimension of the shape {shape}, got {len(chunk[name])}",
-            )
-    return SchemaError(at, "not a valid chunk")  # pragma: no cover - the fast check and the schema agree
+def _raise_problem(doc: dict[str, Any], definition: str) -> NoReturn:
+    """Raise what is wrong with a document the schema refuses (a key's bad ``path`` as ``decode_path`` says it)."""
+    found = find_problem(doc, definition)
+    if found is None:  # pragma: no cover - the compiled check and jsonschema agree (tests/unit/test_manifest_schema.py)
+        raise SchemaError("", "does not match the manifest schema")
+    parts, error = found
+    if len(parts) > 2 and parts[0] == "entries" and parts[2] == "path":
+        key = str(parts[1])
+        decode_path(doc["entries"][key]["path"], key, f"entries[{key!r}].path")
+    raise error
 
 
 def manifest_values(manifest: Manifest, keys: Iterable[str]) -> dict[str, Any]:

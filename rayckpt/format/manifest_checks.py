@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -89,18 +90,17 @@ def _column_problems(m: Manifest, cols: ChunkColumns, file_size: np.ndarray) -> 
         for row in (first + np.flatnonzero(suspect[first : first + count])).tolist():
             offsets, sizes = cols.box(row)
             file = int(cols.file[row])
-            problems += _chunk_problems(
-                key,
-                offsets,
-                cols.files[file],
-                int(cols.byte_offset[row]),
-                int(cols.byte_length[row]),
-                math.prod(sizes),
-                int(cols.key_itemsize[k]),
-                int(file_size[file]),
-                int(cols.num_checksums[row]),
-                m.block_size,
+            chunk = _StoredChunk(
+                key=key,
+                offsets=offsets,
+                file=cols.files[file],
+                byte_offset=int(cols.byte_offset[row]),
+                byte_length=int(cols.byte_length[row]),
+                volume=math.prod(sizes),
+                file_size=int(file_size[file]),
+                num_checksums=int(cols.num_checksums[row]),
             )
+            problems += _chunk_problems(chunk, int(cols.key_itemsize[k]), m.block_size)
         if unsure[k]:
             boxes = (Box(*map(tuple, cols.box(row))) for row in range(first, first + count))
             problem = find_coverage_problem(cols.shapes[k], boxes)
@@ -109,19 +109,24 @@ def _column_problems(m: Manifest, cols: ChunkColumns, file_size: np.ndarray) -> 
     return problems
 
 
-def _chunk_problems(
-    key: str,
-    offsets: Sequence[int],
-    file: str,
-    byte_offset: int,
-    byte_length: int,
-    volume: int,
-    isz: int,
-    file_size: int,
-    num_checksums: int,
-    block_size: int,
-) -> list[str]:
-    """What is wrong with one chunk (Python ints: exact)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _StoredChunk:
+    """One chunk as the manifest records it, and its file's recorded size (Python ints: exact)."""
+
+    key: str
+    offsets: Sequence[int]
+    file: str
+    byte_offset: int
+    byte_length: int
+    volume: int
+    file_size: int
+    num_checksums: int
+
+
+def _chunk_problems(c: _StoredChunk, isz: int, block_size: int) -> list[str]:
+    """What is wrong with one chunk."""
+    key, offsets, file, byte_offset, byte_length = c.key, c.offsets, c.file, c.byte_offset, c.byte_length
+    volume, file_size, num_checksums = c.volume, c.file_size, c.num_checksums
     out = []
     where = f"key {key!r} chunk {list(offsets)} in file {file!r}"
     if byte_offset < 0:
@@ -149,18 +154,17 @@ def _object_problems(m: Manifest, keys: Sequence[str]) -> list[str]:
             continue
         isz = DTYPES[e.dtype][0]
         for c in e.chunks:
-            problems += _chunk_problems(
-                key,
-                c.box.offsets,
-                c.file,
-                c.byte_offset,
-                c.byte_length,
-                c.box.volume,
-                isz,
-                sizes.get(c.file, 0),
-                len(c.checksums),
-                m.block_size,
+            chunk = _StoredChunk(
+                key=key,
+                offsets=c.box.offsets,
+                file=c.file,
+                byte_offset=c.byte_offset,
+                byte_length=c.byte_length,
+                volume=c.box.volume,
+                file_size=sizes.get(c.file, 0),
+                num_checksums=len(c.checksums),
             )
+            problems += _chunk_problems(chunk, isz, m.block_size)
         problem = find_coverage_problem(e.shape, (c.box for c in e.chunks))
         if problem:
             problems.append(f"key {key!r}: {problem}")

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..format.boxes import Box
 from ..format.manifest import Manifest, itemsize
-from .chunk_table import DIM0, OTHER, SCALAR, SCALAR_BOX, ChunkTable, dim0_item_bounds
+from .chunk_table import DIM0, OTHER, SCALAR, SCALAR_BOX, ChunkTable, RankRows, dim0_item_bounds
 from .load_plan import (
     ChunkIndex,
     FileRead,
@@ -70,9 +70,8 @@ class BulkPlan:
     _read_offset: np.ndarray
     _read_length: np.ndarray
     _read_of_rank: np.ndarray
-    # Per key, for rebuilding items: rows per rank, the row step of a rank's box, and the key's spec.
-    _per: np.ndarray
-    _step: np.ndarray
+    # Per key, for rebuilding items: each rank's rows of it, and its spec.
+    _rows: RankRows
     _specs: dict[int, TensorSpec]
     #: Items of OTHER keys, planned per rank: (rank, table row) -> item.
     _other_items: dict[tuple[int, int], ReadItem]
@@ -106,7 +105,12 @@ class BulkPlan:
         rows = self._item_row[p0:p1]
         k = t.key[rows]
         first, count, lo, hi = dim0_item_bounds(
-            rank, t.start[rows], t.rows[rows], t.key_rows[k], t.key_row_bytes[k], self._per[k], self._step[k]
+            rank,
+            t.start[rows],
+            t.rows[rows],
+            t.key_rows[k],
+            t.key_row_bytes[k],
+            RankRows(self._rows.per[k], self._rows.step[k]),
         )
         kinds = t.key_kind.tolist()
         entries = t.manifest.entries
@@ -185,16 +189,14 @@ def create_dim0_plans(
     kind = np.full(len(t.keys), -1, np.int8)
     ids = np.fromiter(wanted, np.int64, len(wanted))
     kind[ids] = t.key_kind[ids]
-    # Rank r's box of a key is rows [r * per, min(r * per + step, rows)): per = step = ceil(rows / m)
-    # for a tensor; per = 0 and step = 1 for a 0-dim one, so that every rank gets its only "row".
     per = np.where(kind == SCALAR, 0, -(-t.key_rows // m))
-    step = np.where(kind == SCALAR, 1, per)
+    rows_of = RankRows(per=per, step=np.where(kind == SCALAR, 1, per))
 
     counts, first_rank, end = _rank_ranges(t, kind, per, m)
     other = _plan_other(t, wanted, kind, m)
     if other:
         np.add.at(counts, np.fromiter((row for row, _, _ in other), np.int64, len(other)), 1)
-    item_row, rank, span_start, span_end = _spans(t, counts, first_rank, end, per, step, manifest.block_size)
+    item_row, rank, span_start, span_end = _spans(t, counts, first_rank, end, rows_of, manifest.block_size)
     other_items = _place_other(other, counts, rank, span_start, span_end)
 
     # A stable sort on the rank keeps each rank's items in table-row, (file, byte_offset), order.
@@ -225,8 +227,7 @@ def create_dim0_plans(
         _read_offset=read_offset,
         _read_length=read_length,
         _read_of_rank=read_of_rank,
-        _per=per,
-        _step=step,
+        _rows=rows_of,
         _specs=wanted,
         _other_items=other_items,
     )
@@ -291,9 +292,10 @@ def _rank_ranges(t: ChunkTable, kind: np.ndarray, per: np.ndarray, m: int) -> tu
 
 
 def _spans(
-    t: ChunkTable, counts: np.ndarray, first: np.ndarray, end: np.ndarray, per: np.ndarray, step: np.ndarray, bs: int
+    t: ChunkTable, counts: np.ndarray, first: np.ndarray, end: np.ndarray, rows_of: RankRows, bs: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (chunk, rank) item in table-row order: its row, rank, and block-aligned byte span in the file."""
+    per, step = rows_of.per, rows_of.step
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
     item_row = np.repeat(np.arange(t.num_chunks, dtype=np.int32), counts)
@@ -435,8 +437,7 @@ def _per_item(
         _read_offset=none,
         _read_length=none,
         _read_of_rank=none,
-        _per=none,
-        _step=none,
+        _rows=RankRows(per=none, step=none),
         _specs={},
         _other_items={},
         _plans=plans,

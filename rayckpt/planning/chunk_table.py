@@ -207,19 +207,22 @@ def _disjoint_rows(key: np.ndarray, start: np.ndarray, rows: np.ndarray, mask: n
     return np.bincount(k[1:][overlap], minlength=nkeys) == 0
 
 
+@dataclass(frozen=True, slots=True)
+class RankRows:
+    """Rank r's box of key k: rows [r * per[k], min(r * per[k] + step[k], rows)); per = step = ceil(rows / m),
+    or per = 0 and step = 1 for a 0-dim key (every rank gets its only "row")."""
+
+    per: np.ndarray
+    step: np.ndarray
+
+
 def dim0_item_bounds(
-    rank: int,
-    start: np.ndarray,
-    rows: np.ndarray,
-    key_rows: np.ndarray,
-    row_bytes: np.ndarray,
-    per: np.ndarray,
-    step: np.ndarray,
+    rank: int, start: np.ndarray, rows: np.ndarray, key_rows: np.ndarray, row_bytes: np.ndarray, rows_of: RankRows
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """What rank ``rank`` reads of chunks (dim-0 ``start``, ``rows``) of keys (``key_rows``,
-    ``row_bytes``, and ``per`` / ``step`` as in ``create_dim0_plans``): first row, row count,
-    and the byte range [lo, hi) from the chunk's first byte."""
-    a = rank * per
+    ``row_bytes``, and ``rows_of`` as in ``create_dim0_plans``, each chunk's key's): first row,
+    row count, and the byte range [lo, hi) from the chunk's first byte."""
+    a = rank * rows_of.per
     first = np.maximum(start, a)
-    last = np.minimum(start + rows, np.minimum(a + step, key_rows))
+    last = np.minimum(start + rows, np.minimum(a + rows_of.step, key_rows))
     return first, last - first, (first - start) * row_bytes, (last - start) * row_bytes

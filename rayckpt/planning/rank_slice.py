@@ -29,7 +29,7 @@ from ..format.boxes import Box
 from ..format.chunk_columns import ChunkColumns
 from ..format.manifest import Blocks, ChunkEntry, Manifest, itemsize, manifest_values
 from .bulk import BulkPlan, TensorSpec, create_dim0_plans
-from .chunk_table import SCALAR_BOX, ChunkTable, dim0_item_bounds
+from .chunk_table import SCALAR_BOX, ChunkTable, RankRows, dim0_item_bounds
 from .load_plan import FileRead, LoadPlan, ReadItem, TensorRequest, is_dim0_layout
 
 
@@ -114,7 +114,7 @@ class RankSlice:
         step = np.where(np.array([bool(s) for s in shapes]), per, 1)
         k = self.spec
         first, count, lo, hi = dim0_item_bounds(
-            self.rank, self.start, self.rows, key_rows[k], row_bytes[k], per[k], step[k]
+            self.rank, self.start, self.rows, key_rows[k], row_bytes[k], RankRows(per[k], step[k])
         )
         sums = self.checksums.tolist()
         ends = np.cumsum(self.num_checksums).tolist()
@@ -154,19 +154,17 @@ def create_rank_slices(
     world_size: int,
     value_keys: Iterable[str] = (),
     strict: bool = True,
-    columns: ChunkColumns | None = None,
-    table: ChunkTable | None = None,
 ) -> list[RankSlice] | None:
     """Every rank's slice of the bulk plan of ``specs`` over ``world_size`` FSDP2 ranks.
 
     Raises what ``create_dim0_plans`` raises (``IncompatibleStateError`` naming
     the key). ``None`` when the plan holds items planned per rank (keys whose
     chunks are not dim-0 slabs, specs asking for a key twice): plan those ranks
-    with ``create_load_plan``. ``columns`` / ``table``: the manifest's, when at hand.
+    with ``create_load_plan``.
     """
     value_keys = tuple(value_keys)
-    cols = ChunkColumns.from_manifest(manifest) if columns is None else columns
-    t = ChunkTable.from_manifest(manifest, cols) if table is None else table
+    cols = ChunkColumns.from_manifest(manifest)
+    t = ChunkTable.from_manifest(manifest, cols)
     bulk = create_dim0_plans(manifest, specs, world_size, value_keys, strict, table=t)
     return slice_plan(bulk, specs, value_keys, cols)
 

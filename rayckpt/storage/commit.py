@@ -232,6 +232,47 @@ def remove_failed_save(ckdir: CheckpointDir, save_id: str, paths: Sequence[str] 
         ckdir.delete_dir_if_empty()
 
 
+class WrittenFiles:
+    """The shard files one rank (or its node's ShardWriter) writes for a save, and what undoes them.
+
+    A writer ``add``s each file before writing it. As a context manager: an exception
+    leaving the block removes them, or with ``whole_save`` the whole save
+    (``remove_failed_save``: every file named with its id, the directory if left empty).
+    A caller that learns the outcome another way calls ``remove`` / ``remove_save`` itself.
+    """
+
+    def __init__(self, ckdir: CheckpointDir, save_id: str, *, whole_save: bool = False) -> None:
+        self.ckdir = ckdir
+        self.save_id = save_id
+        self.whole_save = whole_save
+        self._paths: list[str] = []
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The files added, relative to ``ckdir``, in the order they were added."""
+        return tuple(self._paths)
+
+    def add(self, paths: Iterable[str]) -> None:
+        self._paths.extend(paths)
+
+    def remove(self) -> None:
+        """Delete the files added (only those named with this save's id: never an earlier save's shared file)."""
+        for rel in self._paths:
+            if shard_file_save_id(posixpath.basename(rel)) == self.save_id:
+                self.ckdir.delete(rel)
+
+    def remove_save(self) -> None:
+        """Undo the whole save: the files added and any named with its id (``remove_failed_save``)."""
+        remove_failed_save(self.ckdir, self.save_id, self._paths)
+
+    def __enter__(self) -> WrittenFiles:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.remove_save() if self.whole_save else self.remove()
+
+
 def decode_stored_manifest(ckdir: CheckpointDir) -> Manifest:
     """Read and decode the manifest of ``ckdir`` and its chunk table (version 4), without the
     consistency checks ``read_manifest`` adds; a file that does not parse raises ``CorruptCheckpointError``."""

@@ -70,22 +70,25 @@ def _context(preload: tuple[str, ...] = ()) -> Any:
     return ctx
 
 
-def _entry(
-    rank: int,
-    world_size: int,
-    init_file: str,
-    backend: str,
-    pg_timeout: float | None,
-    fn: Callable,
-    args: tuple,
-    out: Any,
-) -> None:
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """The process group the ranks of one ``run_ranks`` join."""
+
+    world_size: int
+    init_file: str
+    backend: str
+    pg_timeout: float | None
+
+
+def _entry(rank: int, group: _Group, fn: Callable, args: tuple, out: Any) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world_size = group.world_size
     try:
-        timeout = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, **timeout)
+        timeout = {} if group.pg_timeout is None else {"timeout": datetime.timedelta(seconds=group.pg_timeout)}
+        init = f"file://{group.init_file}"
+        dist.init_process_group(group.backend, init_method=init, rank=rank, world_size=world_size, **timeout)
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -135,11 +138,8 @@ def run_ranks(
     out = _context().Queue()
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            start_process(_entry, r, world_size, init_file, backend, pg_timeout, fn, args, out)
-            for r in range(world_size)
-        ]
+        group = _Group(world_size, os.path.join(tmp, "rendezvous"), backend, pg_timeout)
+        procs = [start_process(_entry, r, group, fn, args, out) for r in range(world_size)]
         results: dict[int, Any] = {}
         failures: dict[int, RankFailure] = {}
         try:

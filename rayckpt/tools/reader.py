@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..engine.reader import read_into
+from ..engine.reader import RankRead, read_into
 from ..engine.state import FlatState, Piece, TensorLeaf, torch_dtype
 from ..errors import CorruptCheckpointError
 from ..format.boxes import Box
@@ -106,7 +106,7 @@ class CheckpointReader:
         )
         request = TensorRequest(key, entry.dtype, entry.shape, box)
         plan = create_load_plan(self.manifest, [request], index=self._index)
-        read_into(self.ckdir, plan, flat, self.manifest.blocks, self._sizes, {}, self._reader)
+        read_into(self.ckdir, RankRead(plan, self.manifest.blocks, self._sizes), flat, self._reader)
         return target
 
     def items(self, prefix: str = "", on_progress: Progress | None = None) -> Iterator[tuple[str, Any]]:

@@ -22,6 +22,7 @@ import logging
 import posixpath
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -29,23 +30,21 @@ import ray.train
 
 from ..engine.coordinator import default_coordinator
 from ..engine.load import LoadInfo
-from ..engine.overlap import overlap_mode
-from ..engine.save import full_every_count
+from ..engine.save import SaveOptions
 from ..engine.state import FlatState, flatten
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, RestoreFailedError, SaveFailedError
 from ..ray import metrics
 from ..ray.memory.store import peer_bytes
 from ..ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
-from ..ray.rank.async_save import DEFAULT_LANE, local_pieces, prepare_staging, save_async, wait_inflight
+from ..ray.rank.async_save import DEFAULT_LANE, prepare_staging, start_save, wait_inflight
 from ..ray.rank.loading import load as ray_load
+from ..ray.rank.options import RayOptions, SaveDestination
 from ..ray.rank.save_handle import SaveHandle
-from ..ray.rank.staging import staged_size
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
-from . import restore_report
 from .announce import SaveAnnouncer
-from .restore_order import candidates, reason
+from .restore import candidates, fell_back, reason, restored
 from .run_id import attempt_key
-from .tiers import MEMORY, STORAGE, MemoryTier, TierPolicy
+from .tiers import MEMORY, STORAGE, MemoryTier, SaveSettings, TierPolicy, memory_need
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +117,14 @@ class Checkpointer:
         self.run_root: str = storage.experiment_fs_path
         self.filesystem = storage.storage_filesystem
         self.rank: int = ctx.get_world_rank()
-        self.block_size = block_size
-        self.report = report
-        self.commit_timeout_s = commit_timeout_s
-        self.local_is_shared = local_is_shared
-        self.staging = staging
-        self.overlap = overlap_mode(overlap)
-        self.increments = {"incremental": bool(incremental), "full_every": full_every_count(full_every)}
+        #: How the saves write and run on Ray, checked once (each tier's records: ``SaveSettings.for_tier``).
+        self.settings = SaveSettings(
+            write=SaveOptions(block_size=block_size, incremental=bool(incremental), full_every=full_every),
+            on_ray=RayOptions(
+                staging=staging, overlap=overlap, commit_timeout_s=commit_timeout_s, local_is_shared=local_is_shared
+            ),
+            report=report,
+        )
         #: Size of this worker's staging buffer made by ``restore`` (0: none).
         self.staging_bytes = 0
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
@@ -214,6 +214,8 @@ class Checkpointer:
                 handle = self._save_to_memory(step, state, metrics, metadata)
             elif go == STORAGE:
                 tiers = (STORAGE,)  # no room in some node's budget: to storage instead (one WARNING)
+        # Else flattened by the save itself, inside its first collective: a rank whose state cannot be
+        # saved then fails every rank.
         return self._save_to_storage(step, state, metrics, metadata) if STORAGE in tiers else handle
 
     def _save_to_storage(
@@ -221,23 +223,8 @@ class Checkpointer:
     ) -> SaveHandle:
         """``save`` to storage, reported to Ray Train; waits first for the storage save before it."""
         self._wait(STORAGE)  # what ``save_async`` does first, here so the previous save's outcome is announced
-        began = time.perf_counter()
-        handle = save_async(
-            state,
-            self.path(step),
-            run=self.run,
-            step=step,
-            filesystem=self.filesystem,
-            block_size=self.block_size,
-            metadata={**(metadata or {}), "metrics": metrics},
-            commit_timeout_s=self.commit_timeout_s,
-            local_is_shared=self.local_is_shared,
-            staging=self.staging,
-            overlap=self.overlap,
-            **self.increments,
-        )
-        self._last[STORAGE] = (handle, began)
-        if self.report:
+        handle = self._start(STORAGE, step, state, {**(metadata or {}), "metrics": metrics})
+        if self.settings.report:
             from ray.train import Checkpoint, CheckpointUploadMode
 
             def wait_for_commit(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
@@ -255,51 +242,33 @@ class Checkpointer:
         return handle
 
     def _memory_go(self, step: int, flat: FlatState) -> str | None:
-        """Whether a memory save goes ahead (``MEMORY``), goes to storage instead (``STORAGE``: some node's
-        memory tier has no room for it) or is skipped (``None``: the memory save before it is not yet
-        written on some rank; a storage save being written does not count). One collective: every rank
-        decides the same. Rank 0 warns once per shortage (a node and what bounds it), not per step, and
-        says when memory saves go ahead again."""
+        """Whether a memory save goes ahead, goes to storage instead or is skipped (``MemoryTier.go``);
+        a skipped one is counted here (training does not wait for a memory save: the next step tries again)."""
         assert self.memory is not None
         if not self.memory_skip_busy:
             self._wait(MEMORY)
         last = self._last.get(MEMORY)
         busy = last is not None and not last[0].done()
-        need = 2 * staged_size(local_pieces(flat)) * max(1, self._local_ranks)
-        room, bound, node = self.memory.room_here(self.rank)
-        skip, why, short = self.memory.decide(busy, (room, bound), need, node, default_coordinator())
-        if skip:
-            self.memory_skipped += 1  # training does not wait for a memory save: the next step tries again
-            if self.rank == 0:
-                metrics.send("rayckpt_memory_saves_skipped", 1, run=self.run, reason="busy")
-            return None
-        if short and self.rank == 0:
-            metrics.send("rayckpt_memory_saves_skipped", 1, run=self.run, reason="no_room")
-        self.memory.tell(self.run, step, short, why, self.rank)
-        return STORAGE if short else MEMORY
+        go = self.memory.go(step, busy, memory_need(flat, self._local_ranks), self.rank, self.run)
+        self.memory_skipped += go is None
+        return go
 
     def _save_to_memory(
         self, step: int, state: FlatState, metrics: dict[str, Any], metadata: dict[str, Any] | None
     ) -> SaveHandle:
         """``save`` to the memory tier, in its own lane (beside a storage save still being written)."""
-        assert self.memory is not None
         self._wait(MEMORY)  # written on every rank (``_memory_go``): its commit is at hand
+        return self._start(MEMORY, step, state, {**(metadata or {}), "metrics": metrics})
+
+    def _start(self, tier: str, step: int, state: dict[str, Any] | FlatState, metadata: dict[str, Any]) -> SaveHandle:
+        """Start the save of ``step`` to ``tier`` (``save_async``, its options as records)."""
+        write, on_ray = self.settings.for_tier(tier)
+        m = self.memory if tier == MEMORY else None
+        where = (m.path(step), m.run, m.filesystem) if m is not None else (self.path(step), self.run, self.filesystem)
+        dest = SaveDestination(checkpoint_id=where[0], run=where[1], step=step, filesystem=where[2])
         began = time.perf_counter()
-        handle = save_async(
-            state,
-            self.memory.path(step),
-            run=self.memory.run,
-            step=step,
-            filesystem=self.memory.filesystem,
-            block_size=self.block_size,
-            metadata={**(metadata or {}), "metrics": metrics},
-            commit_timeout_s=self.commit_timeout_s,
-            local_is_shared=True,
-            staging=self.staging,
-            lane=MEMORY,
-            overlap=self.overlap,
-        )
-        self._last[MEMORY] = (handle, began)
+        handle = start_save(state, dest, replace(write, metadata=metadata), on_ray)
+        self._last[tier] = (handle, began)
         return handle
 
     def release_memory(self) -> None:
@@ -336,13 +305,14 @@ class Checkpointer:
             IncompatibleStateError: ``state`` does not fit the checkpoint (a changed model).
         """
         step = self._load_latest(state)
-        self.staging_bytes = prepare_staging(state, self.staging)
+        staging = self.settings.on_ray.staging
+        self.staging_bytes = prepare_staging(state, staging)
         if self.memory is not None:  # the memory lane's own buffer: it stages while a storage save is written
-            self.staging_bytes += prepare_staging(state, self.staging, lane=MEMORY)
+            self.staging_bytes += prepare_staging(state, staging, lane=MEMORY)
         return step
 
     def _candidates(self) -> tuple[list[tuple[str, int | None, str]], list[tuple[str, int | None, str]]]:
-        """What ``restore`` tries and what it passes over at once (``restore_order.candidates``)."""
+        """What ``restore`` tries and what it passes over at once (``restore.candidates``)."""
         entries, self._found = self._found, None
         if entries is None:
             entries = self._register_run(STORAGE)
@@ -377,18 +347,18 @@ class Checkpointer:
                 continue
             metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
             self.restored_metadata = metadata
-            restored = metadata.get("step")
+            restored_step = metadata.get("step")
             peer = peer_bytes() - from_peers
             self.restored_from = {
                 "tier": tier,
                 "path": path,
-                "step": restored,
+                "step": restored_step,
                 "bytes_read": self.last_load.bytes_read,
                 "peer_bytes": peer,
             }
             world = ray.train.get_context().get_world_size()
-            restore_report.restored(self.run, self.rank, world, self.restored_from, time.perf_counter() - began)
-            return restored
+            restored(self.run, self.rank, world, self.restored_from, time.perf_counter() - began)
+            return restored_step
         if failed:
             tried = "; ".join(f"step {s} at {p}: {why}" for p, s, why in failed)
             raise RestoreFailedError(
@@ -402,7 +372,7 @@ class Checkpointer:
         path, step, reason = failed
         self.fallbacks.append({"path": path, "step": step, "reason": reason, "next": to[0], "next_step": to[1]})
         if self.rank == 0:
-            restore_report.fell_back(self.run, self.fallbacks[-1])
+            fell_back(self.run, self.fallbacks[-1])
 
     def wait(self) -> CatalogEntry | None:
         """Block until this worker's in-flight saves (storage and memory) are committed.

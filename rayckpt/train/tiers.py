@@ -1,4 +1,5 @@
-"""Which tier a ``Checkpointer`` save goes to, and the memory tier's side of it (``ray.memory``).
+"""Which tier a ``Checkpointer`` save goes to, with which options, and the memory tier's side of it
+(``ray.memory``): whether a memory save goes ahead (``MemoryTier.go``).
 
 Every ``memory_every`` steps a save goes to the nodes' memory; every
 ``persist_every`` steps to storage, as without a memory tier (a step due for
@@ -11,13 +12,18 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
-from ..engine.coordinator import Coordinator
+from ..engine.coordinator import Coordinator, default_coordinator
+from ..engine.save import SaveOptions
+from ..engine.state import FlatState
+from ..ray import metrics
 from ..ray.actors import writers
 from ..ray.memory.fs import memory_filesystem
+from ..ray.rank.options import RayOptions
+from ..ray.rank.staging import local_pieces, staged_size
 from ..ray.records import MEMORY_TIER, STORAGE_TIER, tracked_run
 from ..ray.writer.actor import get_shard_writer
 from ..storage.catalog import checkpoint_dir_name
@@ -58,6 +64,30 @@ class TierPolicy:
         memory = bool(self.memory_every) and (persist is False or step % self.memory_every == 0)
         storage = bool(persist) or (persist is None and step % self.persist_every == 0)
         return (MEMORY,) * memory + (STORAGE,) * storage
+
+
+def memory_need(flat: FlatState, local_ranks: int) -> int:
+    """What a memory save of ``flat`` needs on this rank's node: its share and a peer's replica of
+    about its size, for each rank of the node."""
+    return 2 * staged_size(local_pieces(flat)) * max(1, local_ranks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveSettings:
+    """How a ``Checkpointer``'s saves write and run on Ray, built once from its arguments."""
+
+    write: SaveOptions
+    on_ray: RayOptions
+    #: Report each storage save to Ray Train once committed.
+    report: bool = True
+
+    def for_tier(self, tier: str) -> tuple[SaveOptions, RayOptions]:
+        """The records of a save to ``tier``: a memory save is never incremental, its local path
+        (the memory filesystem) is every node's, and it has its own lane."""
+        if tier != MEMORY:
+            return self.write, self.on_ray
+        write = replace(self.write, incremental=False, full_every=0)
+        return write, replace(self.on_ray, local_is_shared=True, lane=MEMORY)
 
 
 class MemoryTier:
@@ -122,6 +152,23 @@ class MemoryTier:
             else:
                 logger.info("rayckpt: run %s: step %s goes to memory again: every node has room", run, step)
         self.short = short
+
+    def go(self, step: int, busy: bool, need: int, rank: int, run: str) -> str | None:
+        """Whether a memory save goes ahead (``MEMORY``), goes to storage instead (``STORAGE``: some node's
+        memory tier has no room for it) or is skipped (``None``: the memory save before it is not yet
+        written on some rank, ``busy`` here; a storage save being written does not count). One collective:
+        every rank decides the same. ``need``: this rank's bytes there (``memory_need``); ``run``: the
+        run's name (its metrics). Rank 0 warns once per shortage (``tell``)."""
+        room, bound, node = self.room_here(rank)
+        skip, why, short = self.decide(busy, (room, bound), need, node, default_coordinator())
+        if skip:
+            if rank == 0:
+                metrics.send("rayckpt_memory_saves_skipped", 1, run=run, reason="busy")
+            return None
+        if short and rank == 0:
+            metrics.send("rayckpt_memory_saves_skipped", 1, run=run, reason="no_room")
+        self.tell(run, step, short, why, rank)
+        return STORAGE if short else MEMORY
 
     def drop_all(self) -> None:
         """Free every memory checkpoint of the run (called once it is persisted and done)."""

@@ -14,16 +14,16 @@ import ray
 import torch
 
 import rayckpt
-from rayckpt.engine.writer import write_chunks
+from rayckpt.engine.writer import ShareSpec, write_chunks
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkData
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.ray.rank import async_save
 from rayckpt.ray.rank.copier import CopyJob
-from rayckpt.ray.rank.save_handle import SaveHandle
+from rayckpt.ray.rank.save_handle import SaveHandle, StartedSave
 from rayckpt.ray.records import SaveTarget
 from rayckpt.storage.checkpoint_dir import CheckpointDir
-from rayckpt.storage.commit import SaveSpec
+from rayckpt.storage.commit import SaveSpec, WrittenFiles
 from tests.helpers.gated_fs import gated_filesystem, wait_for_file
 
 pytestmark = pytest.mark.slow
@@ -126,16 +126,15 @@ def test_a_rank_waiting_when_the_actor_restarts_is_answered_at_once(ray_session,
     incarnation = ray.get(registered)
     rows = np.arange(8, dtype=np.float32)
     chunk = ChunkData("w", "float32", Box((0, 0), (2, 4)), rows.view(np.uint8))
-    shard = write_chunks(CheckpointDir.resolve(path), [chunk], save_id, 0, 64, [])
+    shard = write_chunks(WrittenFiles(CheckpointDir.resolve(path), save_id), [chunk], ShareSpec(rank=0, block_size=64))
     ray.get(meta.report_written.remote(replace(target, incarnation=incarnation), shard, 0.0))
     handle = SaveHandle(
         target,
         CheckpointDir.resolve(path),
-        copy=CopyJob.finished(ray.put(None), 0.0),
-        staged_ref=None,
-        stall_seconds=0.0,
+        StartedSave(
+            copy=CopyJob.finished(ray.put(None), 0.0), staged_ref=None, stall_seconds=0.0, registered=registered
+        ),
         timeout=600.0,
-        registered=registered,
     )
     start = time.monotonic()
     waiter = ErrorCatcher(handle.wait)
@@ -171,9 +170,7 @@ def test_a_save_the_actor_lost_fails_at_its_commit_timeout_and_only_for_its_own_
     handle = SaveHandle(
         SaveTarget(save_id="sid-unheard", run="unheard", step=3, location=str(path), rank=0),
         CheckpointDir.resolve(str(path)),
-        copy=CopyJob.finished(ray.put(None), 0.0),
-        staged_ref=None,
-        stall_seconds=0.0,
+        StartedSave(copy=CopyJob.finished(ray.put(None), 0.0), staged_ref=None, stall_seconds=0.0),
         timeout=2.0,
         on_outcome=saver._seen,
     )

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import rayckpt
-from rayckpt.engine import save_layout
 from rayckpt.engine.coordinator import gather_or_raise
 from rayckpt.engine.increments import FULL
+from rayckpt.engine.save import PROCESS_PLANS
+from rayckpt.engine.save_layout import Decision, SaveIds, Share
 from rayckpt.errors import PeerLostError, RayckptError, SaveFailedError
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.multiproc import RankFailure, run_ranks
@@ -85,7 +86,7 @@ class BrokenCollective:
         self.calls = 0
         self.claims: list[tuple[str, str]] = []
         self.held: dict[str, str] = {}
-        save_layout.clear_plan_cache()  # so a save's first PLAN_CALLS all-gathers agree on its plan
+        PROCESS_PLANS.clear()  # so a save's first PLAN_CALLS all-gathers agree on its plan
 
     def all_gather(self, obj):
         self.calls += 1
@@ -97,9 +98,10 @@ class BrokenCollective:
         # parts (rank 1 ignores rank 0's), then rank 0's answers (rank 1 takes its own).
         assert self.calls <= PLAN_CALLS, "rank 1's fake rank 0 only takes part in agreeing on the plan"
         if self.calls == 2:  # the save id, not incremental, no cached plan, the nodes, the block size
-            return [[(True, ("20260101T000000-0badc0de", None, FULL, None, ("",), 65536))] * 2, None]
+            decision = Decision(SaveIds("20260101T000000-0badc0de", None, FULL), ("",), 65536, None)
+            return [[(True, decision)] * 2, None]
         if self.calls == 4:  # rank 0 holds nothing: rank 1 writes both its shards (a bit each)
-            return [[(True, (b"", np.packbits(np.ones(2, dtype=bool)).tobytes()))] * 2, None]
+            return [[(True, Share(b"", np.packbits(np.ones(2, dtype=bool)).tobytes()))] * 2, None]
         return [None, obj]
 
     def claim(self, key: str, value: str) -> str | None:
@@ -195,7 +197,7 @@ def test_any_other_exception_inside_save_becomes_save_failed_error(tmp_path, mon
         raise KeyError("planner bug")
 
     monkeypatch.setattr(save_layout, "assign_writers", broken_plans)
-    save_layout.clear_plan_cache()
+    PROCESS_PLANS.clear()
     with pytest.raises(
         SaveFailedError, match=r"save \(planning\) failed on 1 of 1 rank\(s\):\n  rank 0: KeyError: 'planner bug'"
     ):

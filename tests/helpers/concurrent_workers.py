@@ -115,9 +115,9 @@ def _install_pause(pause: str | None, sync_dir: str, name: str) -> None:
 
         real_write_chunks = streaming.write_chunks
 
-        def write_chunks(ckdir, chunks, save_id, *args):
-            _pause(sync_dir, name, save_id)
-            return real_write_chunks(ckdir, chunks, save_id, *args)
+        def write_chunks(files, chunks, *args):
+            _pause(sync_dir, name, files.save_id)
+            return real_write_chunks(files, chunks, *args)
 
         streaming.write_chunks = write_chunks
     elif pause == "publish":

@@ -11,6 +11,7 @@ import rayckpt
 from rayckpt.format.boxes import Box
 from rayckpt.format.manifest import TensorEntry
 from rayckpt.planning.load_plan import LoadPlan, TensorRequest, create_load_plan, dim0_box
+from rayckpt.ray.metadata.plan_cache import ReadAsk
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 
 VALUE_KEYS = ("step",)
@@ -37,6 +38,9 @@ class PlanAsk:
     value_keys: tuple[str, ...]
     rank: int | None
     world_size: int | None
+
+    def read_ask(self) -> ReadAsk:
+        return ReadAsk(requests=self.requests, value_keys=self.value_keys, rank=self.rank, world_size=self.world_size)
 
 
 def asks_for(path: str) -> list[PlanAsk]:

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import rayckpt
-from rayckpt.engine import save_layout
+from rayckpt.engine.save import PROCESS_PLANS
 
 
 def _state(mesh: Any, rank: int, step: int, extra: bool) -> dict[str, Any]:
@@ -48,7 +48,8 @@ def cached_saves_worker(rank: int, world_size: int, path: str) -> list[dict[str,
     for step, extra in ((1, False), (2, False), (3, rank == 2)):
         saved = _state(mesh, rank, step, extra)
         rayckpt.save(saved, path)
-        stats = dict(save_layout.PLAN_STATS)
+        counts = PROCESS_PLANS.counts()
+        stats = {"planned": counts.planned, "cached": counts.cached}
         target = _zeros(_state(mesh, rank, 0, extra))
         rayckpt.load(target, path)
         out.append({"stats": stats, "loaded": _equal(target, saved)})

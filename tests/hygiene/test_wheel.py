@@ -38,6 +38,9 @@ def test_the_wheel_ships_the_package_and_the_user_s_test_helpers_not_the_test_be
         "rayckpt/testing/toy.py",
     ]
     assert "rayckpt/py.typed" in names and "rayckpt/observe/alerts.py" in names
+    # The manifest's schema: the file decoding loads, as in the repository.
+    schema = "rayckpt/format/manifest.schema.json"
+    assert wheel.read(schema) == (ROOT / schema).read_bytes()
     for name in sorted(modules):
         text = wheel.read(name).decode()
         found = [w for w in TEST_BED_WORDS if w in text]

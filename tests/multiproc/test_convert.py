@@ -316,7 +316,7 @@ def test_a_key_that_is_both_tensor_and_value_is_refused(tmp_path):
     source = streaming.Source(format="torch", tensors={"a": ("float32", (2,))}, values={"a": 1}, load=lambda keys: {})
     out = CheckpointDir.resolve(str(tmp_path / "o"))
     with pytest.raises(rayckpt.InvalidStateError, match="key 'a' is both a tensor and a value in src.pt"):
-        streaming.import_source(source, out, "src.pt", "", 64, 1024, None)
+        streaming.import_source(source, out, "src.pt", streaming.ImportOptions(block_size=64, group_bytes=1024))
 
 
 def test_existing_destination_is_refused(ckpt, tmp_path):

@@ -17,6 +17,7 @@ from rayckpt.engine.writer import parts_here
 from rayckpt.format.boxes import Box
 from rayckpt.planning import load_plan as planner
 from rayckpt.ray.metadata.actor import get_metadata_actor
+from rayckpt.ray.metadata.plan_cache import ReadAsk
 from rayckpt.ray.rank import async_save, save_handle, staging
 from rayckpt.ray.rank.copier import CopyJob
 from rayckpt.ray.rank.loading import load as ray_load
@@ -72,7 +73,9 @@ def test_dim0_loads_are_planned_once_for_every_rank_and_match_the_per_rank_plann
     before = ray.get(meta.cached_plans.remote())
     for rank in range(3):
         bundle = ray.get(
-            meta.read_plan.remote(path, None, requests(rank, 3), ("step",), run="bulk", rank=rank, world_size=3)
+            meta.read_plan.remote(
+                path, None, ReadAsk(requests=requests(rank, 3), value_keys=("step",), rank=rank, world_size=3), "bulk"
+            )
         )
         assert bundle.plan == planner.create_load_plan(m, requests(rank, 3), ("step",))
         assert bundle.values == {"step": 3}
@@ -82,7 +85,7 @@ def test_dim0_loads_are_planned_once_for_every_rank_and_match_the_per_rank_plann
     odd = tuple(
         planner.TensorRequest(k, "float32", s, Box((1,) + (0,) * (len(s) - 1), (9,) + s[1:])) for k, s in shapes.items()
     )
-    bundle = ray.get(meta.read_plan.remote(path, None, odd, (), run="bulk", rank=0, world_size=3))
+    bundle = ray.get(meta.read_plan.remote(path, None, ReadAsk(requests=odd, rank=0, world_size=3), "bulk"))
     assert bundle.plan == planner.create_load_plan(m, odd)
     assert ray.get(meta.cached_plans.remote()) == before + 2
 
@@ -93,12 +96,7 @@ def test_twelve_checkpoints_planned_at_once_through_the_actor(ray_session, tmp_p
     meta = get_metadata_actor()
     work = [i for i in range(len(asks)) for _ in range(4)]
     random.Random(0).shuffle(work)  # checkpoints interleaved: each plan races the others' evictions
-    refs = [
-        meta.read_plan.remote(
-            a.location, None, a.requests, a.value_keys, run="many", rank=a.rank, world_size=a.world_size
-        )
-        for a in (asks[i] for i in work)
-    ]
+    refs = [meta.read_plan.remote(a.location, None, a.read_ask(), "many") for a in (asks[i] for i in work)]
     bundles = ray.get(refs)
     expected = [plan_asks.expected_plan(a) for a in asks]
     for i, bundle in zip(work, bundles):
@@ -318,9 +316,7 @@ def test_wait_survives_the_metadata_actor_dying_and_asks_storage(ray_session, tm
     other = async_save.SaveHandle(
         SaveTarget(save_id="sid-never", run="orphan", step=9, location=path, rank=0),
         CheckpointDir.resolve(path),
-        copy=CopyJob.finished(ray.put(None), 0.0),
-        staged_ref=None,
-        stall_seconds=0.0,
+        save_handle.StartedSave(copy=CopyJob.finished(ray.put(None), 0.0), staged_ref=None, stall_seconds=0.0),
         timeout=30.0,
     )
     with pytest.raises(rayckpt.SaveFailedError, match=r"sid-never.*the MetadataActor died before this save was"):
@@ -335,11 +331,13 @@ def test_a_registration_that_failed_fails_the_save(ray_session, tmp_path):
     handle = async_save.SaveHandle(
         SaveTarget(save_id="sid-unregistered", run="unregistered", step=1, location=str(tmp_path / "u"), rank=0),
         CheckpointDir.resolve(str(tmp_path / "u")),
-        copy=CopyJob.finished(ray.put(None), 0.0),
-        staged_ref=None,
-        stall_seconds=0.0,
+        save_handle.StartedSave(
+            copy=CopyJob.finished(ray.put(None), 0.0),
+            staged_ref=None,
+            stall_seconds=0.0,
+            registered=begin_save_raising.remote(),
+        ),
         timeout=30.0,
-        registered=begin_save_raising.remote(),
     )
     with pytest.raises(
         rayckpt.SaveFailedError, match=r"(?s)registering with the MetadataActor: .*cannot decode the filesystem"

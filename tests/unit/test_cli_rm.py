@@ -223,13 +223,15 @@ def test_error_messages_name_files_by_uris_a_user_can_paste_back(tmp_path):
     # A shard file that cannot be written, in a checkpoint a user named by a URI with a query string.
     import pyarrow.fs as pafs
 
-    from rayckpt.engine.writer import write_chunks
+    from rayckpt.engine.writer import ShareSpec, write_chunks
     from rayckpt.format.boxes import Box
     from rayckpt.format.shard_file import ChunkData
     from rayckpt.storage.checkpoint_dir import CheckpointDir
+    from rayckpt.storage.commit import WrittenFiles
 
     ckdir = CheckpointDir(pafs.LocalFileSystem(), str(tmp_path / "ck"), "s3://b/run/ck?endpoint_override=h:9000")
     (tmp_path / "ck" / "sid-r00000-float.arrow").mkdir(parents=True)  # a directory where the file goes
     with pytest.raises(rayckpt.SaveFailedError) as info:
-        write_chunks(ckdir, [ChunkData("w", "float32", Box((0,), (2,)), b"\0" * 8)], "sid", 0, 64, [])
+        chunk = ChunkData("w", "float32", Box((0,), (2,)), b"\0" * 8)
+        write_chunks(WrittenFiles(ckdir, "sid"), [chunk], ShareSpec(rank=0, block_size=64))
     assert "writing shard file s3://b/run/ck/sid-r00000-float.arrow?endpoint_override=h:9000 failed" in str(info.value)

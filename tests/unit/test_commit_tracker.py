@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rayckpt
-from rayckpt.engine.writer import write_chunks
+from rayckpt.engine.writer import ShareSpec, write_chunks
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkData
 from rayckpt.ray.metadata.commit_tracker import ORPHAN_TIMEOUT_S, CommitTracker
@@ -20,7 +20,7 @@ from rayckpt.ray.metadata.save_history import RUNS_KEPT, SETTLED_KEPT_PER_RUN, S
 from rayckpt.ray.records import SaveTarget
 from rayckpt.storage.catalog import CatalogEntry
 from rayckpt.storage.checkpoint_dir import CheckpointDir
-from rayckpt.storage.commit import SaveSpec, WrittenShard, commit_save
+from rayckpt.storage.commit import SaveSpec, WrittenFiles, WrittenShard, commit_save
 
 ROWS, COLS, BLOCK = 8, 4, 64
 DATA = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
@@ -57,7 +57,9 @@ def write_rank(path: str, save_id: str, rank: int, world_size: int = 2) -> Writt
     per = ROWS // world_size
     rows = np.ascontiguousarray(DATA[rank * per : (rank + 1) * per])
     chunk = ChunkData("w", "float32", Box((rank * per, 0), (per, COLS)), rows.reshape(-1).view(np.uint8))
-    return write_chunks(CheckpointDir.resolve(path), [chunk], save_id, rank, BLOCK, [])
+    return write_chunks(
+        WrittenFiles(CheckpointDir.resolve(path), save_id), [chunk], ShareSpec(rank=rank, block_size=BLOCK)
+    )
 
 
 def shard_files(path: str) -> list[str]:

@@ -39,18 +39,22 @@ def test_forward_shape_and_no_dropout():
     cfg = GPTConfig.tiny()
     torch.manual_seed(0)
     model = GPT(cfg).train()
-    tokens, _ = synthetic_batch(0, 4, cfg.seq_len, cfg.vocab_size)
+    tokens, _ = synthetic_batch(0, 4, cfg)
     out = model(tokens)
     assert out.shape == (4, cfg.seq_len, cfg.vocab_size)
     assert torch.equal(out, model(tokens)), "a training-mode forward is deterministic"
 
 
+SMALL = GPTConfig(vocab_size=64, seq_len=16)
+TINY = GPTConfig(vocab_size=50, seq_len=8)
+
+
 def test_synthetic_batch_is_a_function_of_seed_and_step():
-    a = synthetic_batch(3, 12, 16, 64)
-    b = synthetic_batch(3, 12, 16, 64)
+    a = synthetic_batch(3, 12, SMALL)
+    b = synthetic_batch(3, 12, SMALL)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not torch.equal(a[0], synthetic_batch(4, 12, 16, 64)[0])
-    assert not torch.equal(a[0], synthetic_batch(3, 12, 16, 64, seed=1)[0])
+    assert not torch.equal(a[0], synthetic_batch(4, 12, SMALL)[0])
+    assert not torch.equal(a[0], synthetic_batch(3, 12, SMALL, seed=1)[0])
     inputs, targets = a
     assert inputs.shape == targets.shape == (12, 16)
     assert torch.equal(inputs[:, 1:], targets[:, :-1]), "targets are the inputs shifted by one"
@@ -59,9 +63,9 @@ def test_synthetic_batch_is_a_function_of_seed_and_step():
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])
 def test_rank_slices_partition_the_global_batch(world_size):
-    whole_in, whole_tg = synthetic_batch(7, 12, 8, 50)
+    whole_in, whole_tg = synthetic_batch(7, 12, TINY)
     for rank in range(world_size):
-        inputs, targets = synthetic_batch(7, 12, 8, 50, rank, world_size)
+        inputs, targets = synthetic_batch(7, 12, TINY, rank, world_size)
         assert inputs.shape == (12 // world_size, 8)
         assert torch.equal(inputs, whole_in[rank::world_size])
         assert torch.equal(targets, whole_tg[rank::world_size])
@@ -69,9 +73,9 @@ def test_rank_slices_partition_the_global_batch(world_size):
 
 def test_uneven_global_batch_is_refused():
     with pytest.raises(ValueError, match="global batch 12 is not divisible by 5 workers"):
-        synthetic_batch(0, 12, 8, 50, rank=0, world_size=5)
+        synthetic_batch(0, 12, TINY, rank=0, world_size=5)
     with pytest.raises(ValueError, match="rank 4 is not in a world of 4"):
-        synthetic_batch(0, 12, 8, 50, rank=4, world_size=4)
+        synthetic_batch(0, 12, TINY, rank=4, world_size=4)
 
 
 def test_mean_of_equal_rank_slices_is_the_global_loss():
@@ -79,12 +83,9 @@ def test_mean_of_equal_rank_slices_is_the_global_loss():
     torch.manual_seed(0)
     model = GPT(cfg)
     with torch.no_grad():
-        whole = model.loss(*synthetic_batch(0, 12, cfg.seq_len, cfg.vocab_size))
+        whole = model.loss(*synthetic_batch(0, 12, cfg))
         for world_size in (2, 3, 4):
-            parts = [
-                model.loss(*synthetic_batch(0, 12, cfg.seq_len, cfg.vocab_size, r, world_size))
-                for r in range(world_size)
-            ]
+            parts = [model.loss(*synthetic_batch(0, 12, cfg, r, world_size)) for r in range(world_size)]
             assert torch.allclose(torch.stack(parts).mean(), whole, atol=1e-6)
 
 
@@ -95,7 +96,7 @@ def test_loss_decreases_with_plain_training():
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step in range(20):
-        loss = model.loss(*synthetic_batch(step, 12, cfg.seq_len, cfg.vocab_size))
+        loss = model.loss(*synthetic_batch(step, 12, cfg))
         loss.backward()
         optim.step()
         optim.zero_grad()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from benchmarks.scale.layout import gpt_layout, rayckpt_save_inputs
-from rayckpt.engine import save_layout
 from rayckpt.engine.save import collect_state
+from rayckpt.engine.save_layout import PlanCache
 from rayckpt.errors import SaveFailedError
 from rayckpt.format.manifest import FileEntry
 from rayckpt.format.manifest_files import manifest_file_bytes
@@ -171,21 +171,21 @@ def test_every_rank_agrees_on_the_layout_digest_and_it_changes_with_the_layout()
         return {"w": {f"r{rank}": torch.full((rows, 3), float(rank))}, "shared": torch.arange(6.0), "step": step}
 
     def layouts(group: ThreadGroup, rows: list[int], step: int) -> tuple[set[bytes], dict]:
-        ctxs = group.run(lambda coord: collect_state(coord, state(coord.rank, step, rows[coord.rank])))
+        ctxs = group.run(
+            lambda coord: collect_state(coord, state(coord.rank, step, rows[coord.rank]), plans=plans[coord.rank])
+        )
         return {c.layout for c in ctxs}, ctxs[0].spec
 
-    save_layout.clear_plan_cache()
-    try:
-        group = ThreadGroup(3)
-        (first,), spec = layouts(group, [4, 4, 4], 1)
-        assert layouts(group, [4, 4, 4], 2)[0] == {first}  # cached plans, same digest
-        (changed,), other = layouts(group, [4, 5, 4], 3)
-        assert changed != first and other.tensors != spec.tensors
-        save_layout.clear_plan_cache()  # planned again from scratch: the digest is the layout's, not the cache's
-        (again,), same = layouts(group, [4, 4, 4], 4)
-        assert again == first and (same.tensors, same.paths) == (spec.tensors, spec.paths)
-    finally:
-        save_layout.clear_plan_cache()
+    plans = [PlanCache() for _ in range(3)]
+    group = ThreadGroup(3)
+    (first,), spec = layouts(group, [4, 4, 4], 1)
+    assert layouts(group, [4, 4, 4], 2)[0] == {first}  # cached plans, same digest
+    (changed,), other = layouts(group, [4, 5, 4], 3)
+    assert changed != first and other.tensors != spec.tensors
+    for p in plans:
+        p.clear()  # planned again from scratch: the digest is the layout's, not the cache's
+    (again,), same = layouts(group, [4, 4, 4], 4)
+    assert again == first and (same.tensors, same.paths) == (spec.tensors, spec.paths)
 
 
 def test_a_new_ray_session_with_the_same_job_id_puts_the_layout_again(monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rayckpt.train import checkpointer
+from rayckpt.train import checkpointer, tiers
 from rayckpt.train.tiers import MEMORY, STORAGE, MemoryTier, TierPolicy
 
 ROOM = 10**9
@@ -46,7 +46,7 @@ def bare_checkpointer(monkeypatch, last: dict, others: list):
     monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_memory", lambda self, *a: began.append(MEMORY) or "m")
     monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_storage", lambda self, *a: began.append(STORAGE) or "s")
     ranks = Ranks(others)
-    monkeypatch.setattr(checkpointer, "default_coordinator", lambda: ranks)
+    monkeypatch.setattr(tiers, "default_coordinator", lambda: ranks)
     return ckpt, ranks, began
 
 
@@ -152,3 +152,75 @@ def test_a_save_flattens_the_state_once_for_both_tiers(monkeypatch):
     assert ckpt.save(5, {"app": Counted()}, {"loss": 1.0}) == "s"
     assert calls == [1] and len(seen) == 2 and seen[0] is seen[1]  # one FlatState, passed to both saves
     assert checkpointer.flatten(seen[0]) is seen[0]
+
+
+class Counted:
+    """A Stateful object whose ``state_dict()`` calls are counted (what a flatten calls)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def state_dict(self) -> dict:
+        import torch
+
+        self.calls += 1
+        return {"w": torch.ones(4)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def test_one_checkpointer_save_flattens_its_state_once(monkeypatch):
+    """Following ``state`` from ``Checkpointer.save`` to the save's first step (``collect_state``, where the
+    planning flattens what is not flat yet): one flatten per save, whether the step goes to memory and
+    storage (the Checkpointer flattens it, for both) or to storage alone (the save's first step does)."""
+    import sys
+
+    from rayckpt.engine import state as state_module
+    from rayckpt.engine.coordinator import LocalCoordinator
+    from rayckpt.engine.save import SaveOptions, collect_state
+    from rayckpt.engine.save_layout import PlanCache
+    from rayckpt.ray.rank.options import RayOptions
+
+    real = state_module.flatten
+    flattens: list[int] = []
+
+    def counting(state_dict):
+        flattens.append(1)
+        return real(state_dict)
+
+    for name, module in list(sys.modules.items()):  # the one flatten function, wherever it is bound
+        if name.startswith("rayckpt") and getattr(module, "flatten", None) is real:
+            monkeypatch.setattr(module, "flatten", counting)
+    started: list[str] = []
+
+    def start_save(state, dest, options, on_ray):  # the save's first step in this process; no Ray
+        collect_state(LocalCoordinator(), state, options, plans=PlanCache())
+        started.append(on_ray.lane)
+        return SimpleNamespace(done=lambda: False)
+
+    monkeypatch.setattr(checkpointer, "start_save", start_save)
+    ckpt, _, _ = bare_checkpointer(monkeypatch, {}, [other()])
+    # bare_checkpointer stubs the saves: these run
+    monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_memory", REAL_SAVES[MEMORY])
+    monkeypatch.setattr(checkpointer.Checkpointer, "_save_to_storage", REAL_SAVES[STORAGE])
+    ckpt.settings = tiers.SaveSettings(write=SaveOptions(), on_ray=RayOptions(), report=False)
+    ckpt.run_root, ckpt.filesystem = "/nowhere/run", None
+    ckpt.memory.root, ckpt.memory.run, ckpt.memory.filesystem = "mem/r", "r@memory", None
+    app = Counted()
+    for step, lanes in ((5, ["memory", "default"]), (3, ["memory"]), (4, ["memory"])):
+        flattens.clear()
+        started.clear()
+        app.calls = 0
+        ckpt._last = {}
+        ckpt.save(step, {"app": app, "step": step}, {"loss": 1.0})
+        assert started == lanes
+        assert (len(flattens), app.calls) == (1, 1), step
+    ckpt.policy = TierPolicy(memory_every=0, persist_every=1)  # storage alone
+    flattens.clear()
+    app.calls = 0
+    ckpt.save(6, {"app": app}, {"loss": 1.0})
+    assert (len(flattens), app.calls) == (1, 1)
+
+
+REAL_SAVES = {MEMORY: checkpointer.Checkpointer._save_to_memory, STORAGE: checkpointer.Checkpointer._save_to_storage}

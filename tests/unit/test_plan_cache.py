@@ -47,7 +47,7 @@ def counting_reads() -> tuple[Callable, list[str]]:
 
 
 def plan_of(cache: PlanCache, ask: PlanAsk):
-    return cache.plan(ask.location, None, ask.requests, ask.value_keys, rank=ask.rank, world_size=ask.world_size)
+    return cache.plan(ask.location, None, ask.read_ask())
 
 
 def test_a_bundle_carries_the_plan_and_the_manifest_facts(paths):

@@ -1,11 +1,11 @@
-"""The order ``Checkpointer.restore`` tries a run's checkpoints in (``train.restore_order``), without Ray:
+"""The order ``Checkpointer.restore`` tries a run's checkpoints in (``train.restore``), without Ray:
 newest step first, memory before storage of one step, Ray Train's latest tried even when storage lost it,
 and corrupt manifests newer than anything loadable passed over with their reason."""
 
 from __future__ import annotations
 
 from rayckpt.storage.catalog import CatalogEntry
-from rayckpt.train.restore_order import candidates, reason
+from rayckpt.train.restore import candidates, reason
 
 
 def entry(step: int | None, status: str = "committed", root: str = "/ck/run", created: float = 0.0, error=None):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayckpt.engine import save_layout
-from rayckpt.engine.save import collect_state
+from rayckpt.engine.save import SaveOptions, collect_state
+from rayckpt.engine.save_layout import PlanCache, PlanCounts
 from rayckpt.engine.state import flatten
 from rayckpt.errors import InvalidStateError
 from rayckpt.format import shard_file
@@ -33,19 +33,18 @@ def expected_plans(states: list[dict]) -> list:
     return create_save_plans(shards)
 
 
-def save_plans(group: ThreadGroup, states: list[dict]) -> list:
-    results = group.run(lambda coord: collect_state(coord, states[coord.rank], node=f"node{coord.rank % 2}"))
+def save_plans(group: ThreadGroup, states: list[dict], plans: list[PlanCache] | None = None) -> list:
+    """Every rank's ``SaveContext``; ``plans``: each rank's plan cache (as each rank process holds its own)."""
+    caches = plans or [PlanCache() for _ in range(group.world_size)]
+
+    def collect(coord):
+        return collect_state(coord, states[coord.rank], node=f"node{coord.rank % 2}", plans=caches[coord.rank])
+
+    results = group.run(collect)
     for r in results:
         if isinstance(r, Exception):
             raise r
     return results
-
-
-@pytest.fixture(autouse=True)
-def empty_cache():
-    save_layout.clear_plan_cache()
-    yield
-    save_layout.clear_plan_cache()
 
 
 def test_rank_0_plans_each_rank_gets_its_plan_and_only_rank_0_holds_the_spec():
@@ -63,10 +62,10 @@ def test_rank_0_plans_each_rank_gets_its_plan_and_only_rank_0_holds_the_spec():
 
 
 def test_a_repeated_layout_reuses_the_cached_plans_and_sends_only_a_small_header():
-    group = ThreadGroup(3)
-    first = save_plans(group, [state(r, 1) for r in range(3)])
+    group, plans = ThreadGroup(3), [PlanCache() for _ in range(3)]
+    first = save_plans(group, [state(r, 1) for r in range(3)], plans)
     sent_first = list(group.sent)
-    second = save_plans(group, [state(r, 2) for r in range(3)])  # new values and data, same layout
+    second = save_plans(group, [state(r, 2) for r in range(3)], plans)  # new values and data, same layout
     assert [c.cached for c in second] == [True] * 3
     assert [c.plan for c in second] == [c.plan for c in first]
     assert second[0].spec.values == {"step": 2}  # values are not layout: they still travel
@@ -74,6 +73,7 @@ def test_a_repeated_layout_reuses_the_cached_plans_and_sends_only_a_small_header
     assert second[0].spec.save_id != first[0].spec.save_id
     sent_second = [b - a for a, b in zip(sent_first, group.sent)]
     assert all(s < 600 for s in sent_second[1:]), sent_second  # the header: hashes, node, values
+    assert [p.counts() for p in plans] == [PlanCounts(planned=1, cached=1)] * 3
 
 
 @pytest.mark.parametrize(
@@ -86,37 +86,38 @@ def test_a_repeated_layout_reuses_the_cached_plans_and_sends_only_a_small_header
     ids=["shape", "key", "value key"],
 )
 def test_any_ranks_layout_change_makes_every_rank_plan_again(change):
-    group = ThreadGroup(3)
-    save_plans(group, [state(r, 1) for r in range(3)])
+    group, plans = ThreadGroup(3), [PlanCache() for _ in range(3)]
+    save_plans(group, [state(r, 1) for r in range(3)], plans)
     states = [change(r, 2) for r in range(3)]
-    ctxs = save_plans(group, states)
+    ctxs = save_plans(group, states, plans)
     assert [c.cached for c in ctxs] == [False] * 3
     assert [c.plan for c in ctxs] == expected_plans(states)
     assert set(ctxs[0].spec.tensors) == {k for s in states for k in flatten(s).tensors}
-    again = save_plans(group, [change(r, 3) for r in range(3)])
+    again = save_plans(group, [change(r, 3) for r in range(3)], plans)
     assert [c.cached for c in again] == [True] * 3 and [c.plan for c in again] == [c.plan for c in ctxs]
 
 
 def test_one_rank_without_its_cached_plan_makes_every_rank_plan_again():
-    group = ThreadGroup(3)
-    save_plans(group, [state(r, 1) for r in range(3)])
-    del save_layout._CACHE[next(k for k in save_layout._CACHE if k[2] == 1)]  # rank 1 forgot (a restart)
-    ctxs = save_plans(group, [state(r, 2) for r in range(3)])
+    group, plans = ThreadGroup(3), [PlanCache() for _ in range(3)]
+    save_plans(group, [state(r, 1) for r in range(3)], plans)
+    plans[1].clear()  # rank 1 forgot (a restart)
+    ctxs = save_plans(group, [state(r, 2) for r in range(3)], plans)
     assert [c.cached for c in ctxs] == [False] * 3
 
 
 def test_each_process_group_has_its_own_cached_plan():
     a, b = ThreadGroup(3), ThreadGroup(3)
+    plans = [PlanCache() for _ in range(3)]  # one process per rank, in each of which both groups run
     states = [state(r, 1) for r in range(3)]
-    save_plans(a, states)
-    assert [c.cached for c in save_plans(b, states)] == [False] * 3  # same layouts, another group
-    assert [c.cached for c in save_plans(a, states)] == [True] * 3
-    assert [c.cached for c in save_plans(ThreadGroup(2), states[:2])] == [False] * 2
+    save_plans(a, states, plans)
+    assert [c.cached for c in save_plans(b, states, plans)] == [False] * 3  # same layouts, another group
+    assert [c.cached for c in save_plans(a, states, plans)] == [True] * 3
+    assert [c.cached for c in save_plans(ThreadGroup(2), states[:2], plans)] == [False] * 2
 
 
 def test_ranks_disagreeing_on_a_shape_fail_on_every_rank_naming_key_and_ranks():
     states = [{"shared": torch.zeros(4 if r < 2 else 5)} for r in range(3)]
-    results = ThreadGroup(3).run(lambda coord: collect_state(coord, states[coord.rank]))
+    results = ThreadGroup(3).run(lambda coord: collect_state(coord, states[coord.rank], plans=PlanCache()))
     for r in results:
         assert isinstance(r, InvalidStateError), r
         assert "key 'shared': rank 0 has dtype float32 shape [4] but rank 2 has dtype float32 shape [5]" in str(r)
@@ -125,7 +126,7 @@ def test_ranks_disagreeing_on_a_shape_fail_on_every_rank_naming_key_and_ranks():
 
 def test_a_key_that_is_a_tensor_on_one_rank_and_a_value_on_another_fails_on_every_rank():
     states = [{"x": torch.zeros(2)}, {"x": 3}]
-    results = ThreadGroup(2).run(lambda coord: collect_state(coord, states[coord.rank]))
+    results = ThreadGroup(2).run(lambda coord: collect_state(coord, states[coord.rank], plans=PlanCache()))
     for r in results:
         assert isinstance(r, InvalidStateError), r
         assert "key 'x' is a tensor on one rank and a plain value on another" in str(r)
@@ -133,7 +134,6 @@ def test_a_key_that_is_a_tensor_on_one_rank_and_a_value_on_another_fails_on_ever
 
 def test_what_a_rank_receives_does_not_grow_with_the_world_and_what_it_sends_grows_with_its_shards():
     def planning_bytes(world: int, keys: int) -> tuple[int, int]:
-        save_layout.clear_plan_cache()
         group = ThreadGroup(world)
         states = [{f"k{i}": torch.zeros(3) + r for i in range(keys)} for r in range(world)]
         save_plans(group, states)
@@ -151,9 +151,9 @@ def test_rank_0_picks_the_block_size_from_the_largest_state_and_every_rank_uses_
     states = [state(0, 1), state(1, 1, rows=30_000), state(2, 1)]
     ctxs = save_plans(ThreadGroup(3), states)
     assert [c.spec.block_size for c in ctxs] == [128 * 1024] * 3  # rank 1's 360 KB in at most 4 blocks
-    save_layout.clear_plan_cache()
     group = ThreadGroup(3)
-    explicit = group.run(lambda coord: collect_state(coord, states[coord.rank], block_size=4096))
+    options = SaveOptions(block_size=4096)
+    explicit = group.run(lambda coord: collect_state(coord, states[coord.rank], options, plans=PlanCache()))
     assert [c.spec.block_size for c in explicit] == [4096] * 3  # the caller's, as given
 
 

@@ -43,6 +43,21 @@ def test_layout_aligns_every_chunk_to_64_bytes():
     assert total == 256
 
 
+def test_copy_now_spreads_large_pieces_over_threads_byte_for_byte(buffer, monkeypatch):
+    from rayckpt.engine.device import DeviceToHost
+    from rayckpt.ray.rank import staging
+
+    monkeypatch.setattr(staging, "SLICE_BYTES", 64)
+    g = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(1000, generator=g), torch.randn(7, generator=g), torch.randn(6, 9, generator=g)[:, 1:4]]
+    region = buffer.place(pieces, "node-a")
+    to_host = DeviceToHost()
+    buffer.copy_now(list(zip(pieces, region.spans)), to_host, threads=3)  # the first in slices, on threads
+    to_host.wait()
+    with open_region(region) as views:
+        assert [bytes(v) for v in views] == [as_bytes(p) for p in pieces]
+
+
 def test_pieces_of_any_dtype_and_strides_are_staged_byte_for_byte(buffer, tmp_path):
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(6, 10, generator=g)

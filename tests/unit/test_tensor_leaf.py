@@ -17,7 +17,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 import rayckpt
 from rayckpt.engine import writer
-from rayckpt.engine.reader import read_into
+from rayckpt.engine.reader import RankRead, read_into
 from rayckpt.engine.state import FlatState, Piece, TensorLeaf, flatten
 from rayckpt.errors import InvalidStateError
 from rayckpt.format.boxes import Box
@@ -81,7 +81,7 @@ def test_one_rank_may_request_several_boxes_of_one_key(tmp_path):
     boxes = sorted((i.box for r in plan.reads for i in r.items), key=lambda b: b.offsets)
     assert boxes == [rows(0, 2), rows(5, 3)]
     sizes = {f.path: f.size for f in manifest.files}
-    read_into(CheckpointDir.resolve(path), plan, FlatState(tensors={"w": leaf}), manifest.blocks, sizes, {})
+    read_into(CheckpointDir.resolve(path), RankRead(plan, manifest.blocks, sizes), FlatState(tensors={"w": leaf}))
     assert torch.equal(leaf.pieces[0].local, full[0:2]) and torch.equal(leaf.pieces[1].local, full[5:8])
 
 

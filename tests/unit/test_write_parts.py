@@ -13,12 +13,12 @@ import torch
 
 import rayckpt
 from rayckpt.engine import writer
-from rayckpt.engine.writer import MAX_PARTS, parts_here, split_parts, write_chunks
+from rayckpt.engine.writer import MAX_PARTS, ShareSpec, parts_here, split_parts, write_chunks
 from rayckpt.errors import SaveFailedError
 from rayckpt.format.boxes import Box
 from rayckpt.format.shard_file import ChunkSpec
 from rayckpt.storage.checkpoint_dir import CheckpointDir
-from rayckpt.storage.commit import shard_file_name, shard_file_save_id
+from rayckpt.storage.commit import WrittenFiles, shard_file_name, shard_file_save_id
 
 KIB = 1 << 10
 
@@ -93,8 +93,9 @@ def test_the_parts_are_written_at_once_each_on_its_own_thread(small_parts, tmp_p
 
     monkeypatch.setattr(writer, "write_shard_file", recording)
     chunks = [chunk(f"k{i}", 64 * KIB) for i in range(2)] + [chunk("n", 8 * KIB, "int64")]
-    written: list[str] = []
-    shard = write_chunks(CheckpointDir.resolve(str(tmp_path)), chunks, "s1", 0, 16 * KIB, written, 2)
+    files = WrittenFiles(CheckpointDir.resolve(str(tmp_path)), "s1")
+    shard = write_chunks(files, chunks, ShareSpec(rank=0, block_size=16 * KIB, max_parts=2))
+    written = list(files.paths)
     assert written == ["s1-r00000-float.arrow", "s1-r00000-float.1.arrow", "s1-r00000-int64.arrow"]
     assert [f.path for f in shard.files] == written
     assert [(w.key, w.file) for w in shard.chunks] == [
@@ -115,7 +116,9 @@ def test_the_default_writes_one_file_per_type_in_type_order_on_the_caller_s_thre
 
     monkeypatch.setattr(writer, "write_shard_file", recording)
     chunks = [chunk("n", 8 * KIB, "int64")] + [chunk(f"k{i}", 64 * KIB) for i in range(4)]
-    write_chunks(CheckpointDir.resolve(str(tmp_path)), chunks, "s1", 0, 16 * KIB, [])
+    write_chunks(
+        WrittenFiles(CheckpointDir.resolve(str(tmp_path)), "s1"), chunks, ShareSpec(rank=0, block_size=16 * KIB)
+    )
     here = threading.current_thread().name
     assert order == [("s1-r00000-float.arrow", here), ("s1-r00000-int64.arrow", here)]
 
@@ -133,10 +136,11 @@ def test_a_part_that_fails_names_its_file_after_the_others_ended(small_parts, tm
 
     monkeypatch.setattr(writer, "write_shard_file", failing)
     chunks = [chunk(f"k{i}", 32 * KIB) for i in range(8)]
-    written: list[str] = []
+    files = WrittenFiles(CheckpointDir.resolve(str(tmp_path)), "s1")
     message = r"rank 5: writing shard file .*s1-r00005-float\.1\.arrow failed: No space"
     with pytest.raises(SaveFailedError, match=message):
-        write_chunks(CheckpointDir.resolve(str(tmp_path)), chunks, "s1", 5, 16 * KIB, written, MAX_PARTS)
+        write_chunks(files, chunks, ShareSpec(rank=5, block_size=16 * KIB, max_parts=MAX_PARTS))
+    written = list(files.paths)
     # Every part is listed for the cleanup, and the ones that did not fail had ended when it raised.
     assert written == ["s1-r00005-float.arrow"] + [f"s1-r00005-float.{p}.arrow" for p in (1, 2, 3)]
     assert sorted(ended) == sorted(set(written) - {"s1-r00005-float.1.arrow"})
@@ -174,13 +178,13 @@ def test_the_node_s_shard_writer_writes_a_share_in_as_many_files_as_its_request_
     from rayckpt.ray.writer import actor as shard_writer
 
     seen: list[int] = []
-    real = shard_writer.write_share
+    real = shard_writer.write_rank_share
 
-    def recording(ckdir, chunks, **kwargs):
-        seen.append(kwargs["max_parts"])
-        return real(ckdir, chunks, **kwargs)
+    def recording(files, chunks, share):
+        seen.append(share.max_parts)
+        return real(files, chunks, share)
 
-    monkeypatch.setattr(shard_writer, "write_share", recording)
+    monkeypatch.setattr(shard_writer, "write_rank_share", recording)
     data = [chunk("k0", 8 * KIB)]
 
     @contextmanager

@@ -22,7 +22,6 @@ import ray
 
 from ...bounded import BoundedMap
 from ...format.file_paths import written_bytes
-from ...planning.load_plan import TensorRequest
 from ...redaction import redact
 from ...storage.catalog import CatalogEntry, entry_order, latest_committed, scan_run
 from ...storage.checkpoint_dir import CheckpointDir
@@ -35,7 +34,7 @@ from .attempts import AttemptCounter
 from .commit_tracker import COMMITTED, FAILED, PENDING, CommitTracker, SaveOutcome
 from .grafana import install_dashboard_soon
 from .layout_cache import LAYOUT_WANTED, LayoutRef, SaveLayouts, ShardReport, SpecLayout, join_shard, join_spec
-from .plan_cache import LoadBundle, PlanCache
+from .plan_cache import LoadBundle, PlanCache, ReadAsk
 from .run_gauges import REFRESH_S, RunGauges, start_counters
 from .save_history import RUNS_KEPT
 from .save_log import SaveLog
@@ -363,36 +362,19 @@ class MetadataActor(OperatorViews):
 
     # -- reshard planning ------------------------------------------------------
 
-    async def read_plan(
-        self,
-        location: str,
-        filesystem: Any,
-        requests: tuple[TensorRequest, ...],
-        value_keys: tuple[str, ...],
-        *,
-        strict: bool = True,
-        run: str = "",
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> LoadBundle:
+    async def read_plan(self, location: str, filesystem: Any, ask: ReadAsk, run: str = "") -> LoadBundle:
         """A loading rank's read plan for checkpoint ``location``, cached per (checkpoint, request) (every rank).
 
         Args:
             location: The checkpoint directory, as the actors reach it.
             filesystem: The ``pyarrow.fs`` filesystem ``location`` is a path on.
-            requests: The tensors the rank asks for (``engine.load.tensor_requests``).
-            value_keys: The plain values it asks for.
-            strict: Whether a key the checkpoint lacks is an error.
+            ask: What the rank asks for, and which rank of how many it is (``ReadAsk``).
             run: The run whose metrics count the planning time.
-            rank: The asking rank; with ``world_size``, FSDP2's dim-0 requests are served
-                from one plan of every rank at once (``BulkPlan``), made for the first to ask.
-            world_size: The ranks loading.
 
         Returns:
             The rank's ``LoadBundle``: its plan and the manifest facts it needs.
         """
-        plan = functools.partial(self._plans.plan, strict=strict, rank=rank, world_size=world_size)
-        bundle = await asyncio.to_thread(plan, location, filesystem, requests, value_keys)
+        bundle = await asyncio.to_thread(self._plans.plan, location, filesystem, ask)
         metrics.observe("rayckpt_plan_seconds", bundle.plan_seconds, run=run_and_tier(run)[0])
         return bundle
 

@@ -40,6 +40,23 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ReadAsk:
+    """A loading rank's question to the planner (the MetadataActor's ``read_plan``)."""
+
+    #: The tensors the rank asks for (``engine.load.tensor_requests``).
+    requests: tuple[TensorRequest, ...]
+    #: The plain values it asks for.
+    value_keys: tuple[str, ...] = ()
+    #: Whether a key the checkpoint lacks is an error.
+    strict: bool = True
+    #: The asking rank; with ``world_size``, FSDP2's dim-0 requests are served from one plan of
+    #: every rank at once (``BulkPlan``), made for the first to ask.
+    rank: int | None = None
+    #: The ranks loading.
+    world_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadBundle:
     """What a loading rank needs besides the shard files: its plan and the manifest facts."""
 
@@ -120,24 +137,16 @@ class PlanCache:
         """The committed manifest at ``location`` (the actor's ``user_metadata``)."""
         return self.checkpoint(location, filesystem).manifest
 
-    def plan(
-        self,
-        location: str,
-        filesystem: Any,
-        requests: tuple[TensorRequest, ...],
-        value_keys: tuple[str, ...],
-        *,
-        strict: bool = True,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> LoadBundle:
+    def plan(self, location: str, filesystem: Any, ask: ReadAsk) -> LoadBundle:
         """A loading rank's bundle for checkpoint ``location`` (the actor's ``read_plan``, in a worker thread).
 
-        With ``rank`` and ``world_size``, when the requests are FSDP2's dim-0
+        With ``ask.rank`` and ``ask.world_size``, when the requests are FSDP2's dim-0
         shards, the first rank to ask plans every rank at once (``BulkPlan``)
         and each rank gets its part of that; otherwise the plan is this
         request's alone, cached per (checkpoint, request).
         """
+        requests, value_keys, strict = ask.requests, ask.value_keys, ask.strict
+        rank, world_size = ask.rank, ask.world_size
         start = time.perf_counter()
         ckpt = self.checkpoint(location, filesystem)
         m = ckpt.manifest

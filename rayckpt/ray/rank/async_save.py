@@ -28,14 +28,14 @@ from __future__ import annotations
 import atexit
 import functools
 import time
+from dataclasses import replace
 from typing import Any
 
 import pyarrow.fs as pafs
 import ray
 
 from ...engine.coordinator import Coordinator, default_coordinator
-from ...engine.overlap import overlap_mode
-from ...engine.save import SaveContext, collect_state, full_every_count
+from ...engine.save import SaveContext, SaveOptions, collect_state
 from ...engine.state import FlatState
 from ...engine.writer import chunk_specs, create_chunk_data, parts_here
 from ...errors import InvalidStateError, SaveFailedError
@@ -50,11 +50,16 @@ from ..records import SaveTarget, run_and_tier
 from ..shm import StagedRegion
 from ..writer.actor import ShardWrite, get_shard_writer
 from .copier import Copying, CopyJob, launch
-from .save_handle import LOCAL_IS_SHARED_ENV, SaveHandle, actor_location, local_is_shared_by_env, report_failed
+from .options import DEFAULT_LANE, RayOptions, SaveDestination
+from .save_handle import (
+    LOCAL_IS_SHARED_ENV,
+    SaveHandle,
+    StartedSave,
+    actor_location,
+    local_is_shared_by_env,
+    report_failed,
+)
 from .staging import StagingBuffer, StagingUnavailable, local_pieces, of_device, staged_size, staging_mode
-
-#: The lane of ``save_async`` when none is named: one save in flight per process and lane.
-DEFAULT_LANE = "default"
 
 
 class AsyncSaver:
@@ -77,37 +82,24 @@ class AsyncSaver:
     def save(
         self,
         state_dict: dict[str, Any] | FlatState,
-        checkpoint_id: str | Any,
-        *,
-        run: str,
-        step: int | None,
-        filesystem: pafs.FileSystem | None,
+        dest: SaveDestination,
         coordinator: Coordinator,
-        block_size: int | None,
-        metadata: dict[str, Any] | None,
-        commit_timeout_s: float,
-        local_is_shared: bool | None,
-        staging: str | None,
-        overlap: bool | str = True,
-        incremental: bool = False,
-        full_every: int = 0,
+        options: SaveOptions,
+        on_ray: RayOptions,
     ) -> SaveHandle:
-        """``save_async`` (see there)."""
-        staging = staging_mode(staging)
-        overlap = overlap_mode(overlap)
+        """``save_async`` (see there), its options as records."""
+        staging = staging_mode(on_ray.staging)
         self.wait()
         start = time.perf_counter()
-        ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
+        run, step, filesystem = dest.run, dest.step, dest.filesystem
+        ckdir = CheckpointDir.resolve(dest.checkpoint_id, filesystem)
         node_id = ray.get_runtime_context().get_node_id()
-        metadata = {"step": step, "run": run, **(metadata or {})}
+        metadata = {"step": step, "run": run, **(options.metadata or {})}
         # Rank 0 claims the location (a lease) before any rank writes; the MetadataActor
         # keeps the lease fresh from the registration on and releases it when the save settles.
-        options = {"incremental": incremental, "full_every": full_every_count(full_every)}
-        ctx = collect_state(
-            coordinator, state_dict, block_size=block_size, metadata=metadata, node=node_id, claim=ckdir, **options
-        )
+        ctx = collect_state(coordinator, state_dict, replace(options, metadata=metadata), node=node_id, claim=ckdir)
         try:
-            _check_reachable(ckdir, ctx, local_is_shared)
+            _check_reachable(ckdir, ctx, on_ray.local_is_shared)
         except BaseException:
             if ctx.rank == 0:
                 release_lease(ckdir, ctx.spec.save_id)
@@ -123,7 +115,7 @@ class AsyncSaver:
         )
         registered = None
         if ctx.rank == 0:
-            registered = self._register(ctx, target, ckdir, commit_timeout_s)
+            registered = self._register(ctx, target, ckdir, on_ray.commit_timeout_s)
         # The actor incarnation the save begins under (not waited for): its writer and wait() pass it on.
         incarnation = get_metadata_actor().incarnation.remote()
         try:
@@ -145,7 +137,7 @@ class AsyncSaver:
             def fail(error: str) -> None:  # the copy failed after the call returned
                 report_failed(target, error)
 
-            copying = Copying(overlap, send, fail, start)
+            copying = Copying(on_ray.overlap, send, fail, start)
             staged_ref, job = self.stage_share(ctx, node_id, staging, copying)
         except Exception as exc:
             failed = f"staging: {type(exc).__name__}: {exc}"
@@ -156,17 +148,10 @@ class AsyncSaver:
         stall = time.perf_counter() - start
         run_name, tier = run_and_tier(run)
         metrics.send("rayckpt_save_stall_seconds", stall, run=run_name, tier=tier, rank=ctx.rank)
-        self.inflight = SaveHandle(
-            target,
-            ckdir,
-            copy=job,
-            staged_ref=staged_ref,
-            stall_seconds=stall,
-            timeout=commit_timeout_s,
-            registered=registered,
-            on_outcome=self._seen,
-            incarnation=incarnation,
+        started = StartedSave(
+            copy=job, staged_ref=staged_ref, stall_seconds=stall, registered=registered, incarnation=incarnation
         )
+        self.inflight = SaveHandle(target, ckdir, started, timeout=on_ray.commit_timeout_s, on_outcome=self._seen)
         return self.inflight
 
     def _seen(self, handle: SaveHandle) -> None:
@@ -369,22 +354,28 @@ def save_async(
             ``local_is_shared`` says it is shared storage.
         ValueError: ``staging`` is none of the three, or ``overlap`` is not True, False or "all".
     """
-    return saver(lane).save(
-        state_dict,
-        checkpoint_id,
-        run=run,
-        step=step,
-        filesystem=filesystem,
-        coordinator=coordinator or default_coordinator(process_group),
-        block_size=block_size,
-        metadata=metadata,
-        commit_timeout_s=commit_timeout_s,
-        local_is_shared=local_is_shared,
+    on_ray = RayOptions(
         staging=staging,
         overlap=overlap,
-        incremental=incremental,
-        full_every=full_every,
+        lane=lane,
+        commit_timeout_s=commit_timeout_s,
+        local_is_shared=local_is_shared,
     )
+    options = SaveOptions(block_size=block_size, metadata=metadata, incremental=incremental, full_every=full_every)
+    dest = SaveDestination(checkpoint_id=checkpoint_id, run=run, step=step, filesystem=filesystem)
+    return start_save(state_dict, dest, options, on_ray, coordinator or default_coordinator(process_group))
+
+
+def start_save(
+    state_dict: dict[str, Any] | FlatState,
+    dest: SaveDestination,
+    options: SaveOptions,
+    on_ray: RayOptions,
+    coordinator: Coordinator | None = None,
+) -> SaveHandle:
+    """``save_async`` with its options as records (the ``Checkpointer``'s call); ``coordinator``:
+    None: the default process group's."""
+    return saver(on_ray.lane).save(state_dict, dest, coordinator or default_coordinator(), options, on_ray)
 
 
 def prepare_staging(

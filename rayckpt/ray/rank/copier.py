@@ -26,7 +26,7 @@ import torch
 from ...engine.device import DeviceToHost
 from ...engine.overlap import Versions, guarded_storages, storage_of, track, untrack
 from ...engine.save import SaveContext
-from ...engine.writer import chunk_pieces
+from ...engine.writer import chunk_pieces, parts_here
 from ..shm import StagedRegion
 from .staging import StagingBuffer
 
@@ -125,9 +125,8 @@ def launch(
     late = late_pieces(pieces, overlap)
     region = buffer.place(pieces, node_id, in_use=in_use)
     now = DeviceToHost()
-    for i, (piece, span) in enumerate(zip(pieces, region.spans)):
-        if i not in late:
-            buffer.copy_piece(piece, span, now)
+    threads = parts_here(ctx.spec.world_size, len(ctx.nodes))  # the cores this rank may use
+    buffer.copy_now([(p, region.spans[i]) for i, p in enumerate(pieces) if i not in late], now, threads)
     now.wait()
     _check(versions, (i for i in range(len(pieces)) if i not in late))
     if not late:

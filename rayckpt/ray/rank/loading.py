@@ -16,9 +16,11 @@ import ray
 from ...engine.coordinator import Coordinator, default_coordinator
 from ...engine.load import LoadInfo, tensor_requests
 from ...engine.load import load as _engine_load
+from ...engine.reader import RankRead
 from ...storage.checkpoint_dir import CheckpointDir
 from .. import metrics
 from ..metadata.actor import get_metadata_actor
+from ..metadata.plan_cache import ReadAsk
 from ..records import run_and_tier
 from .save_handle import actor_location
 
@@ -69,15 +71,17 @@ def load(
             meta.read_plan.remote(
                 location,
                 filesystem,
-                tuple(tensor_requests(flat)),
-                tuple(flat.values),
-                strict=strict,
-                run=run,
-                rank=coord.rank,
-                world_size=coord.world_size,
+                ReadAsk(
+                    requests=tuple(tensor_requests(flat)),
+                    value_keys=tuple(flat.values),
+                    strict=strict,
+                    rank=coord.rank,
+                    world_size=coord.world_size,
+                ),
+                run,
             )
         )
-        return bundle.plan, bundle.blocks, bundle.file_sizes, bundle.values
+        return RankRead(bundle.plan, bundle.blocks, bundle.file_sizes, bundle.values)
 
     info = _engine_load(
         state_dict, checkpoint_id, strict=strict, coordinator=coord, filesystem=filesystem, plan_source=plan_source

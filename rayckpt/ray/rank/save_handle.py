@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -49,6 +49,22 @@ def actor_location(ckdir: CheckpointDir, filesystem: Any) -> str:
     return ckdir.fs_path if filesystem is not None else ckdir.uri
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartedSave:
+    """What ``save_async`` started on a rank, for its ``SaveHandle`` to wait for."""
+
+    #: The copy of this rank's share (``copier.CopyJob``): its ShardWriter's ``write`` once the copy is done.
+    copy: Any
+    #: What the share was staged in (a ``StagedRegion`` or an object-store ref).
+    staged_ref: Any
+    #: How long ``save_async`` blocked this rank.
+    stall_seconds: float
+    #: Rank 0: the MetadataActor's ``begin_save``, not yet waited for.
+    registered: Any = None
+    #: The MetadataActor's ``incarnation()`` when the save began, not yet waited for.
+    incarnation: Any = None
+
+
 class SaveHandle:
     """An async save in flight on this rank, returned by ``save_async``; ``wait()`` until committed.
 
@@ -68,29 +84,22 @@ class SaveHandle:
         self,
         target: SaveTarget,
         ckdir: CheckpointDir,
+        started: StartedSave,
         *,
-        copy: Any,
-        staged_ref: Any,
-        stall_seconds: float,
         timeout: float,
-        registered: Any = None,
         on_outcome: Callable[[SaveHandle], None] | None = None,
-        incarnation: Any = None,
     ) -> None:
         """Made by ``save_async`` (every rank), once the rank's share is staged.
 
         Args:
             target: the save and this rank (its location as the actors reach it).
             ckdir: the checkpoint directory, as the user named it.
-            copy: the copy of this rank's share (``copier.CopyJob``): its ShardWriter's ``write``
-                once the copy is done.
-            staged_ref: what the share was staged in (a ``StagedRegion`` or an object-store ref).
-            stall_seconds: how long ``save_async`` blocked this rank.
+            started: what ``save_async`` started (``StartedSave``).
             timeout: the commit timeout.
-            registered: rank 0: the MetadataActor's ``begin_save``, not yet waited for.
             on_outcome: told once the outcome is known.
-            incarnation: the MetadataActor's ``incarnation()`` when the save began, not yet waited for.
         """
+        copy, staged_ref, stall_seconds = started.copy, started.staged_ref, started.stall_seconds
+        registered, incarnation = started.registered, started.incarnation
         self.target = target
         self.location = ckdir.location
         #: Seconds this rank was blocked by ``save_async`` (plan + copy into shared memory).

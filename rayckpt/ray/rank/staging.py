@@ -33,6 +33,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from ...engine.device import DeviceToHost, needs_bounce, pin_host_memory, unpin_host_memory
-from ...engine.state import as_bytes, flatten
+from ...engine.state import FlatState, as_bytes, flat_of
 from ..shm import POPULATED, PREFIX, SHM_DIR, SHM_DIR_ENV, StagedRegion, shm_room, staging_dir
 
 #: Where ``save_async`` stages: "auto" (the reusable buffer, else the object store), "shm", "object_store".
@@ -57,6 +58,8 @@ def staging_mode(staging: str | None) -> str:
 
 
 _ALIGN = 64
+#: ``copy_now`` copies a large CPU piece in slices of at least this many bytes, over the rank's cores.
+SLICE_BYTES = 32 << 20
 _GRANULE = 1 << 20
 
 
@@ -255,6 +258,26 @@ class StagingBuffer:
             dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
             dst.view(src.dtype).view(src.shape).copy_(src)
 
+    def copy_now(
+        self, jobs: Sequence[tuple[torch.Tensor, tuple[int, int]]], to_host: DeviceToHost, threads: int = 1
+    ) -> None:
+        """``copy_piece`` for each (piece, span), the bytes of the large contiguous CPU pieces spread over
+        ``threads`` threads in slices (one memcpy each): the cores this rank may use
+        (``engine.writer.parts_here``). One thread: one memcpy per piece, on the caller's."""
+        slices = []
+        for piece, (offset, n) in jobs:
+            src = piece.detach()
+            if threads > 1 and n >= 2 * SLICE_BYTES and not needs_bounce(src) and src.is_contiguous():
+                assert self._map is not None
+                dst, data = np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src)
+                step = max(SLICE_BYTES, -(-n // threads))
+                slices += [(dst[i : i + step], data[i : i + step]) for i in range(0, n, step)]
+            else:
+                self.copy_piece(piece, (offset, n), to_host)
+        if slices:
+            with ThreadPoolExecutor(threads, thread_name_prefix="rayckpt-stage") as pool:
+                list(pool.map(lambda s: np.copyto(*s), slices))
+
     def close(self) -> None:
         """Unmap and close the file; a writer that still maps it keeps reading until it unmaps.
 
@@ -304,9 +327,10 @@ def staged_size(pieces: Sequence[torch.Tensor]) -> int:
     return layout([p.numel() * p.element_size() for p in pieces])[1]
 
 
-def local_pieces(state_dict: dict[str, Any]) -> list[Any]:
-    """Every local tensor of ``state_dict``: what this rank's staging buffer is sized to (a share never exceeds it)."""
-    return [p.local for leaf in flatten(state_dict).tensors.values() for p in leaf.pieces]
+def local_pieces(state_dict: dict[str, Any] | FlatState) -> list[Any]:
+    """Every local tensor of ``state_dict`` (flattened unless it is): what this rank's staging buffer is
+    sized to (a share never exceeds it)."""
+    return [p.local for leaf in flat_of(state_dict).tensors.values() for p in leaf.pieces]
 
 
 def of_device(pieces: list[Any]) -> Any:

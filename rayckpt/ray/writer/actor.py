@@ -27,10 +27,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ...bounded import BoundedMap
 from ...engine.increments import FULL, Increment
-from ...engine.writer import write_share
+from ...engine.writer import ShareSpec, write_rank_share
 from ...format.shard_file import ChunkSpec
 from ...storage.checkpoint_dir import CheckpointDir
-from ...storage.commit import WrittenShard
+from ...storage.commit import WrittenFiles, WrittenShard
 from ..actors import NAMESPACE, named, writer_name
 from ..memory.host import MemoryHost
 from ..metadata.actor import get_metadata_actor
@@ -134,7 +134,7 @@ class ShardWriter(MemoryHost):
         """
         target = request.target
         ckdir = CheckpointDir.resolve(target.location, target.filesystem)
-        written_files: list[str] = []
+        files = WrittenFiles(ckdir, target.save_id)  # removed if writing fails
         start = time.perf_counter()
         record = {
             "save_id": target.save_id,
@@ -144,22 +144,17 @@ class ShardWriter(MemoryHost):
             "max_parts": request.max_parts,
         }
         try:
-            with self._views(staged, record) as arrays:
+            with files, self._views(staged, record) as arrays:
                 chunks = [spec.with_data(a) for spec, a in zip(request.chunks, arrays)]
-                shard = write_share(
-                    ckdir,
-                    chunks,
-                    save_id=target.save_id,
+                share = ShareSpec(
                     rank=target.rank,
                     block_size=request.block_size,
-                    written_files=written_files,
                     max_parts=request.max_parts,
                     increment=request.increment,
                 )
+                shard = write_rank_share(files, chunks, share)
                 del chunks
         except Exception as exc:
-            for rel in written_files:
-                ckdir.delete(rel)
             msg = f"ShardWriter on node {self.node_id[:12]}: {type(exc).__name__}: {exc}"
             try:
                 ray.get(get_metadata_actor().report_failed.remote(target, msg))

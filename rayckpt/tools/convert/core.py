@@ -173,7 +173,10 @@ def convert(
         files = tuple(out.fs_path if f == tmp else f for f in info.files)
         return dataclasses.replace(info, dst=out.fs_path, files=files)
     source = getattr(entry.module, entry.source)(src)
-    return streaming.import_source(source, out, src, prefix, block_size, group_bytes, on_progress)
+    options = streaming.ImportOptions(
+        prefix=prefix, block_size=block_size, group_bytes=group_bytes, on_progress=on_progress
+    )
+    return streaming.import_source(source, out, src, options)
 
 
 def publish(tmp: str, dst: str) -> None:

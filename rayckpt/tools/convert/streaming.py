@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...engine.state import as_bytes
-from ...engine.writer import write_chunks
+from ...engine.writer import ShareSpec, write_chunks
 from ...errors import CheckpointExistsError, InvalidStateError
 from ...format.boxes import Box
 from ...format.manifest import itemsize
@@ -25,7 +25,7 @@ from ...format.values import encode_value
 from ...planning.save_columns import create_save_plans
 from ...planning.save_plan import LocalShard
 from ...storage.checkpoint_dir import CheckpointDir
-from ...storage.commit import SaveSpec, commit_save, new_save_id, remove_failed_save
+from ...storage.commit import SaveSpec, WrittenFiles, commit_save, new_save_id
 from ...storage.lease import LeaseKeeper, claim_location, is_lease_file
 from ..reader import Progress
 from .common import ConvertInfo
@@ -103,18 +103,22 @@ class _TensorStream:
         return as_bytes(self._cache[key][box.to_slices()].contiguous())
 
 
-def import_source(
-    source: Source,
-    out: CheckpointDir,
-    src: str,
-    prefix: str,
-    block_size: int | None,
-    group_bytes: int,
-    on_progress: Progress | None,
-) -> ConvertInfo:
-    """Write ``source`` as a rayckpt checkpoint saved by one rank, then commit it.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImportOptions:
+    """How ``import_source`` writes a source."""
 
-    ``block_size`` None: ``auto_block_size`` of the source's tensors, as a save picks it."""
+    #: Put before every key.
+    prefix: str = ""
+    #: Bytes per block checksum; None: ``auto_block_size`` of the source's tensors, as a save picks it.
+    block_size: int | None = None
+    #: Source tensors are loaded in groups of at most this many bytes (a larger tensor alone).
+    group_bytes: int
+    on_progress: Progress | None = None
+
+
+def import_source(source: Source, out: CheckpointDir, src: str, options: ImportOptions) -> ConvertInfo:
+    """Write ``source`` (read from ``src``) as a rayckpt checkpoint at ``out`` saved by one rank, then commit it."""
+    prefix, block_size = options.prefix, options.block_size
     if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     tensors = {prefix + k: v for k, v in source.tensors.items()}
@@ -132,7 +136,7 @@ def import_source(
     plan = create_save_plans([[LocalShard(k, d, s, Box.full(s)) for k, (d, s) in tensors.items()]])[0]
     # write_chunks writes one file per storage type, in sorted type order: load in that order.
     order = list(dict.fromkeys(i.key for i in sorted(plan.items, key=lambda i: storage_type(tensors[i.key][0]))))
-    stream = _TensorStream(nbytes, load, order, group_bytes, on_progress)
+    stream = _TensorStream(nbytes, load, order, options.group_bytes, options.on_progress)
     chunks = [_LazyChunk(i.key, tensors[i.key][0], i.box, stream) for i in plan.items]
     metadata = {"converted_from": {"format": source.format, "path": src}}
     key_paths = {prefix + k: add_prefix(prefix, p) for k, p in source.paths.items()}
@@ -153,17 +157,13 @@ def import_source(
         paths=key_paths,
         previous=previous,
     )
-    written_files: list[str] = []
-    try:
-        with LeaseKeeper(out, save_id):
-            others = [n for n in out.list_files() if not is_lease_file(n)] + out.list_dirs()
-            if others:
-                raise ValueError(f"destination {out.location} already exists (found {others[0]}); remove it")
-            shard = write_chunks(out, chunks, spec.save_id, 0, block_size, written_files)
-            commit_save(out, spec, [shard])
-    except BaseException:
-        remove_failed_save(out, spec.save_id, written_files)
-        raise
+    # A failure removes the save (its files, the directory if left empty) once the lease is released.
+    with WrittenFiles(out, save_id, whole_save=True) as files, LeaseKeeper(out, save_id):
+        others = [n for n in out.list_files() if not is_lease_file(n)] + out.list_dirs()
+        if others:
+            raise ValueError(f"destination {out.location} already exists (found {others[0]}); remove it")
+        shard = write_chunks(files, chunks, ShareSpec(rank=0, block_size=block_size))
+        commit_save(out, spec, [shard])
     paths = tuple(f.path for f in shard.files)
     return ConvertInfo(
         src=src,
