@@ -12,11 +12,66 @@ import sys
 #: copied to ``benchmarks/results/`` by hand (benchmarks/README.md).
 OUT = "bench_out"
 
+#: Each group with sub-commands: its description, and per sub-command its module and one line of help.
+GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
+    "hosts": (
+        "the memory tier and recovery on Ray nodes that are hosts of their own",
+        {
+            "replicas": (
+                "benchmarks.hosts.replicas",
+                "a replica from one host to another: over the writers' link against through Ray's object store",
+            ),
+            "cut": (
+                "benchmarks.hosts.cut",
+                "an elastic job's host cut off: the time to the restored group, Ray's default and tuned health checks",
+            ),
+            "restore": (
+                "benchmarks.hosts.restore",
+                "a state held by three hosts' memory tier against one on the S3 host: its ranks' load time",
+            ),
+        },
+    ),
+    "micro": (
+        "focused runs of one piece of rayckpt each",
+        {"plan": ("benchmarks.micro.plan", "load planning at scale, no I/O: the bulk planner, one rank's plan")},
+    ),
+    "observe": (
+        "what an operator watches, timed",
+        {"status": ("benchmarks.observe.status", "`rayckpt status` against `ray status`, a fresh process each")},
+    ),
+    "overlap": (
+        "saves beside training, the save call's stall and the step time",
+        {
+            "stall": (
+                "benchmarks.overlap.stall",
+                "the time the save call blocks: a bare copy, DCP async_save, rayckpt with and without overlap",
+            ),
+            "step": (
+                "benchmarks.overlap.step",
+                "a training loop's step time with a save every step and every 10: none, copy, DCP, the memory tier",
+            ),
+        },
+    ),
+    "recovery": (
+        "recovery under Ray Train and the memory tier's cost",
+        {
+            "restart": (
+                "benchmarks.recovery.restart",
+                "a worker SIGKILLed or a node removed: each phase from the kill to the first step after the restore",
+            ),
+            "memory-cost": (
+                "benchmarks.recovery.memory_cost",
+                "a memory checkpoint every step against no checkpoint and a bare copy; a restore from each tier",
+            ),
+        },
+    ),
+}
 
-def run_command(prog: str, description: str, commands: dict[str, tuple[str, str]], argv: list[str] | None) -> int:
-    """Parse ``COMMAND [ARGS...]`` and run ``commands[COMMAND]``'s module's ``main(ARGS)``.
 
-    ``commands`` maps a sub-command to (module, one line of help)."""
+def run_group(group: str, argv: list[str] | None = None) -> int:
+    """Parse ``COMMAND [ARGS...]`` for ``python -m benchmarks.<group>`` and run its module's ``main(ARGS)``."""
+    prog = f"python -m benchmarks.{group}"
+    description, commands = GROUPS[group]
     width = max(len(name) for name in commands)
     epilog = "commands:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, (_, text) in commands.items())
     epilog += f"\n\n{prog} COMMAND --help shows a command's options."
@@ -28,3 +83,15 @@ def run_command(prog: str, description: str, commands: dict[str, tuple[str, str]
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     module = importlib.import_module(commands[args.command][0])
     return module.main(args.args) or 0
+
+
+def parser(doc: str | None, out: str, *, markdown: bool = False, ray_logs: bool = False) -> argparse.ArgumentParser:
+    """A benchmark's options: ``doc`` (its module's docstring) as the description, ``--out`` (default
+    ``bench_out/<out>``), and where asked ``--markdown`` and ``--ray-logs``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default=f"{OUT}/{out}", help="directory for the report's .json and .md")
+    if markdown:
+        p.add_argument("--markdown", default=None, help="also write the Markdown here")
+    if ray_logs:
+        p.add_argument("--ray-logs", action="store_true", help="forward the workers' output to this terminal")
+    return p

@@ -1,11 +1,4 @@
-"""Disk helpers shared by the benchmarks: the page cache and the raw-disk anchor.
-
-Checkpoint files are evicted from the page cache before cold loads (fsync +
-``posix_fadvise(DONTNEED)``) or read into it for warm ones, and ``mincore`` tells
-how much of them was resident; the raw-disk anchor writes and reads the same bytes
-as a checkpoint with plain sequential syscalls, the floor a checkpoint system is
-measured against.
-"""
+"""Disk helpers shared by the benchmarks: the page cache and the raw-disk anchor."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""The measuring harness every benchmark uses: timing, sampling, statistics, targets and results.
-
-- Timing: ``timed`` (one call, optionally between barriers or CUDA syncs); ``measure`` (one
-  operation on every rank, barrier to barrier, with its memory and I/O counters).
-- Sampling: ``MemSampler`` (VmRSS / RssAnon / RssFile / RssShmem of some processes from
-  /proc/<pid>/status, in a thread), ``load_sampled`` (the machine's load and the CPU used
-  outside the benchmark's process tree, every 5 s).
-- Statistics: ``summary`` (median, min-max, GB/s), ``mem_summary``.
-- Targets as data: ``target`` rows (name, measured, threshold, direction, met).
-- Results: ``table`` (the one Markdown table renderer), ``targets_table``, ``run_line``
-  (command, machine, versions) and ``write_report``: ``<out>/<name>.json`` holds the
-  summary, ``<out>/<name>.samples.json`` the raw samples (``bench_out/``, never committed).
-
-Only the standard library at import time (torch and Ray are imported where used), so
-that importing it costs a process such as ``micro.plan`` nothing it measures.
-"""
+"""The measuring harness every benchmark uses: timing, sampling, statistics, targets and results."""
 
 from __future__ import annotations
 
@@ -21,6 +6,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,10 +17,6 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 SAMPLE_INTERVAL_S = 0.005
-
-
-# ---------------------------------------------------------------------------
-# Memory sampling
 
 
 _MEM_FIELDS = {b"VmRSS:": "rss", b"RssAnon:": "anon", b"RssFile:": "file", b"RssShmem:": "shmem"}
@@ -161,10 +143,6 @@ def mem_summary(recs_by_rank: list[list[dict[str, Any]]], label: str, own: list[
     }
 
 
-# ---------------------------------------------------------------------------
-# Timing one operation on the ranks
-
-
 def proc_io() -> dict[str, int]:
     """This process's I/O counters (read_bytes / write_bytes: what reached the block layer)."""
     try:
@@ -257,6 +235,7 @@ def machine_info() -> dict[str, Any]:
     import platform
 
     import pyarrow
+    import ray
     import torch
 
     import rayckpt
@@ -264,6 +243,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "nproc": os.cpu_count(),
         "torch": torch.__version__,
+        "ray": ray.__version__,
         "pyarrow": pyarrow.__version__,
         "rayckpt": rayckpt.__version__,
         "python": platform.python_version(),
@@ -272,12 +252,20 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def import_rayckpt() -> None:
-    """Import what ``rayckpt.save`` and ``rayckpt.load`` run, now.
+def new_report(command: str, argv: list[str] | None, **fields: Any) -> dict[str, Any]:
+    """What every report starts with: its command line (``command``: ``benchmarks.<group> [sub-command]``,
+    then ``argv``), the date (UTC) and the machine; then ``fields``."""
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "command": " ".join([".venv/bin/python -m", command, *args]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine_info(),
+        **fields,
+    }
 
-    ``import rayckpt`` imports its API on first use; that one-time cost (tens of
-    MiB of modules) must not land inside the first timed, memory-sampled operation.
-    """
+
+def import_rayckpt() -> None:
+    """Import what ``rayckpt.save`` and ``rayckpt.load`` run, now."""
     import rayckpt
 
     for name in ("save", "load"):
@@ -289,10 +277,6 @@ def connect_ray(address: str) -> None:
     import ray
 
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, namespace="rayckpt-bench")
-
-
-# ---------------------------------------------------------------------------
-# Statistics
 
 
 def summary(values: list[float], nbytes: int | None = None) -> dict[str, Any]:
@@ -316,10 +300,6 @@ def target(name: str, measured: float | None, threshold: float, higher_is_better
         "met": met,
         "how": how,
     }
-
-
-# ---------------------------------------------------------------------------
-# CPU and load of the machine during a run
 
 
 def busy_jiffies() -> int:
@@ -410,10 +390,6 @@ def load_sampled(report: dict[str, Any]) -> Iterator[None]:
         sampler.join()
     report["load_average_1min"] = load_average(before, samples)
     report["total_runtime_s"] = time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------------------
-# Partial results and formatting
 
 
 #: Keys of a report that hold raw samples: written to ``<name>.samples.json``, not to the summary.

@@ -1,10 +1,6 @@
 """The systems every benchmark measures, each behind one adapter: rayckpt, rayckpt on Ray, DCP, DCP
 async and ``torch.save``; a checkpoint's place (``Where``) is a local directory or a prefix on an
-S3 endpoint, the same calls for both.
-
-Only rayckpt's public API is called (``rayckpt.save`` / ``load``, ``rayckpt.ray.save_async`` /
-``prepare_staging`` / ``release_staging``); DCP is set up here and nowhere else.
-"""
+S3 endpoint, the same calls for both."""
 
 from __future__ import annotations
 
@@ -72,10 +68,6 @@ class Where:
 def local(path: str) -> tuple[Where, str]:
     """A local path as (``Where``, rel): for the benchmarks that name one directory."""
     return Where(os.path.dirname(path) or "."), os.path.basename(path)
-
-
-# ---------------------------------------------------------------------------
-# Saves and loads
 
 
 def rayckpt_save(state: Any, where: Where, rel: str, **kwargs: Any) -> Any:

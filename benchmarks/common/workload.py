@@ -1,14 +1,4 @@
-"""The state every benchmark saves and loads: an FSDP2 model with AdamW moments.
-
-Several large, unevenly sized ``nn.Linear`` layers (fp32, each ``fully_shard``-ed on
-a 1-D CPU mesh) with filled AdamW moments, sized so that params + exp_avg +
-exp_avg_sq total about a given number of MiB; plus what the benchmarks need around
-it: its byte counts (global, or one rank's own shards), zeroing it before a load,
-and bit-exact checksums to verify a loaded state against the saved one.
-
-Used by the suite's ranks (``suite.ranks``), ``recovery`` and ``hosts``; every function here runs on
-the spawned ranks.
-"""
+"""The state every benchmark saves and loads: an FSDP2 model with AdamW moments."""
 
 from __future__ import annotations
 

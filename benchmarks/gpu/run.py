@@ -1,32 +1,4 @@
-"""The GPU path in one process: the copy limit, DCP against rayckpt, first and later async saves, loads.
-
-One command, one run, JSON out::
-
-    python -m benchmarks.gpu --size-gb 4                                 # on a CUDA machine
-    python -m benchmarks.gpu --device cpu --size-gb 0.5                  # the same rows on the CPU
-
-The state is ``--tensors`` fp32 tensors of ``--size-gb`` in all on ``--device``.
-What is timed, each a median over ``--repeats`` (saves go to new directories
-under ``--dir``, removed once measured):
-
-- ``limit``: the state copied into host memory allocated beforehand (page-locked
-  on CUDA): the floor an async save's stall is measured against; ``pageable``:
-  ``.cpu()`` of each tensor (host memory allocated by the copy).
-- ``dcp_save``; ``dcp_async_save`` with its default stager and with each
-  ``DefaultStager(StagingOptions(...))`` configuration: stall (until
-  ``async_save`` and its staging returned) and total; one that raises is
-  reported as a failure with its error, not left out.
-- ``rayckpt_save``; ``save_async`` in two orders, each over ``--saves`` saves:
-  ``unprepared`` (the first save makes nothing ready beforehand) and
-  ``prepared`` (``prepare_staging`` when the state exists, as
-  ``Checkpointer.restore`` does; its background work is timed apart, then the
-  saves), with stall and commit per save and the first save's stall over the
-  later saves' median.
-- loads into ``--device`` targets, cold (files fsynced and dropped from the page
-  cache) and warm: ``dcp.load`` and ``rayckpt.load``.
-
-Every load is checked bit-exact against the saved state (``torch.equal``).
-"""
+"""The GPU path in one process: the copy limit, DCP against rayckpt, first and later async saves, loads."""
 
 from __future__ import annotations
 
@@ -34,7 +6,6 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
@@ -42,8 +13,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import systems
+from benchmarks.common.cli import parser
 from benchmarks.common.diskio import evict, files_under, warm_up
-from benchmarks.common.harness import import_rayckpt, machine_info, run_line, sync, timed, write_report
+from benchmarks.common.harness import import_rayckpt, new_report, run_line, sync, timed, write_report
 from benchmarks.common.systems import Where
 
 #: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP stager measured.
@@ -61,14 +33,13 @@ ASYNC_ORDERS = ("unprepared", "prepared")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "gpu")
     p.add_argument("--device", default="cuda", help="where the state lives: cuda (default) or cpu")
     p.add_argument("--size-gb", type=float, default=4.0, help="the state's size in GiB")
     p.add_argument("--tensors", type=int, default=32, help="how many fp32 tensors it is made of")
     p.add_argument("--repeats", type=int, default=2, help="repeats of each timed operation (medians)")
     p.add_argument("--saves", type=int, default=3, help="save_async saves in each order (the first, then later)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    p.add_argument("--out", default="bench_out/gpu", help="directory for bench_gpu.json and .md")
     return p.parse_args(argv)
 
 
@@ -151,13 +122,7 @@ def rayckpt_saves(state: dict[str, torch.Tensor], device: str, root: str, repeat
 
 
 def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: int, order: str) -> dict[str, Any]:
-    """``saves`` save_async calls in a row in a new local Ray (new actors: the first save's fixed costs count).
-
-    ``order``: "unprepared" (nothing made beforehand: the first save makes the
-    staging buffer and starts the ShardWriter), or "prepared" (``prepare_staging``
-    first, as ``Checkpointer.restore`` does; the time its background work and the
-    ShardWriter's start take is reported, then the saves).
-    """
+    """``saves`` save_async calls in a row in a new local Ray (new actors: the first save's fixed costs count)."""
     import ray
 
     from rayckpt.ray import get_shard_writer
@@ -231,17 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(root, exist_ok=True)
     state = make_state(args.device, args.size_gb, args.tensors)
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
-    report: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.gpu", *(sys.argv[1:] if argv is None else argv)]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {
-            **machine_info(),
-            "ray": ray.__version__,
-            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        },
-        "args": vars(args),
-        "state_bytes": nbytes,
-    }
+    report = new_report("benchmarks.gpu", argv, args=vars(args), state_bytes=nbytes)
+    report["machine"]["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     try:
         report["copy"] = copy_limit(state, args.device, args.repeats)
         report["dcp"] = dcp_saves(state, args.device, root, args.repeats)

@@ -1,23 +1,13 @@
-"""What the hosts benchmarks share: their command-line options, the report's head, and a driver run on a host.
-
-Each sub-command runs in two places. Its ``main`` runs on the machine (as root): it
-builds the hosts (``testbed.ray_hosts``), times what it sees from outside and
-writes the report. What must run inside the cluster runs as a driver on host 0
-(``run_on_host``: ``python -m <module> --on-host CONFIG``), which prints its results as
-one JSON line.
-"""
+"""What the hosts benchmarks share: their command-line options, the report's head, and a driver run on a host."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.cli import OUT
-from benchmarks.common.harness import machine_info, run_line
+from benchmarks.common.harness import run_line
 from testbed.hosts import Host, hosts_unavailable
 
 #: The repository's root: the drivers on the hosts run there.
@@ -28,29 +18,11 @@ HOST_ENV = {"PYTHONPATH": str(ROOT)}
 ON_HOST = "--on-host"
 
 
-def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
-    """``--out`` (default ``bench_out/hosts``) and ``--markdown``."""
-    parser.add_argument("--out", default=f"{OUT}/hosts", help=f"directory for {name}.json and {name}.md")
-    parser.add_argument("--markdown", default=None, help="also write the Markdown here")
-
-
 def require_hosts() -> None:
     """Exit with the reason when hosts cannot be built here (root, ``ip``, ``unshare``...)."""
     reason = hosts_unavailable()
     if reason is not None:
         raise SystemExit(f"benchmarks.hosts: {reason}")
-
-
-def new_report(sub: str, argv: list[str] | None) -> dict[str, Any]:
-    """The fields every hosts report starts with: command, date, machine and versions."""
-    import ray
-
-    args = sys.argv[1:] if argv is None else argv
-    return {
-        "command": " ".join([".venv/bin/python", "-m", "benchmarks.hosts", sub, *args]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {**machine_info(), "ray": ray.__version__},
-    }
 
 
 def head_lines(report: dict[str, Any], title: str) -> list[str]:
@@ -59,11 +31,7 @@ def head_lines(report: dict[str, Any], title: str) -> list[str]:
 
 
 def run_on_host(host: Host, module: str, config: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run ``python -m module --on-host CONFIG`` on ``host`` from the repository root; its last line, parsed.
-
-    Raises:
-        RuntimeError: The driver failed or printed no JSON; the message has its output's end.
-    """
+    """Run ``python -m module --on-host CONFIG`` on ``host`` from the repository root; its last line, parsed."""
     proc = host.run([sys.executable, "-m", module, ON_HOST, json.dumps(config)], cwd=str(ROOT), timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

@@ -1,31 +1,4 @@
-"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks.
-
-Three Ray hosts and an S3 host (``testbed.ray_hosts``), a new cluster for
-every repeat of every setting (Ray reads its ``RAY_<name>`` settings from the hosts'
-environment when the cluster starts). ``ray job submit`` from host 0 runs
-``jobs/train.py --num-workers 2-3`` (one worker per host), a memory checkpoint every
-step, storage on S3 every ``--checkpoint-every`` steps. Once the group of 3 has
-logged step ``--cut-after-step``, host 2's link goes down (``Host.link_down``: its
-port on the switch, a real partition: its processes keep running, cut off). The
-times, from the cut, at which (this machine's clock):
-
-- ``node dead``: Ray's GCS no longer counts host 2's node alive (a driver on host 0
-  polling ``ray.nodes()`` every 0.1 s);
-- ``restored``: the restarted group's rank 0 logs ``restart N: resumed from step S
-  with 2 worker(s), from <tier>`` (``gpt_job.restart_line``, once every rank has
-  restored); the tier it names is recorded. The line is timestamped when it reaches
-  the job's driver log on the head (``job-driver-<id>.log``, read every 0.05 s), where
-  Ray's log monitor forwards the workers' output.
-
-Settings (``SETTINGS``): ``default`` (Ray's as shipped: none set), ``tuned`` (Ray's health
-checks as docs/recovery.md recommends), ``tuned-start`` (also Ray Train's worker-group start
-timeout cut). Repeats alternate the settings.
-
-    .venv/bin/python -m benchmarks.hosts cut --repeats 3
-
-Writes ``{out}/cut.json`` and ``cut.md`` (``--out``: ``bench_out/hosts``), and each
-run's job driver log under ``{out}/cut-logs/``.
-"""
+"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks."""
 
 from __future__ import annotations
 
@@ -42,8 +15,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, rotated, table, write_report
-from benchmarks.hosts.common import HOST_ENV, ROOT, add_common_args, head_lines, new_report, require_hosts
+from benchmarks.common.cli import parser
+from benchmarks.common.harness import load_sampled, new_report, rotated, table, write_report
+from benchmarks.hosts.common import HOST_ENV, ROOT, head_lines, require_hosts
 from testbed.host_jobs import HostJob
 from testbed.ray_hosts import TUNED_HEALTH_CHECKS
 
@@ -106,14 +80,14 @@ def flags(cluster: Any, args: argparse.Namespace) -> list[str]:
     assert cluster.s3 is not None
     out = ["--num-workers", "2-3", "--cpus-per-worker", str(cluster.num_cpus), "--memory-every", "1"]
     out += ["--checkpoint-every", str(args.checkpoint_every), "--steps", "1000000", "--max-failures", "3"]
-    return [*out, "--run-name", "cut", "--storage-path", cluster.s3.uri("runs"), *TINY, *args.job_args.split()]
+    return [*out, "--run-name", "cut", "--storage-path", cluster.s3.uri("runs"), *TINY]
 
 
 def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
     """One cluster with ``setting``'s environment, one job, host 2 cut: the times from the cut."""
     from testbed.ray_hosts import build_ray_hosts
 
-    env = {**HOST_ENV, **SETTINGS[setting], **dict(kv.split("=", 1) for kv in args.env)}
+    env = {**HOST_ENV, **SETTINGS[setting]}
     log_path = os.path.join(args.out, "cut-logs", f"{setting}-{rep}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     if os.path.exists(log_path):
@@ -212,22 +186,17 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "hosts", markdown=True)
     p.add_argument("--repeats", type=int, default=3, help="runs of each setting")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--cut-after-step", type=int, default=30, help="cut once the group of 3 has logged this step")
     p.add_argument("--checkpoint-every", type=int, default=10, help="the job's storage (S3) saves")
     p.add_argument("--num-cpus", type=int, default=2, help="each Ray host's CPUs (one worker takes them all)")
     p.add_argument("--timeout", type=float, default=600, help="seconds a run may take to each of its moments")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="added to every setting's hosts")
-    p.add_argument("--job-args", default="", help="more flags for jobs/train.py")
-    add_common_args(p, "cut")
     args = p.parse_args(argv)
     args.settings = [s for s in args.settings.split(",") if s]
     if not args.settings or set(args.settings) - set(SETTINGS) or args.repeats < 1:
         p.error(f"--settings: some of {', '.join(SETTINGS)}; --repeats >= 1")
-    if any("=" not in kv for kv in args.env):
-        p.error("--env KEY=VALUE")
     args.out = os.path.abspath(args.out)
     return args
 
@@ -237,10 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     require_hosts()
     os.makedirs(args.out, exist_ok=True)
-    report = new_report("cut", argv)
+    report = new_report("benchmarks.hosts cut", argv)
     report.update(
         settings={s: SETTINGS[s] for s in args.settings},
-        extra_env=args.env,
         cut_after_step=args.cut_after_step,
         checkpoint_every=args.checkpoint_every,
         runs=[],

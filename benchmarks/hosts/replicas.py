@@ -1,23 +1,4 @@
-"""A memory-tier replica from one host to another: over the writers' link against through Ray's object store.
-
-Two Ray hosts (``testbed.ray_hosts``). A driver on host 0 holds a file of
-each size in its host's ``/dev/shm`` (a held file, as the ShardWriter's) and copies it
-to host 1's ShardWriter, as ``replication.replicate`` does, by each way in turn
-(rotated from repeat to repeat):
-
-- ``link``: ``link.send`` to the writer's replica listener (``mem_endpoint``): the
-  kernel sends the file, the writer splices the stream into its store.
-- ``ray``: ``replication._replicate_through_ray``: the file mapped, put into host 0's
-  object store, pulled into host 1's, copied by the writer's ``mem_put`` into its store.
-
-A copy's time runs from the call to its return (the replica held on host 1); the
-replica is dropped (``mem_delete``) before the next. One untimed copy of 1 MiB each
-way first (connections, the writer's first call). Medians over ``--repeats``.
-
-    .venv/bin/python -m benchmarks.hosts replicas --sizes-mb 64,256 --repeats 5
-
-Writes ``{out}/replicas.json`` and ``replicas.md`` (``--out``: ``bench_out/hosts``).
-"""
+"""A memory-tier replica from one host to another: over the writers' link against through Ray's object store."""
 
 from __future__ import annotations
 
@@ -27,14 +8,13 @@ import os
 import sys
 from typing import Any
 
-from benchmarks.common.harness import MIB, fmt, load_sampled, rotated, summary, table, write_report
+from benchmarks.common.cli import parser
+from benchmarks.common.harness import MIB, fmt, load_sampled, new_report, rotated, summary, table, write_report
 from benchmarks.hosts.common import (
     HOST_ENV,
     ON_HOST,
-    add_common_args,
     connect,
     head_lines,
-    new_report,
     node_id_of,
     require_hosts,
     run_on_host,
@@ -115,12 +95,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "hosts", markdown=True)
     p.add_argument("--sizes-mb", default="64,256", help="file sizes in MiB, comma-separated")
     p.add_argument("--repeats", type=int, default=5, help="copies of each size each way")
     p.add_argument("--num-cpus", type=int, default=2, help="each Ray node's CPUs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the driver on host 0 may take")
-    add_common_args(p, "replicas")
     args = p.parse_args(argv)
     try:
         args.sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
@@ -145,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ray's copy holds the file in both nodes' object stores; the store's budget (half the tmpfs) holds the replica.
     object_store_mb = max(256, 2 * biggest)
     shm_mb = object_store_mb + 2 * biggest + 256
-    report = new_report("replicas", argv)
+    report = new_report("benchmarks.hosts replicas", argv)
     report.update(repeats=args.repeats, sizes_mb=args.sizes)
     report["cluster"] = {"hosts": 2, "num_cpus": args.num_cpus, "shm_mb": shm_mb, "object_store_mb": object_store_mb}
     with load_sampled(report):

@@ -1,21 +1,4 @@
-"""A restore on real hosts: a state held by three hosts' memory tier against the same state on the S3 host.
-
-Three Ray hosts and an S3 host (``moto_server``, ``testbed.ray_hosts``). A
-driver on host 0 runs one TorchTrainer (gloo, CPU) of ``--workers`` M workers, spread
-over the three hosts (``--cpus-per-worker``: by default the hosts' CPUs shared out, so
-M = 3 puts one on each), with the memory-cost benchmark's loop
-(``benchmarks.recovery.memory_cost.cost_loop``, no training rounds): each worker
-builds its share of the FSDP2 state of ``--size-mb`` MiB (``workload.build_state``),
-``Checkpointer(memory_every=1)`` saves one step to the hosts' memory (each host's
-shard files also held by the ring's next host) and storage, ``save_async`` the same
-step to S3; then the M workers load it (``rayckpt.ray.load``) from each tier in
-turn, rotated from round to round, barrier to barrier (``memory_cost.restores``).
-Medians over ``--repeats`` rounds.
-
-    .venv/bin/python -m benchmarks.hosts restore --size-mb 1024 --repeats 3
-
-Writes ``{out}/restore.json`` and ``restore.md`` (``--out``: ``bench_out/hosts``).
-"""
+"""A restore on real hosts: a state held by three hosts' memory tier against the same state on the S3 host."""
 
 from __future__ import annotations
 
@@ -28,14 +11,14 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common.harness import fmt, load_sampled, summary, table, write_report
+from benchmarks.common.cli import parser
+from benchmarks.common.harness import fmt, load_sampled, new_report, summary, table, write_report
+from benchmarks.common.raytrain import trainer
 from benchmarks.common.workload import layer_shapes
 from benchmarks.hosts.common import (
     HOST_ENV,
     ON_HOST,
-    add_common_args,
     head_lines,
-    new_report,
     require_hosts,
     run_on_host,
 )
@@ -51,8 +34,6 @@ def restore_all(config: dict[str, Any]) -> dict[str, Any]:
     import logging
 
     import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from benchmarks.recovery.memory_cost import cost_loop
 
@@ -69,12 +50,8 @@ def restore_all(config: dict[str, Any]) -> dict[str, Any]:
         "s3_uri": config["s3_uri"],
         "restore_from": list(SOURCES),
     }
-    TorchTrainer(
-        cost_loop,
-        train_loop_config=loop,
-        scaling_config=ScalingConfig(num_workers=config["workers"], resources_per_worker={"CPU": config["cpus"]}),
-        run_config=RunConfig(storage_path=config["storage"], name=f"hosts-restore-{time.time_ns()}"),
-    ).fit()
+    resources = {"CPU": config["cpus"]}
+    trainer(cost_loop, loop, config["workers"], config["storage"], resources=resources).fit()
     return {}
 
 
@@ -120,7 +97,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "hosts", markdown=True, ray_logs=True)
     p.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (params + AdamW moments)")
     p.add_argument("--workers", type=int, default=HOSTS, help="the ranks that save and load (M)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of loads from every tier")
@@ -129,8 +106,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cpus-per-worker", type=float, default=None, help="default: the hosts' CPUs shared out over the workers"
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds the driver on host 0 may take")
-    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to the driver's output")
-    add_common_args(p, "restore")
     args = p.parse_args(argv)
     if args.workers < 1 or args.repeats < 1 or args.size_mb <= 0:
         p.error("--workers >= 1, --repeats >= 1, --size-mb > 0")
@@ -157,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     object_store_mb = 256
     # Each host holds its share, a peer's share (the replica) and its workers' staging buffers in its /dev/shm.
     shm_mb = object_store_mb + int(2 * args.size_mb) + 256
-    report = new_report("restore", argv)
+    report = new_report("benchmarks.hosts restore", argv)
     report.update(
         state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
         workers=args.workers,

@@ -1,8 +1,4 @@
-"""The incremental benchmark's arithmetic and tables: the ranks' records in, medians, ratios and Markdown out.
-
-Each record is one save (``saver``, ``step``, ``seconds`` of each rank, and rank 0's ``bytes`` and
-``phases``) or one load (``kind``, ``cache``, ``seconds``, ``phases``); ``run`` gathers them.
-"""
+"""The incremental benchmark's arithmetic and tables: the ranks' records in, medians, ratios and Markdown out."""
 
 from __future__ import annotations
 

@@ -1,39 +1,9 @@
-"""Incremental saves against full saves and DCP, step after step, and the load of a chained checkpoint.
-
-Two gloo ranks (``rayckpt.testing.multiproc.run_ranks``) hold an FSDP2 state on the CPU: ``nn.Linear``
-layers ``fully_shard``-ed on a 1-D mesh, saved as ``{"model": model.state_dict(), "optim": moments,
-"step": n}``, where ``moments`` holds an ``exp_avg`` and ``exp_avg_sq`` DTensor for each trained param
-(no optimizer object: a step adds a small value in place to every trained param and moment, as an
-optimizer step changes them). Three states (``--states``), each sized to about ``--size-mb`` MiB:
-
-- ``dense``: every layer trained; every tensor changes each step.
-- ``frozen70``: a frozen encoder (params only) holding 70% of the bytes, never changed, and a trained
-  decoder (params and moments, 30%) that changes each step.
-- ``lora99``: a frozen base (99% of the bytes) and a rank-r adapter pair per base layer (params and
-  moments, 1%) that change each step.
-
-Each step saves the state three ways, the order rotated from step to step: ``full``
-(``rayckpt.save(incremental=False)`` to ``full/step-N``), ``incremental`` (``rayckpt.save(incremental=True)``
-to ``incremental/step-N``, its shard files in ``incremental/.rayckpt-shared``) and ``dcp``
-(``torch.distributed.checkpoint.save`` to ``dcp/step-N``). Per save: the bytes of the files it created
-(the incremental save: the store files named after its save id, and its checkpoint directory), and the
-seconds of the call, barrier before, max over ranks. After each save every file of the run is fsynced
-and evicted from the page cache (``diskio.evict``), untimed; after each step the ``full`` and ``dcp``
-directories of the step are removed (the incremental chain stays). Before step 1 each saver saves the
-state once, untimed, elsewhere: step 1 is each saver's first save at its location, not the process's.
-
-Chained load: the ``frozen70`` state saved ``--chain`` times incrementally (the decoder changed between
-saves) and once self-contained after the last; then ``rayckpt.load`` of each, alternating, ``--repeats``
-times (after one untimed load), with the files evicted from the page cache (cold) and read into it
-beforehand (warm); the first timed load of each is checked bit for bit against the saved state.
-"""
+"""Incremental saves against full saves and DCP, step after step, and the load of a chained checkpoint."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from typing import Any
@@ -41,8 +11,9 @@ from typing import Any
 import torch.nn as nn
 
 from benchmarks.common import systems
+from benchmarks.common.cli import parser
 from benchmarks.common.diskio import dir_bytes, evict, files_under, warm_up
-from benchmarks.common.harness import MIB, load_sampled, machine_info, rotated, write_report
+from benchmarks.common.harness import MIB, load_sampled, new_report, rotated, write_report
 from benchmarks.common.workload import layer_shapes
 from benchmarks.incremental.report import SAVERS, markdown, merge, summarize_chain, summarize_state, targets
 from rayckpt.testing.multiproc import run_ranks
@@ -51,10 +22,6 @@ STATES = ("dense", "frozen70", "lora99")
 #: Fraction of the state's bytes that never changes, per state.
 FROZEN = {"dense": 0.0, "frozen70": 0.70, "lora99": 0.99}
 SHARED = ".rayckpt-shared"
-
-
-# ---------------------------------------------------------------------------
-# On the ranks
 
 
 def layout(kind: str, size_mb: float) -> dict[str, Any]:
@@ -289,14 +256,13 @@ def layout_bytes(kind: str, size_mb: float) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, run each state's saves and the chained load on 2 ranks, write the report."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = parser(__doc__, "incremental")
     p.add_argument("--size-mb", type=float, default=1024, help="each state's size in MiB (default: %(default)s)")
     p.add_argument("--steps", type=int, default=12, help="saves per saver and state; the first is reported apart")
     p.add_argument("--repeats", type=int, default=5, help="loads of each checkpoint, cold and warm, in the chain test")
     p.add_argument("--chain", type=int, default=10, help="incremental saves in the chain that is loaded")
     p.add_argument("--states", default=",".join(STATES), help="any of " + ", ".join(STATES))
     p.add_argument("--no-chain", action="store_true", help="skip the chained load")
-    p.add_argument("--out", default="bench_out/incremental")
     args = p.parse_args(argv)
     states = [s for s in args.states.split(",") if s]
     if unknown := set(states) - set(STATES):
@@ -304,15 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first save and a steady one)")
     os.makedirs(args.out, exist_ok=True)
-    argv_shown = sys.argv[1:] if argv is None else argv
-    report: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.incremental", *argv_shown]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine_info(),
-        "config": vars(args),
-        "layouts": {s: layout_bytes(s, args.size_mb) for s in dict.fromkeys([*states, "frozen70"])},
-        "states": {},
-    }
+    layouts = {s: layout_bytes(s, args.size_mb) for s in dict.fromkeys([*states, "frozen70"])}
+    report = new_report("benchmarks.incremental", argv, config=vars(args), layouts=layouts, states={})
     raw: dict[str, Any] = {}
     with load_sampled(report):
         for state in states:

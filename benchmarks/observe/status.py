@@ -1,16 +1,4 @@
-"""``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster.
-
-A head started with ``ray start --head --block`` (``testbed.ray_head``: its own
-temp directory and ports, token authentication off, 2 CPUs), a run of two committed
-checkpoints (a driver that saves through ``rayckpt.ray.save_async`` and stays connected,
-so the MetadataActor and the node's ShardWriter are up), then ``--repeats`` rounds of both commands, their
-order rotated from round to round. ``ray status`` is the anchor: Ray's own one-screen
-view of a cluster, also a fresh process joining it. Medians and their ratio.
-
-    .venv/bin/python -m benchmarks.observe status --repeats 15
-
-Writes ``{out}/status.json`` and ``status.md`` (``--out``: ``bench_out/observe``).
-"""
+"""``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster."""
 
 from __future__ import annotations
 
@@ -19,10 +7,19 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, machine_info, rotated, run_line, summary, table, timed, write_report
+from benchmarks.common.cli import parser
+from benchmarks.common.harness import (
+    load_sampled,
+    new_report,
+    rotated,
+    run_line,
+    summary,
+    table,
+    timed,
+    write_report,
+)
 from testbed.ray_head import BIN, ray_head
 
 COMMANDS = {
@@ -48,13 +45,7 @@ def run_command(cmd: list[str], env: dict[str, str]) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python -m benchmarks.observe status", *argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine_info(),
-        "repeats": args.repeats,
-        "times": {},
-    }
+    report = new_report("benchmarks.observe status", argv, repeats=args.repeats, times={})
     with (
         tempfile.TemporaryDirectory(prefix="rk-observe-") as tmp,
         ray_head(os.path.join(tmp, "ray"), num_cpus=2) as head,
@@ -100,9 +91,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.observe status", description=__doc__.split("\n")[0])
+    p = parser(__doc__, "observe")
     p.add_argument("--repeats", type=int, default=15, help="rounds of both commands")
-    p.add_argument("--out", default="bench_out/observe", help="where the report goes")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     report = run(args, argv)

@@ -1,12 +1,4 @@
-"""The model both overlap benchmarks train and save: a stack of square ``nn.Linear`` layers with AdamW.
-
-Unlike ``common.workload.BenchModel`` (state only, never run), this model runs a
-real forward and backward: the copy an overlapped save leaves for later runs
-beside them. Its size is set by the state it saves: params + AdamW's exp_avg and
-exp_avg_sq (3 fp32 copies, 12 bytes per parameter) total about ``size_gb`` GiB,
-in ``layers`` layers as wide as that allows; the batch is a few rows, so a step
-is mostly the weights' memory traffic (and, sharded, their all-gathers).
-"""
+"""The model both overlap benchmarks train and save: a stack of square ``nn.Linear`` layers with AdamW."""
 
 from __future__ import annotations
 
@@ -44,17 +36,10 @@ class StackShape:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """The model's options, the same for both benchmarks: ``--size-gb``, ``--layers``, ``--batch``,
-    ``--reshard-after-forward``."""
+    """The model's options, the same for both benchmarks: ``--size-gb``, ``--layers``, ``--batch``."""
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (params + AdamW moments)")
     parser.add_argument("--layers", type=int, default=4, help="square Linear layers in the stack")
     parser.add_argument("--batch", type=int, default=8, help="rows per training step (per rank)")
-    parser.add_argument(
-        "--reshard-after-forward",
-        action="store_true",
-        help="FSDP2 frees the gathered params after forward and gathers them again for backward (default: "
-        "kept from forward to backward, one all-gather per step: over gloo the gathers are most of a step)",
-    )
 
 
 def stack_shape(size_gb: float, layers: int) -> StackShape:
@@ -78,17 +63,10 @@ class LinearStack(nn.Module):
         return x
 
 
-def build(
-    shape: StackShape, device: str = "cpu", world_size: int = 1, seed: int = 0, reshard_after_forward: bool = False
-) -> tuple[Any, Any, AppState]:
+def build(shape: StackShape, device: str = "cpu", world_size: int = 1, seed: int = 0) -> tuple[Any, Any, AppState]:
     """The model, its AdamW and ``AppState(model, opt)`` (which guards the optimizer), after one
-    training step so AdamW's moments exist.
-
-    ``world_size`` > 1: every layer and the stack ``fully_shard``-ed over a 1-D mesh of the default
-    process group (gloo on the CPU), made on the meta device and only the local shards materialized;
-    ``reshard_after_forward`` as for ``fully_shard``.
-    ``device``: "cpu", or "cuda" (this process's current CUDA device).
-    """
+    training step so AdamW's moments exist. On several ranks FSDP2 keeps the gathered params from
+    forward to backward: one all-gather a step."""
     target = torch.device("cuda", torch.cuda.current_device()) if device.startswith("cuda") else torch.device("cpu")
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -98,8 +76,8 @@ def build(
         with torch.device("meta"):
             model = LinearStack(shape)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
         model.to_empty(device=target)
     else:
         model = LinearStack(shape).to(target)

@@ -1,9 +1,4 @@
-"""The overlap benchmarks' arithmetic and tables: per-rank records in, medians, ratios and Markdown out.
-
-``stall`` and ``step`` measure on a real Ray; what they report is computed here
-from their records alone (plain dicts, one per rank and save or step), so the
-hygiene tests check it with made-up records.
-"""
+"""The overlap benchmarks' arithmetic and tables: per-rank records in, medians, ratios and Markdown out."""
 
 from __future__ import annotations
 
@@ -16,10 +11,6 @@ from benchmarks.common.harness import run_line, summary, table, target, targets_
 #: The stall targets: rayckpt's stall at most this fraction of DCP's, and under this many seconds.
 STALL_OVER_DCP = 0.25
 STALL_SECONDS = 0.03
-
-
-# ---------------------------------------------------------------------------
-# stall
 
 
 #: What each mode of ``stall`` does, for its table.
@@ -35,11 +26,7 @@ STALL_MODES = {
 
 
 def summarize_stall(records: list[dict[str, Any]], errors: dict[str, str] | None = None) -> dict[str, Any]:
-    """Per mode: the stall of each round's slowest rank and of its median rank, over rounds.
-
-    ``records``: one per rank, round and mode (``stall_s``, ``staged_wait_s``, ``opt_wait_s``,
-    ``total_s``, ``late_bytes``, ``copy_s``). ``errors``: modes that failed, with their error.
-    """
+    """Per mode: the stall of each round's slowest rank and of its median rank, over rounds."""
     by_round: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         by_round[r["mode"]][r["round"]].append(r)
@@ -88,11 +75,6 @@ def stall_targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _gathers(args: dict[str, Any]) -> str:
-    """How FSDP2 gathered the params: once per step, or again for backward."""
-    return "; params gathered again for backward" if args.get("reshard_after_forward") else "; one all-gather a step"
-
-
 def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -108,7 +90,8 @@ def stall_markdown(report: dict[str, Any]) -> str:
         f"State: {report['state_bytes'] / 2**30:.3f} GiB on {report['machine']['device']} (fp32 params + AdamW "
         f"exp_avg + exp_avg_sq of {shape['layers']} square `nn.Linear` layers {shape['width']} wide); "
         f"`one-process`: one process holds all of it, as `AppState(model, opt)`; `four-ranks`: {args['workers']} "
-        f"TorchTrainer workers (gloo{_gathers(args)}), the stack FSDP2-sharded, each holding 1/{args['workers']}. "
+        "TorchTrainer workers (gloo; one all-gather a step), the stack FSDP2-sharded, each holding "
+        f"1/{args['workers']}. "
         "Each save: the call timed, one training "
         f"step ({args['batch']} rows: forward, backward, AdamW step; an overlapped copy runs beside forward and "
         "backward and the step waits for what is left of it), then the save waited for (DCP: its upload; "
@@ -140,10 +123,6 @@ def stall_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------
-# step
-
-
 #: What each mode of ``step`` does, for its table.
 STEP_MODES = {
     "none": "no save",
@@ -157,11 +136,7 @@ STEP_MODES = {
 
 def summarize_step(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per save interval and mode: the slowest worker's step, median and mean over the steps past each
-    round's first; the save call and the waits before the optimizer step; memory saves skipped.
-
-    ``records``: one per worker and step (``every``, ``round``, ``mode``, ``i``, ``step``, ``step_s``,
-    ``save_s``, ``wait_s``, ``saved``, ``skipped``).
-    """
+    round's first; the save call and the waits before the optimizer step; memory saves skipped."""
     by_step: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         by_step[(r["every"], r["step"])].append(r)
@@ -200,7 +175,8 @@ def step_markdown(report: dict[str, Any]) -> str:
         "",
         f"State: {report['state_bytes'] / 2**30:.3f} GiB (fp32 params + AdamW exp_avg + exp_avg_sq of "
         f"{shape['layers']} square `nn.Linear` layers {shape['width']} wide), FSDP2-sharded over "
-        f"{args['workers']} TorchTrainer workers (gloo, CPU{_gathers(args)}), as `AppState(model, opt)`. A step: "
+        f"{args['workers']} TorchTrainer workers (gloo, CPU; one all-gather a step), as `AppState(model, opt)`. "
+        "A step: "
         f"the save when one is due, then forward and backward of {args['batch']} rows per worker and the AdamW "
         "step (what a save costs the training beside it counts in its own step). Modes: "
         + "; ".join(f"`{m}`: {STEP_MODES[m]}" for m in report.get("modes", STEP_MODES) if m in STEP_MODES)

@@ -1,49 +1,10 @@
-"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run.
-
-The state is ``model.LinearStack`` (params + AdamW moments about ``--size-gb``
-GiB) after one training step, as ``AppState(model, opt)``, in two scenarios:
-
-- ``one-process``: one process holds all of it (on ``--device``: ``cuda`` puts
-  it on the GPU), in a local Ray.
-- ``four-ranks``: ``--workers`` TorchTrainer workers (gloo, CPU), the stack
-  FSDP2-sharded, each holding its share; each worker times its own save call.
-
-Modes, each saving ``{"app": app}``:
-
-- ``copy``: every local tensor (found once: training updates them in place)
-  copied into host buffers allocated beforehand (page-locked on CUDA, the copy
-  waited for): the floor.
-- ``dcp``: ``torch.distributed.checkpoint.async_save`` with one reused
-  ``DefaultStager(StagingOptions(True, False, False, False))`` (pinned, staged
-  before the call returns: the best stager that runs on a CPU); on ranks, its
-  upload's collectives on a gloo group of their own, as torchtitan does.
-  ``dcp-async-staging`` (on CUDA): ``StagingOptions(True, True, True, True)``,
-  its staging waited for before the optimizer step; a stager that raises is
-  reported with its error.
-- ``rayckpt-sync``: ``save_async(..., overlap=False)``; ``rayckpt``:
-  ``save_async(...)`` (overlap: the optimizer's tensors copied beside the next
-  forward and backward); ``rayckpt-all`` (not run unless named):
-  ``overlap="all"``. ``prepare_staging`` first, as ``Checkpointer.restore`` does.
-
-A round runs every mode once, the order rotated from round to round; one save
-is: the call, timed; one training step (forward, backward, then the optimizer
-step, which waits for an overlapped copy still running); the save waited for
-(DCP: its upload; rayckpt: ``handle.wait()``), then removed. Warm-up rounds
-come first and are not counted. Reported per mode: the slowest rank's stall and
-the median rank's, medians over rounds, their ratios to ``dcp`` and ``copy``,
-and the targets (rayckpt's stall at most 0.25x DCP's and under 0.03 s). Run::
-
-    .venv/bin/python -m benchmarks.overlap stall
-
-A run the docs cite goes to ``benchmarks/results/overlap_stall_<hardware>_<yyyymmdd>.{md,json}``.
-"""
+"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,9 +14,10 @@ from typing import Any
 import torch
 
 from benchmarks.common import systems
-from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.common.cli import parser
+from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
+from benchmarks.common.raytrain import fit, gather_records, new_ray
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
-from benchmarks.overlap.ranks import fit, gather_records, init_ray, read_records
 from benchmarks.overlap.report import stall_markdown, stall_targets, summarize_stall
 
 SCENARIOS = ("one-process", "four-ranks")
@@ -201,22 +163,17 @@ def run_rounds(saver: Saver, model: Any, optim: Any, x: torch.Tensor, args: dict
 
 def one_process(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> tuple[list[dict], dict[str, str]]:
     """The whole state in this process (on ``--device``), in a new local Ray."""
-    import ray
-
     if args.device.startswith("cuda"):
         torch.cuda.set_device(0)
     shape = stack_shape(args.size_gb, args.layers)
     model, optim, app = build(shape, args.device)
-    init_ray(args.workers, args.ray_logs)
-    try:
+    with new_ray(args.workers, logs=args.ray_logs):
         saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}")
         try:
             records = run_rounds(saver, model, optim, batch(shape, args.batch, args.device), vars(args), root)
         finally:
             saver.close()
         return records, saver.failed
-    finally:
-        ray.shutdown()
 
 
 def ranks_loop(config: dict[str, Any]) -> None:
@@ -227,7 +184,7 @@ def ranks_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     shape = StackShape(**config["shape"])
-    model, optim, app = build(shape, "cpu", world, seed=rank, reshard_after_forward=config["reshard_after_forward"])
+    model, optim, app = build(shape, "cpu", world, seed=rank)
     dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
     saver = Saver(app, "cpu", tuple(config["modes"]), run=config["run"], dcp_group=dcp_group)
     try:
@@ -238,23 +195,18 @@ def ranks_loop(config: dict[str, Any]) -> None:
 
 
 def four_ranks(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> list[dict]:
-    result = os.path.join(args.out, "overlap_stall.ranks.json")
     config = {
         "shape": asdict(stack_shape(args.size_gb, args.layers)),
         "modes": [m for m in modes if m != "dcp-async-staging"],
         "run": f"overlap-stall-ranks-{time.time_ns()}",
         "root": root,
-        "result": result,
-        **{k: getattr(args, k) for k in ("batch", "reshard_after_forward", "rounds", "warmup")},
+        **{k: getattr(args, k) for k in ("batch", "rounds", "warmup")},
     }
-    fit(ranks_loop, config, args.workers, args.out, args.ray_logs)
-    return read_records(result)
+    return fit(ranks_loop, config, args.workers, args.out, args.ray_logs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = parser(__doc__, "overlap", markdown=True, ray_logs=True)
     add_model_args(p)
     p.add_argument("--rounds", type=int, default=5, help="counted rounds of every mode")
     p.add_argument("--warmup", type=int, default=1, help="rounds of every mode first, not counted")
@@ -266,9 +218,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where one-process's state lives")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    p.add_argument("--out", default="bench_out/overlap", help="directory for overlap_stall.json and .md")
-    p.add_argument("--markdown", help="also write the table here")
-    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
     args = p.parse_args(argv)
     scenarios = args.scenarios.split(",")
     if bad := [s for s in scenarios if s not in SCENARIOS]:
@@ -285,27 +234,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)  # the workers run in another directory
-    import ray
 
     os.makedirs(args.out, exist_ok=True)
     cuda = args.device == "cuda"
     modes = tuple(args.modes.split(",")) if args.modes else (CUDA_MODES if cuda else CPU_MODES)
     shape = stack_shape(args.size_gb, args.layers)
-    report: dict[str, Any] = {
-        "command": "python -m benchmarks.overlap stall " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {
-            **machine_info(),
-            "ray": ray.__version__,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-        },
-        "args": vars(args),
-        "shape": asdict(shape),
-        "state_bytes": shape.state_bytes,
-        "modes": list(modes),
-        "records": {},
-        "errors": {},
-    }
+    report = new_report(
+        "benchmarks.overlap stall",
+        argv,
+        args=vars(args),
+        shape=asdict(shape),
+        state_bytes=shape.state_bytes,
+        modes=list(modes),
+        records={},
+        errors={},
+    )
+    report["machine"]["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-", dir=args.dir)
     try:
         with load_sampled(report):

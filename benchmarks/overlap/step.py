@@ -1,54 +1,20 @@
-"""A training loop's step time with a save every step and every 10 steps, rayckpt beside DCP and a bare copy.
-
-``--workers`` TorchTrainer workers (gloo, CPU) train ``model.LinearStack``
-(params + AdamW moments about ``--size-gb`` GiB), FSDP2-sharded, as
-``AppState(model, opt)``. A step: the save when one is due (every ``--every``
-steps, of the state the step before left; each interval a run of its own
-rounds), then a real forward and backward of ``--batch`` rows per worker and
-AdamW's step; so what a save costs the training beside it counts in its own
-step. A round runs every mode for ``--steps`` steps, the order rotated from
-round to round:
-
-- ``none``: no save.
-- ``copy``: each worker's share (its local tensors, found once: training updates
-  them in place) copied into buffers made beforehand (``Tensor.copy_``).
-- ``dcp``: ``torch.distributed.checkpoint.async_save`` with one reused pinned
-  ``DefaultStager`` (staged before the call returns on a CPU), its upload's
-  collectives on a gloo group of their own; as torchtitan does, its staging is
-  waited for before the next optimizer step and the previous save's upload
-  before the next save.
-- ``memory``: ``rayckpt.train.Checkpointer(memory_every=1).save(step, state,
-  persist=False)``: the memory tier, overlap by default (the optimizer's
-  tensors copied beside the next forward and backward; its step waits).
-- ``memory-sync``: the same with ``Checkpointer(overlap=False)``.
-
-A step's time is the slowest worker's (the save call to the optimizer step's end);
-reported per mode: its median and mean over the steps past each round's first
-and their ratios to ``none`` and ``copy``, the save call, the seconds waited
-before the optimizer step (DCP's staging; ``rayckpt.engine.overlap.waited``),
-and the memory saves skipped (``Checkpointer.memory_skipped``: the one before
-still unwritten). Run::
-
-    .venv/bin/python -m benchmarks.overlap step
-
-A run the docs cite goes to ``benchmarks/results/overlap_step_<hardware>_<yyyymmdd>.{md,json}``.
-"""
+"""A training loop's step time with a save every step and every 10 steps, rayckpt beside DCP and a bare copy."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
 
 from benchmarks.common import systems
-from benchmarks.common.harness import load_sampled, machine_info, rotated, write_report
+from benchmarks.common.cli import parser
+from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
+from benchmarks.common.raytrain import fit, gather_records
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
-from benchmarks.overlap.ranks import fit, gather_records, read_records
 from benchmarks.overlap.report import step_markdown, summarize_step
 
 MODES = ("none", "copy", "dcp", "memory", "memory-sync")
@@ -132,11 +98,7 @@ class LoopSaves:
 
 
 def step_loop(config: dict[str, Any]) -> None:
-    """Each TorchTrainer worker: its share of the FSDP2 stack, then every interval's rounds; records to rank 0.
-
-    A step that saves saves first (the state the step before left), then trains: what an overlapped
-    copy costs the forward, backward and optimizer step beside it counts in the same step.
-    """
+    """Each TorchTrainer worker: its share of the FSDP2 stack, then every interval's rounds; records to rank 0."""
     import ray.train
     import torch.distributed as dist
 
@@ -145,7 +107,7 @@ def step_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     shape = StackShape(**config["shape"])
-    model, optim, app = build(shape, "cpu", world, seed=rank, reshard_after_forward=config["reshard_after_forward"])
+    model, optim, app = build(shape, "cpu", world, seed=rank)
     x = batch(shape, config["batch"], seed=rank + 1)
     modes = tuple(config["modes"])
     saves = LoopSaves(app, modes, config["root"])
@@ -184,9 +146,7 @@ def step_loop(config: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = parser(__doc__, "overlap", markdown=True, ray_logs=True)
     add_model_args(p)
     p.add_argument("--every", type=int, nargs="+", default=[1, 10], help="save every N steps (each N its own rounds)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
@@ -194,9 +154,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="TorchTrainer workers (the local Ray's CPUs)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--dir", default=None, help="where DCP's checkpoints go (default: a temporary directory)")
-    p.add_argument("--out", default="bench_out/overlap", help="directory for overlap_step.json and .md")
-    p.add_argument("--markdown", help="also write the table here")
-    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
     args = p.parse_args(argv)
     if bad := [m for m in args.modes.split(",") if m not in MODES]:
         p.error(f"--modes: unknown {', '.join(bad)} (expected some of {', '.join(MODES)})")
@@ -210,37 +167,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)  # the workers run in another directory
-    import ray
 
     os.makedirs(args.out, exist_ok=True)
     modes = args.modes.split(",")
     notes = []
     shape = stack_shape(args.size_gb, args.layers)
-    report: dict[str, Any] = {
-        "command": "python -m benchmarks.overlap step " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {**machine_info(), "ray": ray.__version__, "device": "cpu"},
-        "args": vars(args),
-        "shape": asdict(shape),
-        "state_bytes": shape.state_bytes,
-        "modes": modes,
-        "notes": notes,
-    }
+    report = new_report(
+        "benchmarks.overlap step",
+        argv,
+        args=vars(args),
+        shape=asdict(shape),
+        state_bytes=shape.state_bytes,
+        modes=modes,
+        notes=notes,
+    )
     root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-step-", dir=args.dir)
-    result = os.path.join(args.out, "overlap_step.ranks.json")
     config = {
         "shape": asdict(shape),
         "modes": modes,
         "root": root,
-        "result": result,
-        **{k: getattr(args, k) for k in ("batch", "reshard_after_forward", "every", "rounds", "steps")},
+        **{k: getattr(args, k) for k in ("batch", "every", "rounds", "steps")},
     }
     try:
         with load_sampled(report):
-            fit(step_loop, config, args.workers, args.out, args.ray_logs)
+            report["records"] = fit(step_loop, config, args.workers, args.out, args.ray_logs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report["records"] = read_records(result)
     report["summary"] = summarize_step(report["records"])
     md = step_markdown(report)
     write_report(args.out, "overlap_step", report, md, args.markdown)

@@ -1,51 +1,29 @@
-"""The first call as a user meets it: N ranks save, M ranks load, rayckpt beside DCP, with rayckpt's phases.
-
-A user's first call, beside the suite's method (``python -m benchmarks.suite``): the state is
-``get_state_dict`` of an FSDP2 model of ``nn.Linear(2048, 2048)`` layers with
-AdamW moments (``--layers``; 20 layers: 1.007 GB), or the suite's ``AppState``
-(``--state app``). Two views of every operation, DCP and rayckpt alternating:
-
-- ``fresh``: each operation in freshly spawned rank processes, as a job that saves
-  once pays it: the package and ``torch.distributed.checkpoint`` imported, nothing
-  else; the first call pays whatever it imports or caches.
-- ``steady``: the same processes repeat the operation (``--rounds`` times after
-  one untimed warm-up): what a training loop pays from its second save on.
-
-Each time is barrier to barrier, max over ranks; the load follows its save, so the
-page cache is warm (``--cold`` adds loads after evicting the files). For rayckpt,
-rank 0's ``SaveInfo.phases`` / ``LoadInfo.phases`` are kept: the
-per-phase rows of its result file (``benchmarks/results/phases_*``).
-
-    .venv/bin/python -m benchmarks.phases --layers 20 --rounds 3
-"""
+"""The first call as a user meets it: N ranks save, M ranks load, rayckpt beside DCP, with rayckpt's phases."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
 from benchmarks.common import systems
+from benchmarks.common.cli import parser
 from benchmarks.common.diskio import evict, files_under
-from benchmarks.common.harness import load_sampled, machine_info, table, timed, write_report
+from benchmarks.common.harness import load_sampled, new_report, table, timed, write_report
 from rayckpt.testing.multiproc import run_ranks
 
 SYSTEMS = ("dcp", "rayckpt")
 
 
-def build(world: int, rank: int, layers: int, width: int, seed: int, kind: str) -> tuple[Any, Any, Any]:
-    """The FSDP2 model and AdamW (moments filled); its state as ``kind`` asks: get_state_dict or AppState."""
+def build(world: int, rank: int, layers: int, width: int, seed: int) -> tuple[Any, Any]:
+    """The FSDP2 model and AdamW, its moments filled by one step."""
     import torch
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from rayckpt.app_state import AppState
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(seed)
@@ -57,23 +35,7 @@ def build(world: int, rank: int, layers: int, width: int, seed: int, kind: str) 
     model(torch.randn(2, width)).sum().backward()
     optim.step()
     optim.zero_grad()
-    return model, optim, AppState(model, optim) if kind == "app" else None
-
-
-def state_of(model: Any, optim: Any, app: Any) -> dict[str, Any]:
-    if app is not None:
-        return {"app": app}
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, optim)
-    return {"model": msd, "optim": osd}
-
-
-def put_back(model: Any, optim: Any, app: Any, state: dict[str, Any]) -> None:
-    if app is None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, optim
 
 
 def op(system: str, what: str, state: dict[str, Any], path: str) -> Any:
@@ -87,10 +49,11 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Run ``cfg["what"]`` of ``cfg["system"]`` ``cfg["times"]`` times here: [(seconds, phases)]."""
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401 - both systems' packages are imported before any timing
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import rayckpt  # noqa: F401
 
-    model, optim, app = build(world, rank, cfg["layers"], cfg["width"], 1 if cfg["what"] == "save" else 2, cfg["state"])
+    model, optim = build(world, rank, cfg["layers"], cfg["width"], 1 if cfg["what"] == "save" else 2)
     out = []
     for _ in range(cfg["times"]):
         if cfg["what"] == "save" and rank == 0:
@@ -98,10 +61,11 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get("cold") and rank == 0:
             evict(files_under(cfg["path"]))
         dist.barrier()
-        state = state_of(model, optim, app)
+        msd, osd = get_state_dict(model, optim)
+        state = {"model": msd, "optim": osd}
         seconds, info = timed(lambda state=state: op(cfg["system"], cfg["what"], state, cfg["path"]), barrier=True)
         if cfg["what"] == "load":
-            put_back(model, optim, app, state)
+            set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         out.append((seconds, dict(getattr(info, "phases", None) or {})))
     return {"rank": rank, "runs": out}
 
@@ -118,37 +82,24 @@ def run(system: str, what: str, world: int, cfg: dict[str, Any], times: int, col
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = parser(__doc__, "phases")
     p.add_argument("--layers", type=int, default=20, help="nn.Linear(width, width) layers (20 x 2048: 1.007 GB)")
     p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--state", choices=("get_state_dict", "app"), default="get_state_dict")
     p.add_argument("--save-ranks", type=int, default=4)
     p.add_argument("--load-ranks", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument(
-        "--views",
-        default="fresh,steady",
-        help="any of fresh, steady",
-    )
+    p.add_argument("--views", default="fresh,steady", help="any of fresh, steady")
     p.add_argument("--cold", action="store_true", help="also loads after evicting the files from the page cache")
-    p.add_argument("--out", default="bench_out/phases")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     nbytes = args.layers * (args.width * args.width + args.width) * 4 * 3
     root = tempfile.mkdtemp(prefix="bench-phases-", dir=args.out)
-    cfg = {"layers": args.layers, "width": args.width, "state": args.state}
+    cfg = {"layers": args.layers, "width": args.width}
     views = args.views.split(",")
     loads = [("load", False)] + ([("cold load", True)] if args.cold else [])
     results: dict[str, dict[str, list[dict]]] = {}
     began = time.time()
-    report: dict[str, Any] = {
-        "command": "python -m benchmarks.phases " + " ".join(argv or sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
-        "machine": machine_info(),
-        "state_bytes": nbytes,
-        "config": vars(args),
-        "results": results,
-    }
+    report = new_report("benchmarks.phases", argv, state_bytes=nbytes, config=vars(args), results=results)
     try:
         with load_sampled(report):
             for rnd in range(args.rounds):
@@ -192,7 +143,8 @@ def markdown(report: dict[str, Any]) -> str:
     res, c = report["results"], report["config"]
     lines = [
         f"`{report['command']}` on {report['date']}, {report['runtime_s']:.0f} s; state "
-        f"{report['state_bytes'] / 1e9:.3f} GB ({c['state']}), {c['save_ranks']} ranks save, {c['load_ranks']} load; "
+        f"{report['state_bytes'] / 1e9:.3f} GB (`get_state_dict`), {c['save_ranks']} ranks save, "
+        f"{c['load_ranks']} load; "
         f"seconds: median over {c['rounds']} rounds, barrier to barrier, max over ranks.",
         "",
     ]

@@ -1,21 +1,4 @@
-"""What the recovery benchmark runs inside Ray Train: the workers' loop and the controller's callbacks.
-
-Every process appends timestamped events (``time.time()``: one machine, one clock)
-to one JSON-lines file per repeat (``append_event``); ``recovery.report`` turns
-them into the phases of a recovery. The driver (``recovery.restart``) adds the kill.
-
-- ``train_loop`` (each worker): the 1 GB suite's FSDP2 state (``workload.build_state``),
-  ``Checkpointer().restore``, then steps with a save every K steps. A step stands in
-  for an optimizer step: a deterministic in-place update of every local shard
-  (params, exp_avg, exp_avg_sq, Adam's step), one all-reduce of a scalar (as a
-  gradient all-reduce would, so a lost peer fails the others' next step), then a
-  fixed sleep (``step_sleep_s``) standing in for forward and backward.
-- ``NoticeCallback`` (controller): ``RayckptCallback`` that first writes the time
-  Ray Train's controller noticed the failure (``after_exception``).
-- ``ControllerTimeline`` (controller): the controller's state changes (RESTARTING,
-  SCHEDULING, RUNNING...) and the worker group's shutdown and start, to split
-  Ray's restart into its parts.
-"""
+"""What the recovery benchmark runs inside Ray Train: the workers' loop and the controller's callbacks."""
 
 from __future__ import annotations
 
@@ -26,17 +9,8 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
+from benchmarks.common.raytrain import append_event
 from rayckpt.train import RayckptCallback
-
-
-def append_event(path: str, kind: str, **data: Any) -> None:
-    """One JSON line ``{"t": time.time(), "kind": kind, ...}``, appended with one write (O_APPEND)."""
-    line = json.dumps({"t": time.time(), "kind": kind, **data}) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
 
 
 def prior_entries(path: str, rank: int) -> int:
@@ -49,11 +23,7 @@ def prior_entries(path: str, rank: int) -> int:
 
 
 def one_step(model: Any, optim: Any, step: int, sleep_s: float) -> float:
-    """A stand-in for an optimizer step on the local shards; the all-reduced "loss".
-
-    Like ``optimizer.step()`` of an optimizer an ``AppState`` guards, it first waits for
-    a save's copy still running beside training (the step pre-hook's wait).
-    """
+    """A stand-in for an optimizer step on the local shards; the all-reduced "loss"."""
     import torch
     import torch.distributed as dist
 
@@ -77,11 +47,7 @@ def one_step(model: Any, optim: Any, step: int, sleep_s: float) -> float:
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """Each worker: build the state, restore, then step and save every ``save_every`` steps.
-
-    The first attempt runs to ``steps`` (the driver kills it before); a restarted
-    attempt stops ``after_steps`` steps past the step it restored.
-    """
+    """Each worker: build the state, restore, then step and save every ``save_every`` steps."""
     import ray
     import ray.train
 

@@ -1,49 +1,30 @@
-"""What checkpointing to memory every step costs a training loop, against its anchors, in one run.
-
-One TorchTrainer run per scenario, 4 gloo CPU workers holding the 1 GB suite's FSDP2
-state (``workload.build_state``). The loop takes the recovery benchmark's steps
-(``recovery.loop.one_step``: an in-place update of every local shard, one all-reduce,
-a sleep standing in for forward and backward) in rounds; each round runs every mode
-for ``--steps`` steps, the order rotated from round to round:
-
-- ``none``: no checkpoint: the step itself.
-- ``copy``: the anchor: each worker copies its whole share once into buffers made
-  beforehand (``Tensor.copy_``), the least any in-memory checkpoint of it costs on
-  the CPU.
-- ``memory``: ``Checkpointer(memory_every=1).save(step, state, persist=False)``
-  (staged, written into the node's memory tier and, across nodes, copied to the
-  ring's peer node in the background; skipped while the one before is unwritten).
-
-Scenarios: ``one-node`` (a local Ray) and ``two-nodes`` (a ``ray.cluster_utils.Cluster``
-of a head and two 2-CPU worker nodes, each with its own ``RAYCKPT_SHM_DIR``: every shard
-file also goes to the other node). A step's time is the slowest worker's (start of the
-update to the end of the save); the table shows medians over every step of a mode
-past each round's first, and ratios to ``none`` and to ``copy``. ``--device cuda`` (one-node only):
-one worker per GPU, nccl, the state on the device, the anchor a copy into page-locked host buffers
-(a DMA, waited for). Run:
-``.venv/bin/python -m benchmarks.recovery memory-cost ``.
-"""
+"""What checkpointing to memory every step costs a training loop, against its anchors, in one run."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import shutil
 import statistics
-import sys
 import time
 from typing import Any
 
-from benchmarks.common.harness import fmt, load_sampled, machine_info, rotated, run_line, summary, table, write_report
+from benchmarks.common.cli import parser
+from benchmarks.common.harness import (
+    fmt,
+    load_sampled,
+    new_report,
+    rotated,
+    run_line,
+    summary,
+    table,
+    write_report,
+)
+from benchmarks.common.raytrain import append_event, new_ray, trainer
 from benchmarks.common.workload import layer_shapes
-from benchmarks.recovery.loop import append_event
 
 MODES = ("none", "copy", "memory")
 SCENARIOS = ("one-node", "two-nodes")
-#: Keeps the training workers of ``two-nodes`` off the head.
-SLOT = "memory_cost_slot"
 
 
 def cost_loop(config: dict[str, Any]) -> None:
@@ -146,46 +127,12 @@ def _writers() -> list[Any]:
 
 
 def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from rayckpt.ray.shm import SHM_DIR_ENV
-
     events = os.path.join(args.out, f"{scenario}.jsonl")
     if os.path.exists(events):
         os.remove(events)
-    shm_root = os.path.join(args.shm_root, f"rayckpt-bench-memory-cost-{os.getpid()}-{scenario}")
-    cluster = None
-    gpu = args.device == "cuda"
-    quiet = {"log_to_driver": args.ray_logs, "logging_level": logging.WARNING}
-    store = args.object_store_mb * 2**20
-    s3 = args.s3_endpoint
-    try:
-        if scenario == "one-node":
-            ray.init(
-                address="local", num_cpus=args.workers, object_store_memory=store, include_dashboard=False, **quiet
-            )
-            resources: dict[str, float] = {"CPU": 1}
-            if gpu:
-                resources["GPU"] = 1
-        else:
-            from ray.cluster_utils import Cluster
-
-            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store})
-            per_node = args.workers // 2
-            for i in range(2):
-                shm = os.path.join(shm_root, f"node-{i}")
-                os.makedirs(shm)
-                cluster.add_node(
-                    num_cpus=per_node,
-                    resources={SLOT: per_node},
-                    object_store_memory=store,
-                    env_vars={SHM_DIR_ENV: shm},
-                )
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, **quiet)
-            resources = {"CPU": 1, SLOT: 1}
+    one_node, gpu, s3 = scenario == "one-node", args.device == "cuda", args.s3_endpoint
+    nodes = 1 if one_node else 2
+    with new_ray(args.workers, nodes=nodes, object_store_mb=args.object_store_mb, logs=args.ray_logs) as (res, _):
         config = {
             "events": events,
             "shapes": layer_shapes(args.size_mb),
@@ -193,22 +140,13 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
             "steps": args.steps,
             "step_sleep_s": args.step_sleep_s,
             "device": args.device,
-            "shared": cluster is not None or None,
-            "restore_rounds": args.restore_rounds if scenario == "one-node" else 0,
-            "s3_uri": s3.uri(f"memory-cost/{time.time_ns()}") if s3 is not None and scenario == "one-node" else None,
+            "shared": not one_node or None,
+            "restore_rounds": args.restore_rounds if one_node else 0,
+            "s3_uri": s3.uri(f"memory-cost/{time.time_ns()}") if s3 is not None and one_node else None,
         }
-        trainer = TorchTrainer(
-            cost_loop,
-            train_loop_config=config,
-            scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=gpu, resources_per_worker=resources),
-            run_config=RunConfig(storage_path=os.path.join(args.out, "storage"), name=f"{scenario}-{time.time_ns()}"),
-        )
-        trainer.fit()
-    finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(shm_root, ignore_errors=True)
+        resources = {**res, "GPU": 1} if gpu else res
+        storage = os.path.join(args.out, "storage")
+        trainer(cost_loop, config, args.workers, storage, resources=resources, use_gpu=gpu).fit()
     return summarize(events)
 
 
@@ -290,9 +228,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = parser(__doc__, "memory_cost", markdown=True, ray_logs=True)
     p.add_argument("--size-mb", type=float, default=1024, help="state size (params + AdamW moments)")
     p.add_argument("--workers", type=int, default=4, help="training workers (split over two nodes in two-nodes)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
@@ -300,15 +236,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-sleep-s", type=float, default=0.5, help="sleep per step standing in for forward+backward")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
     p.add_argument("--object-store-mb", type=int, default=1536, help="object store per Ray node")
-    p.add_argument("--shm-root", default="/dev/shm", help="where each node's RAYCKPT_SHM_DIR is made")
     p.add_argument("--restore-rounds", type=int, default=3, help="rounds of restores by tier (one-node; 0: none)")
     p.add_argument("--s3", action="store_true", help="also restore from S3 (a local moto server, as the tests')")
-    p.add_argument("--out", default="bench_out/memory_cost", help="directory for memory_cost.json, .md, event files")
-    p.add_argument("--markdown", help="also write the table here")
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per worker, nccl, one-node only"
     )
-    p.add_argument("--ray-logs", action="store_true", help="forward the workers' logs to this terminal")
     args = p.parse_args(argv)
     bad = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
     if bad:
@@ -336,20 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out = os.path.abspath(args.out)  # the workers run in another directory
     os.makedirs(args.out, exist_ok=True)
     shapes = layer_shapes(args.size_mb)
-    report: dict[str, Any] = {
-        "command": "python -m benchmarks.recovery memory-cost " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine_info(),
-        "state_bytes": 12 * sum(rows * cols + rows for rows, cols in shapes),
-        "workers": args.workers,
-        "rounds": args.rounds,
-        "steps": args.steps,
-        "step_sleep_s": args.step_sleep_s,
-        "device": args.device,
-        "gpu": gpu_name(args.device),
-        "restore_rounds": args.restore_rounds,
-        "scenarios": {},
-    }
+    report = new_report(
+        "benchmarks.recovery memory-cost",
+        argv,
+        state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
+        gpu=gpu_name(args.device),
+        scenarios={},
+        **{k: getattr(args, k) for k in ("workers", "rounds", "steps", "step_sleep_s", "device", "restore_rounds")},
+    )
     args.s3_endpoint, server = None, None
     if args.s3:
         from rayckpt.testing.s3_server import S3_ENV, start_moto_server

@@ -1,18 +1,7 @@
-"""The recovery benchmark's arithmetic and tables: events in, phases and markdown out (nothing here measures).
-
-A repeat's events (``recovery.loop.append_event``: ``{"t": time.time(), "kind": ...}``
-from the workers, the controller and the driver) become its phases
-(``recovery_times``): kill -> failure noticed (the controller's ``after_exception``)
--> workers restarted (every worker of the new group entered the loop) -> state built
-(every worker begins ``Checkpointer.restore``: the model and optimizer made, the
-Checkpointer created) -> state restored (``restore`` returned on every worker) ->
-first step done (on every worker); and the steps re-done (done before the kill,
-minus the restored step). ``summarize`` reduces repeats, ``markdown`` writes the tables.
-"""
+"""The recovery benchmark's arithmetic and tables: events in, phases and markdown out (nothing here measures)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from typing import Any
 
@@ -63,13 +52,6 @@ MILESTONE_LABELS = {
 
 class RecoveryEventsError(ValueError):
     """A repeat's events do not describe one kill and one complete recovery."""
-
-
-def read_events(path: str) -> list[dict[str, Any]]:
-    """The events of one repeat, in time order."""
-    with open(path) as f:
-        events = [json.loads(line) for line in f if line.strip()]
-    return sorted(events, key=lambda e: e["t"])
 
 
 def _one(values: set[Any], what: str) -> Any:
@@ -200,10 +182,6 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     out["controller_s"] = {n: summary([r["controller_s"][n] for r in repeats if n in r["controller_s"]]) for n in names}
     out["group_starts"] = sorted({" -> ".join(str(w) for w in r["group_starts"]) for r in repeats})
     return out
-
-
-# ---------------------------------------------------------------------------
-# Markdown
 
 
 def markdown(report: dict[str, Any]) -> str:

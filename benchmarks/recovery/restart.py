@@ -1,51 +1,30 @@
 """Recovery time under Ray Train, measured: where the time from a failure to the next step goes.
 
-A TorchTrainer run (gloo, CPU) on each of its workers builds the benchmark suite's
-FSDP2 state (``workload.build_state``: fp32 params + AdamW moments of ``--size-mb``
-MiB), calls ``Checkpointer().restore``, then steps, saving every ``--save-every``
-steps (``benchmarks.recovery.loop``). Once the ``--kill-after-save``-th save has
-committed and Ray Train has it (the controller's ``reported`` event) and
-``--steps-past`` more steps are done, the driver breaks the run:
-
-- ``worker-kill``: a local Ray (``ray.init(address="local")``), a fixed
-  ``--workers`` workers; rank ``--kill-rank``'s process is SIGKILLed;
-- ``node-removal``: a ``ray.cluster_utils.Cluster``: a head without training
-  resources and two worker nodes of ``--workers``/2 CPUs each (its own
-  ``RAYCKPT_SHM_DIR``; a custom resource keeps the workers there), storage a local
-  directory shared by the nodes (``local_is_shared``), ``ScalingConfig(num_workers=
-  (workers/2, workers))``; the node of rank ``--kill-rank`` is removed
-  (``Cluster.remove_node(allow_graceful=False)``: its raylet and every process on it
-  SIGKILLed, as when a machine dies) and the run goes on with the other node's workers.
-  Ray's default health checks (what users get); ``--fast-health-check`` adds a row
-  with faster GCS node health checks (the head's ``_system_config``) to show how
-  much of it is detection, ``--start-timeout-s S`` one with Ray Train's worker group
-  start timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, default 60 s) set to S.
-
-``FailureConfig(max_failures=1)``: Ray Train restarts the group, the Checkpointer
-restores the newest committed checkpoint (N -> M) and the run stops
-``--after-steps`` steps later. Phases (``recovery.report``): kill -> failure
-noticed (controller's ``after_exception``) -> workers restarted -> state built ->
-state restored -> first step done, plus the steps re-done; and the controller's
-own milestones (state changes, worker group shutdown and start).
-
-    PYTHONPATH=. .venv/bin/python -m benchmarks.recovery restart --size-mb 1024 --repeats 2
-
-Writes ``{out}/recovery.json`` and ``{out}/recovery.md`` (``--out``: ``bench_out/recovery``);
-``--markdown PATH`` writes the section there too.
+Each repeat is a fresh TorchTrainer run (``recovery.loop.train_loop`` on every worker,
+``NoticeCallback`` and ``ControllerTimeline`` in the controller); a thread waits for the kill
+point and breaks the run: ``worker-kill`` SIGKILLs a worker on a local Ray, ``node-removal``
+removes a worker node of a fresh two-node cluster. ``recovery.report`` turns the events into
+phases.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import sys
+import shutil
+import signal
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common.harness import load_sampled, machine_info, write_report
+from benchmarks.common import cli
+from benchmarks.common.harness import load_sampled, new_report, write_report
+from benchmarks.common.raytrain import append_event, new_ray, read_events, trainer
 from benchmarks.common.workload import layer_shapes
-from benchmarks.recovery.report import markdown, summarize
-from benchmarks.recovery.scenarios import FAST_HEALTH_CHECK, START_TIMEOUT_ENV, node_removal, worker_kill
+from benchmarks.recovery.loop import ControllerTimeline, NoticeCallback, train_loop
+from benchmarks.recovery.report import markdown, recovery_times, summarize
 
 #: Row labels of the scenarios in the tables.
 LABELS = {
@@ -53,55 +32,34 @@ LABELS = {
     "worker-kill-memory": "worker SIGKILLed, memory tier",
     "node-removal": "node removed (Ray's defaults)",
     "node-removal-memory": "node removed (Ray's defaults), memory tier",
-    "node-removal-fast": "node removed (faster GCS health checks)",
-    "node-removal-start-timeout": "node removed (shorter worker group start timeout)",
 }
 
 
-# ---------------------------------------------------------------------------
-# The run
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__, "recovery", markdown=True, ray_logs=True)
     parser.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (params + AdamW moments)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", default="bench_out/recovery")
     parser.add_argument(
         "--scenarios",
         default="worker-kill,node-removal",
-        help="worker-kill, node-removal, worker-kill-memory, node-removal-memory (a -memory scenario also saves "
-        "to the nodes' memory every step between the storage saves)",
-    )
-    parser.add_argument("--fast-health-check", action="store_true", help="add node removal with faster health checks")
-    parser.add_argument(
-        "--start-timeout-s",
-        type=float,
-        default=None,
-        help=f"add node removal with {START_TIMEOUT_ENV} set to this (Ray Train's default: 60)",
+        help=f"of {', '.join(LABELS)} (a -memory scenario also saves to the nodes' memory every step)",
     )
     parser.add_argument("--workers", type=int, default=4, help="workers before the failure (even: 2 nodes)")
     parser.add_argument("--kill-rank", type=int, default=1, help="the rank killed (its node, for node removal)")
     parser.add_argument("--save-every", type=int, default=5, help="save every K steps")
-    parser.add_argument("--kill-after-save", type=int, default=2, help="break the run after the N-th save committed")
-    parser.add_argument(
-        "--kill-when",
-        choices=("reported", "committed"),
-        default="reported",
-        help="the save counts once Ray Train has it (reported) or once committed (before Ray Train may know)",
-    )
+    parser.add_argument("--kill-after-save", type=int, default=2, help="break the run after the N-th save")
     parser.add_argument("--steps-past", type=int, default=2, help="... and this many steps past it")
     parser.add_argument("--after-steps", type=int, default=3, help="steps the restarted run does past its restore")
     parser.add_argument("--slack-steps", type=int, default=40, help="first attempt's steps past the kill point")
     parser.add_argument("--step-sleep-s", type=float, default=0.5, help="per step, standing in for compute")
     parser.add_argument("--object-store-mb", type=int, default=512, help="each Ray node's object store")
-    parser.add_argument("--shm-root", default="/dev/shm", help="where the nodes' RAYCKPT_SHM_DIRs are made")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to reach a repeat's kill point")
-    parser.add_argument("--ray-logs", action="store_true", help="forward the workers' output to this terminal")
-    parser.add_argument("--markdown", default=None, help="also write the section here")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints under --out")
     args = parser.parse_args(argv)
     args.out = os.path.abspath(args.out)
+    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if unknown := set(args.scenarios) - set(LABELS):
+        parser.error(f"unknown scenario(s) {sorted(unknown)}: {', '.join(LABELS)}")
     if args.repeats < 1 or args.workers < 2 or args.workers % 2:
         parser.error("--repeats >= 1 and an even --workers >= 2")
     if not 0 <= args.kill_rank < args.workers:
@@ -109,25 +67,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def method(args: argparse.Namespace, scenarios: list[str]) -> list[str]:
+def method(args: argparse.Namespace) -> list[str]:
     save_step = args.save_every * args.kill_after_save
-    rows = "Default rows: Ray's default health checks and timeouts (nothing set)"
-    if "node-removal-fast" in scenarios:
-        rows += f"; 'faster GCS health checks': the head's `_system_config={FAST_HEALTH_CHECK}`"
-    if "node-removal-start-timeout" in scenarios:
-        rows += (
-            f"; 'shorter worker group start timeout': `{START_TIMEOUT_ENV}={args.start_timeout_s:g}` (Ray Train's "
-            "default 60 s: how long the controller waits for a group's workers before it gives up and decides again)"
-        )
     return [
         "Each repeat is a fresh TorchTrainer run (gloo, CPU workers, `FailureConfig(max_failures=1)`, "
-        f"`RayckptCallback`). The driver breaks it once step {save_step}'s save has "
-        + (
-            "committed and Ray Train has it (the controller's `after_report`)"
-            if args.kill_when == "reported"
-            else "committed (the MetadataActor's event; Ray Train may not have it yet)"
-        )
-        + f" and {args.steps_past} more steps are done.",
+        f"`RayckptCallback`). The driver breaks it once step {save_step}'s save has committed and Ray Train has "
+        f"it (the controller's `after_report`) and {args.steps_past} more steps are done.",
         f"worker kill: a local Ray (`ray.init(address='local')`), {args.workers} workers, rank {args.kill_rank}'s "
         "process SIGKILLed (`os.kill`).",
         f"node removal: a fresh `ray.cluster_utils.Cluster` per repeat, a head without training resources (the "
@@ -135,7 +80,7 @@ def method(args: argparse.Namespace, scenarios: list[str]) -> list[str]:
         f"{args.workers // 2} CPUs (each its own `RAYCKPT_SHM_DIR`), storage a local directory shared by the "
         f"nodes, `ScalingConfig(num_workers=({args.workers // 2}, {args.workers}))`; the node of rank "
         f"{args.kill_rank} is removed with `Cluster.remove_node(node, allow_graceful=False)` (its raylet and "
-        f"every process on it SIGKILLed, as when a machine dies). {rows}.",
+        "every process on it SIGKILLed, as when a machine dies). Ray's default health checks and timeouts.",
         "Milestones: kill = just before `os.kill` / `remove_node`; noticed = the controller's "
         "`UserCallback.after_exception` (before `RayckptCallback` rolls back in-flight saves); workers restarted "
         "= the last worker of the new group entered the train loop; state built = the last began "
@@ -148,46 +93,187 @@ def method(args: argparse.Namespace, scenarios: list[str]) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def wait_for_kill_point(args: argparse.Namespace, run: str, events: str, fit_done: threading.Event) -> list[dict]:
+    """Block until the chosen save is committed and reported to Ray Train and ``--steps-past`` more steps
+    are done; the first attempt's ``enter`` events."""
     import ray
 
-    os.makedirs(os.path.join(args.out, "events"), exist_ok=True)
-    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    known = ("worker-kill", "node-removal", "worker-kill-memory", "node-removal-memory")
-    unknown = set(scenarios) - set(known)
-    if unknown:
-        raise SystemExit(f"unknown scenario(s) {sorted(unknown)}: {', '.join(known)}")
-    if args.fast_health_check and "node-removal" in scenarios:
-        scenarios.append("node-removal-fast")
-    if args.start_timeout_s and "node-removal" in scenarios:
-        scenarios.append("node-removal-start-timeout")
-    shapes = layer_shapes(args.size_mb)
-    report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "-m", "benchmarks.recovery", "restart", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
-        "machine": {**machine_info(), "ray": ray.__version__},
-        "state_bytes": 12 * sum(rows * cols + rows for rows, cols in shapes),
-        "layer_shapes_rows_cols": shapes,
-        "scenarios": {},
-        "method": method(args, scenarios),
+    from rayckpt.ray import get_metadata_actor
+
+    save_step = args.save_every * args.kill_after_save
+    deadline = time.monotonic() + args.timeout
+    reported = False
+    while time.monotonic() < deadline and not fit_done.is_set():
+        if not reported:
+            got = ray.get(get_metadata_actor().events.remote(run))
+            reported = any(e["kind"] == "reported" and e.get("step") == save_step for e in got)
+        if reported and os.path.exists(events):
+            evs = read_events(events)
+            done = max((e["step"] for e in evs if e["kind"] == "step"), default=0)
+            if done >= save_step + args.steps_past:
+                return [e for e in evs if e["kind"] == "enter" and e["attempt"] == 0]
+        time.sleep(0.05)
+    raise TimeoutError(
+        f"run {run}: step {save_step} not reported or {args.steps_past} steps past it "
+        + ("before the run ended (--slack-steps too few?)" if fit_done.is_set() else f"in {args.timeout:g} s")
+    )
+
+
+def record_actor_events(run: str, events: str) -> None:
+    """Append the MetadataActor's events of ``run`` (committed, failed, reported, exception) as ``actor_<kind>``."""
+    import ray
+
+    from rayckpt.ray import get_metadata_actor
+
+    with open(events, "a") as f:
+        for e in ray.get(get_metadata_actor().events.remote(run)):
+            data = {k: v for k, v in e.items() if k not in ("time", "kind", "writer_nodes")}
+            f.write(json.dumps({"t": e["time"], "kind": f"actor_{e['kind']}", **data}, default=str) + "\n")
+
+
+def run_repeat(
+    args: argparse.Namespace, scenario: str, rep: int, kill: Callable[[list, str], None], resources: dict
+) -> dict:
+    """One TorchTrainer run broken by ``kill(entries, events)`` at the kill point; its recovery's figures."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig
+
+    from rayckpt.ray import get_metadata_actor
+
+    ray.get(get_metadata_actor().ping.remote())  # its start-up in no measured phase
+    run = f"recovery-{scenario}-{rep}"
+    events = os.path.join(args.out, "events", f"{run}.jsonl")
+    if os.path.exists(events):
+        os.unlink(events)
+    # A run directory left by an earlier invocation would be resumed (Ray Train's snapshot, our checkpoints).
+    shutil.rmtree(os.path.join(args.out, "storage", run), ignore_errors=True)
+    node_removal = scenario.startswith("node-removal")
+    config = {
+        "events": events,
+        "shapes": layer_shapes(args.size_mb),
+        "save_every": args.save_every,
+        "steps": args.save_every * args.kill_after_save + args.steps_past + args.slack_steps,
+        "after_steps": args.after_steps,
+        "step_sleep_s": args.step_sleep_s,
+        "local_is_shared": node_removal or None,
+        "memory_every": 1 if scenario.endswith("-memory") else 0,
     }
+    workers = (args.workers // 2, args.workers) if node_removal else args.workers
+    job = trainer(
+        train_loop,
+        config,
+        workers,
+        os.path.join(args.out, "storage"),
+        resources=resources,
+        name=run,
+        callbacks=[NoticeCallback(events), ControllerTimeline(events)],
+        failure_config=FailureConfig(max_failures=1),
+        checkpoint_config=CheckpointConfig(num_to_keep=2),
+    )
+    failure: list[BaseException] = []
+    fit_done = threading.Event()
+
+    def killer() -> None:
+        try:
+            kill(wait_for_kill_point(args, run, events, fit_done), events)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the driver's thread below
+            failure.append(exc)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    t0 = time.perf_counter()
+    thread.start()
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        result = job.fit()
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # fit() leaves Ray Train's handler (three Ctrl-C to exit) behind
+        fit_done.set()
+        thread.join()
+    record_actor_events(run, events)
+    if failure:
+        raise failure[0]
+    if result.error is not None:
+        raise RuntimeError(f"run {run} failed: {result.error}")
+    times = recovery_times(read_events(events))
+    if times["world_before"] != args.workers:
+        raise RuntimeError(f"run {run} started with {times['world_before']} workers, not {args.workers}")
+    times["events_file"] = os.path.relpath(events, args.out)
+    times["run_s"] = time.perf_counter() - t0
+    if not args.keep:
+        shutil.rmtree(os.path.join(args.out, "storage", run), ignore_errors=True)
+    p = times["phases_s"]
+    print(
+        f"[recovery] {scenario} #{rep}: {times['world_before']}->{times['world_after']} workers, restored step "
+        f"{times['restored_step']}, kill -> first step {times['total_s']:.1f} s (detect {p['detect']:.1f}, restart "
+        f"{p['restart']:.1f}, build {p['build']:.1f}, restore {p['restore']:.2f}, first step {p['first_step']:.2f}), "
+        f"{times['steps_redone']} steps re-done; run {times['run_s']:.0f} s",
+        flush=True,
+    )
+    return times
+
+
+def worker_kill(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]]:
+    """Fixed ``--workers`` workers on a local Ray; one worker SIGKILLed per repeat."""
+
+    def kill(entries: list[dict[str, Any]], events: str) -> None:
+        (victim,) = [e for e in entries if e["rank"] == args.kill_rank]
+        append_event(events, "kill", how="SIGKILL worker", rank=args.kill_rank, pid=victim["pid"])
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    with new_ray(args.workers, object_store_mb=args.object_store_mb, logs=args.ray_logs) as (resources, _):
+        return [run_repeat(args, scenario, rep, kill, resources) for rep in range(args.repeats)]
+
+
+def node_removal(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]]:
+    """Each repeat on a fresh cluster of a head and two worker nodes, one of which is removed.
+
+    A fresh cluster, not a node added back: Ray Train's elastic policy may not see a node added
+    just before ``fit()`` and would start with fewer workers.
+    """
+    import ray
+
+    repeats = []
+    for rep in range(args.repeats):
+        cluster_ray = new_ray(args.workers, nodes=2, object_store_mb=args.object_store_mb, logs=args.ray_logs)
+        with cluster_ray as (resources, cluster):
+
+            def kill(entries: list[dict[str, Any]], events: str, cluster: Any = cluster) -> None:
+                (victim,) = [e for e in entries if e["rank"] == args.kill_rank]
+                node = next(n for n in cluster.worker_nodes if n.node_id == victim["node"])
+                ranks = sorted(e["rank"] for e in entries if e["node"] == victim["node"])
+                append_event(events, "kill", how="remove node", node=victim["node"], ranks=ranks)
+                cluster.remove_node(node, allow_graceful=False)
+                append_event(events, "node_removed")
+                deadline = time.monotonic() + args.timeout
+                while time.monotonic() < deadline:  # the GCS's view: when it marks the node dead
+                    if not any(n["NodeID"] == victim["node"] and n["Alive"] for n in ray.nodes()):
+                        append_event(events, "node_dead", node=victim["node"])
+                        return
+                    time.sleep(0.1)
+
+            repeats.append(run_repeat(args, scenario, rep, kill, resources))
+    return repeats
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    os.makedirs(os.path.join(args.out, "events"), exist_ok=True)
+    shapes = layer_shapes(args.size_mb)
+    report = new_report(
+        "benchmarks.recovery restart",
+        argv,
+        config={k: v for k, v in vars(args).items() if k != "out"},
+        state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
+        layer_shapes_rows_cols=shapes,
+        scenarios={},
+        method=method(args),
+    )
     with load_sampled(report):
-        for sc in scenarios:
-            if sc.startswith("worker-kill"):
-                repeats = worker_kill(args, sc)
-            elif sc == "node-removal-start-timeout":
-                os.environ[START_TIMEOUT_ENV] = str(args.start_timeout_s)
-                try:
-                    repeats = node_removal(args, sc, {})
-                finally:
-                    del os.environ[START_TIMEOUT_ENV]
-            else:
-                repeats = node_removal(args, sc, FAST_HEALTH_CHECK if sc.endswith("-fast") else {})
+        for sc in args.scenarios:
+            repeats = (worker_kill if sc.startswith("worker-kill") else node_removal)(args, sc)
             report["scenarios"][sc] = {"label": LABELS[sc], "repeats": repeats, "summary": summarize(repeats)}
     md = markdown(report)
     write_report(args.out, "recovery", report, md, args.markdown)
     print(md)
-    print(f"[recovery] total {report['total_runtime_s']:.0f} s; wrote {args.out}/recovery.json, recovery.md")
     return 0

@@ -1,25 +1,4 @@
-"""DCP's side of the scale benchmark: its ``.metadata``, save plans and load plans for a ``Layout``.
-
-What ``dcp.save`` with ``FileSystemWriter`` (defaults: one ``__{rank}_0.distcp`` file
-per rank, ``torch.save`` per item) and ``DefaultSavePlanner`` would build for the
-layout dim-0 sharded as FSDP2 shards it, made directly so that 4,096 ranks fit:
-
-- ``local_save_plans``: each rank's ``SavePlan`` as ``create_default_local_save_plan``
-  makes it from its DTensors after the state dict is flattened (``planner_data``: the
-  rank's flatten mapping), with the rank's own objects, as the all-gather unpickles them;
-- ``build_metadata``: the ``Metadata`` the coordinator pickles in
-  ``FileSystemWriter.finish``: ``state_dict_metadata`` (a ``TensorStorageMetadata`` per
-  tensor, a ``ChunkStorageMetadata`` per rank's chunk, in rank order), ``planner_data``,
-  ``storage_data`` (``MetadataIndex`` -> ``_StorageInfo`` per chunk, the rank's file,
-  offset and length), ``storage_meta`` and version; the objects shared as the
-  gathers leave them (what the pickle memoizes). Empty shards (ranks past the last
-  row) share one index, which ``dedup_save_plans`` keeps once (here: the lowest rank's).
-
-``metadata_via_planner`` builds the same through DCP's own planner on fake-process-group
-DTensors with the collectives' pickling, for checking ``build_metadata`` at a few ranks.
-Load plans run DCP's ``create_default_local_load_plan`` on one target rank's DTensors
-(meta tensors on a ``fake`` process group of the target world size).
-"""
+"""DCP's side of the scale benchmark: its ``.metadata``, save plans and load plans for a ``Layout``."""
 
 from __future__ import annotations
 
@@ -182,10 +161,6 @@ def read_metadata(directory: str) -> Metadata:
     return metadata
 
 
-# ---------------------------------------------------------------------------
-# Global save plan, with and without the plan cache
-
-
 def global_plan(plans: list[SavePlan], caching: bool = False) -> tuple[list[SavePlan], Metadata]:
     """``DefaultSavePlanner.create_global_plan`` (dedup, metadata, validation) on the coordinator."""
     return DefaultSavePlanner(enable_plan_caching=caching).create_global_plan(plans)
@@ -215,10 +190,6 @@ def unchanged_plans(world_size: int) -> list[SavePlan]:
     return [SavePlan([], usable=False)] * world_size
 
 
-# ---------------------------------------------------------------------------
-# Load plans on a fake process group
-
-
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[Any]:
     """A ``fake`` process group of ``world_size`` as ``rank`` and its 1-D CPU mesh (no communication)."""
@@ -233,10 +204,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[Any]:
 
 
 def target_state(layout: Layout, mesh: Any, flat: bool = True) -> dict[str, Any]:
-    """One rank's FSDP2 state dict: a ``Shard(0)`` DTensor per tensor over meta local tensors.
-
-    ``flat``: keyed by fqn, as ``DefaultLoadPlanner`` flattens it; else nested (for ``dcp.save``).
-    """
+    """One rank's FSDP2 state dict: a ``Shard(0)`` DTensor per tensor over meta local tensors."""
     from torch.distributed.tensor import DTensor, Shard
 
     world_size, rank = mesh.size(), mesh.get_local_rank()
@@ -265,10 +233,6 @@ def load_items(plan: Any) -> int:
     return len(plan.items)
 
 
-# ---------------------------------------------------------------------------
-# The same Metadata through DCP's own planner (a check of ``build_metadata`` at a few ranks)
-
-
 def _gathered(obj: Any) -> Any:
     """What a collective hands the other side: ``obj`` pickled and unpickled."""
     return pickle.loads(pickle.dumps(obj))
@@ -276,10 +240,7 @@ def _gathered(obj: Any) -> Any:
 
 def metadata_via_planner(layout: Layout, world_size: int, checkpoint_id: str) -> tuple[Metadata, list[SavePlan]]:
     """``dcp.save``'s planning and finish for the layout: every rank's ``DefaultSavePlanner`` on its
-    DTensors, the coordinator's global plan, each rank's writes (``item_length`` bytes each), ``finish``.
-
-    Also returns the local plans as gathered (before the global plan).
-    """
+    DTensors, the coordinator's global plan, each rank's writes (``item_length`` bytes each), ``finish``."""
     local = []
     for rank in range(world_size):
         with fake_world(world_size, rank) as mesh:

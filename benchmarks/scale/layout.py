@@ -1,21 +1,4 @@
-"""The scale benchmark's layout and rayckpt's side of it: synthetic metadata, no tensors.
-
-The layout (``gpt_layout``): the tensors of a 55-layer GPT (``rayckpt.examples.gpt``:
-d_model 4096, MLP 16384, vocabulary 50,304, 2,048 positions, tied head: 664
-parameters, 11.3 B) with AdamW's state, i.e. every parameter, its ``exp_avg`` and
-its ``exp_avg_sq``: 1,992 float32 tensors, keyed and nested as rayckpt and DCP
-see a ``{"model": ..., "optim": ...}`` state dict. Every tensor is dim-0 sharded
-over the ranks as FSDP2 does (``planning.load_plan.dim0_box``; empty boxes on the
-ranks past the last row, as ``torch.chunk`` leaves them).
-
-The rayckpt section below is the only place that calls rayckpt: the entry points
-the benchmark measures (``create_manifest``, ``commit_manifest``, ``read_manifest``,
-``create_save_plans``, ``ChunkTable`` + ``create_dim0_plans`` + ``BulkPlan.for_rank``,
-``create_load_plan``), fed what a real save would hand them: each rank's written
-chunks in a ``{save_id}-r{rank}-float.arrow`` file, byte offsets back to back
-(64-byte aligned) and one pseudo-random XXH3-64 value per checksum block of the
-library's default block size. Change these few functions when the entry points change.
-"""
+"""The scale benchmark's layout and rayckpt's side of it: synthetic metadata, no tensors."""
 
 from __future__ import annotations
 
@@ -74,10 +57,7 @@ def gpt_parameters(**shape: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 def gpt_layout(tensors: int = 1992, **shape: int) -> Layout:
-    """The first ``tensors`` tensors of the model + AdamW state dict (params, then each one's states).
-
-    ``shape`` overrides ``GPT_SHAPE`` fields (a smaller model for a real save).
-    """
+    """The first ``tensors`` tensors of the model + AdamW state dict (params, then each one's states)."""
     params = gpt_parameters(**{**GPT_SHAPE, **shape})
     wanted = params[: -(-tensors // (1 + len(OPTIM_STATES)))]
     paths = [("model", name) for name, _ in wanted]
@@ -117,10 +97,6 @@ def metadata_bytes(directory: str, shard_file: Any = None) -> dict[str, int]:
         if shard_file is None or not shard_file(name):
             out[name] = os.path.getsize(os.path.join(directory, name))
     return out
-
-
-# ---------------------------------------------------------------------------
-# rayckpt: the entry points measured, and what a save hands them
 
 
 def rayckpt_block_size(layout: Layout) -> int:
@@ -171,29 +147,6 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple
     return spec, shards
 
 
-def rayckpt_create_manifest(spec: Any, shards: list[Any]) -> Any:
-    """What the committer runs on every save: the validated manifest of every rank's chunks."""
-    from rayckpt.storage.commit import create_manifest
-
-    return create_manifest(spec, shards)
-
-
-def rayckpt_commit(directory: str, manifest: Any) -> None:
-    """The commit: encode and write the manifest (and any sidecar) atomically to a local directory."""
-    from rayckpt.storage.checkpoint_dir import CheckpointDir
-    from rayckpt.storage.commit import commit_manifest
-
-    commit_manifest(CheckpointDir.resolve(directory), manifest)
-
-
-def rayckpt_read(directory: str) -> Any:
-    """What a load runs first: read, decode and validate the committed manifest."""
-    from rayckpt.storage.checkpoint_dir import CheckpointDir
-    from rayckpt.storage.commit import read_manifest
-
-    return read_manifest(CheckpointDir.resolve(directory))
-
-
 def rayckpt_metadata_bytes(directory: str) -> dict[str, int]:
     from rayckpt.storage.commit import shard_file_save_id
 
@@ -215,88 +168,6 @@ def rayckpt_local_shards(layout: Layout, world_size: int) -> list[list[Any]]:
     ]
 
 
-def rayckpt_shard_layouts(shards_by_rank: list[list[Any]]) -> list[Any]:
-    """What each rank sends rank 0 to plan a save: its shards as columns (``ShardLayout``), made on each rank."""
-    from rayckpt.planning.save_columns import ShardLayout
-
-    return [ShardLayout.from_shards(shards) for shards in shards_by_rank]
-
-
-def rayckpt_global_save_plan(layouts: list[Any]) -> Any:
-    """Rank 0's part of an uncached save plan: which rank writes each distinct (key, box)."""
-    from rayckpt.planning.save_columns import assign_writers
-
-    return assign_writers(layouts)
-
-
-def rayckpt_rank_save_plan(shards: list[Any], rank: int, written: Any) -> Any:
-    """One rank's own part: its layout, then its plan from the shards rank 0 says it writes."""
-    from rayckpt.planning.save_columns import ShardLayout
-    from rayckpt.planning.save_plan import create_own_plan
-
-    ShardLayout.from_shards(shards)
-    return create_own_plan(rank, shards, written)
-
-
-def rayckpt_layout_hashes(shards_by_rank: list[list[Any]]) -> list[bytes]:
-    """Each rank's layout hash (``ShardLayout.digest``): each rank hashes its own, at once, on every save."""
-    from rayckpt.planning.save_columns import ShardLayout
-
-    return [ShardLayout.from_shards(shards).digest() for shards in shards_by_rank]
-
-
-def rayckpt_plan_digest(hashes: list[bytes]) -> bytes:
-    """The digest of every rank's layout hash, in rank order: what the plan cache is keyed by."""
-    from rayckpt.planning.save_columns import digest
-
-    return digest(*hashes)
-
-
-def rayckpt_cached_save_plan(hashes: list[bytes], cached: bytes) -> bool:
-    """Rank 0 on a save whose layout repeats (``engine.save_layout``): the digest of every rank's
-    gathered hash against the cached one; a hit reuses the cached plan (each rank keeps its own part)."""
-    return rayckpt_plan_digest(hashes) == cached
-
-
-def rayckpt_chunk_table(manifest: Any) -> Any:
-    """The columnar chunk table the bulk planner uses (built once per manifest, cached by the Ray actor)."""
-    from rayckpt.planning.chunk_table import ChunkTable
-
-    return ChunkTable.from_manifest(manifest)
-
-
-def rayckpt_bulk_plan(manifest: Any, layout: Layout, world_size: int, table: Any) -> Any:
-    """Every target rank's load plan at once (FSDP2 dim-0 targets), as the MetadataActor plans on Ray."""
-    from rayckpt.planning.bulk import create_dim0_plans
-
-    specs = [(k, DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)]
-    return create_dim0_plans(manifest, specs, world_size, table=table)
-
-
-def rayckpt_rank_slices(manifest: Any, layout: Layout, bulk: Any) -> Any:
-    """Rank 0 without Ray, after the whole job's bulk plan: every rank's slice of it (``rank_slice``)."""
-    from rayckpt.format.chunk_columns import ChunkColumns
-    from rayckpt.planning.rank_slice import slice_plan
-
-    specs = [(k, DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)]
-    return slice_plan(bulk, specs, (), ChunkColumns.from_manifest(manifest))
-
-
-def rayckpt_plan_from_slice(rank_slice: Any, layout: Layout) -> Any:
-    """One rank without Ray: its load plan from the slice rank 0 scattered to it (no manifest read)."""
-    return rank_slice.plan([(k, DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)])
-
-
-def rayckpt_rank_plan(manifest: Any, layout: Layout, world_size: int, rank: int) -> Any:
-    """One target rank's load plan from the decoded manifest, as ``engine.load.plan_from_manifest`` makes it."""
-    from rayckpt.planning.load_plan import TensorRequest, create_load_plan, dim0_box
-
-    requests = [
-        TensorRequest(k, DTYPE, s, dim0_box(s, world_size, rank))
-        for k, s in zip(layout.keys, layout.shapes, strict=True)
-    ]
-    return create_load_plan(manifest, requests)
-
-
-def rayckpt_manifest_chunks(manifest: Any) -> int:
-    return sum(len(e.chunks) for e in manifest.entries.values() if hasattr(e, "chunks"))
+def specs(layout: Layout) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(key, dtype, global shape) of every tensor: what the load planners are asked for."""
+    return [(k, DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)]

@@ -1,9 +1,4 @@
-"""The scale benchmark's plot (matplotlib, imported here only: the plot is optional).
-
-Two log-log panels against the saved rank count: metadata bytes (with the target, half of
-DCP's ``.metadata``), and seconds of each planning and parsing step (with the targets at
-4,096 ranks). rayckpt solid, DCP dashed; an estimated point is hollow.
-"""
+"""The scale benchmark's plot (matplotlib, imported here only: the plot is optional)."""
 
 from __future__ import annotations
 

@@ -44,11 +44,7 @@ def _sampled(*steps: Any) -> bool:
 
 
 def figures(r: dict[str, Any], n: int) -> dict[str, Any]:
-    """One rank count's figures, by name (CPU seconds, bytes); None where a step did not run.
-
-    Steps that sampled the tensors to fit in memory are scaled by their chunk ratio
-    (``rayckpt_est`` / ``dcp_est`` say so).
-    """
+    """One rank count's figures, by name (CPU seconds, bytes); None where a step did not run."""
     rc, rl, rs = r.get("rayckpt_commit", {}), r.get("rayckpt_load", {}), r.get("rayckpt_save_plan", {})
     dc, dl, ds = r.get("dcp_commit", {}), r.get("dcp_load", {}), r.get("dcp_save_plan", {})
     half, minus = max(1, n // 2), max(1, n - 1)

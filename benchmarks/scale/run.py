@@ -1,41 +1,4 @@
-"""Thousands of ranks, metadata only: rayckpt side by side with DCP.
-
-The layout of ``layout.gpt_layout`` (1,992 float32 tensors: a 55-layer GPT and
-its AdamW state) dim-0 sharded over N ranks, for each N of ``--ranks``. No tensor
-data: each library's own code on the metadata a save of that layout produces
-(``layout`` for rayckpt, ``dcp`` for DCP). For each N, each step runs
-in a fresh process (``--worker``), so its peak memory is its own:
-
-- ``rayckpt_commit``: ``create_manifest`` (build + validate), then ``commit_manifest``
-  (encode + atomic write) into a local directory; its metadata files' bytes;
-- ``rayckpt_load``: ``read_manifest`` (read + decode + validate); one target rank's
-  ``create_load_plan`` for N -> N-1 and N -> N/2 (one rank without Ray = read + that);
-  the whole job's plans as on Ray (``ChunkTable.from_manifest`` + ``create_dim0_plans``);
-- ``rayckpt_save_plan``: ``create_save_plans`` over every rank's shards;
-- ``dcp_commit``: ``.metadata`` pickled to a file (+ fsync), as ``FileSystemWriter.finish``;
-- ``dcp_load``: unpickle ``.metadata``; ``create_default_local_load_plan`` for one target
-  rank's DTensors; the whole job = every target rank's local plan, summed (or the
-  median of ``--dcp-sample-ranks`` ranks x the ranks, "est.", when the sum would
-  pass ``--budget-s``);
-- ``dcp_save_plan``: ``DefaultSavePlanner.create_global_plan`` over N local plans,
-  uncached, and cached (``enable_plan_caching=True``: its second save, where every
-  rank sends an unchanged-plan marker). When the uncached plan would pass
-  ``--budget-s`` (its validation is quadratic in N for tensors wider than tall),
-  it is timed per shape on one tensor of each shape and summed over the tensors
-  ("est."), and the cache is filled with those plans (the cached path's cost does
-  not depend on what the cache holds).
-
-Seconds are CPU seconds of the step's process (wall seconds in the JSON); memory is
-the peak RSS above the RSS before the step (sampled every 20 ms). Growth exponents:
-least squares on log-log over the N points. A system's manifest steps whose process
-would not fit in ``--max-gib`` (or the memory available less 3 GiB), at
-``BYTES_PER_CHUNK``, run on every k-th tensor of each shape and scale their bytes,
-seconds and memory by the chunk ratio ("est."): the machine is shared.
-
-    .venv/bin/python -m benchmarks.scale --ranks 64,256,1024,4096 --tensors 1992
-
-Writes ``{out}/bench_scale.json``, ``{out}/bench_scale.md`` and ``{out}/bench_scale.png``.
-"""
+"""Thousands of ranks, metadata only: rayckpt side by side with DCP."""
 
 from __future__ import annotations
 
@@ -51,9 +14,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common.harness import REPO_ROOT, MemSampler, machine_info, write_report
+from benchmarks.common import cli
+from benchmarks.common.harness import REPO_ROOT, MemSampler, new_report, write_report
 from benchmarks.scale import layout as lay
 from benchmarks.scale.report import fit_exponent, markdown, targets
+from rayckpt.format.chunk_columns import ChunkColumns
+from rayckpt.planning.bulk import create_dim0_plans
+from rayckpt.planning.chunk_table import ChunkTable
+from rayckpt.planning.load_plan import TensorRequest, create_load_plan, dim0_box
+from rayckpt.planning.rank_slice import slice_plan
+from rayckpt.planning.save_columns import ShardLayout, assign_writers, digest
+from rayckpt.planning.save_plan import create_own_plan
+from rayckpt.storage.checkpoint_dir import CheckpointDir
+from rayckpt.storage.commit import commit_manifest, create_manifest, read_manifest
 
 #: Tensors of each shape timed for DCP's estimated global save plan.
 SHAPE_SAMPLE = 4
@@ -90,21 +63,19 @@ def sample_ranks(world_size: int, count: int) -> list[int]:
     return sorted({(2 * i + 1) * world_size // (2 * count) for i in range(count)})
 
 
-# ---------------------------------------------------------------------------
-# rayckpt
-
-
 def rayckpt_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     spec, shards = lay.rayckpt_save_inputs(layout, n)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
-    out["create_manifest"], manifest = measured(lambda: lay.rayckpt_create_manifest(spec, shards))
+    # What the committer runs on every save: the validated manifest of every rank's chunks, then its
+    # encoding, written atomically.
+    out["create_manifest"], manifest = measured(lambda: create_manifest(spec, shards))
     shards.clear()  # the commit needs only the manifest
     directory = os.path.join(work, f"rayckpt-{n}")
-    out["commit"], _ = measured(lambda: lay.rayckpt_commit(directory, manifest))
+    out["commit"], _ = measured(lambda: commit_manifest(CheckpointDir.resolve(directory), manifest))
     out["files"] = lay.rayckpt_metadata_bytes(directory)
     out["metadata_bytes"] = sum(out["files"].values())
-    out["chunks"] = lay.rayckpt_manifest_chunks(manifest)
+    out["chunks"] = sum(len(e.chunks) for e in manifest.entries.values() if hasattr(e, "chunks"))
     return out
 
 
@@ -113,24 +84,35 @@ def rayckpt_load(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     rank's plan from its slice; last, each rank planning alone from the manifest (the fallback), which
     builds millions of chunk objects and is kept from disturbing the steps before it."""
     out: dict[str, Any] = {"targets": {}}
-    out["read"], manifest = measured(lambda: lay.rayckpt_read(os.path.join(work, f"rayckpt-{n}")))
-    out["chunk_table"], table = measured(lambda: lay.rayckpt_chunk_table(manifest))
+    out["read"], manifest = measured(lambda: read_manifest(CheckpointDir.resolve(os.path.join(work, f"rayckpt-{n}"))))
+    out["chunk_table"], table = measured(lambda: ChunkTable.from_manifest(manifest))
     for_rank, from_slice = {}, {}
     for m in targets_of(n):
         rank = m // 2
         t = out["targets"][m] = {"rank": rank}
-        t["bulk_plan"], bulk = measured(lambda m=m, table=table: lay.rayckpt_bulk_plan(manifest, layout, m, table))
+        # Every target rank's plan at once, as the MetadataActor plans on Ray.
+        t["bulk_plan"], bulk = measured(
+            lambda m=m, table=table: create_dim0_plans(manifest, lay.specs(layout), m, table=table)
+        )
         t["for_rank"], for_rank[m] = repeated(lambda bulk=bulk, rank=rank: bulk.for_rank(rank))
         # Without Ray: rank 0 slices the bulk plan; each rank builds its plan from its slice.
-        t["slices"], slices = measured(lambda bulk=bulk: lay.rayckpt_rank_slices(manifest, layout, bulk))
+        t["slices"], slices = measured(
+            lambda bulk=bulk: slice_plan(bulk, lay.specs(layout), (), ChunkColumns.from_manifest(manifest))
+        )
         mine = slices[rank]
         t["slice_bytes"] = mine.nbytes
-        t["from_slice"], from_slice[m] = repeated(lambda mine=mine: lay.rayckpt_plan_from_slice(mine, layout))
+        t["from_slice"], from_slice[m] = repeated(lambda mine=mine: mine.plan(lay.specs(layout)))
         del bulk, slices, mine
     del table
+
+    def rank_plan(m: int, rank: int) -> Any:
+        """One rank's plan from the decoded manifest, as ``engine.load.plan_from_manifest`` makes it."""
+        requests = [TensorRequest(k, d, s, dim0_box(s, m, rank)) for k, d, s in lay.specs(layout)]
+        return create_load_plan(manifest, requests)
+
     for m in targets_of(n):
         t = out["targets"][m]
-        stats, plan = measured(lambda m=m, rank=t["rank"]: lay.rayckpt_rank_plan(manifest, layout, m, rank))
+        stats, plan = measured(lambda m=m, rank=t["rank"]: rank_plan(m, rank))
         t.update(rank_plan=stats, reads=len(plan.reads))
         t["for_rank_equals_rank_plan"] = for_rank[m] == plan
         t["from_slice_equals_rank_plan"] = from_slice[m] == plan
@@ -141,22 +123,25 @@ def rayckpt_save_plan(layout: lay.Layout, n: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     shards = lay.rayckpt_local_shards(layout, n)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
-    layouts = lay.rayckpt_shard_layouts(shards)  # made on each rank, in parallel
-    out["save_plan"], assignment = measured(lambda: lay.rayckpt_global_save_plan(layouts))
+    layouts = [ShardLayout.from_shards(own) for own in shards]  # made on each rank, in parallel
+    # Rank 0's part of an uncached save plan: which rank writes each distinct (key, box).
+    out["save_plan"], assignment = measured(lambda: assign_writers(layouts))
     out["write_items"] = sum(len(w) for w in assignment.written)
     rank, mine = n // 2, assignment.written[n // 2]
-    out["rank_save_plan"], _ = measured(lambda: lay.rayckpt_rank_save_plan(shards[rank], rank, mine))
-    # The next save of the same layout: each rank hashes its own layout, rank 0 compares the digest.
-    out["rank_layout_hash"], _ = repeated(lambda: lay.rayckpt_layout_hashes(shards[:1]))
-    hashes = lay.rayckpt_layout_hashes(shards)
-    cached = lay.rayckpt_plan_digest(hashes)  # what the first save cached
-    out["cached_save_plan"], hit = repeated(lambda: lay.rayckpt_cached_save_plan(hashes, cached))
+
+    def rank_save_plan() -> Any:  # one rank's own part: its layout, then its plan from what it writes
+        ShardLayout.from_shards(shards[rank])
+        return create_own_plan(rank, shards[rank], mine)
+
+    out["rank_save_plan"], _ = measured(rank_save_plan)
+    # The next save of the same layout: each rank hashes its own layout, rank 0 compares the digest of
+    # every rank's hash with the one the first save cached; a hit reuses the cached plan.
+    out["rank_layout_hash"], _ = repeated(lambda: ShardLayout.from_shards(shards[0]).digest())
+    hashes = [ShardLayout.from_shards(own).digest() for own in shards]
+    cached = digest(*hashes)
+    out["cached_save_plan"], hit = repeated(lambda: digest(*hashes) == cached)
     assert hit
     return out
-
-
-# ---------------------------------------------------------------------------
-# DCP
 
 
 def dcp_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
@@ -292,10 +277,6 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------
-# The driver: every step of every N in its own process
-
-
 #: Peak bytes per chunk of the manifest steps' processes (measured at 1,024 ranks: 1.6 and 4.2 GB for 2.04 M chunks).
 BYTES_PER_CHUNK = {"rayckpt": 900, "dcp": 2200}
 GIB = 2**30
@@ -307,10 +288,7 @@ def mem_available() -> int:
 
 
 def tensor_stride(system: str, n: int, args: argparse.Namespace) -> int:
-    """1, or the stride of tensors a system's manifest steps sample when the whole would not fit in memory.
-
-    The room: ``--max-gib``, or what the machine has available less 3 GiB if that is less.
-    """
+    """1, or the stride of tensors a system's manifest steps sample when the whole would not fit in memory."""
     need = BYTES_PER_CHUNK[system] * lay.chunk_count(lay.gpt_layout(args.tensors), n)
     room = min(args.max_gib * GIB, mem_available() - 3 * GIB)
     return max(1, int(-(-need // max(room, GIB))))
@@ -364,7 +342,7 @@ def fit_exponents(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__, "scale")
     parser.add_argument("--ranks", default="64,256,1024,4096", help="comma-separated saved rank counts")
     parser.add_argument("--tensors", type=int, default=1992)
     parser.add_argument("--budget-s", type=float, default=120.0, help="longest a DCP step runs before sampling")
@@ -372,7 +350,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-gib", type=float, default=12.0, help="memory a manifest step may use (else sampled)")
     parser.add_argument("--tensor-stride", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--work", default="/tmp/rayckpt-bench-scale", help="where the metadata files go")
-    parser.add_argument("--out", default="bench_out/scale")
     parser.add_argument("--worker", choices=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -384,20 +361,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks must be >= 2 and --tensors >= 1")
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "-m", "benchmarks.scale", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "config": {
-            "ranks": args.ranks,
-            "tensors": args.tensors,
-            "budget_s": args.budget_s,
-            "dcp_sample_ranks": args.dcp_sample_ranks,
-            "max_gib": args.max_gib,
-            "block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)),
-            "model": lay.GPT_SHAPE,
-        },
-        "machine": {**machine_info(), "load_average_1min_before": os.getloadavg()[0]},
-        "results": {},
+    report = new_report("benchmarks.scale", argv, results={})
+    report["machine"]["load_average_1min_before"] = os.getloadavg()[0]
+    report["config"] = {
+        "ranks": args.ranks,
+        "tensors": args.tensors,
+        "budget_s": args.budget_s,
+        "dcp_sample_ranks": args.dcp_sample_ranks,
+        "max_gib": args.max_gib,
+        "block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)),
+        "model": lay.GPT_SHAPE,
     }
     t0 = time.perf_counter()
     run_all(args, report, out)

@@ -1,15 +1,4 @@
-"""What the suite's gloo ranks run, on a local disk or an S3 endpoint alike, and how their records reduce.
-
-``save_worker`` (``--save-ranks`` ranks) builds the FSDP2 state, joins the driver's Ray, warms
-every code path on a tiny state and makes its staging buffer, then per repeat saves with every
-system of its storage, the order rotating from repeat to repeat, each timed barrier to barrier by
-``harness.measure``. ``load_worker`` (the M ranks of an N->M reshard) builds a differently seeded
-state and loads every checkpoint it is given, the first load of each system into a zeroed state
-checked bit-exact against the saved checksums; it can then save the M-rank checkpoints a later
-reshard reads. Locally, the checkpoint's files are dropped from the page cache before each load
-(the ``_warm`` systems read them into it first); on S3, rank 0 reads the server's request counts
-around each operation (``s3_counter``).
-"""
+"""What the suite's gloo ranks run, on a local disk or an S3 endpoint alike, and how their records reduce."""
 
 from __future__ import annotations
 
@@ -58,10 +47,6 @@ def counted(op: Any, rank: int, where: Where, pids: dict[str, int], interval: fl
     if s3:
         rec["server"] = counts_delta(before, read_counts(where.endpoint.host_port))
     return rec
-
-
-# ---------------------------------------------------------------------------
-# Saves
 
 
 def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -173,10 +158,6 @@ def connect_actors(address: str, rank: int, me: dict[str, int]) -> dict[str, int
     return pids
 
 
-# ---------------------------------------------------------------------------
-# Loads
-
-
 def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One load rank of an N->M reshard: every repeat of every load system in ``cfg["sources"]``."""
     import_rayckpt()
@@ -232,10 +213,6 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
         systems.dcp_save(state, where, resave["dcp"])
     dist.barrier()
     return out
-
-
-# ---------------------------------------------------------------------------
-# On the driver
 
 
 def server_summary(recs: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -1,9 +1,4 @@
-"""The suite's report: targets as data, the Markdown tables and a chart of the target ratios.
-
-Nothing here measures: it turns what ``python -m benchmarks.suite`` assembled into each size's
-target rows (``targets``), the run's Markdown (``markdown``) and a PNG (``write_chart``,
-matplotlib, imported only there: the chart is optional).
-"""
+"""The suite's report: targets as data and the Markdown tables."""
 
 from __future__ import annotations
 
@@ -152,8 +147,6 @@ def markdown(report: dict[str, Any]) -> str:
         "Seconds: median (min-max) over repeats of the slowest rank; GB = 1e9 bytes; memory: peak extra RSS "
         "per rank, max over ranks and repeats (anon+shm: without file-backed pages)."
     ]
-    if report.get("chart"):
-        lines += ["", f"Chart of the target ratios: `{report['chart']}`."]
     for key, size in report["sizes"].items():
         lines += ["", f"## {size['state_bytes'] / 1e9:.3f} GB state ({key}), {report['storage']}", ""]
         lines += save_lines(size) + [""] + load_lines(size) + ["", "### Targets", ""]
@@ -275,8 +268,7 @@ METHOD = {
     "s3": [
         "- Endpoint: moto's S3 server in its own process on 127.0.0.1 behind ``benchmarks/suite/s3_counter.py``, "
         "which counts every request and its body bytes; rank 0 reads the counts around each operation, so both "
-        "systems are counted by the server alike. Plain ranged GETs are served from the stored object's range "
-        "(``--moto-ranges``: moto's own path, which reads the whole object per GET).",
+        "systems are counted by the server alike. Plain ranged GETs are served from the stored object's range.",
         "- rayckpt: ``s3://`` URIs (pyarrow's ``S3FileSystem``). DCP: ``FsspecWriter`` / ``FsspecReader`` on "
         "s3fs, a fresh instance per operation; loads also with s3fs's read-ahead off.",
         "- Saves and loads as on a local disk (rotated order, bit-exact first loads); the server is werkzeug's "
@@ -284,39 +276,3 @@ METHOD = {
         "do not depend on its speed, times do.",
     ],
 }
-
-
-def write_chart(report: dict[str, Any], path: str) -> bool:
-    """The target ratios as bars, one panel per target (matplotlib); False where it is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    rows = [
-        (t["target"], key, t["measured"], t["threshold"], t["direction"] == ">=")
-        for key, size in report["sizes"].items()
-        for t in size["targets"]
-        if t["measured"] is not None and "MiB" not in t["target"]
-    ]
-    names = list(dict.fromkeys(r[0] for r in rows))
-    ncols = max(min(3, len(names)), 1)
-    nrows = max(-(-len(names) // ncols), 1)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.4 * nrows), squeeze=False)
-    for ax in axes.flat[len(names) :]:
-        ax.axis("off")
-    for ax, name in zip(axes.flat, names, strict=False):
-        mine = [r for r in rows if r[0] == name]
-        met = [r[2] >= r[3] if r[4] else r[2] <= r[3] for r in mine]
-        ax.bar([r[1] for r in mine], [r[2] for r in mine], color=["#2a9d4a" if m else "#d1495b" for m in met])
-        ax.axhline(mine[0][3], color="black", linestyle="--", linewidth=1)
-        title = name.replace(": ", ":\n", 1) + f"\n(target {'>=' if mine[0][4] else '<='} {mine[0][3]:g})"
-        ax.set_title(title, fontsize=8)
-        ax.tick_params(labelsize=8)
-    fig.suptitle("rayckpt targets (green: met, red: not met)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

@@ -1,25 +1,5 @@
 """The benchmark suite: rayckpt against torch DCP, torch.save and the raw disk, on a local disk or on
-an S3 endpoint, through one code path.
-
-For each state size (``common.workload``'s FSDP2 state: fp32 params + AdamW moments in uneven
-``Linear`` layers), on ``--save-ranks`` gloo ranks, the systems alternated within each repeat:
-
-- saves: ``rayckpt.save``; ``rayckpt.ray.save_async`` from ranks joined to a local Ray the driver
-  starts (stall = ``SaveHandle.stall_seconds``, commit = until ``handle.wait()``); ``dcp.save``;
-  locally also ``dcp.async_save``, ``torch.save`` of the full state on rank 0 and the raw disk;
-- loads, for each reshard N->M: M fresh ranks load the rayckpt and DCP checkpoints of N ranks
-  (locally the page cache dropped before each, and warm; 4->1 also ``torch.load``; on S3 DCP also
-  with s3fs's read-ahead off). 2-rank checkpoints are saved by the 4->2 ranks after their loads.
-
-``--storage s3`` starts moto's S3 server behind a request-counting middleware (``s3_counter``).
-Then (locally) planning at scale, no I/O: ``python -m benchmarks.micro plan`` in its own process.
-
-    .venv/bin/python -m benchmarks.suite --sizes-mb 256,1024 --repeats 3
-    .venv/bin/python -m benchmarks.suite --storage s3 --sizes-mb 256,1024 --repeats 3
-
-Writes ``{out}/bench_suite.{json,md,png}`` (``bench_s3.*`` on S3) and the ranks' records as
-``.samples.json``; ``--out`` is ``bench_out/suite`` (``bench_out/s3``), outside git.
-"""
+an S3 endpoint, through one code path."""
 
 from __future__ import annotations
 
@@ -33,11 +13,12 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from benchmarks.common.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_sampled, machine_info, write_report
+from benchmarks.common.cli import parser
+from benchmarks.common.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_sampled, new_report, write_report
 from benchmarks.common.systems import Where
 from benchmarks.common.workload import layer_shapes
 from benchmarks.suite.ranks import load_report, load_worker, save_report, save_worker
-from benchmarks.suite.report import MEM_BUFFER_BYTES, markdown, targets, write_chart
+from benchmarks.suite.report import MEM_BUFFER_BYTES, markdown, targets
 from rayckpt.testing.multiproc import run_ranks
 
 BUCKET = "rayckpt-bench"
@@ -129,7 +110,7 @@ def run_plan_bench(spec: str, out: str, repeats: int) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "suite", markdown=True)
     p.add_argument(
         "--storage",
         choices=("local", "s3"),
@@ -141,19 +122,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-ranks", type=int, default=4)
     p.add_argument("--reshards", default="4:3,4:2,2:4,4:1", help="N:M load reshards")
     p.add_argument("--reshards-at", action="append", default=[], help="SIZE=N:M,... : other reshards for one size")
-    p.add_argument("--out", default=None, help="directory for the report (default: bench_out/suite, bench_out/s3)")
-    p.add_argument("--markdown", default=None, help="also write the tables here")
-    p.add_argument("--chart", default=None, help="PNG of the target ratios (default: {out}/bench_suite.png)")
     p.add_argument("--mem-interval-ms", type=float, default=SAMPLE_INTERVAL_S * 1000, help="RSS sampling period")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of the first loads")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints under --out (local)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per group of ranks")
     p.add_argument("--plan-scale", default="1024x2000x1000", help="planning, SAVEDxTENSORSxTARGET ('none': skip)")
-    p.add_argument("--moto-ranges", action="store_true", help="S3: ranged GETs through moto's own path")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    args.out = os.path.abspath(args.out or f"bench_out/{'suite' if args.storage == 'local' else 's3'}")
+    if args.storage == "s3" and args.out == p.get_default("out"):
+        args.out = "bench_out/s3"
+    args.out = os.path.abspath(args.out)
     return args
 
 
@@ -170,7 +149,6 @@ def s3_endpoint(stack: ExitStack, args: argparse.Namespace) -> tuple[Any, dict[s
         BUCKET,
         module="benchmarks.suite.s3_counter",
         env={"PYTHONPATH": path},
-        args=["--moto-ranges"] if args.moto_ranges else [],
     )
     stack.callback(server.stop)
     return server.endpoint, {n: version(n) for n in ("moto", "s3fs", "aiobotocore", "fsspec")}
@@ -184,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "bench_suite" if args.storage == "local" else "bench_s3"
     import ray
 
-    report: dict[str, Any] = {"command": " ".join([".venv/bin/python", "-m", "benchmarks.suite", *argv])}
-    report |= {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "storage": args.storage, "sizes": {}}
+    report = new_report("benchmarks.suite", argv, storage=args.storage, sizes={})
     report["config"] = {
         "sizes_mb": sizes,
         "repeats": args.repeats,
@@ -200,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.storage == "s3":
             endpoint, versions = s3_endpoint(stack, args)
             where = Where(args.out, endpoint)
-        report["machine"] = {**machine_info(), **versions, "ray": ray.__version__}
+        report["machine"].update(versions)
         # A cluster of its own (address="local"), even where someone else's was started with `ray start`.
         ray.init(
             address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
@@ -213,9 +190,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[suite] {size_mb:g}MB done in {result['runtime_s']:.0f}s", flush=True)
     if args.storage == "local" and args.plan_scale.lower() != "none":
         report["plan"] = run_plan_bench(args.plan_scale, args.out, args.repeats)
-    png = os.path.abspath(args.chart or os.path.join(args.out, f"{name}.png"))
-    if write_chart(report, png):
-        report["chart"] = os.path.relpath(png, REPO_ROOT) if png.startswith(str(REPO_ROOT) + os.sep) else png
     report["samples"] = samples
     md = markdown(report)
     write_report(args.out, name, report, md, args.markdown)

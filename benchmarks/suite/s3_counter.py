@@ -1,21 +1,4 @@
-"""moto's S3 server with a counting middleware: requests and body bytes per kind, read over HTTP.
-
-``python -m benchmarks.suite.s3_counter -H 127.0.0.1 -p PORT`` serves moto's WSGI app
-as ``python -m moto.server`` does (werkzeug, a thread per connection, moto's
-request handler), so ``rayckpt.testing.s3_server.start_moto_server(...,
-module="benchmarks.suite.s3_counter")`` starts it like the plain server; plain ranged
-GETs are answered from the range of the stored object (``range_in_place``; moto's
-own path reads the whole object per GET: ``--moto-ranges``). Every request
-is counted by kind (``GET_object`` / ``GET_list`` / ``HEAD`` / ``PUT`` / ``POST`` /
-``DELETE``): requests, response body bytes the server wrote (``bytes_out``),
-responses cut short because the client hung up (``aborted``), the server's time
-from a request's arrival in the app to its last byte written (``service_us``),
-request body bytes (``bytes_in``, from the headers), ranged GETs (``ranged``; served
-in place: ``in_place``) and the bodies' sizes by power of two. ``GET /_counts`` (not
-a valid bucket name, so never an S3 request) returns the
-running totals as JSON; a benchmark diffs two snapshots around an operation, so
-both systems under test are counted by the server, the same way.
-"""
+"""moto's S3 server with a counting middleware: requests and body bytes per kind, read over HTTP."""
 
 from __future__ import annotations
 
@@ -34,17 +17,10 @@ SETTLE_TIMEOUT_S = 30.0
 
 
 class CountingApp:
-    """WSGI middleware: counts each request to ``app`` by kind, with the bytes of its bodies.
+    """WSGI middleware: counts each request to ``app`` by kind, with the bytes of its bodies."""
 
-    ``ranges_in_place``: serve a plain ranged GetObject (``bytes=a-b``, no query, no
-    conditions) by reading just that range of moto's stored object, instead of moto's
-    own path, which reads (and copies) the whole object for every ranged GET: that
-    makes a GET's cost grow with its object, not its range, unlike a real store.
-    """
-
-    def __init__(self, app: Any, ranges_in_place: bool = False) -> None:
+    def __init__(self, app: Any) -> None:
         self.app = app
-        self.ranges_in_place = ranges_in_place
         self.lock = threading.Condition()
         self.counts: dict[str, dict[str, int]] = {}
         self.in_flight = 0
@@ -66,7 +42,7 @@ class CountingApp:
         ranged = bool(environ.get("HTTP_RANGE"))
         try:
             body = None
-            if kind == "GET_object" and ranged and self.ranges_in_place:
+            if kind == "GET_object" and ranged:
                 body = range_in_place(environ, start_response)
             in_place = body is not None
             if body is None:
@@ -224,17 +200,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("-H", "--host", default="127.0.0.1")
     parser.add_argument("-p", "--port", type=int, required=True)
-    parser.add_argument(
-        "--moto-ranges", action="store_true", help="ranged GETs through moto's own path (whole object per GET)"
-    )
-    parser.add_argument("--nagle", action="store_true", help="leave Nagle's algorithm on (werkzeug's default)")
     args = parser.parse_args(argv)
-    app = CountingApp(DomainDispatcherApplication(create_backend_app), ranges_in_place=not args.moto_ranges)
+    app = CountingApp(DomainDispatcherApplication(create_backend_app))
 
     class Handler(MotoRequestHandler):
         # TCP_NODELAY: werkzeug writes a response's headers and body separately; with Nagle's algorithm
         # the body waits for the client's delayed ACK (40 ms on Linux) on every request.
-        disable_nagle_algorithm = not args.nagle
+        disable_nagle_algorithm = True
 
     run_simple(args.host, args.port, app, threaded=True, request_handler=Handler)
 

@@ -10,7 +10,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 #: The most lines of Python benchmarks/ may hold.
 LIMIT = 5_000
 #: Where benchmarks/ stands today: it may shrink, never grow, until it is under ``LIMIT``.
-CEILING = 8_200
+CEILING = 7_045
 
 
 def python_lines() -> int:
