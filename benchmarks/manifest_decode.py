@@ -3,8 +3,7 @@
 The manifest is synthetic (no tensors): ``--tensors`` float32 tensors, each dim-0 sharded over
 ``--ranks`` ranks as FSDP2 does, one shard file per rank. It is encoded once in the current format
 (version 4: ``manifest.json`` and its chunk table) and as version 3 (every chunk in the JSON), and
-each is decoded ``--repeats`` (``--repeats-v3``) times (``manifest_from_bytes``, ``decode_manifest``); the
-median and fastest times are printed as JSON. Self-contained: it needs only ``rayckpt.format``.
+each is decoded ``--repeats`` (``--repeats-v3``) times; the median and fastest times are printed as JSON.
 """
 
 from __future__ import annotations
@@ -66,8 +65,7 @@ def build_manifest(ranks: int, tensors: int, rows: int, cols: int) -> Manifest:
 
 
 def seconds(fn, repeats: int) -> dict[str, float]:
-    """The median and fastest wall time of ``repeats`` calls of ``fn``, and their median CPU time (the
-    process's own: on a shared machine it varies less with the other processes' load)."""
+    """Median and fastest wall time of ``repeats`` calls of ``fn``, and median CPU time (steadier on a busy machine)."""
     wall, cpu = [], []
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -79,10 +77,8 @@ def seconds(fn, repeats: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4096)
-    parser.add_argument("--tensors", type=int, default=16)
-    parser.add_argument("--rows", type=int, default=16384)
-    parser.add_argument("--cols", type=int, default=1024)
+    for name, default in (("--ranks", 4096), ("--tensors", 16), ("--rows", 16384), ("--cols", 1024)):
+        parser.add_argument(name, type=int, default=default)
     parser.add_argument("--repeats", type=int, default=31, help="decodes of the version-4 manifest")
     parser.add_argument("--repeats-v3", type=int, default=5, help="decodes of the version-3 manifest")
     args = parser.parse_args()

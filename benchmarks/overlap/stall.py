@@ -55,12 +55,15 @@ class Saver:
     dcp_group: Any = None
     #: Modes that raised, with their error: not run again.
     failed: dict[str, str] = field(default_factory=dict)
+    #: Save the app's tensors as plain tensors that no optimizer owns: every mode copies them before it returns.
+    plain: bool = False
 
     def __post_init__(self) -> None:
         self.state = {"app": self.app}
+        if self.plain:
+            self.state = {f"t{i}": t for i, t in enumerate(systems.local_tensors(self.state))}
         self.cuda = self.device.startswith("cuda")
-        # The local tensors, found once: training updates them in place. Their copies are allocated
-        # and touched beforehand, as a staging buffer is.
+        # The local tensors, found once (training updates them in place); their copies made beforehand.
         self.pieces = systems.local_tensors(self.state) if "copy" in self.modes else []
         self.buffers = [torch.empty(p.shape, dtype=p.dtype, pin_memory=self.cuda).zero_() for p in self.pieces]
         self.stagers = {}
@@ -168,7 +171,7 @@ def one_process(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> 
     shape = stack_shape(args.size_gb, args.layers)
     model, optim, app = build(shape, args.device)
     with new_ray(args.workers, logs=args.ray_logs):
-        saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}")
+        saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}", plain=args.plain)
         try:
             records = run_rounds(saver, model, optim, batch(shape, args.batch, args.device), vars(args), root)
         finally:
@@ -218,6 +221,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where one-process's state lives")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    p.add_argument("--plain", action="store_true", help="one-process (only) saves plain tensors, no AppState")
     args = p.parse_args(argv)
     scenarios = args.scenarios.split(",")
     if bad := [s for s in scenarios if s not in SCENARIOS]:
