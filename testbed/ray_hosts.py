@@ -12,11 +12,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from rayckpt.testing.s3_server import S3_ENV, S3Endpoint
 from testbed.hosts import BIN, Host, Hosts, build_hosts
+
+T = TypeVar("T")
 
 #: The head's GCS port and dashboard port on host 0, and the S3 host's port (each host has a network stack of
 #: its own).
@@ -155,7 +158,32 @@ class RayHosts:
         self.hosts.close()
 
 
-def build_ray_hosts(
+#: What ``ray start`` says when a node's raylet did not register with the GCS within Ray's own bound (30 s,
+#: which no setting changes): on a busy machine, a start that may well succeed when tried again.
+RAYLET_TIMED_OUT = "The current node timed out during startup"
+#: Whole tries of ``build_ray_hosts`` (each with new hosts) when a node's start timed out that way.
+START_TRIES = 2
+
+
+def build_ray_hosts(n: int, **options: Any) -> RayHosts:
+    """``_build_ray_hosts(n, **options)``, tried again with new hosts when a node's raylet timed out
+    registering (``RAYLET_TIMED_OUT``); every other failure is raised at once."""
+    return tried(lambda: _build_ray_hosts(n, **options), START_TRIES)
+
+
+def tried(build: Callable[[], T], tries: int) -> T:
+    """``build()``, called up to ``tries`` times while it fails with ``RAYLET_TIMED_OUT`` in its message."""
+    for attempt in range(1, tries + 1):
+        try:
+            return build()
+        except RuntimeError as exc:
+            if RAYLET_TIMED_OUT not in str(exc) or attempt == tries:
+                raise
+            print(f"ray_hosts: a node's raylet timed out registering (try {attempt} of {tries}); again", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _build_ray_hosts(
     n: int,
     *,
     shm_mb: int = 256,
