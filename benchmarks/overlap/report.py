@@ -82,6 +82,7 @@ def _ratio(value: float | None) -> str:
 def stall_markdown(report: dict[str, Any]) -> str:
     """The stall report: the run, one row per scenario and mode, the targets."""
     shape, args = report["shape"], report["args"]
+    held = "plain tensors (copies of the app's, no optimizer's)" if args.get("plain") else "`AppState(model, opt)`"
     lines = [
         "## Save stall beside training: the time the save call blocks",
         "",
@@ -89,7 +90,7 @@ def stall_markdown(report: dict[str, Any]) -> str:
         "",
         f"State: {report['state_bytes'] / 2**30:.3f} GiB on {report['machine']['device']} (fp32 params + AdamW "
         f"exp_avg + exp_avg_sq of {shape['layers']} square `nn.Linear` layers {shape['width']} wide); "
-        f"`one-process`: one process holds all of it, as `AppState(model, opt)`; `four-ranks`: {args['workers']} "
+        f"`one-process`: one process holds all of it, as {held}; `four-ranks`: {args['workers']} "
         "TorchTrainer workers (gloo; one all-gather a step), the stack FSDP2-sharded, each holding "
         f"1/{args['workers']}. "
         "Each save: the call timed, one training "

@@ -36,10 +36,9 @@ def error_text(exc: BaseException) -> str:
 
 @dataclass
 class Pending:
-    """A save started: what the training step waits for before the optimizer step, and how it ends."""
+    """A save started: what the step waits for before the optimizer step; ``finish``: the save done, its figures."""
 
     before_step: Callable[[], Any] | None = None
-    #: Waits for the save to be done; returns its figures (copied late, copy seconds).
     finish: Callable[[], dict[str, Any]] = lambda: {}
 
 
@@ -55,13 +54,13 @@ class Saver:
     dcp_group: Any = None
     #: Modes that raised, with their error: not run again.
     failed: dict[str, str] = field(default_factory=dict)
-    #: Save the app's tensors as plain tensors that no optimizer owns: every mode copies them before it returns.
+    #: Save copies of the app's tensors, which no optimizer owns: every mode copies them before it returns.
     plain: bool = False
 
     def __post_init__(self) -> None:
         self.state = {"app": self.app}
-        if self.plain:
-            self.state = {f"t{i}": t for i, t in enumerate(systems.local_tensors(self.state))}
+        if self.plain:  # copies: the optimizer's own tensors would be copied beside the next step
+            self.state = {f"t{i}": t.clone() for i, t in enumerate(systems.local_tensors(self.state))}
         self.cuda = self.device.startswith("cuda")
         # The local tensors, found once (training updates them in place); their copies made beforehand.
         self.pieces = systems.local_tensors(self.state) if "copy" in self.modes else []
