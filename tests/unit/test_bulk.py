@@ -337,23 +337,11 @@ def test_bench_plan_smoke(tmp_path, capsys):
     with open(tmp_path / "bench_plan.json") as f:
         report = json.load(f)
     res = report["results"]
-    assert {
-        "chunk_table",
-        "bulk_plan",
-        "for_rank",
-        "per_item_plan",
-        "save_plans",
-        "encode_manifest",
-        "decode_manifest",
-    } <= set(res)
-    for name in ("chunk_table", "bulk_plan", "for_rank", "encode_manifest", "decode_manifest"):
+    assert {"chunk_table", "bulk_plan", "for_rank"} <= set(res)
+    for name in ("chunk_table", "bulk_plan", "for_rank"):
         assert set(res[name]["seconds"]) >= {"median", "min", "max", "values"}
-    for name in ("chunk_table", "bulk_plan", "for_rank", "per_item_plan"):
         assert res[name]["memory"]["peak_bytes"] >= 0
-    assert res["per_item_plan"]["extrapolated"] and res["save_plans"]["extrapolated"]
-    assert res["per_item_plan"]["equals_bulk_for_rank"]
     assert res["bulk_plan"]["items"] > 0 and not res["bulk_plan"]["per_item_path"]
-    assert res["encode_manifest"]["json_bytes"] > 0
     assert report["manifest"]["chunks"] == 80
     assert (tmp_path / "bench_plan.md").exists()
     assert "| create_dim0_plans, all 6 target ranks |" in capsys.readouterr().out
