@@ -58,6 +58,56 @@ def test_copy_now_spreads_large_pieces_over_threads_byte_for_byte(buffer, monkey
         assert [bytes(v) for v in views] == [as_bytes(p) for p in pieces]
 
 
+def _copying_threads(monkeypatch) -> set[str]:
+    """The names of the threads ``np.copyto`` runs on from now on (staging's copies)."""
+    import threading
+
+    import numpy as np
+
+    from rayckpt.ray.rank import staging
+
+    seen: set[str] = set()
+    copyto = np.copyto
+
+    def recorded(dst, src):
+        seen.add(threading.current_thread().name)
+        copyto(dst, src)
+
+    monkeypatch.setattr(staging.np, "copyto", recorded)
+    return seen
+
+
+def test_copy_now_spreads_a_share_of_many_small_pieces_over_threads(buffer, monkeypatch):
+    from rayckpt.engine.device import DeviceToHost
+    from rayckpt.ray.rank import staging
+
+    monkeypatch.setattr(staging, "SLICE_BYTES", 64)
+    seen = _copying_threads(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    pieces = [torch.randn(5, generator=g) for _ in range(40)]  # 20 bytes each, none a slice's size
+    region = buffer.place(pieces, "node-a")
+    buffer.copy_now(list(zip(pieces, region.spans)), DeviceToHost(), threads=2)
+    assert seen and all(name.startswith("rayckpt-stage") for name in seen)
+    with open_region(region) as views:
+        assert [bytes(v) for v in views] == [as_bytes(p) for p in pieces]
+
+
+def test_copy_now_copies_a_small_share_on_the_callers_thread(buffer, monkeypatch):
+    import threading
+
+    from rayckpt.engine.device import DeviceToHost
+    from rayckpt.ray.rank import staging
+
+    monkeypatch.setattr(staging, "SLICE_BYTES", 64)
+    seen = _copying_threads(monkeypatch)
+    pieces = [torch.arange(6, dtype=torch.float32), torch.arange(4, dtype=torch.int64)]  # 56 bytes: under two slices
+    region = buffer.place(pieces, "node-a")
+    buffer.copy_now(list(zip(pieces, region.spans)), DeviceToHost(), threads=2)
+    assert seen == {threading.current_thread().name}
+    with open_region(region) as views:
+        assert [bytes(v) for v in views] == [as_bytes(p) for p in pieces]
+
+
 def test_pieces_of_any_dtype_and_strides_are_staged_byte_for_byte(buffer, tmp_path):
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(6, 10, generator=g)

@@ -5,7 +5,8 @@ A save, across the processes it runs in (every rank calls ``save_async``):
 1. Every rank plans (``engine.save.collect_state``: flatten, share, plan); rank 0
    first claims the location (a lease, ``storage.lease``).
 2. Rank 0 registers the save with the MetadataActor (``begin_save``, not waited
-   for); every rank asks the actor's ``incarnation()`` (not waited for either).
+   for; it answers with the actor's incarnation); every other rank asks the
+   actor's ``incarnation()`` (not waited for either).
 3. Each rank copies its share once into the node's shared memory (its staging
    buffer, or Ray's object store); ``save_async`` returns a ``SaveHandle`` and
    training goes on, a guarded optimizer's tensors still being copied (``copier``).
@@ -113,11 +114,14 @@ class AsyncSaver:
             filesystem=filesystem,
             rank=ctx.rank,
         )
-        registered = None
-        if ctx.rank == 0:
-            registered = self._register(ctx, target, ckdir, on_ray.commit_timeout_s)
         # The actor incarnation the save begins under (not waited for): its writer and wait() pass it on.
-        incarnation = get_metadata_actor().incarnation.remote()
+        # Rank 0's registration answers with it; the other ranks ask for it.
+        meta = get_metadata_actor()
+        registered = incarnation = None
+        if ctx.rank == 0:
+            registered = self._register(meta, ctx, target, ckdir, on_ray.commit_timeout_s)
+        else:
+            incarnation = meta.incarnation.remote()
         try:
             request = ShardWrite(
                 target=target,
@@ -129,7 +133,7 @@ class AsyncSaver:
             writer = get_shard_writer(node_id)
 
             def send(staged: Any) -> Any:  # once the share is copied: the writer never reads a piece before
-                ref = writer.write.remote(request, staged, incarnation)
+                ref = writer.write.remote(request, staged, registered if incarnation is None else incarnation)
                 if isinstance(staged, StagedRegion):
                     self.buffer.busy = ref  # the writer reads the buffer until this resolves
                 return ref
@@ -159,7 +163,7 @@ class AsyncSaver:
         if self.inflight is handle:
             self.inflight = None
 
-    def _register(self, ctx: SaveContext, target: SaveTarget, ckdir: CheckpointDir, timeout: float) -> Any:
+    def _register(self, meta: Any, ctx: SaveContext, target: SaveTarget, ckdir: CheckpointDir, timeout: float) -> Any:
         """Rank 0: register the save with the MetadataActor (sent, not waited for, no collective).
 
         The actor commits a save only once it is registered; ``wait()`` on rank 0
@@ -172,7 +176,7 @@ class AsyncSaver:
             if ctx.layout:
                 spec, layout = split_spec(ctx.spec)
                 ref = self._layout_ref(ctx.layout, layout)
-            return get_metadata_actor().begin_save.remote(spec, target.for_rank(None), timeout, ref)
+            return meta.begin_save.remote(spec, target.for_rank(None), timeout, ref)
         except Exception as exc:
             failed = f"registering with the MetadataActor: {type(exc).__name__}: {exc}"
             report_failed(target, failed)

@@ -58,8 +58,8 @@ def staging_mode(staging: str | None) -> str:
 
 
 _ALIGN = 64
-#: ``copy_now`` copies a large CPU piece in slices of at least this many bytes, over the rank's cores.
-SLICE_BYTES = 32 << 20
+#: ``copy_now`` spreads a share's contiguous CPU bytes over the rank's cores in slices of at most this many bytes.
+SLICE_BYTES = 16 << 20
 _GRANULE = 1 << 20
 
 
@@ -96,6 +96,9 @@ class StagingBuffer:
         self._pinned = 0
         #: CUDA refused to page-lock this buffer's mapping: not tried again (each try costs a failed call).
         self.pin_refused = False
+        #: ``copy_now``'s threads, made on its first spread copy and kept while the buffer is.
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_threads = 0
         #: A ``prepare`` running in the background, what it made (or its error), and the size it makes.
         self._preparing: threading.Thread | None = None
         self._made: _Mapping | tuple[None, int] | BaseException | None = None
@@ -261,28 +264,42 @@ class StagingBuffer:
     def copy_now(
         self, jobs: Sequence[tuple[torch.Tensor, tuple[int, int]]], to_host: DeviceToHost, threads: int = 1
     ) -> None:
-        """``copy_piece`` for each (piece, span), the bytes of the large contiguous CPU pieces spread over
-        ``threads`` threads in slices (one memcpy each): the cores this rank may use
-        (``engine.writer.parts_here``). One thread: one memcpy per piece, on the caller's."""
-        slices = []
+        """``copy_piece`` for each (piece, span); with ``threads`` > 1 (the cores this rank may use,
+        ``engine.writer.parts_here``) and a share of at least twice ``SLICE_BYTES`` in contiguous CPU
+        pieces, their bytes are cut into slices of at most ``SLICE_BYTES`` (one memcpy each) spread over
+        that many threads: a share of many small pieces is spread as well as one of a few large ones."""
+        slices, rest = [], []
         for piece, (offset, n) in jobs:
             src = piece.detach()
-            if threads > 1 and n >= 2 * SLICE_BYTES and not needs_bounce(src) and src.is_contiguous():
+            if threads > 1 and n and not needs_bounce(src) and src.is_contiguous():
                 assert self._map is not None
                 dst, data = np.frombuffer(self._map, np.uint8, n, offset), as_bytes(src)
-                step = max(SLICE_BYTES, -(-n // threads))
-                slices += [(dst[i : i + step], data[i : i + step]) for i in range(0, n, step)]
+                slices += [(dst[i : i + SLICE_BYTES], data[i : i + SLICE_BYTES]) for i in range(0, n, SLICE_BYTES)]
             else:
-                self.copy_piece(piece, (offset, n), to_host)
-        if slices:
-            with ThreadPoolExecutor(threads, thread_name_prefix="rayckpt-stage") as pool:
-                list(pool.map(lambda s: np.copyto(*s), slices))
+                rest.append((piece, (offset, n)))
+        for piece, span in rest:
+            self.copy_piece(piece, span, to_host)
+        if sum(len(dst) for dst, _ in slices) < 2 * SLICE_BYTES:
+            for dst, data in slices:
+                np.copyto(dst, data)
+        elif slices:
+            if self._pool is None or self._pool_threads != threads:
+                self._close_pool()
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="rayckpt-stage")
+                self._pool_threads = threads
+            list(self._pool.map(lambda s: np.copyto(*s), slices))
+
+    def _close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def close(self) -> None:
         """Unmap and close the file; a writer that still maps it keeps reading until it unmaps.
 
         A ``prepare`` in progress is waited for and what it made is closed too.
         """
+        self._close_pool()
         if self._preparing is not None:
             self._preparing.join()
             made, self._preparing, self._made, self._planned = self._made, None, None, 0
