@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from collections.abc import Callable, Iterable
 
 #: Where a run writes by default: under ``bench_out/`` (ignored by git). A run the docs cite is
 #: copied to ``benchmarks/results/`` by hand (benchmarks/README.md).
@@ -95,3 +97,35 @@ def parser(doc: str | None, out: str, *, markdown: bool = False, ray_logs: bool 
     if ray_logs:
         p.add_argument("--ray-logs", action="store_true", help="forward the workers' output to this terminal")
     return p
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p``'s options from ``argv``, ``--out`` made an absolute path (workers run elsewhere) and created."""
+    args = p.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def listed(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An option's type: comma-separated names, each one of ``choices``."""
+    known = tuple(choices)
+
+    def names(text: str) -> list[str]:
+        found = [s.strip() for s in text.split(",") if s.strip()]
+        if not found or any(s not in known for s in found):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected some of {', '.join(known)}, comma-separated")
+        return found
+
+    return names
+
+
+def numbers(text: str) -> list[float]:
+    """An option's type: comma-separated numbers, each > 0."""
+    try:
+        found = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        found = []
+    if not found or min(found) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers > 0, comma-separated")
+    return found

@@ -1,6 +1,7 @@
-"""The systems every benchmark measures, each behind one adapter: rayckpt, rayckpt on Ray, DCP, DCP
-async and ``torch.save``; a checkpoint's place (``Where``) is a local directory or a prefix on an
-S3 endpoint, the same calls for both."""
+"""The systems every benchmark measures, each behind one adapter: rayckpt, rayckpt on Ray, its memory
+tier, DCP, DCP async, ``torch.save`` and a bare copy; a checkpoint's place (``Where``) is a local
+directory or a prefix on an S3 endpoint, the same calls for both. ``save`` and ``load`` run any of
+them by name."""
 
 from __future__ import annotations
 
@@ -190,3 +191,72 @@ def torch_load(model: Any, optim: Any, path: str) -> tuple[float, dict[str, Any]
     options = StateDictOptions(full_state_dict=True)
     set_state_dict(model, optim, model_state_dict=sd.pop("model"), optim_state_dict=sd.pop("optim"), options=options)
     return read_s, sd
+
+
+#: The systems ``save`` runs by name.
+SAVES = ("rayckpt", "rayckpt_incremental", "rayckpt_ray", "dcp", "dcp_async")
+
+
+def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dict[str, Any]:
+    """One save by ``system`` (of ``SAVES``): the seconds until the call returned and DCP's staging was done
+    (``stall``), until the checkpoint was committed (``commit``), and what the save returned (``info``: a
+    ``SaveInfo``, a ``SaveHandle``). ``options``: ``run`` and ``step`` and ``save_async``'s own for rayckpt on
+    Ray, ``group`` and ``stager`` for DCP async."""
+    t0 = time.perf_counter()
+    if system == "rayckpt_ray":
+        info = ray_save(state, where, rel, **options)
+        stall = time.perf_counter() - t0
+        entry = info.wait()
+        if entry.status != "committed":
+            raise RuntimeError(f"save_async of {rel}: {entry.status}: {entry.error}")
+    elif system == "dcp_async":
+        info = dcp_async_save(state, where, rel, options.get("group"), options.get("stager"))
+        info.staged()
+        stall = time.perf_counter() - t0
+        info.result()
+    elif system == "dcp":
+        info = dcp_save(state, where, rel)
+    elif system.startswith("rayckpt"):
+        info = rayckpt_save(state, where, rel, incremental=system == "rayckpt_incremental", **options)
+    else:
+        raise ValueError(f"unknown system {system!r}: {', '.join(SAVES)}")
+    commit = time.perf_counter() - t0
+    return {"stall": stall if system in ("rayckpt_ray", "dcp_async") else commit, "commit": commit, "info": info}
+
+
+def load(system: str, state: Any, where: Where, rel: str) -> Any:
+    """One load by ``system``: rayckpt (its ``LoadInfo``), DCP, or DCP with s3fs's read-ahead off (``dcp_nocache``)."""
+    if system.startswith("rayckpt"):
+        return rayckpt_load(state, where, rel)
+    return dcp_load(state, where, rel, **({"default_cache_type": "none"} if system == "dcp_nocache" else {}))
+
+
+class BareCopy:
+    """The least a checkpoint in memory costs: the rank's local tensors of ``state`` (found once; training
+    updates them in place) copied into buffers made and touched beforehand, page-locked when ``pinned``."""
+
+    def __init__(self, state: Any, pinned: bool = False) -> None:
+        import torch
+
+        self.pieces = local_tensors(state)
+        self.buffers = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned).zero_() for p in self.pieces]
+        self.pinned = pinned
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.pieces)
+
+    def save(self) -> None:
+        import torch
+
+        for dst, src in zip(self.buffers, self.pieces):
+            dst.copy_(src, non_blocking=self.pinned)
+        if self.pinned:
+            torch.cuda.synchronize()
+
+
+def memory_tier(state: Any, overlap: bool = True, **options: Any) -> Any:
+    """rayckpt's memory tier: a ``Checkpointer`` saving to the nodes' memory every step and never to storage,
+    its staging buffers made (``restore`` with nothing to restore, as a run's first restore does)."""
+    from rayckpt.train import Checkpointer
+
+    ckpt = Checkpointer(memory_every=1, persist_every=10**9, **({} if overlap else {"overlap": False}), **options)
+    ckpt.restore(state)
+    return ckpt

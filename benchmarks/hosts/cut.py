@@ -1,4 +1,12 @@
-"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks."""
+"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks.
+Three Ray hosts (one worker each, ``jobs/train.py --num-workers 2-3``, a tiny GPT, a memory checkpoint
+every step, S3 every ``--checkpoint-every`` steps) and an S3 host; a new cluster per run. At step
+``--cut-after-step`` host 2's link goes down (a partition; its processes keep running). Seconds from the
+cut: the GCS counts the node dead (a driver on host 0 polling ``ray.nodes()``); the restarted group's
+rank 0 logs its restart line (``restart 1: resumed from step S with 2 worker(s), from <tier>``), as the
+line reaches the job's driver log. ``default``: Ray's health checks as shipped; ``tuned``:
+``TUNED_HEALTH_CHECKS``; ``tuned-start``: also ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10`` (Ray Train's
+wait for the group of 3 it first asks for after the cut). Medians over the runs."""
 
 from __future__ import annotations
 
@@ -15,9 +23,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from benchmarks.common.cli import parser
-from benchmarks.common.harness import load_sampled, new_report, rotated, table, write_report
-from benchmarks.hosts.common import HOST_ENV, ROOT, head_lines, require_hosts
+from benchmarks.common import cli
+from benchmarks.common.harness import document, load_sampled, new_report, rotated, table, write_report
+from benchmarks.hosts.common import HOST_ENV, ROOT, require_hosts
 from testbed.host_jobs import HostJob
 from testbed.ray_hosts import TUNED_HEALTH_CHECKS
 
@@ -154,50 +162,32 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = head_lines(report, "A host cut off from an elastic job: the time to the restored group")
-    tuned = ", ".join(f"`{k}={v}`" for k, v in TUNED_HEALTH_CHECKS.items())
-    lines += [
-        "Three Ray hosts (one worker each, `jobs/train.py --num-workers 2-3`, a tiny GPT, a memory checkpoint "
-        f"every step, S3 every {report['checkpoint_every']} steps) and an S3 host; a new cluster per run. At step "
-        f">= {report['cut_after_step']} host {CUT_HOST}'s link goes down (a partition; its processes keep "
-        "running). Seconds from the cut: the GCS counts the node dead (a driver on host 0 polling `ray.nodes()`); "
-        "the restarted group's rank 0 logs its restart line (`restart 1: resumed from step S with 2 worker(s), "
-        "from <tier>`, every rank restored), as the line reaches the job's driver log on the head. `default`: "
-        f"Ray's health checks as shipped (none set); `tuned`: {tuned}; `tuned-start`: also "
-        "`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10` (Ray Train's wait for the group of 3 it first asks for "
-        "after the cut). Medians over the runs.",
-        "",
+    rows = [
+        {"setting": k, "runs": s["runs"], "cut -> node dead s": s["node_dead_s"], "cut -> restored s": s["restored_s"]}
+        | {"node dead -> restored s": s["dead_to_restored_s"], "restored from": ", ".join(s["tiers"])}
+        for k, s in report["summary"].items()
     ]
-    rows = [[k, s["runs"], f"{s['node_dead_s']:.1f}", f"{s['restored_s']:.1f}", f"{s['dead_to_restored_s']:.1f}",
-             ", ".join(s["tiers"])] for k, s in report["summary"].items()]  # fmt: skip
-    lines += table(["setting", "runs", "cut -> node dead s", "cut -> restored s", "node dead -> restored s",
-                    "restored from"], rows, right=0) + [""]  # fmt: skip
-    rows = []
-    for r in report["runs"]:
-        run = f"{r['setting']} {r['repeat']}"
-        if "error" in r:
-            rows.append([run, f"failed: {r['error'][:200]}", "", "", "", "", ""])
-        else:
-            rows.append([run, r["step_at_cut"], r["restored_step"], r["workers_after"], f"{r['node_dead_s']:.1f}",
-                         f"{r['restored_s']:.1f}", r["tier"]])  # fmt: skip
-    header = ["run", "step at the cut", "restored step", "workers after", "node dead s", "restored s", "tier"]
-    lines += table(header, rows)
-    return "\n".join(lines) + "\n"
+    runs = [
+        {"run": f"{r['setting']} {r['repeat']}", "failed": r.get("error", "")[:200] or None}
+        | {k: r.get(k) for k in ("step_at_cut", "restored_step", "workers_after", "node_dead_s", "restored_s", "tier")}
+        for r in report["runs"]
+    ]
+    return document(
+        "A host cut off from an elastic job: the time to the restored group", report, table(rows), table(runs)
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = parser(__doc__, "hosts", markdown=True)
+    p = cli.parser(__doc__, "hosts", markdown=True)
     p.add_argument("--repeats", type=int, default=3, help="runs of each setting")
-    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--settings", type=cli.listed(SETTINGS), default=",".join(SETTINGS), help=", ".join(SETTINGS))
     p.add_argument("--cut-after-step", type=int, default=30, help="cut once the group of 3 has logged this step")
     p.add_argument("--checkpoint-every", type=int, default=10, help="the job's storage (S3) saves")
     p.add_argument("--num-cpus", type=int, default=2, help="each Ray host's CPUs (one worker takes them all)")
     p.add_argument("--timeout", type=float, default=600, help="seconds a run may take to each of its moments")
-    args = p.parse_args(argv)
-    args.settings = [s for s in args.settings.split(",") if s]
-    if not args.settings or set(args.settings) - set(SETTINGS) or args.repeats < 1:
-        p.error(f"--settings: some of {', '.join(SETTINGS)}; --repeats >= 1")
-    args.out = os.path.abspath(args.out)
+    args = cli.parse(p, argv)
+    if args.repeats < 1:
+        p.error("--repeats >= 1")
     return args
 
 
@@ -205,14 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     require_hosts()
-    os.makedirs(args.out, exist_ok=True)
-    report = new_report("benchmarks.hosts cut", argv)
-    report.update(
-        settings={s: SETTINGS[s] for s in args.settings},
-        cut_after_step=args.cut_after_step,
-        checkpoint_every=args.checkpoint_every,
-        runs=[],
-    )
+    config = {k: getattr(args, k) for k in ("repeats", "cut_after_step", "checkpoint_every", "num_cpus")}
+    config["settings"] = {s: SETTINGS[s] for s in args.settings}
+    report = new_report("benchmarks.hosts cut", argv, __doc__, config=config, runs=[])
     with load_sampled(report):
         for rep in range(args.repeats):
             for setting in rotated(args.settings, rep):
@@ -223,11 +208,5 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[hosts cut] {run}", flush=True)
                 report["runs"].append(run)
     report["summary"] = summarize(report["runs"])
-    md = markdown(report)
-    write_report(args.out, "cut", report, md, args.markdown)
-    print(md)
+    write_report(args, "cut", report, markdown(report))
     return 0 if all("error" not in r for r in report["runs"]) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,8 @@
-"""A memory-tier replica from one host to another: over the writers' link against through Ray's object store."""
+"""A memory-tier replica from one host to another: over the writers' link against through Ray's object
+store. Two Ray hosts (network and mount namespaces on a private bridge, each its own ``/dev/shm`` and
+object store); a driver on host 0 copies a held file to host 1's ShardWriter by each way, rotated; a
+copy's time: the call to its return (the replica held on host 1). Seconds: median (min-max) of the
+repeats; MB/s: 1e6 bytes per second of the median."""
 
 from __future__ import annotations
 
@@ -8,17 +12,9 @@ import os
 import sys
 from typing import Any
 
-from benchmarks.common.cli import parser
-from benchmarks.common.harness import MIB, fmt, load_sampled, new_report, rotated, summary, table, write_report
-from benchmarks.hosts.common import (
-    HOST_ENV,
-    ON_HOST,
-    connect,
-    head_lines,
-    node_id_of,
-    require_hosts,
-    run_on_host,
-)
+from benchmarks.common import cli
+from benchmarks.common.harness import MIB, document, load_sampled, new_report, rotated, summary, table, write_report
+from benchmarks.hosts.common import HOST_ENV, ON_HOST, require_hosts, run_on_host
 
 WAYS = ("link", "ray")
 LABELS = {"link": "writer link (`link.send`)", "ray": "Ray's object store (`_replicate_through_ray`)"}
@@ -26,17 +22,21 @@ LABELS = {"link": "writer link (`link.send`)", "ray": "Ray's object store (`_rep
 
 def copy_all(config: dict[str, Any]) -> dict[str, Any]:
     """The driver on host 0: every size, every repeat, each way; the seconds of each copy by way and size."""
+    import logging
     import time
 
     import numpy as np
     import ray
 
     from rayckpt.ray import get_shard_writer
+    from rayckpt.ray.actors import NAMESPACE
     from rayckpt.ray.memory import link
     from rayckpt.ray.memory.replication import _replicate_through_ray
 
-    connect(config["address"])
-    writer = get_shard_writer(node_id_of(config["peer_ip"]))
+    # joined quietly, in rayckpt's namespace (where the ShardWriters are)
+    ray.init(address=config["address"], namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False)
+    peer = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == config["peer_ip"])
+    writer = get_shard_writer(peer)
     endpoint = ray.get(writer.mem_endpoint.remote())
     copy = {
         "link": lambda path, fd, size: link.send(endpoint, path, fd, size),
@@ -75,38 +75,25 @@ def held_file(rng: Any, size: int) -> int:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = head_lines(report, "A memory-tier replica between two hosts: the writer link against Ray's object store")
-    c = report["cluster"]
-    lines += [
-        f"Two Ray hosts (network and mount namespaces on a private bridge, {c['num_cpus']} CPUs, a "
-        f"{c['shm_mb']} MiB `/dev/shm` and a {c['object_store_mb']} MiB object store each). A driver on host 0 "
-        "copies a held file to host 1's ShardWriter by each way, rotated; a copy's time: the call to its return "
-        f"(the replica held on host 1). Seconds: median (min-max) of {report['repeats']} repeats; MB/s: 1e6 "
-        "bytes per second of the median.",
-        "",
-    ]
     rows = []
     for size, by_way in report["results"].items():
-        for way, s in ((w, by_way[w]) for w in WAYS):
-            rate = float(size) * MIB / 1e6 / s["median"]
-            rows.append([size, LABELS[way], fmt(s, 3), f"{rate:,.0f}", f"{s['median'] / by_way['link']['median']:.2f}"])
-    lines += table(["size MiB", "way", "seconds", "MB/s", "x link"], rows, right=3)
-    return "\n".join(lines) + "\n"
+        for way, t in ((w, by_way[w]) for w in WAYS):
+            rate = float(size) * MIB / 1e6 / t["median"]
+            rows.append({"size MiB": float(size), "way": LABELS[way], "seconds": t, "MB/s": rate})
+            rows[-1]["x link"] = t["median"] / by_way["link"]["median"]
+    title = "A memory-tier replica between two hosts: the writer link against Ray's object store"
+    return document(title, report, table(rows))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser(__doc__, "hosts", markdown=True)
-    p.add_argument("--sizes-mb", default="64,256", help="file sizes in MiB, comma-separated")
+    p = cli.parser(__doc__, "hosts", markdown=True)
+    p.add_argument("--sizes-mb", type=cli.numbers, default="64,256", help="file sizes in MiB, comma-separated")
     p.add_argument("--repeats", type=int, default=5, help="copies of each size each way")
     p.add_argument("--num-cpus", type=int, default=2, help="each Ray node's CPUs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the driver on host 0 may take")
-    args = p.parse_args(argv)
-    try:
-        args.sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--sizes-mb {args.sizes_mb!r}: expected numbers of MiB, comma-separated")
-    if not args.sizes or min(args.sizes) <= 0 or args.repeats < 1:
-        p.error("--sizes-mb: sizes > 0; --repeats >= 1")
+    args = cli.parse(p, argv)
+    if args.repeats < 1:
+        p.error("--repeats >= 1")
     return args
 
 
@@ -119,36 +106,28 @@ def main(argv: list[str] | None = None) -> int:
     require_hosts()
     from testbed.ray_hosts import build_ray_hosts
 
-    os.makedirs(args.out, exist_ok=True)
-    biggest = int(max(args.sizes))
+    biggest = int(max(args.sizes_mb))
     # Ray's copy holds the file in both nodes' object stores; the store's budget (half the tmpfs) holds the replica.
     object_store_mb = max(256, 2 * biggest)
     shm_mb = object_store_mb + 2 * biggest + 256
-    report = new_report("benchmarks.hosts replicas", argv)
-    report.update(repeats=args.repeats, sizes_mb=args.sizes)
-    report["cluster"] = {"hosts": 2, "num_cpus": args.num_cpus, "shm_mb": shm_mb, "object_store_mb": object_store_mb}
+    config = {"repeats": args.repeats, "sizes_mb": args.sizes_mb, "hosts": 2, "num_cpus": args.num_cpus}
+    config |= {"shm_mb": shm_mb, "object_store_mb": object_store_mb}
+    report = new_report("benchmarks.hosts replicas", argv, __doc__, config=config)
     with load_sampled(report):
         cluster = build_ray_hosts(
             2, shm_mb=shm_mb, num_cpus=args.num_cpus, object_store_mb=object_store_mb, env=HOST_ENV
         )
         try:
-            config = {
-                "address": cluster.address,
-                "peer_ip": cluster[1].ip,
-                "sizes_mb": args.sizes,
-                "repeats": args.repeats,
-            }
-            found = run_on_host(cluster[0], "benchmarks.hosts.replicas", config, args.timeout)
+            driver = {"address": cluster.address, "peer_ip": cluster[1].ip, "sizes_mb": args.sizes_mb}
+            driver["repeats"] = args.repeats
+            found = run_on_host(cluster[0], "benchmarks.hosts.replicas", driver, args.timeout)
         finally:
             cluster.close()
     report["results"] = {
         f"{size:g}": {way: summary(found["seconds"][way][str(size)], int(size * MIB)) for way in WAYS}
-        for size in args.sizes
+        for size in args.sizes_mb
     }
-    md = markdown(report)
-    write_report(args.out, "replicas", report, md, args.markdown)
-    print(md)
-    return 0
+    return write_report(args, "replicas", report, markdown(report))
 
 
 if __name__ == "__main__":

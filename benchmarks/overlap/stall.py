@@ -1,4 +1,17 @@
-"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run."""
+"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one
+run. The fp32 params and AdamW moments of a stack of square ``nn.Linear`` layers, as
+``AppState(model, opt)`` (``--plain``: copies of its tensors as plain tensors, which no optimizer owns,
+so every mode copies them before it returns); ``one-process``: one process holds all of it;
+``four-ranks``: TorchTrainer workers (gloo) each hold an FSDP2 share. Each save: the call timed, one
+training step (forward, backward, AdamW step; an overlapped copy runs beside forward and backward and the
+optimizer step waits for what is left of it), then the save waited for (DCP: its upload; rayckpt: its
+commit) and removed. Modes: ``copy``: the local tensors copied into buffers made beforehand; ``dcp``:
+``async_save`` with one reused pinned ``DefaultStager``; ``dcp-async-staging``: with
+``StagingOptions(True, True, True, True)``, its staging waited for before the optimizer step;
+``rayckpt-sync``: ``save_async(overlap=False)``; ``rayckpt``: ``save_async``, the optimizer's tensors
+copied beside the next step; ``rayckpt-all``: ``save_async(overlap="all")``; rayckpt after
+``prepare_staging``. Rounds after warm-up rounds, modes rotated; seconds: the slowest rank's per round
+(and the median rank's), median (min-max) over rounds."""
 
 from __future__ import annotations
 
@@ -13,8 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import systems
-from benchmarks.common.cli import parser
+from benchmarks.common import cli, systems
 from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records, new_ray
 from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
@@ -32,14 +44,6 @@ CUDA_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt")
 
 def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:400]
-
-
-@dataclass
-class Pending:
-    """A save started: what the step waits for before the optimizer step; ``finish``: the save done, its figures."""
-
-    before_step: Callable[[], Any] | None = None
-    finish: Callable[[], dict[str, Any]] = lambda: {}
 
 
 @dataclass
@@ -62,9 +66,7 @@ class Saver:
         if self.plain:  # copies: the optimizer's own tensors would be copied beside the next step
             self.state = {f"t{i}": t.clone() for i, t in enumerate(systems.local_tensors(self.state))}
         self.cuda = self.device.startswith("cuda")
-        # The local tensors, found once (training updates them in place); their copies made beforehand.
-        self.pieces = systems.local_tensors(self.state) if "copy" in self.modes else []
-        self.buffers = [torch.empty(p.shape, dtype=p.dtype, pin_memory=self.cuda).zero_() for p in self.pieces]
+        self.copy = systems.BareCopy(self.state, pinned=self.cuda) if "copy" in self.modes else None
         self.stagers = {}
         for mode in (m for m in self.modes if m in DCP_OPTIONS):
             try:
@@ -74,14 +76,12 @@ class Saver:
         if any(m in OVERLAP for m in self.modes):
             systems.prepare_staging(self.state, wait=True)
 
-    def start(self, mode: str, path: str, step: int) -> Pending:
-        """Start one save of ``mode`` (the timed call)."""
+    def start(self, mode: str, path: str, step: int) -> tuple[Callable[[], Any] | None, Callable[[], dict]]:
+        """Start one save of ``mode`` (the timed call): what the step waits for before the optimizer step,
+        and what finishes the save (its figures)."""
         if mode == "copy":
-            for dst, src in zip(self.buffers, self.pieces):
-                dst.copy_(src, non_blocking=self.cuda)
-            if self.cuda:
-                torch.cuda.synchronize()
-            return Pending()
+            self.copy.save()
+            return None, dict
         where, rel = systems.local(path)
         if mode in DCP_OPTIONS:
             pending = systems.dcp_async_save(self.state, where, rel, self.dcp_group, self.stagers[mode])
@@ -90,7 +90,7 @@ class Saver:
                 pending.upload.result()
                 return {}
 
-            return Pending(pending.staged, uploaded)
+            return pending.staged, uploaded
         handle = systems.ray_save(self.state, where, rel, run=self.run, step=step, overlap=OVERLAP[mode])
 
         def finish() -> dict[str, Any]:
@@ -99,7 +99,7 @@ class Saver:
                 raise RuntimeError(f"{mode}: save of step {step}: {entry.status}: {entry.error}")
             return {"late_bytes": handle.late_bytes, "copy_s": handle.copy_seconds}
 
-        return Pending(None, finish)
+        return None, finish
 
     def close(self) -> None:
         for stager in self.stagers.values():
@@ -131,11 +131,11 @@ def run_rounds(saver: Saver, model: Any, optim: Any, x: torch.Tensor, args: dict
             waited = overlap.waited[0]
             start = time.perf_counter()
             try:
-                pending = saver.start(mode, path, step)
+                before_step, finish = saver.start(mode, path, step)
                 stall = time.perf_counter() - start
-                staged_wait = train_step(model, optim, x, pending.before_step)
+                staged_wait = train_step(model, optim, x, before_step)
                 opt_wait = overlap.waited[0] - waited
-                done = pending.finish() or {}
+                done = finish() or {}
             except Exception as exc:
                 if mode not in DCP_OPTIONS or ranks:  # a stager this torch cannot run is a result, not a crash
                     raise
@@ -208,64 +208,43 @@ def four_ranks(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> l
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser(__doc__, "overlap", markdown=True, ray_logs=True)
+    p = cli.parser(__doc__, "overlap", markdown=True, ray_logs=True)
     add_model_args(p)
     p.add_argument("--rounds", type=int, default=5, help="counted rounds of every mode")
     p.add_argument("--warmup", type=int, default=1, help="rounds of every mode first, not counted")
     p.add_argument("--workers", type=int, default=4, help="ranks of four-ranks (and the local Ray's CPUs)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    p.add_argument(
-        "--modes", default=None, help=f"comma-separated, of {', '.join(ALL_MODES)} (default: {', '.join(CPU_MODES)}; "
-        f"on cuda {', '.join(CUDA_MODES)})",
-    )  # fmt: skip
+    p.add_argument("--scenarios", type=cli.listed(SCENARIOS), default=",".join(SCENARIOS))
+    modes = f"default: {', '.join(CPU_MODES)}; on cuda {', '.join(CUDA_MODES)}"
+    p.add_argument("--modes", type=cli.listed(ALL_MODES), default=None, help=f"of {', '.join(ALL_MODES)} ({modes})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where one-process's state lives")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--plain", action="store_true", help="one-process (only) saves plain tensors, no AppState")
-    args = p.parse_args(argv)
-    scenarios = args.scenarios.split(",")
-    if bad := [s for s in scenarios if s not in SCENARIOS]:
-        p.error(f"--scenarios: unknown {', '.join(bad)} (expected some of {', '.join(SCENARIOS)})")
-    if args.modes is not None and (bad := [m for m in args.modes.split(",") if m not in ALL_MODES]):
-        p.error(f"--modes: unknown {', '.join(bad)} (expected some of {', '.join(ALL_MODES)})")
-    if args.device == "cuda" and "four-ranks" in scenarios:
+    args = cli.parse(p, argv)
+    if args.device == "cuda" and "four-ranks" in args.scenarios:
         p.error("--device cuda: only --scenarios one-process (four-ranks runs on gloo CPU workers)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (the default --device cpu runs the CPU path)")
+    args.modes = tuple(args.modes or (CUDA_MODES if args.device == "cuda" else CPU_MODES))
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out = os.path.abspath(args.out)  # the workers run in another directory
-
-    os.makedirs(args.out, exist_ok=True)
-    cuda = args.device == "cuda"
-    modes = tuple(args.modes.split(",")) if args.modes else (CUDA_MODES if cuda else CPU_MODES)
     shape = stack_shape(args.size_gb, args.layers)
-    report = new_report(
-        "benchmarks.overlap stall",
-        argv,
-        args=vars(args),
-        shape=asdict(shape),
-        state_bytes=shape.state_bytes,
-        modes=list(modes),
-        records={},
-        errors={},
-    )
-    report["machine"]["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown", "ray_logs", "dir")}
+    report = new_report("benchmarks.overlap stall", argv, __doc__, config=config, shape=asdict(shape))
+    report |= {"state_bytes": shape.state_bytes, "records": {}, "errors": {}}
+    report["machine"]["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-", dir=args.dir)
     try:
         with load_sampled(report):
-            for sc in args.scenarios.split(","):
+            for sc in args.scenarios:
                 if sc == "one-process":
-                    report["records"][sc], report["errors"][sc] = one_process(args, modes, root)
+                    report["records"][sc], report["errors"][sc] = one_process(args, args.modes, root)
                 else:
-                    report["records"][sc] = four_ranks(args, modes, root)
+                    report["records"][sc] = four_ranks(args, args.modes, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["summary"] = {sc: summarize_stall(recs, report["errors"].get(sc)) for sc, recs in report["records"].items()}
     report["targets"] = stall_targets(report["summary"])
-    md = stall_markdown(report)
-    write_report(args.out, "overlap_stall", report, md, args.markdown)
-    print(md)
-    return 0
+    return write_report(args, "overlap_stall", report, stall_markdown(report))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.common.harness import fmt, run_line, summary, table
+from benchmarks.common.harness import document, summary, table
 
 #: (phase, from milestone, to milestone), in order: the phases add up to kill -> first step.
 PHASES = (
@@ -185,44 +185,24 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The recovery section: the run, a phase table, the controller's timeline, the method."""
-    c = report["config"]
-    lines = [
-        "## Recovery time",
-        "",
-        run_line(report),
-        "",
-        f"State: {report['state_bytes'] / 1e9:.3f} GB ({c['size_mb']:g}MB: the suite's fp32 params + AdamW "
-        f"exp_avg + exp_avg_sq, {len(report['layer_shapes_rows_cols'])} FSDP2 Linear layers), saved every "
-        f"{c['save_every']} steps. A step: an in-place update of every local shard and one all-reduce of a scalar, "
-        f"plus a {c['step_sleep_s']:g} s sleep standing in for forward and backward. Seconds: median (min-max) "
-        f"over {c['repeats']} repeat(s); each phase ends when the last worker reaches it.",
-        "",
-    ]
-    rows = []
+    """The recovery section: a phase table and the controller's timeline, per scenario."""
+    rows, timeline = [], []
     for sc in report["scenarios"].values():
         s, p = sc["summary"], sc["summary"]["phases_s"]
         rows.append(
-            [sc["label"], ", ".join(s["worlds"]), *(fmt(p[k]) for k in ("detect", "restart", "build", "restore")),
-             fmt(p["first_step"]), fmt(s["total_s"]), f"{s['restore_share']['median']:.1%}",
-             fmt(s["steps_redone"], 0), "; ".join(s["restored_from"]), fmt(s["step_s"]) if s["step_s"] else ""]
-        )  # fmt: skip
-    header = ["scenario", "workers", "kill -> noticed", "-> restarted", "-> state built", "-> restored"]
-    header += ["-> first step", "kill -> first step", "restore's share", "steps re-done", "restored", "step s"]
-    lines += table(header, rows)
-    lines += [
-        "",
-        "Where Ray's part goes: seconds after the kill, median (min-max) over the repeats that reached each "
-        "milestone; 'group starts': the worker counts the controller began to start, in order.",
-        "",
-    ]
-    names = [n for n, _, _, _ in MILESTONES]
-    rows = []
-    for sc in report["scenarios"].values():
-        s = sc["summary"]
+            {"scenario": sc["label"], "workers": ", ".join(s["worlds"])}
+            | {PHASE_LABELS[name]: p[name] for name, _, _ in PHASES}
+            | {"kill -> first step": s["total_s"], "restore's share": f"{s['restore_share']['median']:.1%}"}
+            | {"steps re-done": s["steps_redone"], "restored": "; ".join(s["restored_from"]), "step s": s["step_s"]}
+        )
         entered = summary([r["phases_s"]["detect"] + r["phases_s"]["restart"] for r in sc["repeats"]])
-        cells = [fmt(s["controller_s"][n]) if n in s["controller_s"] else "" for n in names]
-        rows.append([sc["label"], *cells, fmt(entered), "; ".join(s["group_starts"])])
-    lines += table(["scenario", *(MILESTONE_LABELS[n] for n in names), "workers in loop", "group starts"], rows)
-    lines += ["", "### Method (recovery)", ""] + [f"- {x}" for x in report["method"]]
-    return "\n".join(lines) + "\n"
+        timeline.append(
+            {"scenario": sc["label"]}
+            | {label: s["controller_s"].get(name) for name, label in MILESTONE_LABELS.items()}
+            | {"workers in loop": entered, "group starts": "; ".join(s["group_starts"])}
+        )
+    note = (
+        "Where Ray's part goes: seconds after the kill, median (min-max) over the repeats that reached each "
+        "milestone; 'group starts': the worker counts the controller began to start, in order."
+    )
+    return document("Recovery time", report, table(rows), note, table(timeline))

@@ -1,10 +1,19 @@
-"""Recovery time under Ray Train, measured: where the time from a failure to the next step goes.
+"""Recovery time under Ray Train: where the time from a failure to the next step goes.
 
-Each repeat is a fresh TorchTrainer run (``recovery.loop.train_loop`` on every worker,
-``NoticeCallback`` and ``ControllerTimeline`` in the controller); a thread waits for the kill
-point and breaks the run: ``worker-kill`` SIGKILLs a worker on a local Ray, ``node-removal``
-removes a worker node of a fresh two-node cluster. ``recovery.report`` turns the events into
-phases.
+Each repeat is a fresh TorchTrainer run (gloo CPU workers running ``recovery.loop.train_loop``,
+``FailureConfig(max_failures=1)``, ``RayckptCallback``) on the suite's FSDP2 state, saved every
+``--save-every`` steps; a step is an in-place update of every local shard, one all-reduce and a
+sleep standing in for forward and backward. Once the chosen save is committed and reported to Ray
+Train and ``--steps-past`` more steps are done, the driver breaks the run: ``worker-kill`` SIGKILLs a
+rank's process on a local Ray; ``node-removal`` removes the rank's worker node of a fresh
+``ray.cluster_utils.Cluster`` (a head without training resources and two worker nodes, each its own
+``RAYCKPT_SHM_DIR``, ``ScalingConfig(num_workers=(W/2, W))``) with ``remove_node(allow_graceful=False)``;
+Ray's default health checks and timeouts. A ``-memory`` scenario also saves to the nodes' memory every
+step. Milestones, each when the last worker reaches it: kill; noticed (the controller's
+``after_exception``); workers restarted (entered the loop); state built (began
+``Checkpointer.restore``); restored; first step done. Events are ``time.time()`` lines appended to
+one file by every process; the controller's state changes and worker-group starts too. Steps re-done:
+the last step finished before the kill less the restored step. Seconds: median (min-max) over repeats.
 """
 
 from __future__ import annotations
@@ -39,11 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.parser(__doc__, "recovery", markdown=True, ray_logs=True)
     parser.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (params + AdamW moments)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--scenarios",
-        default="worker-kill,node-removal",
-        help=f"of {', '.join(LABELS)} (a -memory scenario also saves to the nodes' memory every step)",
-    )
+    parser.add_argument("--scenarios", type=cli.listed(LABELS), default="worker-kill,node-removal")
     parser.add_argument("--workers", type=int, default=4, help="workers before the failure (even: 2 nodes)")
     parser.add_argument("--kill-rank", type=int, default=1, help="the rank killed (its node, for node removal)")
     parser.add_argument("--save-every", type=int, default=5, help="save every K steps")
@@ -55,42 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--object-store-mb", type=int, default=512, help="each Ray node's object store")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to reach a repeat's kill point")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints under --out")
-    args = parser.parse_args(argv)
-    args.out = os.path.abspath(args.out)
-    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    if unknown := set(args.scenarios) - set(LABELS):
-        parser.error(f"unknown scenario(s) {sorted(unknown)}: {', '.join(LABELS)}")
+    args = cli.parse(parser, argv)
     if args.repeats < 1 or args.workers < 2 or args.workers % 2:
         parser.error("--repeats >= 1 and an even --workers >= 2")
     if not 0 <= args.kill_rank < args.workers:
         parser.error("--kill-rank must be a rank of the first group")
     return args
-
-
-def method(args: argparse.Namespace) -> list[str]:
-    save_step = args.save_every * args.kill_after_save
-    return [
-        "Each repeat is a fresh TorchTrainer run (gloo, CPU workers, `FailureConfig(max_failures=1)`, "
-        f"`RayckptCallback`). The driver breaks it once step {save_step}'s save has committed and Ray Train has "
-        f"it (the controller's `after_report`) and {args.steps_past} more steps are done.",
-        f"worker kill: a local Ray (`ray.init(address='local')`), {args.workers} workers, rank {args.kill_rank}'s "
-        "process SIGKILLed (`os.kill`).",
-        f"node removal: a fresh `ray.cluster_utils.Cluster` per repeat, a head without training resources (the "
-        "controller, the MetadataActor) and two worker nodes of "
-        f"{args.workers // 2} CPUs (each its own `RAYCKPT_SHM_DIR`), storage a local directory shared by the "
-        f"nodes, `ScalingConfig(num_workers=({args.workers // 2}, {args.workers}))`; the node of rank "
-        f"{args.kill_rank} is removed with `Cluster.remove_node(node, allow_graceful=False)` (its raylet and "
-        "every process on it SIGKILLed, as when a machine dies). Ray's default health checks and timeouts.",
-        "Milestones: kill = just before `os.kill` / `remove_node`; noticed = the controller's "
-        "`UserCallback.after_exception` (before `RayckptCallback` rolls back in-flight saves); workers restarted "
-        "= the last worker of the new group entered the train loop; state built = the last began "
-        "`Checkpointer.restore` (FSDP2 model and AdamW state made, Checkpointer created); restored = the last "
-        "returned from `restore` (load N -> M + its staging buffer); first step = the last finished its first "
-        "step. Events are `time.time()` lines appended to one file by every process (one machine, one clock).",
-        "Controller milestones: the first state change to RESTARTING, SCHEDULING and RUNNING after the kill and "
-        "the old group's shutdown / the new group's start (`ControllerCallback` / `WorkerGroupCallback` hooks).",
-        "Steps re-done: the last step any worker finished before the kill, minus the restored step.",
-    ]
 
 
 def wait_for_kill_point(args: argparse.Namespace, run: str, events: str, fit_done: threading.Event) -> list[dict]:
@@ -257,23 +232,13 @@ def node_removal(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-
     os.makedirs(os.path.join(args.out, "events"), exist_ok=True)
     shapes = layer_shapes(args.size_mb)
-    report = new_report(
-        "benchmarks.recovery restart",
-        argv,
-        config={k: v for k, v in vars(args).items() if k != "out"},
-        state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
-        layer_shapes_rows_cols=shapes,
-        scenarios={},
-        method=method(args),
-    )
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown", "ray_logs")}
+    report = new_report("benchmarks.recovery restart", argv, __doc__, config=config, scenarios={})
+    report["state_bytes"] = 12 * sum(rows * cols + rows for rows, cols in shapes)
     with load_sampled(report):
         for sc in args.scenarios:
             repeats = (worker_kill if sc.startswith("worker-kill") else node_removal)(args, sc)
             report["scenarios"][sc] = {"label": LABELS[sc], "repeats": repeats, "summary": summarize(repeats)}
-    md = markdown(report)
-    write_report(args.out, "recovery", report, md, args.markdown)
-    print(md)
-    return 0
+    return write_report(args, "recovery", report, markdown(report))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
 import pickle
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -24,9 +23,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
-from .layout import ITEMSIZE, Layout, dim0_rows, row_bytes
+from .layout import Layout, dim0_rows, row_bytes
 
 METADATA_NAME = ".metadata"
 #: The save id ``FileSystemWriter`` draws (a uuid4 string), fixed for comparable sizes.
@@ -231,59 +229,3 @@ def local_load_plan(state: dict[str, Any], metadata: Metadata) -> Any:
 
 def load_items(plan: Any) -> int:
     return len(plan.items)
-
-
-def _gathered(obj: Any) -> Any:
-    """What a collective hands the other side: ``obj`` pickled and unpickled."""
-    return pickle.loads(pickle.dumps(obj))
-
-
-def metadata_via_planner(layout: Layout, world_size: int, checkpoint_id: str) -> tuple[Metadata, list[SavePlan]]:
-    """``dcp.save``'s planning and finish for the layout: every rank's ``DefaultSavePlanner`` on its
-    DTensors, the coordinator's global plan, each rank's writes (``item_length`` bytes each), ``finish``."""
-    local = []
-    for rank in range(world_size):
-        with fake_world(world_size, rank) as mesh:
-            planner = DefaultSavePlanner()
-            planner.set_up_planner(target_state(layout, mesh, flat=False), is_coordinator=rank == 0)
-            local.append(_gathered(planner.create_local_plan()))
-    plans, metadata = DefaultSavePlanner().create_global_plan(local)
-    plans = [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
-    results = []
-    for plan in map(_gathered, plans):
-        name, pos, written = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}", 0, []
-        for item in plan.items:
-            sizes = item.tensor_data.chunk.sizes
-            length = item_length(sizes.numel() * ITEMSIZE)
-            written.append(WriteResult(item.index, length, _StorageInfo(name, pos, length)))
-            pos += length
-        results.append(_gathered(written))
-    metadata.version = CURRENT_DCP_VERSION
-    metadata.storage_data = {wr.index: wr.storage_data for written in results for wr in written}
-    metadata.storage_meta = StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=SAVE_ID)
-    return metadata, local
-
-
-def real_save_worker(rank: int, world_size: int, layout: Layout, directory: str) -> None:
-    """One rank of a real ``dcp.save`` of ``layout`` (zero-filled FSDP2 shards; ``run_ranks`` on gloo)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    state: dict[str, Any] = {}
-    for path, shape in zip(layout.paths, layout.shapes, strict=True):
-        _, rows = dim0_rows(shape, world_size, rank)
-        local = torch.zeros((rows,) + shape[1:])
-        node = state
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = DTensor.from_local(
-            local,
-            mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=torch.empty(shape, device="meta").stride(),
-        )
-    dcp.save(state, checkpoint_id=directory)

@@ -1,9 +1,13 @@
-"""Thousands of ranks, metadata only: rayckpt side by side with DCP."""
+"""Thousands of ranks, metadata only: rayckpt side by side with DCP, each library's own code on the
+metadata a save of a GPT with AdamW makes (``--tensors`` float32 tensors, FSDP2 dim-0 shards over N
+ranks), no tensor data. Each step runs in a fresh process; figures are its CPU seconds, steps under a
+second the median of 5 runs. "One rank without Ray": a rank's plan from the slice rank 0 scattered
+to it (it reads no manifest). DCP past ``--budget-s`` is timed on samples and extrapolated ("est.",
+how: below the tables); a manifest step that would not fit in memory samples the tensors."""
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -11,11 +15,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import cli
-from benchmarks.common.harness import REPO_ROOT, MemSampler, new_report, write_report
+from benchmarks.common.harness import REPO_ROOT, load_sampled, new_report, profiled, repeated, write_report
 from benchmarks.scale import layout as lay
 from benchmarks.scale.report import fit_exponent, markdown, targets
 from rayckpt.format.chunk_columns import ChunkColumns
@@ -31,26 +34,6 @@ from rayckpt.storage.commit import commit_manifest, create_manifest, read_manife
 #: Tensors of each shape timed for DCP's estimated global save plan.
 SHAPE_SAMPLE = 4
 STEPS = ("rayckpt_commit", "rayckpt_load", "rayckpt_save_plan", "dcp_commit", "dcp_load", "dcp_save_plan")
-
-
-def measured(fn: Callable[[], Any]) -> tuple[dict[str, float], Any]:
-    """Run ``fn`` once: CPU and wall seconds, and peak RSS above the RSS before it."""
-    gc.collect(1)  # the young garbage of what ran before (a full pass over millions of objects takes seconds)
-    sampler = MemSampler({"self": os.getpid()}, interval=0.02).start()
-    w0, c0 = time.perf_counter(), time.process_time()
-    out = fn()
-    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    mem = sampler.stop()["self"]
-    return {"cpu_s": cpu, "wall_s": wall, "extra_rss": mem["extra_rss"]}, out
-
-
-def repeated(fn: Callable[[], Any], times: int = 5) -> tuple[dict[str, Any], Any]:
-    """``measured`` ``times`` times (steps well under a second, whose single runs vary most): the
-    run of median CPU seconds, with every run's CPU seconds."""
-    runs = [measured(fn) for _ in range(times)]
-    runs.sort(key=lambda r: r[0]["cpu_s"])
-    stats, out = runs[len(runs) // 2]
-    return {**stats, "cpu_s_runs": [r[0]["cpu_s"] for r in runs]}, out
 
 
 def targets_of(n: int) -> list[int]:
@@ -69,10 +52,10 @@ def rayckpt_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
     # What the committer runs on every save: the validated manifest of every rank's chunks, then its
     # encoding, written atomically.
-    out["create_manifest"], manifest = measured(lambda: create_manifest(spec, shards))
+    out["create_manifest"], manifest = profiled(lambda: create_manifest(spec, shards))
     shards.clear()  # the commit needs only the manifest
     directory = os.path.join(work, f"rayckpt-{n}")
-    out["commit"], _ = measured(lambda: commit_manifest(CheckpointDir.resolve(directory), manifest))
+    out["commit"], _ = profiled(lambda: commit_manifest(CheckpointDir.resolve(directory), manifest))
     out["files"] = lay.rayckpt_metadata_bytes(directory)
     out["metadata_bytes"] = sum(out["files"].values())
     out["chunks"] = sum(len(e.chunks) for e in manifest.entries.values() if hasattr(e, "chunks"))
@@ -84,19 +67,19 @@ def rayckpt_load(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     rank's plan from its slice; last, each rank planning alone from the manifest (the fallback), which
     builds millions of chunk objects and is kept from disturbing the steps before it."""
     out: dict[str, Any] = {"targets": {}}
-    out["read"], manifest = measured(lambda: read_manifest(CheckpointDir.resolve(os.path.join(work, f"rayckpt-{n}"))))
-    out["chunk_table"], table = measured(lambda: ChunkTable.from_manifest(manifest))
+    out["read"], manifest = profiled(lambda: read_manifest(CheckpointDir.resolve(os.path.join(work, f"rayckpt-{n}"))))
+    out["chunk_table"], table = profiled(lambda: ChunkTable.from_manifest(manifest))
     for_rank, from_slice = {}, {}
     for m in targets_of(n):
         rank = m // 2
         t = out["targets"][m] = {"rank": rank}
         # Every target rank's plan at once, as the MetadataActor plans on Ray.
-        t["bulk_plan"], bulk = measured(
+        t["bulk_plan"], bulk = profiled(
             lambda m=m, table=table: create_dim0_plans(manifest, lay.specs(layout), m, table=table)
         )
         t["for_rank"], for_rank[m] = repeated(lambda bulk=bulk, rank=rank: bulk.for_rank(rank))
         # Without Ray: rank 0 slices the bulk plan; each rank builds its plan from its slice.
-        t["slices"], slices = measured(
+        t["slices"], slices = profiled(
             lambda bulk=bulk: slice_plan(bulk, lay.specs(layout), (), ChunkColumns.from_manifest(manifest))
         )
         mine = slices[rank]
@@ -112,7 +95,7 @@ def rayckpt_load(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
 
     for m in targets_of(n):
         t = out["targets"][m]
-        stats, plan = measured(lambda m=m, rank=t["rank"]: rank_plan(m, rank))
+        stats, plan = profiled(lambda m=m, rank=t["rank"]: rank_plan(m, rank))
         t.update(rank_plan=stats, reads=len(plan.reads))
         t["for_rank_equals_rank_plan"] = for_rank[m] == plan
         t["from_slice_equals_rank_plan"] = from_slice[m] == plan
@@ -125,7 +108,7 @@ def rayckpt_save_plan(layout: lay.Layout, n: int) -> dict[str, Any]:
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
     layouts = [ShardLayout.from_shards(own) for own in shards]  # made on each rank, in parallel
     # Rank 0's part of an uncached save plan: which rank writes each distinct (key, box).
-    out["save_plan"], assignment = measured(lambda: assign_writers(layouts))
+    out["save_plan"], assignment = profiled(lambda: assign_writers(layouts))
     out["write_items"] = sum(len(w) for w in assignment.written)
     rank, mine = n // 2, assignment.written[n // 2]
 
@@ -133,7 +116,7 @@ def rayckpt_save_plan(layout: lay.Layout, n: int) -> dict[str, Any]:
         ShardLayout.from_shards(shards[rank])
         return create_own_plan(rank, shards[rank], mine)
 
-    out["rank_save_plan"], _ = measured(rank_save_plan)
+    out["rank_save_plan"], _ = profiled(rank_save_plan)
     # The next save of the same layout: each rank hashes its own layout, rank 0 compares the digest of
     # every rank's hash with the one the first save cached; a hit reuses the cached plan.
     out["rank_layout_hash"], _ = repeated(lambda: ShardLayout.from_shards(shards[0]).digest())
@@ -152,7 +135,7 @@ def dcp_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     metadata = dcp.build_metadata(layout, n, directory)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "chunks": dcp.metadata_chunks(metadata)}
-    out["write"], _ = measured(lambda: dcp.write_metadata(directory, metadata))
+    out["write"], _ = profiled(lambda: dcp.write_metadata(directory, metadata))
     out["files"] = lay.metadata_bytes(directory)
     out["metadata_bytes"] = sum(out["files"].values())
     return out
@@ -162,14 +145,14 @@ def dcp_load(layout: lay.Layout, n: int, work: str, budget_s: float, samples: in
     from benchmarks.scale import dcp
 
     out: dict[str, Any] = {"targets": {}}
-    out["read"], metadata = measured(lambda: dcp.read_metadata(os.path.join(work, f"dcp-{n}")))
+    out["read"], metadata = profiled(lambda: dcp.read_metadata(os.path.join(work, f"dcp-{n}")))
 
     def rank_plan(m: int, rank: int) -> tuple[dict[str, float], int, float]:
         """Rank ``rank``'s plan among ``m``: its figures, read items, and the wall seconds it all took."""
         t0 = time.perf_counter()
         with dcp.fake_world(m, rank) as mesh:
             state = dcp.target_state(layout, mesh)
-            stats, plan = measured(lambda: dcp.local_load_plan(state, metadata))
+            stats, plan = profiled(lambda: dcp.local_load_plan(state, metadata))
         return stats, dcp.load_items(plan), time.perf_counter() - t0
 
     for m in targets_of(n):
@@ -199,19 +182,19 @@ def dcp_save_plan(layout: lay.Layout, n: int, budget_s: float) -> dict[str, Any]
     out: dict[str, Any] = {"per_shape": []}
     # What a call costs whatever the tensors (N plans to dedup, merge and validate): counted once.
     plans = dcp.local_save_plans(layout.subset([]), n)
-    out["fixed"], _ = measured(lambda: dcp.global_plan(plans))
+    out["fixed"], _ = profiled(lambda: dcp.global_plan(plans))
     estimate = out["fixed"]["cpu_s"]
     for shape, indices in layout.by_shape().items():
         sample = indices[:SHAPE_SAMPLE]
         plans = dcp.local_save_plans(layout.subset(sample), n)
-        stats, _ = measured(lambda plans=plans: dcp.global_plan(plans))
+        stats, _ = profiled(lambda plans=plans: dcp.global_plan(plans))
         out["per_shape"].append({"shape": list(shape), "tensors": len(indices), "timed": len(sample), **stats})
         estimate += max(0.0, stats["cpu_s"] - out["fixed"]["cpu_s"]) * len(indices) / len(sample)
     del plans
     out["estimate_s"] = estimate
     if estimate <= budget_s:
         plans = dcp.local_save_plans(layout, n)
-        out["uncached"], _ = measured(lambda: dcp.global_plan(plans))
+        out["uncached"], _ = profiled(lambda: dcp.global_plan(plans))
         out["uncached"]["estimated"] = False
     else:
         out["uncached"] = {
@@ -294,7 +277,7 @@ def tensor_stride(system: str, n: int, args: argparse.Namespace) -> int:
     return max(1, int(-(-need // max(room, GIB))))
 
 
-def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:
+def run_all(args: argparse.Namespace, report: dict[str, Any]) -> None:
     work = os.path.abspath(args.work)
     for n in args.ranks:
         per_n = report["results"].setdefault(str(n), {})
@@ -302,7 +285,7 @@ def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:
         for step in STEPS:
             if step in per_n:
                 continue
-            path = os.path.join(out, f"bench_scale.{n}.{step}.json")
+            path = os.path.join(args.out, f"bench_scale.{n}.{step}.json")
             cmd = [sys.executable, "-m", "benchmarks.scale", "--worker", step, "--n", str(n)]
             if not step.endswith("save_plan"):
                 cmd += ["--tensor-stride", str(strides[step.split("_")[0]])]
@@ -318,17 +301,15 @@ def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:
                     per_n[step] = json.load(f)
                 os.remove(path)
             print(f"[scale] N={n} {step} {time.perf_counter() - t0:.0f}s", flush=True)
-            finish(report, out)
+            finish(report, args)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def finish(report: dict[str, Any], out: str) -> str:
+def finish(report: dict[str, Any], args: argparse.Namespace) -> int:
     """Fits, targets and the result files of what was measured so far (a run cut short keeps them)."""
     report["fits"] = fit_exponents(report)
     report["targets"] = targets(report)
-    md = markdown(report)
-    write_report(out, "bench_scale", report, md)
-    return md
+    return write_report(args, "bench_scale", report, markdown(report))
 
 
 def fit_exponents(report: dict[str, Any]) -> dict[str, Any]:
@@ -356,33 +337,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    args = cli.parse(parser, argv)
     args.ranks = [int(x) for x in args.ranks.split(",")]
     if min(args.ranks) < 2 or args.tensors < 1:
         parser.error("--ranks must be >= 2 and --tensors >= 1")
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
-    report = new_report("benchmarks.scale", argv, results={})
-    report["machine"]["load_average_1min_before"] = os.getloadavg()[0]
-    report["config"] = {
-        "ranks": args.ranks,
-        "tensors": args.tensors,
-        "budget_s": args.budget_s,
-        "dcp_sample_ranks": args.dcp_sample_ranks,
-        "max_gib": args.max_gib,
-        "block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)),
-        "model": lay.GPT_SHAPE,
-    }
-    t0 = time.perf_counter()
-    run_all(args, report, out)
-    report["machine"]["load_average_1min_after"] = os.getloadavg()[0]
-    report["total_runtime_s"] = time.perf_counter() - t0
-    md = finish(report, out)
+    config = {k: getattr(args, k) for k in ("ranks", "tensors", "budget_s", "dcp_sample_ranks", "max_gib")}
+    config |= {"block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)), "model": lay.GPT_SHAPE}
+    report = new_report("benchmarks.scale", argv, __doc__, config=config, results={})
+    with load_sampled(report):
+        run_all(args, report)
     try:
         from benchmarks.scale.plot import write_plot
 
-        write_plot(report, os.path.join(out, "bench_scale.png"))
+        write_plot(report, os.path.join(args.out, "bench_scale.png"))
     except Exception as exc:  # the figures stand without the plot
         print(f"[scale] no plot: {exc}", flush=True)
-    print(md)
-    print(f"[scale] total {report['total_runtime_s']:.0f}s; wrote {out}/bench_scale.json and bench_scale.md")
-    return 0
+    return finish(report, args)

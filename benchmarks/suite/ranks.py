@@ -67,16 +67,13 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
         out.update(state_bytes=state_bytes(app), checksums=sums, **memcpy_anchor())
     me = {"rank": os.getpid()}
     pids = connect_actors(cfg["ray_address"], rank, me)
-    group = dist.new_group(backend="gloo") if "dcp_async" in names else None
-    run = f"bench-{cfg['storage']}-{cfg['size_label']}"
+    options = {"dcp_async": {"group": dist.new_group(backend="gloo") if "dcp_async" in names else None}}
 
     tiny = {"warm": {f"r{rank}": torch.full((1024,), float(rank))}}
-    systems.rayckpt_save(tiny, where, f"{rels['warmup']}/rayckpt")
-    systems.ray_save(tiny, where, f"{rels['warmup']}/ray", run=run + "-warmup", step=0).wait()
+    for system in (s for s in names if s in systems.SAVES):  # untimed: each system's first call
+        options["rayckpt_ray"] = {"run": cfg["run"] + "-warmup", "step": 0}
+        systems.save(system, tiny, where, f"{rels['warmup']}/{system}", **options.get(system, {}))
     systems.prepare_staging(state)
-    systems.dcp_save(tiny, where, f"{rels['warmup']}/dcp")
-    if group is not None:
-        systems.dcp_async_save(tiny, where, f"{rels['warmup']}/dcp_async", group).result()
     dist.barrier()
     if rank == 0:
         where.delete(rels["warmup"])
@@ -93,22 +90,13 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     blob = memoryview(bytearray(os.urandom(RAW_BLOCK)))
 
     def op(system: str, t0: float, rep: int) -> dict[str, Any]:
-        if system == "rayckpt_ray":
-            handle = systems.ray_save(state, where, rels[system], run=run, step=rep)
-            returned = time.perf_counter() - t0
-            entry = handle.wait()
-            done = time.perf_counter() - t0
-            return {"stall": handle.stall_seconds, "stall_external": returned, "commit": done, "status": entry.status}
-        if system == "dcp_async":
-            pending = systems.dcp_async_save(state, where, rels[system], group)
-            stall = time.perf_counter() - t0
-            pending.result()
-            return {"stall": stall, "commit": time.perf_counter() - t0}
-        if system == "rayckpt":
-            systems.rayckpt_save(state, where, rels[system])
-        elif system == "dcp":
-            systems.dcp_save(state, where, rels[system])
-        elif system == "torch_save" and rank == 0:
+        if system in systems.SAVES:
+            options["rayckpt_ray"] = {"run": cfg["run"], "step": rep}
+            done = systems.save(system, state, where, rels[system], **options.get(system, {}))
+            if system == "rayckpt_ray":  # the handle's own stall; the call's return as seen from outside
+                done |= {"stall": done["info"].stall_seconds, "stall_external": done["stall"]}
+            return {k: v for k, v in done.items() if k != "info"}
+        if system == "torch_save" and rank == 0:
             systems.torch_save(full, where.uri(rels[system]))
         elif system == "raw":
             write_raw(mine, raw_bytes, blob, fsync=True)
@@ -123,8 +111,7 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
                 os.sync()  # untimed: no one's dirty pages get flushed inside the timed window
             who = pids if system == "rayckpt_ray" else me
             rec = counted(functools.partial(op, system, rep=rep), rank, where, who, cfg["mem_interval"])
-            rec["repeat"] = rep
-            out["save"][system].append(rec)
+            out["save"][system].append({**rec, "repeat": rep})
             if system == "raw":
                 evict([mine])
                 resident = resident_fraction([mine])
@@ -176,16 +163,13 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
 
     def op(system: str, t0: float) -> dict[str, Any]:
         rel = sources[SOURCE.get(system, system)]
-        if system.startswith("rayckpt"):
-            info = systems.rayckpt_load(state, where, rel)
-            keys = ("bytes_needed", "bytes_read", "bytes_fetched", "requests", "num_reads")
-            return {k: getattr(info, k) for k in keys if hasattr(info, k)}
         if system == "torch_load":
             read_s, rest = systems.torch_load(model, optim, where.uri(rel))
             app.extras["step"] = rest["step"]
             return {"read_s": read_s}
-        systems.dcp_load(state, where, rel, **({"default_cache_type": "none"} if system == "dcp_nocache" else {}))
-        return {}
+        info = systems.load(system, state, where, rel)
+        keys = ("bytes_needed", "bytes_read", "bytes_fetched", "requests", "num_reads")
+        return {k: getattr(info, k) for k in keys if hasattr(info, k)}
 
     for rep in range(cfg["repeats"]):
         for system in rotated(names, rep):
@@ -209,8 +193,8 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
             for rel in resave.values():
                 where.delete(rel)
         dist.barrier()
-        systems.rayckpt_save(state, where, resave["rayckpt"])
-        systems.dcp_save(state, where, resave["dcp"])
+        for system, rel in resave.items():
+            systems.save(system, state, where, rel)
     dist.barrier()
     return out
 

@@ -150,6 +150,6 @@ def test_summary_and_markdown_over_repeats():
         "method": ["how"],
     }
     md = markdown(report)
-    assert "| worker SIGKILLed | 4->2, 4->4 | 2.00 (2.00-2.00) |" in md
-    assert "44.10 (14.15-74.05)" in md
+    assert "| worker SIGKILLed | 4->2, 4->4 | 2 (2-2) | 38.7 (8.80-68.6) |" in md
+    assert "| 44.1 (14.2-74.0) |" in md
     assert "| 4 -> 2; 4 |" not in md and "4; 4 -> 2 |" in md
