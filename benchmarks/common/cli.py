@@ -19,10 +19,6 @@ GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     "hosts": (
         "the memory tier and recovery on Ray nodes that are hosts of their own",
         {
-            "replicas": (
-                "benchmarks.hosts.replicas",
-                "a replica from one host to another: over the writers' link against through Ray's object store",
-            ),
             "cut": (
                 "benchmarks.hosts.cut",
                 "an elastic job's host cut off: the time to the restored group, Ray's default and tuned health checks",
