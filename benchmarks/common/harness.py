@@ -185,22 +185,6 @@ def repeated(fn: Callable[[], Any], times: int = 5) -> tuple[dict[str, Any], Any
     return {**stats, "cpu": cpu, "wall": wall, "peak_extra_rss": max(r[0]["extra_rss"] for r in runs)}, out
 
 
-def memcpy_anchor() -> dict[str, float]:
-    """Single-thread memory copy speed (64 MiB, 4 times): the anchor for copy-bound phases."""
-    import torch
-
-    a = torch.empty(64 * 2**20 // 4)
-    a.normal_()
-    b = torch.empty_like(a)
-    t0 = time.perf_counter()
-    for _ in range(4):
-        b.copy_(a)
-    return {
-        "memcpy_GBps_1thread": 4 * a.numel() * 4 / 1e9 / (time.perf_counter() - t0),
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
 def rotated(items: list[str] | tuple[str, ...], rep: int) -> list[str]:
     """``items`` rotated by ``rep``: no system always runs first (or right after another) in a repeat."""
     k = rep % len(items)

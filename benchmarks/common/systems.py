@@ -71,18 +71,6 @@ def local(path: str) -> tuple[Where, str]:
     return Where(os.path.dirname(path) or "."), os.path.basename(path)
 
 
-def rayckpt_save(state: Any, where: Where, rel: str, **kwargs: Any) -> Any:
-    import rayckpt
-
-    return rayckpt.save(state, where.uri(rel), **kwargs)
-
-
-def rayckpt_load(state: Any, where: Where, rel: str) -> Any:
-    import rayckpt
-
-    return rayckpt.load(state, where.uri(rel))
-
-
 def ray_save(state: Any, where: Where, rel: str, run: str, step: int, **kwargs: Any) -> Any:
     """``rayckpt.ray.save_async``: its ``SaveHandle``."""
     from rayckpt.ray import save_async
@@ -115,18 +103,6 @@ def release_staging() -> None:
     from rayckpt.ray import release_staging as release
 
     release()
-
-
-def dcp_save(state: Any, where: Where, rel: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, storage_writer=where.dcp_writer(rel))
-
-
-def dcp_load(state: Any, where: Where, rel: str, **options: Any) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(state, storage_reader=where.dcp_reader(rel, **options))
 
 
 def dcp_stager(options: tuple[bool, bool, bool, bool] | None) -> Any:
@@ -215,9 +191,13 @@ def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dic
         stall = time.perf_counter() - t0
         info.result()
     elif system == "dcp":
-        info = dcp_save(state, where, rel)
+        import torch.distributed.checkpoint as dcp
+
+        info = dcp.save(state, storage_writer=where.dcp_writer(rel))
     elif system.startswith("rayckpt"):
-        info = rayckpt_save(state, where, rel, incremental=system == "rayckpt_incremental", **options)
+        import rayckpt
+
+        info = rayckpt.save(state, where.uri(rel), incremental=system == "rayckpt_incremental", **options)
     else:
         raise ValueError(f"unknown system {system!r}: {', '.join(SAVES)}")
     commit = time.perf_counter() - t0
@@ -226,9 +206,14 @@ def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dic
 
 def load(system: str, state: Any, where: Where, rel: str) -> Any:
     """One load by ``system``: rayckpt (its ``LoadInfo``), DCP, or DCP with s3fs's read-ahead off (``dcp_nocache``)."""
+    import torch.distributed.checkpoint as dcp
+
+    import rayckpt
+
     if system.startswith("rayckpt"):
-        return rayckpt_load(state, where, rel)
-    return dcp_load(state, where, rel, **({"default_cache_type": "none"} if system == "dcp_nocache" else {}))
+        return rayckpt.load(state, where.uri(rel))
+    options = {"default_cache_type": "none"} if system == "dcp_nocache" else {}
+    return dcp.load(state, storage_reader=where.dcp_reader(rel, **options))
 
 
 class BareCopy:
@@ -257,6 +242,101 @@ def memory_tier(state: Any, overlap: bool = True, **options: Any) -> Any:
     its staging buffers made (``restore`` with nothing to restore, as a run's first restore does)."""
     from rayckpt.train import Checkpointer
 
-    ckpt = Checkpointer(memory_every=1, persist_every=10**9, **({} if overlap else {"overlap": False}), **options)
+    ckpt = Checkpointer(memory_every=1, persist_every=10**9, overlap=overlap, **options)
     ckpt.restore(state)
     return ckpt
+
+
+#: The modes ``Modes`` saves in: the stager options (pinned, shared, async staging, non-blocking) of DCP's
+#: ``async_save``, the ``overlap`` of rayckpt's ``save_async`` and of its memory tier.
+MODES: dict[str, Any] = {"none": None, "copy": None, "dcp": (True, False, False, False)}
+MODES |= {"dcp-async-staging": (True, True, True, True), "rayckpt-sync": False, "rayckpt": True, "rayckpt-all": "all"}
+MODES |= {"memory": True, "memory-sync": False}
+
+
+class Modes:
+    """Saves beside a training loop, by mode (of ``MODES``): what each needs made beforehand (buffers, reused
+    stagers, staging buffers, memory tiers), ``save`` starting one (the call a step pays), ``before_step``
+    waiting for DCP's staging before the optimizer step (rayckpt's guarded optimizer waits for its own copy),
+    ``finish`` waiting for the save in flight and removing it, ``settle`` waiting for every background save."""
+
+    def __init__(self, state: Any, modes: tuple[str, ...], root: str, *, cuda: bool = False, **options: Any) -> None:
+        import torch.distributed as dist
+
+        self.state, self.root, self.cuda = state, root, cuda
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        #: ``run``, ``step``: of rayckpt's saves; ``group``: DCP's upload's own gloo group; ``local_is_shared``.
+        self.options = options
+        #: Modes that could not be made, with their error.
+        self.failed: dict[str, str] = {}
+        self.copy = BareCopy(state, pinned=cuda) if "copy" in modes else None
+        shared = options.get("local_is_shared")
+        # Made before any save: a Checkpointer made later would count as a restarted worker group.
+        self.memory = {m: memory_tier(state, MODES[m], local_is_shared=shared) for m in modes if m.startswith("memory")}
+        self.stagers = {}
+        for mode in (m for m in modes if m.startswith("dcp")):
+            try:
+                self.stagers[mode] = dcp_stager(MODES[mode])
+            except Exception as exc:  # a stager this torch cannot run is a result, not a crash
+                self.failed[mode] = f"{type(exc).__name__}: {exc}"[:400]
+        self.ray = any(m.startswith("rayckpt") for m in modes)
+        if self.ray:
+            prepare_staging(state, wait=True)
+        self.staging: Any = None
+        self.pending: tuple[str, Any] | None = None
+
+    def save(self, mode: str, step: int) -> bool | None:
+        """Start ``step``'s save in ``mode``, the one before finished first (as torchtitan waits for DCP's
+        upload); for the memory tier, whether it skipped the save."""
+        self.finish()
+        path = os.path.join(self.root, f"{mode}-{step}")
+        if mode == "copy":
+            self.copy.save()
+        elif mode.startswith("dcp"):
+            pending = dcp_async_save(self.state, *local(path), self.options.get("group"), self.stagers[mode])
+            self.staging, self.pending = pending.staged, (path, pending.upload.result)
+        elif mode.startswith("rayckpt"):
+            run = self.options.get("run", "bench")
+            handle = ray_save(self.state, *local(path), run=run, step=step, overlap=MODES[mode])
+            self.pending = (path, lambda: self._committed(handle, step))
+        elif mode in self.memory:
+            before = self.memory[mode].memory_skipped
+            self.memory[mode].save(step, self.state, persist=False)
+            return self.memory[mode].memory_skipped > before
+        return None
+
+    def _committed(self, handle: Any, step: int) -> dict[str, Any]:
+        entry = handle.wait()
+        if entry.status != "committed":
+            raise RuntimeError(f"save_async of step {step}: {entry.status}: {entry.error}")
+        return {"late_bytes": handle.late_bytes, "copy_s": handle.copy_seconds}
+
+    def before_step(self) -> None:
+        if self.staging is not None:
+            self.staging, staged = None, self.staging
+            staged()
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the save in flight (done: every rank's files written) and remove it (rank 0); its figures."""
+        self.before_step()
+        if self.pending is None:
+            return {}
+        (path, wait), self.pending = self.pending, None
+        done = wait()
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        return done if isinstance(done, dict) else {}
+
+    def settle(self) -> None:
+        """Every save's background work done (untimed)."""
+        self.finish()
+        for ckpt in self.memory.values():
+            ckpt.wait()
+
+    def close(self) -> None:
+        for stager in self.stagers.values():
+            stager.close()
+        for ckpt in self.memory.values():
+            ckpt.release_memory()
+        if self.ray:
+            release_staging()

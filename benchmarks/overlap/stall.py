@@ -16,12 +16,10 @@ copied beside the next step; ``rayckpt-all``: ``save_async(overlap="all")``; ray
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -29,136 +27,54 @@ import torch
 from benchmarks.common import cli, systems
 from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records, new_ray
-from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
+from benchmarks.common.workload import StackShape, add_model_args, batch, build, stack_shape, train_step
 from benchmarks.overlap.report import stall_markdown, stall_targets, summarize_stall
 
 SCENARIOS = ("one-process", "four-ranks")
-#: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP mode.
-DCP_OPTIONS = {"dcp": (True, False, False, False), "dcp-async-staging": (True, True, True, True)}
-#: ``save_async``'s ``overlap`` of each rayckpt mode.
-OVERLAP: dict[str, bool | str] = {"rayckpt-sync": False, "rayckpt": True, "rayckpt-all": "all"}
-ALL_MODES = ("copy", *DCP_OPTIONS, *OVERLAP)
+ALL_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt", "rayckpt-all")
 CPU_MODES = ("copy", "dcp", "rayckpt-sync", "rayckpt")
 CUDA_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt")
 
 
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:400]
-
-
-@dataclass
-class Saver:
-    """One process's saves of every mode, and what each needs made beforehand."""
-
-    app: Any
-    device: str
-    modes: tuple[str, ...]
-    run: str
-    #: The group DCP's upload runs its collectives on (``None``: one process, no group).
-    dcp_group: Any = None
-    #: Modes that raised, with their error: not run again.
-    failed: dict[str, str] = field(default_factory=dict)
-    #: Save copies of the app's tensors, which no optimizer owns: every mode copies them before it returns.
-    plain: bool = False
-
-    def __post_init__(self) -> None:
-        self.state = {"app": self.app}
-        if self.plain:  # copies: the optimizer's own tensors would be copied beside the next step
-            self.state = {f"t{i}": t.clone() for i, t in enumerate(systems.local_tensors(self.state))}
-        self.cuda = self.device.startswith("cuda")
-        self.copy = systems.BareCopy(self.state, pinned=self.cuda) if "copy" in self.modes else None
-        self.stagers = {}
-        for mode in (m for m in self.modes if m in DCP_OPTIONS):
-            try:
-                self.stagers[mode] = systems.dcp_stager(DCP_OPTIONS[mode])
-            except Exception as exc:  # a stager this torch cannot run is a result, not a crash
-                self.failed[mode] = error_text(exc)
-        if any(m in OVERLAP for m in self.modes):
-            systems.prepare_staging(self.state, wait=True)
-
-    def start(self, mode: str, path: str, step: int) -> tuple[Callable[[], Any] | None, Callable[[], dict]]:
-        """Start one save of ``mode`` (the timed call): what the step waits for before the optimizer step,
-        and what finishes the save (its figures)."""
-        if mode == "copy":
-            self.copy.save()
-            return None, dict
-        where, rel = systems.local(path)
-        if mode in DCP_OPTIONS:
-            pending = systems.dcp_async_save(self.state, where, rel, self.dcp_group, self.stagers[mode])
-
-            def uploaded() -> dict[str, Any]:
-                pending.upload.result()
-                return {}
-
-            return pending.staged, uploaded
-        handle = systems.ray_save(self.state, where, rel, run=self.run, step=step, overlap=OVERLAP[mode])
-
-        def finish() -> dict[str, Any]:
-            entry = handle.wait()
-            if entry.status != "committed":
-                raise RuntimeError(f"{mode}: save of step {step}: {entry.status}: {entry.error}")
-            return {"late_bytes": handle.late_bytes, "copy_s": handle.copy_seconds}
-
-        return None, finish
-
-    def close(self) -> None:
-        for stager in self.stagers.values():
-            stager.close()
-        if any(m in OVERLAP for m in self.modes):
-            systems.release_staging()
-
-
-def run_rounds(saver: Saver, model: Any, optim: Any, x: torch.Tensor, args: dict[str, Any], root: str) -> list[dict]:
+def run_rounds(saves: systems.Modes, model: Any, optim: Any, x: torch.Tensor, args: dict[str, Any]) -> list[dict]:
     """``args["warmup"]`` rounds, then ``args["rounds"]`` counted ones, of every mode (see the module)."""
     import torch.distributed as dist
 
     from rayckpt.engine import overlap
 
     ranks = dist.is_initialized()
-    rank = dist.get_rank() if ranks else 0
     records: list[dict[str, Any]] = []
     step = 0
     for rnd in range(-args["warmup"], args["rounds"]):
-        for mode in rotated(saver.modes, rnd):
-            if mode in saver.failed:
+        for mode in rotated(args["modes"], rnd):
+            if mode in saves.failed:
                 continue
             step += 1
-            path = os.path.join(root, f"{mode}-{step}")
             if ranks:
                 dist.barrier()
-            if saver.cuda:
+            if saves.cuda:
                 torch.cuda.synchronize()
             waited = overlap.waited[0]
             start = time.perf_counter()
             try:
-                before_step, finish = saver.start(mode, path, step)
+                saves.save(mode, step)
                 stall = time.perf_counter() - start
-                staged_wait = train_step(model, optim, x, before_step)
+                staged_wait = train_step(model, optim, x, saves.before_step)
                 opt_wait = overlap.waited[0] - waited
-                done = finish() or {}
+                done = saves.finish()
             except Exception as exc:
-                if mode not in DCP_OPTIONS or ranks:  # a stager this torch cannot run is a result, not a crash
+                if not mode.startswith("dcp") or ranks:  # a stager this torch cannot run is a result, not a crash
                     raise
-                saver.failed[mode] = error_text(exc)
+                saves.failed[mode] = f"{type(exc).__name__}: {exc}"[:400]
                 continue
             total = time.perf_counter() - start
             if ranks:
                 dist.barrier()
-            if rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
             if rnd >= 0:
                 records.append(
-                    {
-                        "round": rnd,
-                        "mode": mode,
-                        "rank": rank,
-                        "stall_s": stall,
-                        "staged_wait_s": staged_wait,
-                        "opt_wait_s": opt_wait,
-                        "total_s": total,
-                        "late_bytes": done.get("late_bytes", 0),
-                        "copy_s": done.get("copy_s"),
-                    }
+                    {"round": rnd, "mode": mode, "rank": saves.rank, "stall_s": stall, "staged_wait_s": staged_wait}
+                    | {"opt_wait_s": opt_wait, "total_s": total, "late_bytes": done.get("late_bytes", 0)}
+                    | {"copy_s": done.get("copy_s")}
                 )
     return records
 
@@ -169,13 +85,16 @@ def one_process(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> 
         torch.cuda.set_device(0)
     shape = stack_shape(args.size_gb, args.layers)
     model, optim, app = build(shape, args.device)
+    state = {"app": app}
+    if args.plain:  # copies, which no optimizer owns (its own tensors would be copied beside the next step)
+        state = {f"t{i}": t.clone() for i, t in enumerate(systems.local_tensors(state))}
     with new_ray(args.workers, logs=args.ray_logs):
-        saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}", plain=args.plain)
+        saves = systems.Modes(state, modes, root, cuda=args.device == "cuda", run=f"overlap-stall-{time.time_ns()}")
         try:
-            records = run_rounds(saver, model, optim, batch(shape, args.batch, args.device), vars(args), root)
+            records = run_rounds(saves, model, optim, batch(shape, args.batch, args.device), vars(args))
         finally:
-            saver.close()
-        return records, saver.failed
+            saves.close()
+        return records, saves.failed
 
 
 def ranks_loop(config: dict[str, Any]) -> None:
@@ -187,12 +106,12 @@ def ranks_loop(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     shape = StackShape(**config["shape"])
     model, optim, app = build(shape, "cpu", world, seed=rank)
-    dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
-    saver = Saver(app, "cpu", tuple(config["modes"]), run=config["run"], dcp_group=dcp_group)
+    group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
+    saves = systems.Modes({"app": app}, tuple(config["modes"]), config["root"], run=config["run"], group=group)
     try:
-        records = run_rounds(saver, model, optim, batch(shape, config["batch"], seed=rank + 1), config, config["root"])
+        records = run_rounds(saves, model, optim, batch(shape, config["batch"], seed=rank + 1), config)
     finally:
-        saver.close()
+        saves.close()
     gather_records(records, config["result"])
 
 

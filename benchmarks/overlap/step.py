@@ -13,7 +13,6 @@ before the optimizer step (DCP's staging, an overlapped copy), per step."""
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
@@ -23,75 +22,10 @@ from typing import Any
 from benchmarks.common import cli, systems
 from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records
-from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
+from benchmarks.common.workload import StackShape, add_model_args, batch, build, stack_shape, train_step
 from benchmarks.overlap.report import step_markdown, summarize_step
 
 MODES = ("none", "copy", "dcp", "memory", "memory-sync")
-#: ``Checkpointer``'s ``overlap`` of each memory mode.
-MEMORY_MODES: dict[str, bool] = {"memory": True, "memory-sync": False}
-
-
-class LoopSaves:
-    """One worker's saves of every mode in the training loop, and what each needs made beforehand."""
-
-    def __init__(self, app: Any, modes: tuple[str, ...], root: str) -> None:
-        import torch.distributed as dist
-
-        self.state = {"app": app}
-        self.root = root
-        self.rank = dist.get_rank()
-        # Made before any save: a Checkpointer made later would count as a restarted worker group.
-        self.ckpts = {m: systems.memory_tier(self.state, overlap=ov) for m, ov in MEMORY_MODES.items() if m in modes}
-        self.copy = systems.BareCopy(self.state) if "copy" in modes else None
-        self.stager = systems.dcp_stager((True, False, False, False)) if "dcp" in modes else None
-        self.dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
-        #: DCP's save in flight (its upload and directory) and its staging, waited for before the optimizer step.
-        self.upload: tuple[Any, str] | None = None
-        self.staging: list[Any] = []
-
-    def save(self, mode: str, step: int) -> bool | None:
-        """Save ``step`` in ``mode``; for the memory modes, whether the save was skipped."""
-        if mode == "copy":
-            self.copy.save()
-        elif mode == "dcp":
-            self._finish_dcp()  # the previous save's upload, as torchtitan waits for it
-            path = os.path.join(self.root, f"dcp-{step}")
-            pending = systems.dcp_async_save(self.state, *systems.local(path), self.dcp_group, self.stager)
-            self.upload = (pending.upload, path)
-            if pending.staging is not None:
-                self.staging.append(pending.staging)
-        elif mode in self.ckpts:
-            skipped = self.ckpts[mode].memory_skipped
-            self.ckpts[mode].save(step, self.state, persist=False)
-            return self.ckpts[mode].memory_skipped > skipped
-        return None
-
-    def before_step(self) -> None:
-        """Before the optimizer step: DCP's staging done (a guarded optimizer waits for rayckpt's copy itself)."""
-        while self.staging:
-            self.staging.pop().result()
-
-    def settle(self, mode: str) -> None:
-        """The mode's background work done, at the end of its steps (untimed)."""
-        self.before_step()
-        self._finish_dcp()
-        if mode in self.ckpts:
-            self.ckpts[mode].wait()
-
-    def _finish_dcp(self) -> None:
-        """Wait for DCP's save in flight (every rank's files are written once it resolves), then remove it."""
-        if self.upload is not None:
-            future, path = self.upload
-            self.upload = None
-            future.result()
-            if self.rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
-
-    def close(self) -> None:
-        for ckpt in self.ckpts.values():
-            ckpt.release_memory()
-        if self.stager is not None:
-            self.stager.close()
 
 
 def step_loop(config: dict[str, Any]) -> None:
@@ -107,7 +41,8 @@ def step_loop(config: dict[str, Any]) -> None:
     model, optim, app = build(shape, "cpu", world, seed=rank)
     x = batch(shape, config["batch"], seed=rank + 1)
     modes = tuple(config["modes"])
-    saves = LoopSaves(app, modes, config["root"])
+    group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
+    saves = systems.Modes({"app": app}, modes, config["root"], group=group)
     records: list[dict[str, Any]] = []
     step = 0
     for every in config["every"]:
@@ -123,21 +58,11 @@ def step_loop(config: dict[str, Any]) -> None:
                     waited = overlap.waited[0]
                     wait = train_step(model, optim, x, saves.before_step) + overlap.waited[0] - waited
                     records.append(
-                        {
-                            "every": every,
-                            "round": rnd,
-                            "mode": mode,
-                            "i": i,
-                            "step": step,
-                            "rank": rank,
-                            "step_s": time.perf_counter() - start,
-                            "save_s": called - start,
-                            "wait_s": wait,
-                            "saved": saved,
-                            "skipped": skipped,
-                        }
+                        {"every": every, "round": rnd, "mode": mode, "i": i, "step": step, "rank": rank}
+                        | {"step_s": time.perf_counter() - start, "save_s": called - start, "wait_s": wait}
+                        | {"saved": saved, "skipped": skipped}
                     )
-                saves.settle(mode)
+                saves.settle()
     gather_records(records, config["result"])
     saves.close()
 

@@ -15,29 +15,10 @@ from typing import Any
 from benchmarks.common import cli, systems
 from benchmarks.common.diskio import evict, files_under
 from benchmarks.common.harness import document, load_sampled, new_report, table, timed, write_report
+from benchmarks.common.workload import StackShape, build
 from rayckpt.testing.multiproc import run_ranks
 
 SYSTEMS = ("dcp", "rayckpt")
-
-
-def build(world: int, rank: int, layers: int, width: int, seed: int) -> tuple[Any, Any]:
-    """The FSDP2 model and AdamW, its moments filled by one step."""
-    import torch
-    import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(seed)
-    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, width)).sum().backward()
-    optim.step()
-    optim.zero_grad()
-    return model, optim
 
 
 def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +29,8 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     import rayckpt  # noqa: F401
 
-    model, optim = build(world, rank, cfg["layers"], cfg["width"], 1 if cfg["what"] == "save" else 2)
+    shape = StackShape(cfg["width"], cfg["layers"])
+    model, optim, _ = build(shape, "cpu", world, seed=1 if cfg["what"] == "save" else 2)
     where, rel = systems.local(cfg["path"])
 
     def op(state: dict[str, Any]) -> Any:

@@ -32,7 +32,7 @@ def cost_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common.systems import BareCopy, memory_tier
+    from benchmarks.common.systems import Modes
     from benchmarks.common.workload import build_state
     from benchmarks.recovery.loop import one_step
 
@@ -44,8 +44,9 @@ def cost_loop(config: dict[str, Any]) -> None:
     shapes = [tuple(s) for s in config["shapes"]]
     model, optim, app = build_state(world, rank, seed=0, shapes=shapes, device=config["device"])
     state = {"app": app}
-    ckpt = memory_tier(state, local_is_shared=config["shared"])
-    copy = BareCopy(state, pinned=cuda)  # page-locked for a device's copy (a DMA)
+    saves = Modes(
+        state, ("copy", "memory"), os.path.dirname(config["events"]), cuda=cuda, local_is_shared=config["shared"]
+    )
     step = 0
     for rnd in range(config["rounds"]):
         for mode in rotated(MODES, rnd):
@@ -55,25 +56,21 @@ def cost_loop(config: dict[str, Any]) -> None:
                 t0 = time.perf_counter()
                 one_step(model, optim, step, config["step_sleep_s"])
                 t1 = time.perf_counter()
-                skipped = None
-                if mode == "copy":
-                    copy.save()
-                elif mode == "memory":
-                    skipped = ckpt.save(step, state, persist=False) is None
+                skipped = saves.save(mode, step)
                 t2 = time.perf_counter()
                 append_event(
                     config["events"], "step", rank=rank, round=rnd, mode=mode, i=i, step=step,
-                    step_s=t2 - t0, save_s=t2 - t1, skipped=skipped, share=copy.nbytes,
+                    step_s=t2 - t0, save_s=t2 - t1, skipped=skipped, share=saves.copy.nbytes,
                 )  # fmt: skip
-            ckpt.wait()  # the memory saves' background work ends inside their own mode
+            saves.settle()  # the memory saves' background work ends inside their own mode
     if config["restore_rounds"]:
-        restores(config, ckpt, state, step + 1, rank)
+        restores(config, saves.memory["memory"], state, step + 1, rank)
     if rank == 0:
         from rayckpt.ray.actors import writers
 
         writes = [ray.get(h.debug_stats.remote())["writes"] for h in writers(fresh=True).values()]
         append_event(config["events"], "writes", writes=[w for ws in writes for w in ws if "@memory" in w["run"]])
-    ckpt.release_memory()
+    saves.close()
 
 
 def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int, rank: int) -> None:

@@ -10,13 +10,12 @@ from typing import Any
 import torch
 
 from benchmarks.common import systems
-from benchmarks.common.diskio import RAW_BLOCK, evict, read_raw, resident_fraction, warm_up, write_raw
+from benchmarks.common.diskio import RAW_BLOCK, evict, read_raw, warm_up, write_raw
 from benchmarks.common.harness import (
     connect_ray,
     import_rayckpt,
     measure,
     mem_summary,
-    memcpy_anchor,
     rotated,
     summary,
 )
@@ -64,7 +63,7 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     out["raw_read"] = []
     sums = checksums(model, optim, compute=rank == 0) if cfg["verify"] else {}
     if rank == 0:
-        out.update(state_bytes=state_bytes(app), checksums=sums, **memcpy_anchor())
+        out.update(state_bytes=state_bytes(app), checksums=sums)
     me = {"rank": os.getpid()}
     pids = connect_actors(cfg["ray_address"], rank, me)
     options = {"dcp_async": {"group": dist.new_group(backend="gloo") if "dcp_async" in names else None}}
@@ -114,9 +113,8 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
             out["save"][system].append({**rec, "repeat": rep})
             if system == "raw":
                 evict([mine])
-                resident = resident_fraction([mine])
                 rec = measure(lambda t0: {"bytes": read_raw(mine)}, me, cfg["mem_interval"])
-                out["raw_read"].append({**rec, "repeat": rep, "resident_before": resident})
+                out["raw_read"].append({**rec, "repeat": rep})
                 os.unlink(mine)
     dist.barrier()
     full.clear()
@@ -175,15 +173,12 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
         for system in rotated(names, rep):
             if rep == 0 and cfg["verify"]:
                 zero_state(model, optim, app)
-            resident = None
             if rank == 0 and every_file:
                 evict(every_file)
-                files = where.files(sources[SOURCE.get(system, system)])
                 if system.endswith("_warm"):
-                    warm_up(files)
-                resident = resident_fraction(files)
+                    warm_up(where.files(sources[SOURCE.get(system, system)]))
             rec = counted(functools.partial(op, system), rank, where, me, cfg["mem_interval"])
-            out["load"][system].append({**rec, "repeat": rep, "resident_before": resident})
+            out["load"][system].append({**rec, "repeat": rep})
             if rep == 0 and cfg["verify"]:
                 out["verified"][system] = verify_loaded(system, model, optim, app, cfg["checksums"])
 
@@ -271,7 +266,6 @@ def load_report(loaded: list[dict[str, Any]], total: int) -> dict[str, Any]:
             "verified_tensors": loaded[0]["verified"].get(system),
             "bytes_read": read,
             "read_amplification": [b / max(sum(needed), 1) for b in read],
-            "resident_before": [row[0].get("resident_before") for row in rows],
             "server": server,
         }
         if "requests" in rows[0][0]:

@@ -52,7 +52,7 @@ def run_size(args: argparse.Namespace, size_mb: float, where: Where, address: st
     saved = run_ranks(save_worker, n0, cfg, timeout=args.timeout)
     total = saved[0]["state_bytes"]
     result: dict[str, Any] = {"size_mb": size_mb, "state_bytes": total, "save_ranks": n0, "on_disk": {}, "load": {}}
-    result |= {"memcpy_GBps_1thread": saved[0].get("memcpy_GBps_1thread"), "save": save_report(saved, total)}
+    result["save"] = save_report(saved, total)
     samples[label] = {"save": saved}
     for system in rels:
         files = where.files(rels[system])

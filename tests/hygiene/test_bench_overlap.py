@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.overlap.model import StackShape, stack_shape
+from benchmarks.common.workload import StackShape, stack_shape
 from benchmarks.overlap.report import (
     stall_markdown,
     stall_targets,
