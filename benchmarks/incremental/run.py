@@ -45,18 +45,6 @@ def layout(kind: str, size_mb: float) -> dict[str, Any]:
     return {"frozen": frozen, "trained": [], "r": r}
 
 
-class Layers(nn.Module):
-    """The frozen and the trained layers (never run forward: only their state matters)."""
-
-    def __init__(self, frozen: Any, trained: Any) -> None:
-        super().__init__()
-        self.frozen = frozen
-        self.trained = trained
-
-    def forward(self, x: Any) -> Any:
-        return x
-
-
 def build(world: int, rank: int, kind: str, size_mb: float) -> tuple[Any, dict[str, Any]]:
     """The FSDP2 model (frozen and trained layers) and its trained params' moments, filled at random."""
     import torch
@@ -75,7 +63,7 @@ def build(world: int, rank: int, kind: str, size_mb: float) -> tuple[Any, dict[s
             trained = nn.ModuleList(nn.Sequential(a, b) for a, b in adapters)
         else:
             trained = nn.ModuleList(nn.Linear(cols, rows) for rows, cols in lay["trained"])
-        model = Layers(frozen, trained)
+        model = nn.ModuleDict({"frozen": frozen, "trained": trained})  # never run forward
     for m in model.modules():
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -99,14 +87,6 @@ def build(world: int, rank: int, kind: str, size_mb: float) -> tuple[Any, dict[s
 def state_of(model: Any, moments: dict[str, Any], step: int) -> dict[str, Any]:
     """What every saver saves: the model's sharded state dict, the moments and the step."""
     return {"model": model.state_dict(), "optim": moments, "step": step}
-
-
-def local_tensors(state: dict[str, Any]) -> list[Any]:
-    """Every tensor of the state, this rank's part, in a fixed order."""
-    out = [t.to_local() for _, t in sorted(state["model"].items())]
-    for _, m in sorted(state["optim"].items()):
-        out += [m["exp_avg"].to_local(), m["exp_avg_sq"].to_local()]
-    return out
 
 
 def train_step(model: Any, moments: dict[str, Any]) -> None:
@@ -188,7 +168,7 @@ def timed_load(state: dict[str, Any], path: str, files: list[str], cold: bool) -
     """Zero the state, evict (cold) or read in (warm) ``files`` on rank 0, then one timed ``rayckpt.load``."""
     import torch.distributed as dist
 
-    for t in local_tensors(state):
+    for t in systems.local_tensors(state):
         t.zero_()
     if dist.get_rank() == 0:
         (evict if cold else warm_up)(files)
@@ -203,7 +183,7 @@ def same_bits(state: dict[str, Any], expected: list[Any]) -> int:
     import torch
     import torch.distributed as dist
 
-    got = local_tensors(state)
+    got = systems.local_tensors(state)
     bad = sum(not torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, expected, strict=True))
     count = torch.tensor([bad + (len(got) != len(expected))])
     dist.all_reduce(count)
@@ -226,7 +206,7 @@ def chain_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         saves.append({"step": step, **timed_save("incremental", state_of(model, moments, step), path, root)})
     state = state_of(model, moments, n)
     saves.append({"step": n, **timed_save("full", state, os.path.join(root, "self", f"step-{n}"), root)})
-    expected = [t.clone() for t in local_tensors(state)]
+    expected = [t.clone() for t in systems.local_tensors(state)]
     paths = {
         "chained": os.path.join(root, "chain", f"step-{n}"),
         "self-contained": os.path.join(root, "self", f"step-{n}"),

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-from benchmarks.common.raytrain import append_event
+from benchmarks.common.raytrain import append_event, read_events
 from rayckpt.train import RayckptCallback
 
 
 def prior_entries(path: str, rank: int) -> int:
     """How many times rank ``rank`` entered the loop before in this file: this entry's attempt number."""
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        events = [json.loads(line) for line in f if line.strip()]
+    events = read_events(path) if os.path.exists(path) else []
     return sum(1 for e in events if e["kind"] == "enter" and e["rank"] == rank)
 
 
@@ -81,15 +77,8 @@ def train_loop(config: dict[str, Any]) -> None:
         fs = ckpt.memory.filesystem if tier == "memory" and ckpt.memory is not None else None
         source_world = rayckpt.read_manifest(ckpt.restored_from["path"], filesystem=fs).world_size
     passed = [f"step {f['step']}: {f['reason']}" for f in ckpt.fallbacks]
-    log(
-        "restore_done",
-        step=restored,
-        source_world=source_world,
-        restore_s=restore_s,
-        tier=tier,
-        peer_bytes=peer,
-        fallbacks=passed,
-    )
+    done = {"step": restored, "source_world": source_world, "restore_s": restore_s, "tier": tier}
+    log("restore_done", **done, peer_bytes=peer, fallbacks=passed)
 
     step = restored or 0
     stop_at = config["steps"] if attempt == 0 else step + config["after_steps"]
@@ -102,12 +91,13 @@ def train_loop(config: dict[str, Any]) -> None:
         if step % config["save_every"] == 0 or (memory_every and step % memory_every == 0):
             t0 = time.perf_counter()
             handle = ckpt.save(step, state, {"loss": float(step)}, persist=persist)
+            stall, skipped = time.perf_counter() - t0, handle is None
             log(
                 "save",
                 step=step,
-                stall_s=time.perf_counter() - t0,
+                stall_s=stall,
                 memory=persist is False,
-                skipped=handle is None,
+                skipped=skipped,
                 memory_skipped=ckpt.memory_skipped,
             )
     ckpt.wait()

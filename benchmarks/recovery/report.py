@@ -7,47 +7,28 @@ from typing import Any
 
 from benchmarks.common.harness import document, summary, table
 
-#: (phase, from milestone, to milestone), in order: the phases add up to kill -> first step.
+#: (phase, from milestone, to milestone, label), in order: the phases add up to kill -> first step.
 PHASES = (
-    ("detect", "kill", "noticed"),
-    ("restart", "noticed", "entered"),
-    ("build", "entered", "restore_begun"),
-    ("restore", "restore_begun", "restored"),
-    ("first_step", "restored", "first_step"),
+    ("detect", "kill", "noticed", "kill -> noticed"),
+    ("restart", "noticed", "entered", "noticed -> workers restarted"),
+    ("build", "entered", "restore_begun", "restarted -> state built"),
+    ("restore", "restore_begun", "restored", "built -> state restored"),
+    ("first_step", "restored", "first_step", "restored -> first step done"),
 )
-PHASE_LABELS = {
-    "detect": "kill -> noticed",
-    "restart": "noticed -> workers restarted",
-    "build": "restarted -> state built",
-    "restore": "built -> state restored",
-    "first_step": "restored -> first step done",
-}
-#: Milestones after the kill: (name, event kind, controller state or None, the first or the last such event).
-#: Each is looked for after the one before it (``node_dead``, the GCS's view, after the kill: it runs beside
-#: the controller's);
-#: a repeat without one (no RESCHEDULING, no node death) leaves it out.
+#: Milestones after the kill: (name, event kind, controller state or None, the first or the last such event,
+#: label). Each is looked for after the one before it (``node_dead``, the GCS's view, after the kill: it runs
+#: beside the controller's); a repeat without one (no RESCHEDULING, no node death) leaves it out.
 MILESTONES = (
-    ("noticed", "noticed", None, "first"),
-    ("node_dead", "node_dead", None, "first"),
-    ("restarting", "state", "RESTARTING", "first"),
-    ("old_group_shut_down", "group_shutdown_done", None, "first"),
-    ("first_group_start", "group_start_begin", None, "first"),
-    ("rescheduling", "state", "RESCHEDULING", "first"),
-    ("last_group_start", "group_start_begin", None, "last"),
-    ("group_started", "group_started", None, "first"),
-    ("running", "state", "RUNNING", "first"),
+    ("noticed", "noticed", None, "first", "noticed"),
+    ("node_dead", "node_dead", None, "first", "GCS marks the node dead"),
+    ("restarting", "state", "RESTARTING", "first", "RESTARTING"),
+    ("old_group_shut_down", "group_shutdown_done", None, "first", "old group shut down"),
+    ("first_group_start", "group_start_begin", None, "first", "group start begins"),
+    ("rescheduling", "state", "RESCHEDULING", "first", "start given up (RESCHEDULING)"),
+    ("last_group_start", "group_start_begin", None, "last", "last group start begins"),
+    ("group_started", "group_started", None, "first", "group started"),
+    ("running", "state", "RUNNING", "first", "RUNNING"),
 )
-MILESTONE_LABELS = {
-    "noticed": "noticed",
-    "node_dead": "GCS marks the node dead",
-    "restarting": "RESTARTING",
-    "old_group_shut_down": "old group shut down",
-    "first_group_start": "group start begins",
-    "rescheduling": "start given up (RESCHEDULING)",
-    "last_group_start": "last group start begins",
-    "group_started": "group started",
-    "running": "RUNNING",
-}
 
 
 class RecoveryEventsError(ValueError):
@@ -103,7 +84,7 @@ def recovery_times(events: list[dict[str, Any]]) -> dict[str, Any]:
         "restored": last_of("restore_done")["t"],
         "first_step": last_of("step")["t"],
     }
-    phases = {name: at[b] - at[a] for name, a, b in PHASES}
+    phases = {name: at[b] - at[a] for name, a, b, _ in PHASES}
     for name, s in phases.items():
         if s < 0:
             raise RecoveryEventsError(f"phase {name} is negative ({s:.3f} s): the events are out of order")
@@ -141,7 +122,7 @@ def controller_milestones(after: list[dict[str, Any]], t_kill: float, t_entered:
     """Seconds after the kill of each of ``MILESTONES`` found before the workers entered the loop."""
     out: dict[str, float] = {}
     t_prev = t_kill
-    for name, kind, state, which in MILESTONES:
+    for name, kind, state, which, _ in MILESTONES:
         since = t_kill if name == "node_dead" else t_prev
         hits = [e for e in after if e["kind"] == kind and e.get("state") == state and since <= e["t"] <= t_entered]
         if hits:
@@ -161,7 +142,7 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and min-max over repeats of each phase, the total, restore's share and the steps re-done."""
     out: dict[str, Any] = {
         "repeats": len(repeats),
-        "phases_s": {name: summary([r["phases_s"][name] for r in repeats]) for name, _, _ in PHASES},
+        "phases_s": {p[0]: summary([r["phases_s"][p[0]] for r in repeats]) for p in PHASES},
         "total_s": summary([r["total_s"] for r in repeats]),
         "restore_own_s": summary([r["restore_own_s"] for r in repeats]),
         "ray_s": summary([r["ray_s"] for r in repeats]),
@@ -178,7 +159,7 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     }
     steps = [r["step_s"] for r in repeats if r["step_s"] is not None]
     out["step_s"] = summary(steps) if steps else None
-    names = [n for n, _, _, _ in MILESTONES if any(n in r["controller_s"] for r in repeats)]
+    names = [m[0] for m in MILESTONES if any(m[0] in r["controller_s"] for r in repeats)]
     out["controller_s"] = {n: summary([r["controller_s"][n] for r in repeats if n in r["controller_s"]]) for n in names}
     out["group_starts"] = sorted({" -> ".join(str(w) for w in r["group_starts"]) for r in repeats})
     return out
@@ -191,14 +172,14 @@ def markdown(report: dict[str, Any]) -> str:
         s, p = sc["summary"], sc["summary"]["phases_s"]
         rows.append(
             {"scenario": sc["label"], "workers": ", ".join(s["worlds"])}
-            | {PHASE_LABELS[name]: p[name] for name, _, _ in PHASES}
+            | {label: p[name] for name, _, _, label in PHASES}
             | {"kill -> first step": s["total_s"], "restore's share": f"{s['restore_share']['median']:.1%}"}
             | {"steps re-done": s["steps_redone"], "restored": "; ".join(s["restored_from"]), "step s": s["step_s"]}
         )
         entered = summary([r["phases_s"]["detect"] + r["phases_s"]["restart"] for r in sc["repeats"]])
         timeline.append(
             {"scenario": sc["label"]}
-            | {label: s["controller_s"].get(name) for name, label in MILESTONE_LABELS.items()}
+            | {m[-1]: s["controller_s"].get(m[0]) for m in MILESTONES}
             | {"workers in loop": entered, "group starts": "; ".join(s["group_starts"])}
         )
     note = (

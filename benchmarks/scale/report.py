@@ -71,13 +71,11 @@ def figures(r: dict[str, Any], n: int) -> dict[str, Any]:
         f[f"rayckpt_job_{tag}"] = _sum(table, _scaled(rl, "targets", m, "bulk_plan", "cpu_s"))
         # One rank without Ray: its plan from the slice rank 0 scattered (it reads no manifest).
         f[f"rayckpt_rank_{tag}"] = _scaled(rl, "targets", m, "from_slice", "cpu_s")
-        f[f"rayckpt_rank_self_{tag}"] = _sum(f["rayckpt_read"], _scaled(rl, "targets", m, "rank_plan", "cpu_s"))
         f[f"rayckpt_root_{tag}"] = _sum(f[f"rayckpt_job_{tag}"], _scaled(rl, "targets", m, "slices", "cpu_s"))
         f[f"dcp_job_{tag}"] = _scaled(dl, "targets", m, "whole_job", "cpu_s")
         f[f"dcp_job_{tag}_est"] = bool(_get(dl, "targets", m, "whole_job", "estimated")) or f["dcp_est"]
         f[f"dcp_rank_{tag}"] = _sum(f["dcp_read"], _scaled(dl, "targets", m, "rank_plan", "cpu_s"))
-    for system, r in (("rayckpt", rl), ("dcp", dl)):  # one rank's plan alone (no read), N -> N/2
-        f[f"{system}_rank_plan_half"] = _scaled(r, "targets", half, "rank_plan", "cpu_s")
+    f["dcp_rank_plan_half"] = _scaled(dl, "targets", half, "rank_plan", "cpu_s")  # one rank's plan, no read
     f["rayckpt_for_rank_half"] = _get(rl, "targets", half, "for_rank", "cpu_s")
     mems = [_scaled(rc, "create_manifest", "extra_rss"), _scaled(rc, "commit", "extra_rss")]
     mems += [_scaled(rl, step, "extra_rss") for step in ("read", "chunk_table")] + [_get(rs, "save_plan", "extra_rss")]
@@ -160,15 +158,9 @@ ROWS = {
     "dcp_rank_minus": ("load plan N -> N-1, one rank s, DCP (read + plan)", 1, "dcp_est"),
     "rayckpt_rank_half": ("load plan N -> N/2, one rank without Ray s, rayckpt", 1, "rayckpt_est"),
     "dcp_rank_half": ("load plan N -> N/2, one rank s, DCP", 1, "dcp_est"),
-    "rayckpt_rank_plan_half": ("one rank's plan alone N -> N/2 s, rayckpt `create_load_plan`", 1, "rayckpt_est"),
     "rayckpt_for_rank_half": ("one rank's plan alone N -> N/2 s, rayckpt `BulkPlan.for_rank` (Ray)", 1, None),
     "dcp_rank_plan_half": ("one rank's plan alone N -> N/2 s, DCP `create_default_local_load_plan`", 1, "dcp_est"),
     "rayckpt_root_half": ("without Ray N -> N/2 s: rank 0 (table, bulk plan, every rank's slice)", 1, "rayckpt_est"),
-    "rayckpt_rank_self_half": (
-        "without Ray N -> N/2 s: a rank reading the manifest and planning itself",
-        1,
-        "rayckpt_est",
-    ),
     "rayckpt_peak_extra": ("coordinator's peak extra GiB, rayckpt", GIB, "rayckpt_est"),
     "dcp_peak_extra": ("coordinator's peak extra GiB, DCP", GIB, "dcp_est"),
 }
