@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import re
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterable
 from typing import Any
 
 from benchmarks.common import cli
@@ -54,35 +51,6 @@ print("dead", time.time(), flush=True)
 """
 
 
-class Lines:
-    """Lines as they come (a process's output, a file followed), each with the time it was read
-    (``time.time()``), read by a thread."""
-
-    def __init__(self, source: Iterable[str]) -> None:
-        self.queue: queue.Queue[tuple[float, str] | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(source,), daemon=True).start()
-
-    def _read(self, source: Iterable[str]) -> None:
-        try:
-            for line in source:
-                self.queue.put((time.time(), line))
-        finally:
-            self.queue.put(None)
-
-    def wait_for(self, match: Any, deadline: float, what: str) -> tuple[float, str, Any]:
-        """The next line ``match(line)`` is true of: (its time, the line, the match); raise at ``deadline`` or EOF."""
-        while True:
-            try:
-                item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"no {what} in time") from None
-            if item is None:
-                raise RuntimeError(f"the output ended before {what}")
-            found = match(item[1])
-            if found:
-                return item[0], item[1], found
-
-
 def flags(cluster: Any, args: argparse.Namespace) -> list[str]:
     """``jobs/train.py``'s flags: an elastic 2-3 workers, one per host, a memory checkpoint every step."""
     assert cluster.s3 is not None
@@ -108,24 +76,18 @@ def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
         started = STARTED.search(line)
         if started.group(1) != "3":
             raise RuntimeError(f"the job started with {started.group(1)} workers, not 3: {started.group(0)}")
-        deadline = time.monotonic() + args.timeout
-        watcher = cluster[0].popen(
-            [sys.executable, "-c", _WATCH_SNIPPET, cluster.address, cluster[CUT_HOST].ip],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        watch = Lines(watcher.stdout)
-        watch.wait_for(lambda line: line.startswith("ready"), deadline, "the node watcher")
+        watch = [sys.executable, "-c", _WATCH_SNIPPET, cluster.address, cluster[CUT_HOST].ip]
+        pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL}
+        watcher = cluster[0].popen(watch, text=True, **pipes)
+        if not watcher.stdout.readline().startswith("ready"):  # it exits at once where it cannot join
+            raise RuntimeError("the node watcher did not join the cluster")
         _, line = job.wait_for(lambda line: (m := STEP.search(line)) and int(m.group(1)) >= args.cut_after_step)
         last_step = int(STEP.search(line).group(1))
         cut_at = time.time()
         cluster[CUT_HOST].link_down()
         restored_at, line = job.wait_for(RESTART.search, args.timeout)
         restart = RESTART.search(line)
-        deadline = time.monotonic() + args.timeout
-        _, dead, _ = watch.wait_for(lambda line: line.startswith("dead"), deadline, "the node's death")
+        dead = watcher.communicate(timeout=args.timeout)[0]  # it prints "dead <time>" and exits
         return {
             "setting": setting,
             "repeat": rep,
@@ -134,7 +96,7 @@ def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
             "workers_after": int(restart.group(3)),
             "tier": restart.group(4),
             "restart_line": restart.group(0),
-            "node_dead_s": float(dead.split()[1]) - cut_at,
+            "node_dead_s": float(dead.split()[-1]) - cut_at,
             "restored_s": restored_at - cut_at,
         }
     finally:
@@ -203,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             for setting in rotated(args.settings, rep):
                 try:
                     run = one_cut(args, setting, rep)
-                except (RuntimeError, TimeoutError) as exc:
+                except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
                     run = {"setting": setting, "repeat": rep, "error": f"{type(exc).__name__}: {exc}"}
                 print(f"[hosts cut] {run}", flush=True)
                 report["runs"].append(run)

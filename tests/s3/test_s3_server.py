@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from benchmarks.suite.s3_counter import counts_delta, largest_class, read_counts
+from benchmarks.suite.s3_counter import counts_delta, read_counts
 from rayckpt.testing.s3_server import start_moto_server
 
 #: The server process imports ``benchmarks.suite.s3_counter`` from the repository's root.
@@ -52,8 +52,6 @@ def test_the_counting_server_counts_each_get_and_its_body_bytes(counting_server)
     gets = counts_delta(written, after)["GET_object"]
     assert (gets["requests"], gets["ranged"], gets["aborted"], gets["bytes_out"]) == (2, 2, 0, 1000 + 2**20 + 5)
     assert gets["in_place"] == 2  # served from the range, not by moto's whole-object path
-    assert largest_class(gets) == 2**21  # the larger body, 2^20 + 5 bytes, is below 2^21
-    assert gets["out<2^10"] == 1 and gets["out<2^21"] == 1
 
 
 def test_the_counting_server_serves_s3fs_ranged_reads_in_place(counting_server):
