@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -201,31 +201,15 @@ def fake_world(world_size: int, rank: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def target_state(layout: Layout, mesh: Any, flat: bool = True) -> dict[str, Any]:
-    """One rank's FSDP2 state dict: a ``Shard(0)`` DTensor per tensor over meta local tensors."""
+def target_state(layout: Layout, mesh: Any) -> dict[str, Any]:
+    """One rank's flattened FSDP2 state dict: a ``Shard(0)`` DTensor per tensor over meta local tensors."""
     from torch.distributed.tensor import DTensor, Shard
 
     world_size, rank = mesh.size(), mesh.get_local_rank()
     out: dict[str, Any] = {}
-    for key, path, shape in zip(layout.keys, layout.paths, layout.shapes, strict=True):
+    for key, shape in zip(layout.keys, layout.shapes, strict=True):
         _, rows = dim0_rows(shape, world_size, rank)
         local = torch.empty((rows,) + shape[1:], dtype=torch.float32, device="meta")
         stride = torch.empty(shape, device="meta").stride()
-        t = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
-        if flat:
-            out[key] = t
-        else:
-            node = out
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            # The model's and the optimizer's state dicts name a parameter with strings of their own.
-            node[_copy(path[-1]) if path[0] == "model" else path[-1]] = t
+        out[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
     return out
-
-
-def local_load_plan(state: dict[str, Any], metadata: Metadata) -> Any:
-    return create_default_local_load_plan(state, metadata, strict=True)
-
-
-def load_items(plan: Any) -> int:
-    return len(plan.items)

@@ -24,6 +24,18 @@ def _gathered(obj: Any) -> Any:
     return pickle.loads(pickle.dumps(obj))
 
 
+def nested(layout: Layout, flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened state dict nested along the layout's paths, as the model's and the optimizer's are."""
+    out: dict[str, Any] = {}
+    for key, path in zip(layout.keys, layout.paths, strict=True):
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        # The model's and the optimizer's state dicts name a parameter with strings of their own.
+        node[path[-1].encode().decode() if path[0] == "model" else path[-1]] = flat[key]
+    return out
+
+
 def metadata_via_planner(layout: Layout, world_size: int, checkpoint_id: str) -> tuple[Metadata, list[SavePlan]]:
     """``dcp.save``'s planning and finish for the layout: every rank's ``DefaultSavePlanner`` on its
     DTensors, the coordinator's global plan, each rank's writes (``item_length`` bytes each), ``finish``."""
@@ -31,7 +43,7 @@ def metadata_via_planner(layout: Layout, world_size: int, checkpoint_id: str) ->
     for rank in range(world_size):
         with fake_world(world_size, rank) as mesh:
             planner = DefaultSavePlanner()
-            planner.set_up_planner(target_state(layout, mesh, flat=False), is_coordinator=rank == 0)
+            planner.set_up_planner(nested(layout, target_state(layout, mesh)), is_coordinator=rank == 0)
             local.append(_gathered(planner.create_local_plan()))
     plans, metadata = DefaultSavePlanner().create_global_plan(local)
     plans = [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
