@@ -1,12 +1,10 @@
-"""What the recovery benchmark runs inside Ray Train: the workers' loop and the controller's callbacks."""
+"""What the recovery benchmark runs inside Ray Train: the workers' loop and the controller's callback."""
 
 from __future__ import annotations
 
 import os
 import time
 from typing import Any
-
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 from benchmarks.common.raytrain import append_event, read_events
 from rayckpt.train import RayckptCallback
@@ -114,27 +112,3 @@ class NoticeCallback(RayckptCallback):
         append_event(self.events, "noticed", ranks=sorted(worker_exceptions))
         super().after_exception(run_context, worker_exceptions)
         append_event(self.events, "callback_done")
-
-
-class ControllerTimeline(ControllerCallback, WorkerGroupCallback):
-    """The Ray Train controller's state changes and worker group starts and shutdowns, timestamped
-    (DeveloperAPI hooks): where Ray's part of a restart goes."""
-
-    def __init__(self, events: str) -> None:
-        self.events = events
-
-    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
-        if current_state._state_type is not previous_state._state_type:  # RUNNING -> RUNNING at every poll
-            append_event(self.events, "state", state=current_state._state_type.state_name)
-
-    def before_worker_group_shutdown(self, worker_group: Any) -> None:
-        append_event(self.events, "group_shutdown_begin")
-
-    def after_worker_group_shutdown(self, worker_group_context: Any) -> None:
-        append_event(self.events, "group_shutdown_done")
-
-    def before_worker_group_start(self, worker_group_context: Any) -> None:
-        append_event(self.events, "group_start_begin", workers=worker_group_context.num_workers)
-
-    def after_worker_group_start(self, worker_group: Any) -> None:
-        append_event(self.events, "group_started")

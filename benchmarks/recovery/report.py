@@ -15,20 +15,6 @@ PHASES = (
     ("restore", "restore_begun", "restored", "built -> state restored"),
     ("first_step", "restored", "first_step", "restored -> first step done"),
 )
-#: Milestones after the kill: (name, event kind, controller state or None, the first or the last such event,
-#: label). Each is looked for after the one before it (``node_dead``, the GCS's view, after the kill: it runs
-#: beside the controller's); a repeat without one (no RESCHEDULING, no node death) leaves it out.
-MILESTONES = (
-    ("noticed", "noticed", None, "first", "noticed"),
-    ("node_dead", "node_dead", None, "first", "GCS marks the node dead"),
-    ("restarting", "state", "RESTARTING", "first", "RESTARTING"),
-    ("old_group_shut_down", "group_shutdown_done", None, "first", "old group shut down"),
-    ("first_group_start", "group_start_begin", None, "first", "group start begins"),
-    ("rescheduling", "state", "RESCHEDULING", "first", "start given up (RESCHEDULING)"),
-    ("last_group_start", "group_start_begin", None, "last", "last group start begins"),
-    ("group_started", "group_started", None, "first", "group started"),
-    ("running", "state", "RUNNING", "first", "RUNNING"),
-)
 
 
 class RecoveryEventsError(ValueError):
@@ -105,8 +91,6 @@ def recovery_times(events: list[dict[str, Any]]) -> dict[str, Any]:
         "restore_share": phases["restore"] / total if total > 0 else None,
         "ray_s": phases["detect"] + phases["restart"],
         "step_s": step_time(events, t_kill),
-        "controller_s": controller_milestones(after, t_kill, at["entered"]),
-        "group_starts": group_starts(after, at["entered"]),
         "kill": {k: v for k, v in kills[0].items() if k not in ("t", "kind")},
     }
 
@@ -116,26 +100,6 @@ def step_time(events: list[dict[str, Any]], t_kill: float) -> float | None:
     ts = [e["t"] for e in events if e["kind"] == "step" and e["rank"] == 0 and e["t"] <= t_kill]
     gaps = [b - a for a, b in zip(ts, ts[1:])]
     return statistics.median(gaps) if gaps else None
-
-
-def controller_milestones(after: list[dict[str, Any]], t_kill: float, t_entered: float) -> dict[str, float]:
-    """Seconds after the kill of each of ``MILESTONES`` found before the workers entered the loop."""
-    out: dict[str, float] = {}
-    t_prev = t_kill
-    for name, kind, state, which, _ in MILESTONES:
-        since = t_kill if name == "node_dead" else t_prev
-        hits = [e for e in after if e["kind"] == kind and e.get("state") == state and since <= e["t"] <= t_entered]
-        if hits:
-            hit = hits[0] if which == "first" else hits[-1]
-            out[name] = hit["t"] - t_kill
-            if name != "node_dead":
-                t_prev = hit["t"]
-    return out
-
-
-def group_starts(after: list[dict[str, Any]], t_entered: float) -> list[int]:
-    """The worker counts of the groups the controller began to start, in order, before the workers entered."""
-    return [e["workers"] for e in after if e["kind"] == "group_start_begin" and e["t"] <= t_entered]
 
 
 def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -159,15 +123,12 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     }
     steps = [r["step_s"] for r in repeats if r["step_s"] is not None]
     out["step_s"] = summary(steps) if steps else None
-    names = [m[0] for m in MILESTONES if any(m[0] in r["controller_s"] for r in repeats)]
-    out["controller_s"] = {n: summary([r["controller_s"][n] for r in repeats if n in r["controller_s"]]) for n in names}
-    out["group_starts"] = sorted({" -> ".join(str(w) for w in r["group_starts"]) for r in repeats})
     return out
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The recovery section: a phase table and the controller's timeline, per scenario."""
-    rows, timeline = [], []
+    """The recovery section: a phase table, per scenario."""
+    rows = []
     for sc in report["scenarios"].values():
         s, p = sc["summary"], sc["summary"]["phases_s"]
         rows.append(
@@ -176,14 +137,4 @@ def markdown(report: dict[str, Any]) -> str:
             | {"kill -> first step": s["total_s"], "restore's share": f"{s['restore_share']['median']:.1%}"}
             | {"steps re-done": s["steps_redone"], "restored": "; ".join(s["restored_from"]), "step s": s["step_s"]}
         )
-        entered = summary([r["phases_s"]["detect"] + r["phases_s"]["restart"] for r in sc["repeats"]])
-        timeline.append(
-            {"scenario": sc["label"]}
-            | {m[-1]: s["controller_s"].get(m[0]) for m in MILESTONES}
-            | {"workers in loop": entered, "group starts": "; ".join(s["group_starts"])}
-        )
-    note = (
-        "Where Ray's part goes: seconds after the kill, median (min-max) over the repeats that reached each "
-        "milestone; 'group starts': the worker counts the controller began to start, in order."
-    )
-    return document("Recovery time", report, table(rows), note, table(timeline))
+    return document("Recovery time", report, table(rows))

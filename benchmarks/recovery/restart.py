@@ -12,7 +12,7 @@ Ray's default health checks and timeouts. A ``-memory`` scenario also saves to t
 step. Milestones, each when the last worker reaches it: kill; noticed (the controller's
 ``after_exception``); workers restarted (entered the loop); state built (began
 ``Checkpointer.restore``); restored; first step done. Events are ``time.time()`` lines appended to
-one file by every process; the controller's state changes and worker-group starts too. Steps re-done:
+one file by every process. Steps re-done:
 the last step finished before the kill less the restored step. Seconds: median (min-max) over repeats.
 """
 
@@ -32,7 +32,7 @@ from benchmarks.common import cli
 from benchmarks.common.harness import load_sampled, new_report, write_report
 from benchmarks.common.raytrain import append_event, new_ray, read_events, trainer
 from benchmarks.common.workload import layer_shapes
-from benchmarks.recovery.loop import ControllerTimeline, NoticeCallback, train_loop
+from benchmarks.recovery.loop import NoticeCallback, train_loop
 from benchmarks.recovery.report import markdown, recovery_times, summarize
 
 #: Row labels of the scenarios in the tables.
@@ -128,7 +128,7 @@ def run_repeat(
     config["steps"] = args.save_every * args.kill_after_save + args.steps_past + args.slack_steps
     config["memory_every"] = 1 if scenario.endswith("-memory") else 0
     workers = (args.workers // 2, args.workers) if node_removal else args.workers
-    run_config = {"name": run, "callbacks": [NoticeCallback(events), ControllerTimeline(events)]}
+    run_config = {"name": run, "callbacks": [NoticeCallback(events)]}
     run_config |= {"failure_config": FailureConfig(max_failures=1)}
     run_config |= {"checkpoint_config": CheckpointConfig(num_to_keep=2)}
     job = trainer(train_loop, config, workers, os.path.join(args.out, "storage"), resources=resources, **run_config)
@@ -185,7 +185,6 @@ def node_removal(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]
     A fresh cluster, not a node added back: Ray Train's elastic policy may not see a node added
     just before ``fit()`` and would start with fewer workers.
     """
-    import ray
 
     repeats = []
     for rep in range(args.repeats):
@@ -199,12 +198,6 @@ def node_removal(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]
                 append_event(events, "kill", how="remove node", node=victim["node"], ranks=ranks)
                 cluster.remove_node(node, allow_graceful=False)
                 append_event(events, "node_removed")
-                deadline = time.monotonic() + args.timeout
-                while time.monotonic() < deadline:  # the GCS's view: when it marks the node dead
-                    if not any(n["NodeID"] == victim["node"] and n["Alive"] for n in ray.nodes()):
-                        append_event(events, "node_dead", node=victim["node"])
-                        return
-                    time.sleep(0.1)
 
             repeats.append(run_repeat(args, scenario, rep, kill, resources))
     return repeats
