@@ -398,12 +398,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 def targets_table(rows: list[dict[str, Any]]) -> list[str]:
     """The targets as the one "target | measured | goal | met" table every report shows."""
+    goal = "{direction} {threshold:g}"
     return table(
-        [
-            {"target": t["target"], "measured": t["measured"], "goal": f"{t['direction']} {t['threshold']:g}"}
-            | {"met": t["met"]}
-            for t in rows
-        ]
+        [{"target": t["target"], "measured": t["measured"], "goal": goal.format(**t), "met": t["met"]} for t in rows]
     )
 
 

@@ -42,28 +42,16 @@ class Where:
             return []
         return files_under(path) if os.path.isdir(path) else [path]
 
-    def dcp_writer(self, rel: str) -> Any:
+    def dcp(self, rel: str, writer: bool, **options: Any) -> Any:
+        """DCP's storage writer or reader of ``rel``; on an endpoint over s3fs, a fresh instance each time (no
+        listing cache carried over, as in a new process), ``options`` its own (``default_cache_type="none"``)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
         if not self.endpoint:
-            return dcp.FileSystemWriter(os.path.join(self.root, rel))
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(f"s3://{self.endpoint.fs_path(rel)}", **self._s3fs())
-
-    def dcp_reader(self, rel: str, **options: Any) -> Any:
-        """DCP's reader; ``options`` go to s3fs on an endpoint (e.g. ``default_cache_type="none"``)."""
-        import torch.distributed.checkpoint as dcp
-
-        if not self.endpoint:
-            return dcp.FileSystemReader(os.path.join(self.root, rel))
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(f"s3://{self.endpoint.fs_path(rel)}", **self._s3fs(), **options)
-
-    def _s3fs(self) -> dict[str, Any]:
-        """A fresh s3fs instance each time: no listing cache carried over, as in a new process."""
-        return {"endpoint_url": f"http://{self.endpoint.host_port}", "skip_instance_cache": True}
+            return (dcp.FileSystemWriter if writer else dcp.FileSystemReader)(os.path.join(self.root, rel))
+        s3fs = {"endpoint_url": f"http://{self.endpoint.host_port}", "skip_instance_cache": True, **options}
+        return (FsspecWriter if writer else FsspecReader)(f"s3://{self.endpoint.fs_path(rel)}", **s3fs)
 
 
 def local(path: str) -> tuple[Where, str]:
@@ -112,29 +100,15 @@ def dcp_stager(options: tuple[bool, bool, bool, bool] | None) -> Any:
     return DefaultStager(StagingOptions(*options)) if options is not None else None
 
 
-@dataclass(slots=True)
-class DcpAsync:
-    """A ``dcp.async_save`` in flight: its upload, and its staging where the stager runs it apart."""
-
-    upload: Any
-    staging: Any
-
-    def staged(self) -> None:
-        if self.staging is not None:
-            self.staging.result()
-
-    def result(self) -> None:
-        self.staged()
-        self.upload.result()
-
-
-def dcp_async_save(state: Any, where: Where, rel: str, group: Any = None, stager: Any = None) -> DcpAsync:
-    """``dcp.async_save`` (its own gloo ``group``, as DCP's docs ask; a reused ``stager``)."""
+def dcp_async_save(state: Any, where: Where, rel: str, group: Any = None, stager: Any = None) -> tuple[Any, Any]:
+    """``dcp.async_save`` (its own gloo ``group``, as DCP's docs ask; a reused ``stager``): its upload's future,
+    and what waits for its staging where the stager runs it apart."""
     import torch.distributed.checkpoint as dcp
 
     kwargs = {"async_stager": stager} if stager is not None else {}
-    response = dcp.async_save(state, storage_writer=where.dcp_writer(rel), process_group=group, **kwargs)
-    return DcpAsync(getattr(response, "upload_completion", response), getattr(response, "staging_completion", None))
+    response = dcp.async_save(state, storage_writer=where.dcp(rel, writer=True), process_group=group, **kwargs)
+    staging = getattr(response, "staging_completion", None)
+    return getattr(response, "upload_completion", response), staging.result if staging is not None else lambda: None
 
 
 def torch_save(full: dict[str, Any], path: str) -> None:
@@ -186,14 +160,14 @@ def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dic
         if entry.status != "committed":
             raise RuntimeError(f"save_async of {rel}: {entry.status}: {entry.error}")
     elif system == "dcp_async":
-        info = dcp_async_save(state, where, rel, options.get("group"), options.get("stager"))
-        info.staged()
+        info, staged = dcp_async_save(state, where, rel, options.get("group"), options.get("stager"))
+        staged()
         stall = time.perf_counter() - t0
         info.result()
     elif system == "dcp":
         import torch.distributed.checkpoint as dcp
 
-        info = dcp.save(state, storage_writer=where.dcp_writer(rel))
+        info = dcp.save(state, storage_writer=where.dcp(rel, writer=True))
     elif system.startswith("rayckpt"):
         import rayckpt
 
@@ -213,7 +187,7 @@ def load(system: str, state: Any, where: Where, rel: str) -> Any:
     if system.startswith("rayckpt"):
         return rayckpt.load(state, where.uri(rel))
     options = {"default_cache_type": "none"} if system == "dcp_nocache" else {}
-    return dcp.load(state, storage_reader=where.dcp_reader(rel, **options))
+    return dcp.load(state, storage_reader=where.dcp(rel, writer=False, **options))
 
 
 class BareCopy:
@@ -293,8 +267,10 @@ class Modes:
         if mode == "copy":
             self.copy.save()
         elif mode.startswith("dcp"):
-            pending = dcp_async_save(self.state, *local(path), self.options.get("group"), self.stagers[mode])
-            self.staging, self.pending = pending.staged, (path, pending.upload.result)
+            upload, self.staging = dcp_async_save(
+                self.state, *local(path), self.options.get("group"), self.stagers[mode]
+            )
+            self.pending = (path, upload.result)
         elif mode.startswith("rayckpt"):
             run = self.options.get("run", "bench")
             handle = ray_save(self.state, *local(path), run=run, step=step, overlap=MODES[mode])

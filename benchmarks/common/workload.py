@@ -78,29 +78,13 @@ def build_state(
 
 
 def state_bytes(app: AppState, local: bool = False) -> int:
-    """Bytes of every tensor in the app's state: DTensors counted globally, or with
-    ``local=True`` only this rank's own shards."""
-    total = 0
+    """Bytes of every tensor in the app's state: DTensors counted globally (``numel`` is the global count),
+    or with ``local=True`` only this rank's own shards."""
+    from torch.utils._pytree import tree_leaves
 
-    def walk(node: Any) -> None:
-        nonlocal total
-        if isinstance(node, torch.Tensor):
-            t = node.to_local() if local and hasattr(node, "to_local") else node
-            total += t.numel() * t.element_size()  # DTensor.numel() is the global count
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(app.state_dict())
-    return total
-
-
-def local_bytes(app: Any) -> int:
-    """Bytes of this rank's own shards (DTensors: the local part) in the app's state."""
-    return state_bytes(app, local=True)
+    tensors = [t for t in tree_leaves(app.state_dict()) if isinstance(t, torch.Tensor)]
+    tensors = [t.to_local() if local and hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def zero_state(model: Any, optim: Any, app: Any) -> None:

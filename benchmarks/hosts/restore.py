@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from typing import Any
@@ -36,18 +35,10 @@ def restore_all(config: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.recovery.memory_cost import cost_loop
 
     ray.init(address=config["address"], logging_level=logging.ERROR, log_to_driver=config["ray_logs"])
-    loop = {
-        "events": config["events"],
-        "shapes": layer_shapes(config["size_mb"]),
-        "rounds": 0,
-        "steps": 0,
-        "step_sleep_s": 0.0,
-        "device": "cpu",
-        "shared": True,  # the run's storage is a directory every host sees (the machine's own disk)
-        "restore_rounds": config["repeats"],
-        "s3_uri": config["s3_uri"],
-        "restore_from": list(SOURCES),
-    }
+    loop = {"events": config["events"], "shapes": layer_shapes(config["size_mb"]), "s3_uri": config["s3_uri"]}
+    loop |= {"rounds": 0, "steps": 0, "step_sleep_s": 0.0, "device": "cpu", "restore_from": list(SOURCES)}
+    # the run's storage is a directory every host sees (the machine's own disk)
+    loop |= {"shared": True, "restore_rounds": config["repeats"]}
     resources = {"CPU": config["cpus"]}
     trainer(cost_loop, loop, config["workers"], config["storage"], resources=resources).fit()
     return {}
@@ -108,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     require_hosts()
     from testbed.ray_hosts import build_ray_hosts
 
-    out = args.out
-    events = os.path.join(out, "restore.jsonl")
+    events = os.path.join(args.out, "restore.jsonl")
     if os.path.exists(events):
         os.remove(events)
     shapes = layer_shapes(args.size_mb)
@@ -120,39 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     config |= {"hosts": HOSTS, "shm_mb": shm_mb, "object_store_mb": object_store_mb}
     report = new_report("benchmarks.hosts restore", argv, __doc__, config=config)
     report["state_bytes"] = 12 * sum(rows * cols + rows for rows, cols in shapes)
+    storage = os.path.join(args.out, "restore-storage")
     with load_sampled(report):
-        cluster = build_ray_hosts(
-            HOSTS,
-            shm_mb=shm_mb,
-            num_cpus=args.num_cpus,
-            object_store_mb=object_store_mb,
-            s3_bucket="hostbench",
-            env=HOST_ENV,
-        )
-        config: dict[str, Any] = {"storage": os.path.join(out, "restore-storage")}
+        sizes = {"shm_mb": shm_mb, "num_cpus": args.num_cpus, "object_store_mb": object_store_mb}
+        cluster = build_ray_hosts(HOSTS, **sizes, s3_bucket="hostbench", env=HOST_ENV)
         try:
             assert cluster.s3 is not None
-            config |= {
-                "address": cluster.address,
-                "events": events,
-                "size_mb": args.size_mb,
-                "workers": args.workers,
-                "cpus": args.cpus_per_worker,
-                "repeats": args.repeats,
-                "s3_uri": cluster.s3.uri(f"restore/{time.time_ns()}"),
-                "ray_logs": args.ray_logs,
-            }
-            run_on_host(cluster[0], "benchmarks.hosts.restore", config, args.timeout)
+            driver = {"address": cluster.address, "events": events, "storage": storage, "cpus": args.cpus_per_worker}
+            driver |= {k: getattr(args, k) for k in ("size_mb", "workers", "repeats", "ray_logs")}
+            driver["s3_uri"] = cluster.s3.uri(f"restore/{time.time_ns()}")
+            run_on_host(cluster[0], "benchmarks.hosts.restore", driver, args.timeout)
         finally:
             cluster.close()
-            shutil.rmtree(config["storage"], ignore_errors=True)
+            shutil.rmtree(storage, ignore_errors=True)
     report["results"] = summarize(events)
     report["summary"] = {s: summary(report["results"]["load_s"][s], report["state_bytes"]) for s in SOURCES}
-    report["summary"]["s3_over_memory"] = statistics.median(report["results"]["load_s"]["s3"]) / statistics.median(
-        report["results"]["load_s"]["memory"]
-    )
+    report["summary"]["s3_over_memory"] = report["summary"]["s3"]["median"] / report["summary"]["memory"]["median"]
     return write_report(args, "restore", report, markdown(report))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the driver on host 0 (``ON_HOST``)
     sys.exit(main())

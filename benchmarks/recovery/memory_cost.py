@@ -122,7 +122,7 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
         config["s3_uri"] = s3.uri(f"memory-cost/{time.time_ns()}") if s3 is not None and one_node else None
         resources = {**res, "GPU": 1} if gpu else res
         storage = os.path.join(args.out, "storage")
-        trainer(cost_loop, config, args.workers, storage, resources=resources, use_gpu=gpu).fit()
+        trainer(cost_loop, config, args.workers, storage, resources=resources).fit()
     return summarize(events)
 
 

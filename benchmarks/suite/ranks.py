@@ -20,7 +20,7 @@ from benchmarks.common.harness import (
     summary,
 )
 from benchmarks.common.systems import Where
-from benchmarks.common.workload import build_state, checksums, local_bytes, state_bytes, verify_loaded, zero_state
+from benchmarks.common.workload import build_state, checksums, state_bytes, verify_loaded, zero_state
 
 #: Per storage: the save systems and the load systems.
 SAVES = {
@@ -59,7 +59,7 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     model, optim, app = build_state(world_size, rank, seed=0, shapes=cfg["shapes"])
     state = {"app": app}
     names = SAVES[cfg["storage"]]
-    out: dict[str, Any] = {"rank": rank, "own_bytes": local_bytes(app), "save": {s: [] for s in names}}
+    out: dict[str, Any] = {"rank": rank, "own_bytes": state_bytes(app, local=True), "save": {s: [] for s in names}}
     out["raw_read"] = []
     sums = checksums(model, optim, compute=rank == 0) if cfg["verify"] else {}
     if rank == 0:
@@ -154,7 +154,7 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     model, optim, app = build_state(world_size, rank, seed=100, shapes=cfg["shapes"])
     state = {"app": app}
     names = [s for s in LOADS[cfg["storage"]] if SOURCE.get(s, s) in sources]
-    out: dict[str, Any] = {"rank": rank, "own_bytes": local_bytes(app), "load": {s: [] for s in names}}
+    out: dict[str, Any] = {"rank": rank, "own_bytes": state_bytes(app, local=True), "load": {s: [] for s in names}}
     out.update(verified={}, setup_s=time.perf_counter() - t_setup)
     every_file = [f for rel in sources.values() for f in where.files(rel)]
     me = {"rank": os.getpid()}
