@@ -90,13 +90,9 @@ def row_bytes(shape: tuple[int, ...]) -> int:
     return ITEMSIZE * int(np.prod(shape[1:], dtype=np.int64))
 
 
-def metadata_bytes(directory: str, shard_file: Any = None) -> dict[str, int]:
-    """Each file of a checkpoint directory that is not a shard file (``shard_file(name)`` false), by name."""
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if shard_file is None or not shard_file(name):
-            out[name] = os.path.getsize(os.path.join(directory, name))
-    return out
+def metadata_bytes(directory: str) -> dict[str, int]:
+    """Each file of a checkpoint directory by name (only metadata: no tensor data is ever written here)."""
+    return {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))}
 
 
 def rayckpt_block_size(layout: Layout) -> int:
@@ -145,15 +141,6 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple
         files = (FileEntry(file, pos, rank),) if chunks else ()
         shards.append(WrittenShard(rank, tuple(chunks), files))
     return spec, shards
-
-
-def rayckpt_metadata_bytes(directory: str) -> dict[str, int]:
-    from rayckpt.storage.commit import shard_file_save_id
-
-    # A version-4 chunk table carries its save id in its name too, but it is metadata.
-    return metadata_bytes(
-        directory, lambda name: shard_file_save_id(name) is not None and not name.endswith("-chunks.arrow")
-    )
 
 
 def rayckpt_local_shards(layout: Layout, world_size: int) -> list[list[Any]]:

@@ -54,7 +54,7 @@ def rayckpt_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     shards.clear()  # the commit needs only the manifest
     directory = os.path.join(work, f"rayckpt-{n}")
     out["commit"], _ = profiled(lambda: commit_manifest(CheckpointDir.resolve(directory), manifest))
-    out["files"] = lay.rayckpt_metadata_bytes(directory)
+    out["files"] = lay.metadata_bytes(directory)
     out["metadata_bytes"] = sum(out["files"].values())
     out["chunks"] = sum(len(e.chunks) for e in manifest.entries.values() if hasattr(e, "chunks"))
     return out
@@ -145,12 +145,9 @@ def dcp_load(layout: lay.Layout, n: int, work: str, budget_s: float, samples: in
         else:
             ranks = sample_ranks(m, samples)
             timed = {r: rank_plan(m, r)[0]["cpu_s"] for r in ranks}
-            t["whole_job"] = {
-                "cpu_s": statistics.median(timed.values()) * m,
-                "estimated": True,
-                "sample": timed,
-                "method": f"median of ranks {ranks} x {m} ranks",
-            }
+            method = f"median of ranks {ranks} x {m} ranks"
+            t["whole_job"] = {"cpu_s": statistics.median(timed.values()) * m, "estimated": True, "method": method}
+            t["whole_job"]["sample"] = timed
         out["targets"][m] = t
     return out
 
@@ -176,11 +173,11 @@ def dcp_save_plan(layout: lay.Layout, n: int, budget_s: float) -> dict[str, Any]
         out["uncached"], _ = profiled(lambda: dcp.global_plan(plans))
         out["uncached"]["estimated"] = False
     else:
+        method = f"up to {SHAPE_SAMPLE} tensors of each shape timed at once, less a call on empty plans, x its "
         out["uncached"] = {
             "cpu_s": estimate,
             "estimated": True,
-            "method": f"up to {SHAPE_SAMPLE} tensors of each shape timed at once, less a call on empty plans, "
-            "x its tensors / those, summed, plus that call",
+            "method": method + "tensors / those, summed, plus that call",
         }
         plans = dcp.local_save_plans(layout.subset([0]), n)
     dcp.clear_plan_cache()
@@ -195,24 +192,20 @@ def dcp_save_plan(layout: lay.Layout, n: int, budget_s: float) -> dict[str, Any]
 
 def run_step(step: str, layout: lay.Layout, n: int, work: str, args: argparse.Namespace) -> dict[str, Any]:
     """One step in this process (the worker; the unit test calls it directly at tiny N)."""
-    if step == "rayckpt_commit":
-        return rayckpt_commit(layout, n, work)
-    if step == "rayckpt_load":
-        return rayckpt_load(layout, n, work)
-    if step == "rayckpt_save_plan":
-        return rayckpt_save_plan(layout, n)
-    if step == "dcp_commit":
-        return dcp_commit(layout, n, work)
-    if step == "dcp_load":
-        return dcp_load(layout, n, work, args.budget_s, args.dcp_sample_ranks)
-    if step == "dcp_save_plan":
-        return dcp_save_plan(layout, n, args.budget_s)
-    raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
+    return {
+        "rayckpt_commit": lambda: rayckpt_commit(layout, n, work),
+        "rayckpt_load": lambda: rayckpt_load(layout, n, work),
+        "rayckpt_save_plan": lambda: rayckpt_save_plan(layout, n),
+        "dcp_commit": lambda: dcp_commit(layout, n, work),
+        "dcp_load": lambda: dcp_load(layout, n, work, args.budget_s, args.dcp_sample_ranks),
+        "dcp_save_plan": lambda: dcp_save_plan(layout, n, args.budget_s),
+    }[step]()
 
 
-def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+def proc_bytes(path: str, field: str) -> int:
+    """A figure of a /proc file in kB (``VmHWM:`` of /proc/self/status, ``MemAvailable:``...), in bytes."""
+    with open(path) as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -222,17 +215,15 @@ def worker(args: argparse.Namespace) -> int:
 
     from benchmarks.scale import dcp  # noqa: F401
 
-    base = vm_hwm()
+    base = proc_bytes("/proc/self/status", "VmHWM:")
     t0 = time.perf_counter()
     result = run_step(args.worker, layout, args.n, args.work, args)
-    result.update(step_wall_s=time.perf_counter() - t0, process_peak_extra_rss=vm_hwm() - base)
+    result.update(
+        step_wall_s=time.perf_counter() - t0, process_peak_extra_rss=proc_bytes("/proc/self/status", "VmHWM:") - base
+    )
     if layout is not full:
-        result["sampled"] = {
-            "stride": args.tensor_stride,
-            "tensors": layout.tensors,
-            "chunks": lay.chunk_count(layout, args.n),
-            "full_chunks": lay.chunk_count(full, args.n),
-        }
+        chunks = {"chunks": lay.chunk_count(layout, args.n), "full_chunks": lay.chunk_count(full, args.n)}
+        result["sampled"] = {"stride": args.tensor_stride, "tensors": layout.tensors, **chunks}
         result["scale"] = result["sampled"]["full_chunks"] / result["sampled"]["chunks"]
     with open(args.result, "w") as f:
         json.dump(result, f, indent=1)
@@ -244,15 +235,10 @@ BYTES_PER_CHUNK = {"rayckpt": 900, "dcp": 2200}
 GIB = 2**30
 
 
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-
-
 def tensor_stride(system: str, n: int, args: argparse.Namespace) -> int:
     """1, or the stride of tensors a system's manifest steps sample when the whole would not fit in memory."""
     need = BYTES_PER_CHUNK[system] * lay.chunk_count(lay.gpt_layout(args.tensors), n)
-    room = min(args.max_gib * GIB, mem_available() - 3 * GIB)
+    room = min(args.max_gib * GIB, proc_bytes("/proc/meminfo", "MemAvailable:") - 3 * GIB)
     return max(1, int(-(-need // max(room, GIB))))
 
 

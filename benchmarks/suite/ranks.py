@@ -38,7 +38,7 @@ SOURCE = {"rayckpt_warm": "rayckpt", "dcp_warm": "dcp", "dcp_nocache": "dcp", "t
 def counted(op: Any, rank: int, where: Where, pids: dict[str, int], interval: float) -> dict[str, Any]:
     """``measure`` of ``op``; on an endpoint, with the server's request counts around it (read by rank 0:
     the others wait in ``measure``'s first barrier until it has)."""
-    from benchmarks.suite.s3_counter import counts_delta, read_counts
+    from testbed.s3_counter import counts_delta, read_counts
 
     s3 = where.endpoint is not None and rank == 0
     before = read_counts(where.endpoint.host_port) if s3 else {}

@@ -8,7 +8,7 @@ each rank writes its 1/N of the bytes in 8 MiB blocks and fsyncs, then reads the
 files evicted from the page cache first ("warm": read in first); the first load of each system goes into
 a zeroed state and is checked bit-exact. Read amplification: bytes read (rayckpt's ``LoadInfo``, DCP's
 ``rchar``; on S3 the server's GET bytes) / bytes needed. Memory: /proc/self/status sampled in a thread.
-On S3: moto's server on this machine behind ``s3_counter``, which counts every request and its bytes;
+On S3: moto's server on this machine behind ``testbed.s3_counter``, which counts every request and its bytes;
 rayckpt on pyarrow's ``S3FileSystem``, DCP on s3fs (a fresh instance per operation), loads also with
 s3fs's read-ahead off; the server shares the cores with the ranks, so counts, not times, are its own."""
 
@@ -135,7 +135,7 @@ def s3_endpoint(stack: ExitStack, out: str) -> tuple[Any, dict[str, str]]:
     os.environ.update(S3_ENV)  # before ray.init: Ray's workers inherit the credentials
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     log = os.path.join(out, "moto.log")
-    server = start_moto_server(log, BUCKET, module="benchmarks.suite.s3_counter", env={"PYTHONPATH": path})
+    server = start_moto_server(log, BUCKET, module="testbed.s3_counter", env={"PYTHONPATH": path})
     stack.callback(server.stop)
     return server.endpoint, {n: version(n) for n in ("moto", "s3fs", "aiobotocore", "fsspec")}
 

@@ -1,4 +1,4 @@
-"""The shared S3 endpoint (``rayckpt.testing.s3_server``) and the benchmark's counting server on it."""
+"""The shared S3 endpoint (``rayckpt.testing.s3_server``) and the counting server on it (``testbed.s3_counter``, the S3 suite's)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from benchmarks.suite.s3_counter import counts_delta, read_counts
 from rayckpt.testing.s3_server import start_moto_server
+from testbed.s3_counter import counts_delta, read_counts
 
-#: The server process imports ``benchmarks.suite.s3_counter`` from the repository's root.
+#: The server process imports ``testbed.s3_counter`` from the repository's root.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -27,7 +27,7 @@ def test_delete_removes_every_object_under_a_prefix_and_nothing_else(s3_server, 
 @pytest.fixture(scope="module")
 def counting_server(s3_env, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("counting") / "server.log")
-    server = start_moto_server(log, "counted", module="benchmarks.suite.s3_counter", env={"PYTHONPATH": REPO_ROOT})
+    server = start_moto_server(log, "counted", module="testbed.s3_counter", env={"PYTHONPATH": REPO_ROOT})
     try:
         yield server.endpoint
     finally:
