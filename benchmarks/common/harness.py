@@ -266,47 +266,16 @@ def connect_ray(address: str) -> None:
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, namespace="rayckpt-bench")
 
 
-def _busy_ticks(root: int) -> tuple[int, int]:
-    """CPU ticks the machine spent busy (/proc/stat less idle and iowait), and those of ``root`` and all its
-    descendants (utime + stime + reaped children's)."""
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:9]]
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(rest[1]), []).append(int(name))
-        ticks[int(name)] = sum(int(x) for x in rest[11:15])
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += ticks.get(pid, 0)
-        stack.extend(children.get(pid, []))
-    return sum(vals) - vals[3] - vals[4], total
-
-
 @contextmanager
 def load_sampled(report: dict[str, Any]) -> Iterator[None]:
-    """While the block runs, every 5 s: the 1-minute load average and the CPU cores used by processes outside
-    this benchmark's process tree (ranks, Ray and its actors are inside it; kernel threads, e.g. writeback,
-    are outside). Then ``report["load_average_1min"]`` and the block's seconds as ``total_runtime_s``."""
-    samples: list[tuple[float, float, float | None]] = []
-    before, hz, stop = os.getloadavg()[0], os.sysconf("SC_CLK_TCK"), threading.Event()
+    """While the block runs, the machine's 1-minute load average every 5 s; then ``report["load_average_1min"]``
+    (its summary, and the samples) and the block's seconds as ``total_runtime_s``."""
+    samples: list[tuple[float, float]] = []
+    before, stop = os.getloadavg()[0], threading.Event()
 
     def loop() -> None:
-        prev = (time.monotonic(), *_busy_ticks(os.getpid()))
         while True:
-            now = (time.monotonic(), *_busy_ticks(os.getpid()))
-            dt = now[0] - prev[0]
-            others = (now[1] - prev[1] - (now[2] - prev[2])) / hz / dt if dt > 0.5 else None
-            if now[2] < prev[2] or (others is not None and not 0 <= others <= (os.cpu_count() or 1) + 0.5):
-                others = None  # a process left the tree unaccounted (killed, reparented): no figure
-            samples.append((round(time.time(), 1), round(os.getloadavg()[0], 2), others and round(others, 2)))
-            prev = now
+            samples.append((round(time.time(), 1), round(os.getloadavg()[0], 2)))
             if stop.wait(5.0):
                 return
 
@@ -318,14 +287,8 @@ def load_sampled(report: dict[str, Any]) -> Iterator[None]:
     finally:
         stop.set()
         sampler.join()
-    loads = [x[1] for x in samples]
-    others = [x[2] for x in samples if x[2] is not None] or [0.0]
-    report["load_average_1min"] = {
-        "before_start": before,
-        **{k: v for k, v in summary(loads).items() if k != "values"},
-        "other_processes_cpu_cores": {"mean": statistics.fmean(others), "max": max(others)},
-        "samples_time_load1_othercores": samples,
-    }
+    load = {k: v for k, v in summary([x[1] for x in samples]).items() if k != "values"}
+    report["load_average_1min"] = {"before_start": before, **load, "samples": samples}
     report["total_runtime_s"] = time.perf_counter() - t0
 
 
@@ -343,9 +306,9 @@ def write_report(args: Any, name: str, report: dict[str, Any], md: str) -> int:
     raw = {k: report[k] for k in RAW_KEYS if k in report}
     summary_only = {k: v for k, v in report.items() if k not in RAW_KEYS}
     load = report.get("load_average_1min")
-    if isinstance(load, dict) and "samples_time_load1_othercores" in load:
-        raw["load_samples"] = load["samples_time_load1_othercores"]
-        summary_only["load_average_1min"] = {k: v for k, v in load.items() if k != "samples_time_load1_othercores"}
+    if isinstance(load, dict) and "samples" in load:
+        raw["load_samples"] = load["samples"]
+        summary_only["load_average_1min"] = {k: v for k, v in load.items() if k != "samples"}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(summary_only, f, indent=2, default=str)
     if raw:
@@ -414,9 +377,7 @@ def run_line(report: dict[str, Any]) -> str:
         line += f" Run time {report['total_runtime_s']:.0f} s."
     load = report.get("load_average_1min")
     if isinstance(load, dict) and "median" in load:
-        line += f" Load average (1 min): median {load['median']:.2f}, max {load['max']:.2f}"
-        cores = load.get("other_processes_cpu_cores")
-        line += f"; other processes used {cores['mean']:.2f} cores on average." if cores else "."
+        line += f" Load average (1 min): median {load['median']:.2f}, max {load['max']:.2f}."
     return line
 
 

@@ -10,7 +10,6 @@ nodes' memory, the local disk with the page cache warm and evicted, and S3 (``--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -18,7 +17,7 @@ from typing import Any
 
 from benchmarks.common import cli
 from benchmarks.common.harness import document, load_sampled, new_report, rotated, summary, table, write_report
-from benchmarks.common.raytrain import append_event, new_ray, trainer
+from benchmarks.common.raytrain import append_event, new_ray, read_events, trainer
 from benchmarks.common.workload import layer_shapes
 
 MODES = ("none", "copy", "memory")
@@ -126,14 +125,9 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
     return summarize(events)
 
 
-def read_lines(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def summarize(events: str) -> dict[str, Any]:
     """Per mode: the slowest worker's step and save time, medians over the steps past each round's first."""
-    lines = read_lines(events)
+    lines = read_events(events)
     steps = [e for e in lines if e["kind"] == "step"]
     by_step: dict[int, list[dict[str, Any]]] = {}
     for e in steps:
@@ -182,16 +176,11 @@ def markdown(report: dict[str, Any]) -> str:
             )
         if r.get("restore_s"):
             memory = statistics.median(r["restore_s"]["memory"])
-            restores = r["restore_s"].items()
-            parts += [f"Restore of one step ({sc}), seconds: median (min-max) over the rounds:"]
-            parts += [
-                table(
-                    [
-                        {"from": k, "load s": summary(v), "/ from memory": summary(v)["median"] / memory}
-                        for k, v in restores
-                    ]
-                )
+            restores = [
+                {"from": k, "load s": summary(v), "x memory": statistics.median(v) / memory}
+                for k, v in r["restore_s"].items()
             ]
+            parts += [f"Restore of one step ({sc}), seconds: median (min-max) over the rounds:", table(restores)]
     return document("The cost of a memory checkpoint every step", report, table(rows), *parts)
 
 

@@ -199,18 +199,11 @@ def server_summary(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
     PUTs and their bytes; the kinds of the first repeat in full."""
     if "server" not in recs[0]:
         return None
-
-    def total(rec: dict[str, Any], kind: str, field: str) -> int:
-        return rec["server"].get(kind, {}).get(field, 0)
-
-    return {
-        "get_requests": [total(r, "GET_object", "requests") for r in recs],
-        "get_bytes": [total(r, "GET_object", "bytes_out") for r in recs],
-        "all_requests": [sum(c["requests"] for c in r["server"].values()) for r in recs],
-        "put_requests": [total(r, "PUT", "requests") for r in recs],
-        "put_bytes": [total(r, "PUT", "bytes_in") for r in recs],
-        "by_kind_first_repeat": recs[0]["server"],
-    }
+    fields = {"get_requests": ("GET_object", "requests"), "get_bytes": ("GET_object", "bytes_out")}
+    fields |= {"put_requests": ("PUT", "requests"), "put_bytes": ("PUT", "bytes_in")}
+    out = {name: [r["server"].get(kind, {}).get(f, 0) for r in recs] for name, (kind, f) in fields.items()}
+    out["all_requests"] = [sum(c["requests"] for c in r["server"].values()) for r in recs]
+    return out | {"by_kind_first_repeat": recs[0]["server"]}
 
 
 def rows_of(ranks: list[dict[str, Any]], kind: str, system: str) -> list[list[dict[str, Any]]]:
@@ -224,14 +217,10 @@ def save_report(saved: list[dict[str, Any]], total: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for system in saved[0]["save"]:
         rows = rows_of(saved, "save", system)
-        out[system] = {
-            "stall_s": summary([max(x["stall"] for x in row) for row in rows], total),
-            "commit_s": summary([max(x["commit"] for x in row) for row in rows], total),
-            "persist_s": summary([max(x["commit"] - x["stall"] for x in row) for row in rows], total),
-            "mem": mem_summary([r["save"][system] for r in saved], "rank", own),
-            "server": server_summary(saved[0]["save"][system]),
-            "stall_per_rank": [[round(x["stall"], 4) for x in row] for row in rows],
-        }
+        out[system] = {f"{k}_s": summary([max(x[k] for x in row) for row in rows], total) for k in ("stall", "commit")}
+        out[system]["persist_s"] = summary([max(x["commit"] - x["stall"] for x in row) for row in rows], total)
+        out[system] |= {"mem": mem_summary([r["save"][system] for r in saved], "rank", own)}
+        out[system] |= {"server": server_summary(saved[0]["save"][system])}
     out["rayckpt_ray"]["writer_mem"] = mem_summary([saved[0]["save"]["rayckpt_ray"]], "writer", [total])
     if saved[0]["raw_read"]:
         reads = [[r["raw_read"][i] for r in saved] for i in range(len(saved[0]["raw_read"]))]
@@ -270,8 +259,7 @@ def load_report(loaded: list[dict[str, Any]], total: int) -> dict[str, Any]:
         }
         if "requests" in rows[0][0]:
             out[system]["loadinfo"] = {
-                "requests": [sum(x["requests"] for x in row) for row in rows],
-                "bytes_fetched": [sum(x["bytes_fetched"] for x in row) for row in rows],
+                k: [sum(x[k] for x in row) for row in rows] for k in ("requests", "bytes_fetched")
             }
         if system == "torch_load":
             out[system]["read_only_s"] = summary([max(x["read_s"] for x in row) for row in rows], total)

@@ -1,4 +1,4 @@
-"""The shared S3 endpoint (``rayckpt.testing.s3_server``) and the counting server on it (``testbed.s3_counter``, the S3 suite's)."""
+"""The shared S3 endpoint (``rayckpt.testing.s3_server``) and the counting server on it (``testbed.s3_counter``)."""
 
 from __future__ import annotations
 
