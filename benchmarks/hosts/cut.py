@@ -88,17 +88,10 @@ def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
         restored_at, line = job.wait_for(RESTART.search, args.timeout)
         restart = RESTART.search(line)
         dead = watcher.communicate(timeout=args.timeout)[0]  # it prints "dead <time>" and exits
-        return {
-            "setting": setting,
-            "repeat": rep,
-            "step_at_cut": last_step,
-            "restored_step": int(restart.group(2)) if restart.group(2) else None,
-            "workers_after": int(restart.group(3)),
-            "tier": restart.group(4),
-            "restart_line": restart.group(0),
-            "node_dead_s": float(dead.split()[-1]) - cut_at,
-            "restored_s": restored_at - cut_at,
-        }
+        run = {"setting": setting, "repeat": rep, "step_at_cut": last_step, "restart_line": restart.group(0)}
+        run |= {"restored_step": int(restart.group(2)) if restart.group(2) else None, "tier": restart.group(4)}
+        run |= {"workers_after": int(restart.group(3)), "node_dead_s": float(dead.split()[-1]) - cut_at}
+        return run | {"restored_s": restored_at - cut_at}
     finally:
         try:
             if job is not None:
@@ -134,9 +127,8 @@ def markdown(report: dict[str, Any]) -> str:
         | {k: r.get(k) for k in ("step_at_cut", "restored_step", "workers_after", "node_dead_s", "restored_s", "tier")}
         for r in report["runs"]
     ]
-    return document(
-        "A host cut off from an elastic job: the time to the restored group", report, table(rows), table(runs)
-    )
+    title = "A host cut off from an elastic job: the time to the restored group"
+    return document(title, report, table(rows), table(runs))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

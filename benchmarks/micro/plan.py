@@ -1,7 +1,7 @@
 """Load planning at scale, no I/O: the bulk planner on a synthetic manifest of dim-0 shards.
 
 Every tensor is saved dim-0 sharded by ``--saved-ranks`` ranks, one shard file per saved
-rank; the ``ChunkEntry`` objects are built directly (no save, no files). Timed over
+rank; the manifest is made as a save commits it, from synthetic shards (no tensor data, no files). Timed over
 ``--repeats``: the chunk table, every target rank's plan (``create_dim0_plans``) and one
 rank's plan (``BulkPlan.for_rank``): wall and CPU seconds, median (min-max), and the peak RSS above
 the RSS before each.
@@ -14,37 +14,20 @@ from typing import Any
 
 from benchmarks.common import cli
 from benchmarks.common.harness import document, mib, new_report, repeated, table, timed, write_report
-from rayckpt.format.manifest import ChunkEntry, FileEntry, Manifest, TensorEntry
+from benchmarks.scale.layout import Layout, rayckpt_save_inputs
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import ChunkTable
-from rayckpt.planning.load_plan import dim0_boxes
+from rayckpt.storage.commit import create_manifest
 
 DTYPE = "float32"
-ITEMSIZE = 4
 
 
-def build_manifest(saved_ranks: int, tensors: int, rows: int, cols: int, block_size: int) -> Manifest:
-    """The synthetic manifest: every tensor dim-0 sharded over all saved ranks, a file per rank."""
-    shape = (rows, cols)
-    boxes = dim0_boxes(shape, saved_ranks)
-    files = [f"r{r}.arrow" for r in range(saved_ranks)]
-    lengths = [b.volume * ITEMSIZE for b in boxes]
-    checksums = [(123,) * -(-n // block_size) for n in lengths]
-    pos = [0] * saved_ranks
-    entries: dict[str, Any] = {}
-    for t in range(tensors):
-        chunks = []
-        for r in range(saved_ranks):
-            chunk = ChunkEntry(
-                box=boxes[r], file=files[r], byte_offset=pos[r], byte_length=lengths[r], checksums=checksums[r]
-            )
-            chunks.append(chunk)
-            pos[r] += lengths[r]
-        entries[f"layers.{t}.weight"] = TensorEntry(DTYPE, shape, tuple(chunks))
-    file_entries = tuple(FileEntry(files[r], pos[r], r) for r in range(saved_ranks))
-    return Manifest(
-        save_id="bench_plan", world_size=saved_ranks, block_size=block_size, entries=entries, files=file_entries
-    )
+def build_manifest(saved_ranks: int, tensors: int, rows: int, cols: int, block_size: int) -> Any:
+    """The synthetic manifest: ``tensors`` (rows, cols) tensors, each dim-0 sharded over the saved ranks, a
+    file per rank, made as a save commits it (``benchmarks.scale.layout``'s shards, ``create_manifest``)."""
+    keys = tuple(f"layers.{t}.weight" for t in range(tensors))
+    layout = Layout(keys, tuple(("layers", str(t), "weight") for t in range(tensors)), ((rows, cols),) * tensors)
+    return create_manifest(*rayckpt_save_inputs(layout, saved_ranks, block_size))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -42,14 +42,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="rk-observe-") as tmp,
         ray_head(os.path.join(tmp, "ray"), num_cpus=2) as head,
     ):
-        env = head.env
-        seeder = subprocess.Popen(
-            [sys.executable, "-c", SEED, head.address, os.path.join(tmp, "ckpt")],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        env, seed = head.env, [sys.executable, "-c", SEED, head.address, os.path.join(tmp, "ckpt")]
+        seeder = subprocess.Popen(seed, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             if seeder.stdout.readline().strip() != "seeded":
                 raise RuntimeError("the seeding driver did not save")
@@ -57,9 +51,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             with load_sampled(report):
                 for rep in range(args.repeats):
                     for name in rotated(list(COMMANDS), rep):
-                        times[name].append(
-                            timed(lambda name=name: run_command(COMMANDS[name] + [head.address], env))[0]
-                        )
+                        command = [*COMMANDS[name], head.address]
+                        times[name].append(timed(lambda command=command: run_command(command, env))[0])
             report["times"] = {name: summary(values) for name, values in times.items()}
         finally:
             seeder.stdin.close()

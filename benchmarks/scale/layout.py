@@ -102,14 +102,15 @@ def rayckpt_block_size(layout: Layout) -> int:
     return auto_block_size(sum(math.prod(s) * ITEMSIZE for s in layout.shapes))
 
 
-def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple[Any, list[Any]]:
-    """The ``SaveSpec`` and every rank's ``WrittenShard`` of a save of ``layout`` by ``world_size`` ranks."""
+def rayckpt_save_inputs(layout: Layout, world_size: int, block_size: int | None = None) -> tuple[Any, list[Any]]:
+    """The ``SaveSpec`` and every rank's ``WrittenShard`` of a save of ``layout`` by ``world_size`` ranks (with
+    the block size a save of it picks, or ``block_size``)."""
     from rayckpt.format.manifest import FileEntry
     from rayckpt.format.shard_file import WrittenChunk, storage_type
     from rayckpt.planning.load_plan import dim0_boxes
     from rayckpt.storage.commit import SaveSpec, WrittenShard, shard_file_name
 
-    block = rayckpt_block_size(layout)
+    block = block_size or rayckpt_block_size(layout)
     save_id = "20261124T040000-0badcafe"
     spec = SaveSpec(
         save_id=save_id,
@@ -121,7 +122,7 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple
         paths=dict(zip(layout.keys, layout.paths, strict=True)),
     )
     boxes = {s: dim0_boxes(s, world_size) for s in set(layout.shapes)}
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     shards = []
     for rank in range(world_size):
         file = shard_file_name(save_id, rank, storage_type(DTYPE))
