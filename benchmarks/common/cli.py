@@ -76,14 +76,3 @@ def listed(choices: Iterable[str]) -> Callable[[str], list[str]]:
         return found
 
     return names
-
-
-def numbers(text: str) -> list[float]:
-    """An option's type: comma-separated numbers, each > 0."""
-    try:
-        found = [float(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        found = []
-    if not found or min(found) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers > 0, comma-separated")
-    return found

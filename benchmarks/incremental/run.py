@@ -207,14 +207,9 @@ def chain_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     state = state_of(model, moments, n)
     saves.append({"step": n, **timed_save("full", state, os.path.join(root, "self", f"step-{n}"), root)})
     expected = [t.clone() for t in systems.local_tensors(state)]
-    paths = {
-        "chained": os.path.join(root, "chain", f"step-{n}"),
-        "self-contained": os.path.join(root, "self", f"step-{n}"),
-    }
-    files = {
-        "chained": files_under(os.path.join(root, "chain")),
-        "self-contained": files_under(paths["self-contained"]),
-    }
+    chain, own = os.path.join(root, "chain"), os.path.join(root, "self", f"step-{n}")
+    paths = {"chained": os.path.join(chain, f"step-{n}"), "self-contained": own}
+    files = {"chained": files_under(chain), "self-contained": files_under(own)}
     timed_load(state, paths["self-contained"], files["self-contained"], True)  # untimed: the first load's costs
     loads: list[dict[str, Any]] = []
     checked: dict[str, int] = {}

@@ -86,28 +86,22 @@ def figures(r: dict[str, Any], n: int) -> dict[str, Any]:
     return f
 
 
-#: Fitted series: name -> (figure, label).
-SERIES = {
-    "manifest_bytes_rayckpt": ("rayckpt_bytes", "manifest bytes, rayckpt"),
-    "manifest_bytes_dcp": ("dcp_bytes", "manifest bytes, DCP .metadata"),
-    "read_rayckpt": ("rayckpt_read", "read + parse, rayckpt"),
-    "read_dcp": ("dcp_read", "read + parse, DCP"),
-    "save_plan_rayckpt": ("rayckpt_save_plan", "global save plan, rayckpt"),
-    "save_plan_dcp": ("dcp_save_plan", "global save plan, DCP uncached"),
-    "load_job_rayckpt": ("rayckpt_job_half", "load plan N -> N/2, whole job, rayckpt"),
-    "load_job_dcp": ("dcp_job_half", "load plan N -> N/2, whole job, DCP"),
-    "load_rank_rayckpt": ("rayckpt_rank_half", "load plan N -> N/2, one rank, rayckpt"),
-    "load_rank_dcp": ("dcp_rank_half", "load plan N -> N/2, one rank, DCP"),
-}
+#: The figures whose growth in N is fitted (``fit_exponents``).
+FITTED = ("rayckpt_bytes", "dcp_bytes", "rayckpt_read", "dcp_read", "rayckpt_save_plan", "dcp_save_plan")
+FITTED += ("rayckpt_job_half", "dcp_job_half", "rayckpt_rank_half", "dcp_rank_half")
 
 
 def all_figures(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {int(n): figures(r, int(n)) for n, r in sorted(report["results"].items(), key=lambda kv: int(kv[0]))}
 
 
-def series(report: dict[str, Any]) -> dict[str, list[tuple[int, float | None]]]:
-    figs = all_figures(report)
-    return {name: [(n, f[key]) for n, f in figs.items()] for name, (key, _) in SERIES.items()}
+def fit_exponents(report: dict[str, Any]) -> dict[str, Any]:
+    """Each of ``FITTED``: its growth exponent over the rank counts measured, and its points."""
+    figs, out = all_figures(report), {}
+    for key in FITTED:
+        pts = [(n, f[key]) for n, f in figs.items() if f[key] and f[key] > 0]
+        out[key] = {"exponent": fit_exponent(pts) if len(pts) >= 2 else None, "points": pts}
+    return out
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -126,12 +120,10 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         ("load plan 4,096 -> 2,048, one rank without Ray (s)", big.get("rayckpt_rank_half"), 0.1, "from its slice"),
         ("coordinator peak extra memory at 4,096 (GiB)", peak / GIB if peak else None, 2.0, "largest step"),
     ]
-    for name in ("manifest_bytes_rayckpt", "save_plan_rayckpt", "load_job_rayckpt", "load_rank_rayckpt"):
-        exponent = report.get("fits", {}).get(name, {}).get("exponent")
-        rows.append((f"growth exponent: {SERIES[name][1]}", exponent, 1.1, "log-log least squares over N"))
-    speedup = target(
-        "read + parse speed-up over DCP unpickle", min(speedups, default=None), 5.0, True, "smallest over N"
-    )
+    for key in ("rayckpt_bytes", "rayckpt_save_plan", "rayckpt_job_half", "rayckpt_rank_half"):
+        exponent = report.get("fits", {}).get(key, {}).get("exponent")
+        rows.append((f"growth exponent: {ROWS[key][0]}", exponent, 1.1, "log-log least squares over N"))
+    speedup = target("read + parse speed-up over DCP unpickle", min(speedups, default=None), 5.0, True, "smallest")
     return [speedup] + [target(name, value, goal, False, how) for name, value, goal, how in rows]
 
 
@@ -177,7 +169,7 @@ def markdown(report: dict[str, Any]) -> str:
 
     rows = [{"figure": label} | {f"{n:,}": value(f, key) for n, f in figs.items()} for key, (label, *_) in ROWS.items()]
     fits = [
-        {"series": SERIES[k][1], "k": f.get("exponent"), "points": len(f.get("points", []))}
+        {"series": ROWS[k][0], "k": f.get("exponent"), "points": len(f.get("points", []))}
         for k, f in report.get("fits", {}).items()
     ]
     methods = []

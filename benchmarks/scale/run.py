@@ -20,7 +20,7 @@ from typing import Any
 from benchmarks.common import cli
 from benchmarks.common.harness import REPO_ROOT, load_sampled, new_report, profiled, repeated, write_report
 from benchmarks.scale import layout as lay
-from benchmarks.scale.report import fit_exponent, markdown, targets
+from benchmarks.scale.report import fit_exponents, markdown, targets
 from rayckpt.format.chunk_columns import ChunkColumns
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import ChunkTable
@@ -275,16 +275,6 @@ def finish(report: dict[str, Any], args: argparse.Namespace) -> int:
     report["fits"] = fit_exponents(report)
     report["targets"] = targets(report)
     return write_report(args, "bench_scale", report, markdown(report))
-
-
-def fit_exponents(report: dict[str, Any]) -> dict[str, Any]:
-    from benchmarks.scale.report import series
-
-    out = {}
-    for name, points in series(report).items():
-        pts = [(n, v) for n, v in points if v and v > 0]
-        out[name] = {"exponent": fit_exponent(pts) if len(pts) >= 2 else None, "points": pts}
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

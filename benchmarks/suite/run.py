@@ -101,7 +101,7 @@ def run_plan_bench(spec: str, out: str, repeats: int) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.parser(__doc__, "suite", markdown=True)
     p.add_argument("--storage", choices=("local", "s3"), default="local", help="a local directory or a local S3")
-    p.add_argument("--sizes-mb", type=cli.numbers, default="256,1024", help="state sizes in MiB (params + moments)")
+    p.add_argument("--sizes-mb", default="256,1024", help="state sizes in MiB (params + moments), comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--save-ranks", type=int, default=4)
     p.add_argument("--reshards", default="4:3,4:2,2:4,4:1", help="N:M load reshards")
@@ -121,6 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.storage == "s3" and args.out == p.get_default("out"):
         argv = [*argv, "--out", f"{cli.OUT}/s3"]
     args = cli.parse(p, argv)
+    args.sizes_mb = [float(x) for x in args.sizes_mb.split(",") if x.strip()]
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     return args
