@@ -99,27 +99,18 @@ def zero_state(model: Any, optim: Any, app: Any) -> None:
     app.extras["step"] = 0
 
 
-def tensor_sums(t: torch.Tensor) -> tuple[float, int, int]:
-    """(float64 sum, int sum of the raw bits, position-weighted int sum): the int sums are
-    exact and order-independent, so they compare bit-for-bit across shardings."""
-    flat = t.detach().reshape(-1).contiguous()
-    bits = flat.view(torch.int32).to(torch.int64)
-    weights = torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1
-    return float(flat.double().sum()), int(bits.sum()), int((bits * weights).sum())
-
-
-def checksums(model: nn.Module, optim: torch.optim.Optimizer, compute: bool) -> dict[str, tuple[float, int, int]]:
-    """Checksums of every full (unsharded, via ``DTensor.full_tensor()``) param and AdamW moment.
-    A collective: every rank calls it; only ranks with ``compute`` sum (the others get {})."""
-    out: dict[str, tuple[float, int, int]] = {}
+def checksums(model: nn.Module, optim: torch.optim.Optimizer, compute: bool) -> dict[str, Any]:
+    """Exact, order-independent sums of the raw bits of every full (unsharded, via ``DTensor.full_tensor()``)
+    param and AdamW moment, and every param's step: they compare bit for bit across shardings. A collective:
+    every rank calls it; only ranks with ``compute`` sum (the others get {})."""
+    out: dict[str, Any] = {}
     for name, p in model.named_parameters():
-        full = {"param": p.full_tensor()}
-        for k in ("exp_avg", "exp_avg_sq"):
-            full[k] = optim.state[p][k].full_tensor()
+        full = {"param": p.full_tensor(), **{k: optim.state[p][k].full_tensor() for k in ("exp_avg", "exp_avg_sq")}}
+        for k, t in full.items() if compute else ():
+            bits = t.detach().reshape(-1).contiguous().view(torch.int32).to(torch.int64)
+            out[f"{k}:{name}"] = [int(bits.sum()), int((bits * (torch.arange(bits.numel()) % 65521 + 1)).sum())]
         if compute:
-            for k, t in full.items():
-                out[f"{k}:{name}"] = tensor_sums(t)
-            out[f"step:{name}"] = (float(optim.state[p]["step"]), 0, 0)
+            out[f"step:{name}"] = float(optim.state[p]["step"])
         del full
     return out
 
@@ -131,12 +122,10 @@ def verify_loaded(system: str, model: nn.Module, optim: torch.optim.Optimizer, a
     rank = dist.get_rank()
     got = checksums(model, optim, compute=rank == 0)
     problem = None
-    if rank == 0:
-        bad = [k for k in expected if k not in got or tuple(got[k][1:]) != tuple(expected[k][1:])]
-        bad += [k for k in expected if k.startswith("step:") and got.get(k, (None,))[0] != expected[k][0]]
-        if bad:
-            detail = "; ".join(f"{k}: saved {expected.get(k)} loaded {got.get(k)}" for k in bad[:6])
-            problem = f"{system}: loaded state differs from the saved state in {len(bad)} tensor(s): {detail}"
+    bad = [k for k in expected if got.get(k) != expected[k]] if rank == 0 else []
+    if bad:
+        detail = "; ".join(f"{k}: saved {expected.get(k)} loaded {got.get(k)}" for k in bad[:6])
+        problem = f"{system}: loaded state differs from the saved state in {len(bad)} tensor(s): {detail}"
     if app.extras.get("step") != 7:
         problem = f"{system}: extras.step loaded as {app.extras.get('step')!r}, saved 7"
     verdict = [problem]

@@ -36,10 +36,6 @@ def _copy(s: str) -> str:
     return s.encode().decode()
 
 
-def file_name(rank: int) -> str:
-    return f"__{rank}_0{DEFAULT_SUFFIX}"
-
-
 _TORCH_SAVE_OVERHEAD: list[int] = []
 
 
@@ -114,7 +110,7 @@ def build_metadata(layout: Layout, world_size: int, checkpoint_id: str) -> Metad
     storage: dict[MetadataIndex, _StorageInfo] = {}
     per_shape = _chunks(layout, world_size)
     for rank, kept in enumerate(_kept(layout, per_shape)):
-        name, pos = file_name(rank), 0
+        name, pos = f"__{rank}_0{DEFAULT_SUFFIX}", 0
         for i in kept:
             shape = layout.shapes[i]
             offsets, sizes = per_shape[shape][rank]

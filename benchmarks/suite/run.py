@@ -62,7 +62,7 @@ def run_size(args: argparse.Namespace, size_mb: float, where: Where, address: st
         if system in rels:  # measured; not loaded
             where.delete(rels[system])
 
-    reshards = parse_reshards(next((t for s, _, t in args.reshards_at if float(s) == size_mb), args.reshards))
+    reshards = parse_reshards(args.reshards)
     ck = {n0: {s: rels[s] for s in ("rayckpt", "dcp", "torch_save") if s in rels}}
     needed = {n for n, _ in reshards if n != n0}
     order = sorted(reshards, key=lambda nm: (nm[0] != n0, nm[1] not in needed))
@@ -105,13 +105,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--save-ranks", type=int, default=4)
     p.add_argument("--reshards", default="4:3,4:2,2:4,4:1", help="N:M load reshards")
-    p.add_argument(
-        "--reshards-at",
-        action="append",
-        default=[],
-        type=lambda s: s.partition("="),
-        help="SIZE=N:M,... : other reshards for one size",
-    )
     p.add_argument("--mem-interval-ms", type=float, default=SAMPLE_INTERVAL_S * 1000, help="RSS sampling period")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of the first loads")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints under --out (local)")
