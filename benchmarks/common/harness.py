@@ -204,15 +204,8 @@ def target(name: str, measured: float | None, threshold: float, higher_is_better
     met = None
     if measured is not None:
         met = measured >= threshold if higher_is_better else measured <= threshold
-    direction = ">=" if higher_is_better else "<="
-    return {
-        "target": name,
-        "measured": measured,
-        "threshold": threshold,
-        "direction": direction,
-        "met": met,
-        "how": how,
-    }
+    row = {"target": name, "measured": measured, "threshold": threshold, "how": how}
+    return row | {"direction": ">=" if higher_is_better else "<=", "met": met}
 
 
 def machine_info() -> dict[str, Any]:
@@ -225,16 +218,10 @@ def machine_info() -> dict[str, Any]:
 
     import rayckpt
 
-    return {
-        "nproc": os.cpu_count(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-        "pyarrow": pyarrow.__version__,
-        "rayckpt": rayckpt.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "mem_total_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
-    }
+    versions = {m.__name__: m.__version__ for m in (torch, ray, pyarrow, rayckpt)}
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    host = {"nproc": os.cpu_count(), "mem_total_gb": memory, "python": platform.python_version()}
+    return host | versions | {"platform": platform.platform()}
 
 
 def new_report(command: str, argv: list[str] | None, doc: str | None = None, **fields: Any) -> dict[str, Any]:

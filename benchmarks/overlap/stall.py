@@ -116,13 +116,9 @@ def ranks_loop(config: dict[str, Any]) -> None:
 
 
 def four_ranks(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> list[dict]:
-    config = {
-        "shape": asdict(stack_shape(args.size_gb, args.layers)),
-        "modes": [m for m in modes if m != "dcp-async-staging"],
-        "run": f"overlap-stall-ranks-{time.time_ns()}",
-        "root": root,
-        **{k: getattr(args, k) for k in ("batch", "rounds", "warmup")},
-    }
+    config = {"shape": asdict(stack_shape(args.size_gb, args.layers)), "run": f"overlap-stall-ranks-{time.time_ns()}"}
+    config |= {"modes": [m for m in modes if m != "dcp-async-staging"], "root": root}
+    config |= {k: getattr(args, k) for k in ("batch", "rounds", "warmup")}
     return fit(ranks_loop, config, args.workers, args.out, args.ray_logs)
 
 

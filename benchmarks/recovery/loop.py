@@ -89,15 +89,8 @@ def train_loop(config: dict[str, Any]) -> None:
         if step % config["save_every"] == 0 or (memory_every and step % memory_every == 0):
             t0 = time.perf_counter()
             handle = ckpt.save(step, state, {"loss": float(step)}, persist=persist)
-            stall, skipped = time.perf_counter() - t0, handle is None
-            log(
-                "save",
-                step=step,
-                stall_s=stall,
-                memory=persist is False,
-                skipped=skipped,
-                memory_skipped=ckpt.memory_skipped,
-            )
+            saved = {"stall_s": time.perf_counter() - t0, "memory": persist is False, "skipped": handle is None}
+            log("save", step=step, **saved, memory_skipped=ckpt.memory_skipped)
     ckpt.wait()
     log("done", step=step)
 

@@ -85,17 +85,11 @@ def local_save_plans(layout: Layout, world_size: int) -> list[SavePlan]:
         items = []
         for fqn, shape in zip(mapping, layout.shapes, strict=True):
             offsets, sizes = chunks[shape][rank]
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(fqn, offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                        properties=TensorProperties(dtype=torch.float32),
-                        size=torch.Size(shape),
-                    ),
-                )
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            data = TensorWriteData(
+                chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape)
             )
+            items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD, tensor_data=data))
         plans.append(SavePlan(items, planner_data=mapping))
     return plans
 
@@ -123,13 +117,8 @@ def build_metadata(layout: Layout, world_size: int, checkpoint_id: str) -> Metad
     mapping = _flatten_mapping(layout)
     if world_size > 1:  # keys from the last rank's mapping, values from rank 0's (``dict(ChainMap(...))``)
         mapping = dict(zip(_flatten_mapping(layout), mapping.values(), strict=True))
-    return Metadata(
-        md,
-        planner_data=mapping,
-        storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=SAVE_ID),
-        version=CURRENT_DCP_VERSION,
-    )
+    meta = StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=SAVE_ID)
+    return Metadata(md, planner_data=mapping, storage_data=storage, storage_meta=meta, version=CURRENT_DCP_VERSION)
 
 
 def metadata_chunks(metadata: Metadata) -> int:
@@ -161,13 +150,8 @@ def global_plan(plans: list[SavePlan], caching: bool = False) -> tuple[list[Save
 
 
 def clear_plan_cache() -> None:
-    for cache in (
-        SavePlanner._cached_save_plan,
-        SavePlanner._cached_all_plans,
-        SavePlanner._cached_global_plan,
-        SavePlanner._cached_metadata,
-        SavePlanner._cached_final_save_plan,
-    ):
+    for name in ("save_plan", "all_plans", "global_plan", "metadata", "final_save_plan"):
+        cache = getattr(SavePlanner, f"_cached_{name}")
         cache.clear()
 
 

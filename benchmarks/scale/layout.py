@@ -112,15 +112,10 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, block_size: int | None 
 
     block = block_size or rayckpt_block_size(layout)
     save_id = "20261124T040000-0badcafe"
-    spec = SaveSpec(
-        save_id=save_id,
-        world_size=world_size,
-        block_size=block,
-        tensors={k: (DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)},
-        values={},
-        metadata={"step": 1000},
-        paths=dict(zip(layout.keys, layout.paths, strict=True)),
-    )
+    tensors = {k: (DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)}
+    paths = dict(zip(layout.keys, layout.paths, strict=True))
+    ids = {"save_id": save_id, "world_size": world_size, "block_size": block}
+    spec = SaveSpec(**ids, tensors=tensors, values={}, metadata={"step": 1000}, paths=paths)
     boxes = {s: dim0_boxes(s, world_size) for s in set(layout.shapes)}
     rng = np.random.default_rng(0)
     shards = []

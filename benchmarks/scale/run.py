@@ -174,11 +174,8 @@ def dcp_save_plan(layout: lay.Layout, n: int, budget_s: float) -> dict[str, Any]
         out["uncached"]["estimated"] = False
     else:
         method = f"up to {SHAPE_SAMPLE} tensors of each shape timed at once, less a call on empty plans, x its "
-        out["uncached"] = {
-            "cpu_s": estimate,
-            "estimated": True,
-            "method": method + "tensors / those, summed, plus that call",
-        }
+        method += "tensors / those, summed, plus that call"
+        out["uncached"] = {"cpu_s": estimate, "estimated": True, "method": method}
         plans = dcp.local_save_plans(layout.subset([0]), n)
     dcp.clear_plan_cache()
     if estimate <= budget_s / 2:

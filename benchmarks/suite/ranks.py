@@ -11,14 +11,7 @@ import torch
 
 from benchmarks.common import systems
 from benchmarks.common.diskio import RAW_BLOCK, evict, read_raw, warm_up, write_raw
-from benchmarks.common.harness import (
-    connect_ray,
-    import_rayckpt,
-    measure,
-    mem_summary,
-    rotated,
-    summary,
-)
+from benchmarks.common.harness import connect_ray, import_rayckpt, measure, mem_summary, rotated, summary
 from benchmarks.common.systems import Where
 from benchmarks.common.workload import build_state, checksums, state_bytes, verify_loaded, zero_state
 
