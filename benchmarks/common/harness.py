@@ -191,6 +191,15 @@ def rotated(items: list[str] | tuple[str, ...], rep: int) -> list[str]:
     return list(items[k:]) + list(items[:k])
 
 
+def grouped(records: list[dict[str, Any]], *keys: str) -> dict[Any, list[dict[str, Any]]]:
+    """``records`` by their values of ``keys`` (one key: its value; more: a tuple), in order of first appearance
+    (e.g. a step's records from every rank)."""
+    out: dict[Any, list[dict[str, Any]]] = {}
+    for r in records:
+        out.setdefault(r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
 def summary(values: list[float], nbytes: int | None = None) -> dict[str, Any]:
     med = statistics.median(values)
     out = {"values": values, "median": med, "min": min(values), "max": max(values)}

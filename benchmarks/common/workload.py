@@ -147,13 +147,9 @@ class StackShape:
     layers: int
 
     @property
-    def params(self) -> int:
-        return self.layers * (self.width * self.width + self.width)
-
-    @property
     def state_bytes(self) -> int:
         """Bytes of params + exp_avg + exp_avg_sq (AdamW's step counters not counted)."""
-        return STATE_BYTES_PER_PARAM * self.params
+        return STATE_BYTES_PER_PARAM * self.layers * (self.width * self.width + self.width)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -166,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         report["copy"] = copy_limit(state, args.device, args.repeats)
         report["dcp"] = dcp_saves(state, args.device, root, args.repeats)
         report["rayckpt"], kept = saves("rayckpt", state, args.device, root, args.repeats)
-        report["save_async"] = {
-            order: async_saves(state, args.device, root, args.saves, order) for order in ASYNC_ORDERS
-        }
+        orders = {order: async_saves(state, args.device, root, args.saves, order) for order in ASYNC_ORDERS}
+        report["save_async"] = orders
         report["loads"] = loads(state, args.device, {"dcp": report["dcp"]["kept"], "rayckpt": kept}, args.repeats)
     finally:
         report["total_runtime_s"] = time.perf_counter() - started

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from typing import Any
 
-from benchmarks.common.harness import document, summary, table, target
+from benchmarks.common.harness import document, grouped, summary, table, target
 
 #: The stall targets: rayckpt's stall at most this fraction of DCP's, and under this many seconds.
 STALL_OVER_DCP = 0.25
@@ -15,23 +14,16 @@ STALL_SECONDS = 0.03
 
 def summarize_stall(records: list[dict[str, Any]], errors: dict[str, str] | None = None) -> dict[str, Any]:
     """Per mode: the stall of each round's slowest rank and of its median rank, over rounds."""
-    by_round: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        by_round[r["mode"]][r["round"]].append(r)
     out: dict[str, Any] = {}
-    for mode, rounds in by_round.items():
-        recs = [rounds[k] for k in sorted(rounds)]
+    for mode, mine in grouped(records, "mode").items():
+        recs = list(grouped(mine, "round").values())
         copies = [max(r["copy_s"] for r in rs) for rs in recs if all(r["copy_s"] is not None for r in rs)]
-        out[mode] = {
-            "stall_slowest": summary([max(r["stall_s"] for r in rs) for rs in recs]),
-            "stall_rank_median": summary([statistics.median(r["stall_s"] for r in rs) for rs in recs]),
-            "step_waited_s": statistics.median(max(r["staged_wait_s"] + r["opt_wait_s"] for r in rs) for rs in recs),
-            "total_s": statistics.median(max(r["total_s"] for r in rs) for rs in recs),
-            "copy_s": statistics.median(copies) if copies else None,
-            "late_bytes": max(r["late_bytes"] for rs in recs for r in rs),
-            "ranks": len(recs[0]),
-            "rounds": len(recs),
-        }
+        m = {"stall_slowest": summary([max(r["stall_s"] for r in rs) for rs in recs])}
+        m["stall_rank_median"] = summary([statistics.median(r["stall_s"] for r in rs) for rs in recs])
+        m["step_waited_s"] = statistics.median(max(r["staged_wait_s"] + r["opt_wait_s"] for r in rs) for rs in recs)
+        m["total_s"] = statistics.median(max(r["total_s"] for r in rs) for rs in recs)
+        m |= {"copy_s": statistics.median(copies) if copies else None, "ranks": len(recs[0]), "rounds": len(recs)}
+        out[mode] = m | {"late_bytes": max(r["late_bytes"] for rs in recs for r in rs)}
     for mode, error in (errors or {}).items():
         out[mode] = {"error": error}
     return out
@@ -78,31 +70,20 @@ def stall_markdown(report: dict[str, Any]) -> str:
 def summarize_step(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per save interval and mode: the slowest worker's step, median and mean over the steps past each
     round's first; the save call and the waits before the optimizer step; memory saves skipped."""
-    by_step: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        by_step[(r["every"], r["step"])].append(r)
-    grouped: dict[int, dict[str, list[list[dict[str, Any]]]]] = defaultdict(lambda: defaultdict(list))
-    for (every, _), rs in sorted(by_step.items()):
-        grouped[every][rs[0]["mode"]].append(rs)
     out: dict[str, Any] = {}
-    for every, modes in grouped.items():
+    for every, interval in grouped(records, "every").items():
         out[str(every)] = {}
-        for mode, steps in modes.items():
+        for mode, mine in grouped(interval, "mode").items():
+            steps = list(grouped(mine, "step").values())
             counted = [rs for rs in steps if rs[0]["i"] > 0]
             slowest = [max(r["step_s"] for r in rs) for rs in counted]
             saves = [rs for rs in steps if rs[0]["saved"]]
             calls = [max(r["save_s"] for r in rs) for rs in saves if rs[0]["i"] > 0 and not rs[0]["skipped"]]
             waits = [max(r["wait_s"] for r in rs) for rs in counted]
-            out[str(every)][mode] = {
-                "step_median_s": statistics.median(slowest),
-                "step_mean_s": statistics.fmean(slowest),
-                "steps": len(counted),
-                "save_call_s": statistics.median(calls) if calls else None,
-                "wait_mean_s": statistics.fmean(waits),
-                "wait_total_s": sum(waits),
-                "saves": len(saves),
-                "skipped": sum(bool(rs[0]["skipped"]) for rs in saves),
-            }
+            m = {"step_median_s": statistics.median(slowest), "step_mean_s": statistics.fmean(slowest)}
+            m |= {"steps": len(counted), "save_call_s": statistics.median(calls) if calls else None}
+            m |= {"wait_mean_s": statistics.fmean(waits), "wait_total_s": sum(waits), "saves": len(saves)}
+            out[str(every)][mode] = m | {"skipped": sum(bool(rs[0]["skipped"]) for rs in saves)}
     return out
 
 

@@ -59,10 +59,7 @@ def run(system: str, what: str, world: int, cfg: dict[str, Any], times: int, col
     rank 0's phases (it plans, reads the manifest and commits)."""
     job = {**cfg, "system": system, "what": what, "times": times, "cold": cold}
     ranks = run_ranks(worker, world, job, timeout=900)
-    rows = []
-    for i in range(times):
-        rows.append({"seconds": max(r["runs"][i][0] for r in ranks), "phases": ranks[0]["runs"][i][1]})
-    return rows
+    return [{"seconds": max(r["runs"][i][0] for r in ranks), "phases": ranks[0]["runs"][i][1]} for i in range(times)]
 
 
 def main(argv: list[str] | None = None) -> int:

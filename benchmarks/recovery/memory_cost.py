@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from benchmarks.common import cli
-from benchmarks.common.harness import document, load_sampled, new_report, rotated, summary, table, write_report
+from benchmarks.common.harness import document, grouped, load_sampled, new_report, rotated, summary, table, write_report
 from benchmarks.common.raytrain import append_event, new_ray, read_events, trainer
 from benchmarks.common.workload import layer_shapes
 
@@ -83,11 +83,8 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
 
     ckpt.save(step, state, persist=True)  # due for both: to memory, then to storage
     ckpt.wait()
-    sources = {
-        "memory": (ckpt.memory.path(step), ckpt.memory.filesystem),
-        "disk, warm": (ckpt.path(step), ckpt.filesystem),
-        "disk, cold": (ckpt.path(step), ckpt.filesystem),
-    }
+    disk = (ckpt.path(step), ckpt.filesystem)
+    sources = {"memory": (ckpt.memory.path(step), ckpt.memory.filesystem), "disk, warm": disk, "disk, cold": disk}
     if config["s3_uri"]:
         save_async(state, config["s3_uri"], run="memory-cost-s3", step=step).wait()
         sources["s3"] = (config["s3_uri"], None)
@@ -129,9 +126,7 @@ def summarize(events: str) -> dict[str, Any]:
     """Per mode: the slowest worker's step and save time, medians over the steps past each round's first."""
     lines = read_events(events)
     steps = [e for e in lines if e["kind"] == "step"]
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for e in steps:
-        by_step.setdefault(e["step"], []).append(e)
+    by_step = grouped(steps, "step")
     out: dict[str, Any] = {}
     for mode in MODES:
         rows = [rs for rs in by_step.values() if rs[0]["mode"] == mode and rs[0]["i"] > 0]
@@ -152,13 +147,9 @@ def summarize(events: str) -> dict[str, Any]:
 
 def restore_rounds(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Per tier, each round's restore seconds (the slowest rank's; barrier to barrier, every rank's the same)."""
-    by_round: dict[tuple[str, int], list[float]] = {}
-    for e in lines:
-        if e["kind"] == "restore":
-            by_round.setdefault((e["source"], e["round"]), []).append(e["load_s"])
     out: dict[str, list[float]] = {}
-    for (source, _), times in sorted(by_round.items()):
-        out.setdefault(source, []).append(max(times))
+    for (source, _), recs in sorted(grouped([e for e in lines if e["kind"] == "restore"], "source", "round").items()):
+        out.setdefault(source, []).append(max(e["load_s"] for e in recs))
     return out
 
 

@@ -62,14 +62,10 @@ def recovery_times(events: list[dict[str, Any]]) -> dict[str, Any]:
     restored_step = _one({e["step"] for e in done}, "the restored step")
     source_world = _one({e["source_world"] for e in done}, "the restored checkpoint's world size")
     tier = _one({e.get("tier") or "storage" for e in done}, "the restored checkpoint's tier")
-    at = {
-        "kill": t_kill,
-        "noticed": noticed[0]["t"],
-        "entered": last_of("enter")["t"],
-        "restore_begun": last_of("restore_begin")["t"],
-        "restored": last_of("restore_done")["t"],
-        "first_step": last_of("step")["t"],
-    }
+    at = {"kill": t_kill, "noticed": noticed[0]["t"]}
+    for milestone, kind in (("entered", "enter"), ("restore_begun", "restore_begin"), ("restored", "restore_done")):
+        at[milestone] = last_of(kind)["t"]
+    at["first_step"] = last_of("step")["t"]
     phases = {name: at[b] - at[a] for name, a, b, _ in PHASES}
     for name, s in phases.items():
         if s < 0:
@@ -77,22 +73,13 @@ def recovery_times(events: list[dict[str, Any]]) -> dict[str, Any]:
     before = [e for e in events if e["kind"] == "step" and e["t"] <= t_kill]
     steps_before = max((e["step"] for e in before), default=0)
     total = at["first_step"] - t_kill
-    return {
-        "world_before": _one({e["world"] for e in events if e["kind"] == "enter" and e["t"] < t_kill}, "world"),
-        "world_after": world,
-        "source_world": source_world,
-        "restored_tier": tier,
-        "restored_step": restored_step,
-        "steps_before_kill": steps_before,
-        "steps_redone": steps_before - (restored_step or 0),
-        "phases_s": phases,
-        "total_s": total,
-        "restore_own_s": max(e["restore_s"] for e in done),
-        "restore_share": phases["restore"] / total if total > 0 else None,
-        "ray_s": phases["detect"] + phases["restart"],
-        "step_s": step_time(events, t_kill),
-        "kill": {k: v for k, v in kills[0].items() if k not in ("t", "kind")},
-    }
+    world_before = _one({e["world"] for e in events if e["kind"] == "enter" and e["t"] < t_kill}, "world")
+    out = {"world_before": world_before, "world_after": world, "source_world": source_world, "restored_tier": tier}
+    out |= {"restored_step": restored_step, "steps_before_kill": steps_before}
+    out |= {"steps_redone": steps_before - (restored_step or 0), "phases_s": phases, "total_s": total}
+    out |= {"restore_own_s": max(e["restore_s"] for e in done), "ray_s": phases["detect"] + phases["restart"]}
+    out |= {"restore_share": phases["restore"] / total if total > 0 else None, "step_s": step_time(events, t_kill)}
+    return out | {"kill": {k: v for k, v in kills[0].items() if k not in ("t", "kind")}}
 
 
 def step_time(events: list[dict[str, Any]], t_kill: float) -> float | None:
@@ -104,14 +91,11 @@ def step_time(events: list[dict[str, Any]], t_kill: float) -> float | None:
 
 def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and min-max over repeats of each phase, the total, restore's share and the steps re-done."""
-    out: dict[str, Any] = {
-        "repeats": len(repeats),
-        "phases_s": {p[0]: summary([r["phases_s"][p[0]] for r in repeats]) for p in PHASES},
-        "total_s": summary([r["total_s"] for r in repeats]),
-        "restore_own_s": summary([r["restore_own_s"] for r in repeats]),
-        "ray_s": summary([r["ray_s"] for r in repeats]),
-        "restore_share": summary([r["restore_share"] for r in repeats if r["restore_share"] is not None]),
-        "steps_redone": summary([r["steps_redone"] for r in repeats]),
+    out: dict[str, Any] = {"repeats": len(repeats)}
+    out["phases_s"] = {p[0]: summary([r["phases_s"][p[0]] for r in repeats]) for p in PHASES}
+    for key in ("total_s", "restore_own_s", "ray_s", "restore_share", "steps_redone"):
+        out[key] = summary([r[key] for r in repeats if r[key] is not None])
+    out |= {
         "worlds": sorted({f"{r['world_before']}->{r['world_after']}" for r in repeats}),
         "restored_from": sorted(
             {

@@ -48,24 +48,18 @@ def figures(r: dict[str, Any], n: int) -> dict[str, Any]:
     rc, rl, rs = r.get("rayckpt_commit", {}), r.get("rayckpt_load", {}), r.get("rayckpt_save_plan", {})
     dc, dl, ds = r.get("dcp_commit", {}), r.get("dcp_load", {}), r.get("dcp_save_plan", {})
     half, minus = max(1, n // 2), max(1, n - 1)
-    f: dict[str, Any] = {
-        "rayckpt_est": _sampled(rc, rl),
-        "dcp_est": _sampled(dc, dl),
-        "rayckpt_bytes": _scaled(rc, "metadata_bytes"),
-        "dcp_bytes": _scaled(dc, "metadata_bytes"),
-        "rayckpt_chunks": _scaled(rc, "chunks"),
-        "dcp_chunks": _scaled(dc, "chunks"),
-        "rayckpt_create": _scaled(rc, "create_manifest", "cpu_s"),
-        "rayckpt_write": _scaled(rc, "commit", "cpu_s"),
-        "dcp_write": _scaled(dc, "write", "cpu_s"),
-        "rayckpt_read": _scaled(rl, "read", "cpu_s"),
-        "dcp_read": _scaled(dl, "read", "cpu_s"),
+    f: dict[str, Any] = {"rayckpt_est": _sampled(rc, rl), "dcp_est": _sampled(dc, dl)}
+    for system, commit, load in (("rayckpt", rc, rl), ("dcp", dc, dl)):  # the manifest steps (maybe sampled)
+        f[f"{system}_bytes"], f[f"{system}_chunks"] = _scaled(commit, "metadata_bytes"), _scaled(commit, "chunks")
+        f[f"{system}_read"] = _scaled(load, "read", "cpu_s")
+    f |= {"rayckpt_create": _scaled(rc, "create_manifest", "cpu_s"), "rayckpt_write": _scaled(rc, "commit", "cpu_s")}
+    f["dcp_write"] = _scaled(dc, "write", "cpu_s")
+    f |= {
         "rayckpt_save_plan": _get(rs, "save_plan", "cpu_s"),
         "rayckpt_save_plan_cached": _get(rs, "cached_save_plan", "cpu_s"),
-        "dcp_save_plan": _get(ds, "uncached", "cpu_s"),
-        "dcp_save_plan_est": bool(_get(ds, "uncached", "estimated")),
-        "dcp_save_plan_cached": _get(ds, "cached", "cpu_s"),
     }
+    f |= {"dcp_save_plan": _get(ds, "uncached", "cpu_s"), "dcp_save_plan_est": bool(_get(ds, "uncached", "estimated"))}
+    f["dcp_save_plan_cached"] = _get(ds, "cached", "cpu_s")
     for tag, m in (("half", half), ("minus", minus)):
         table = _scaled(rl, "chunk_table", "cpu_s")
         f[f"rayckpt_job_{tag}"] = _sum(table, _scaled(rl, "targets", m, "bulk_plan", "cpu_s"))

@@ -118,14 +118,11 @@ def load_rows(size: dict[str, Any]) -> list[str]:
     rows = []
     for name, ld in size["load"].items():
         for system, e in ((s, ld[s]) for s in LABELS if s in ld):
-            m, info = e["mem"] or {}, e.get("loadinfo") or {}
+            m, info, gets = e["mem"] or {}, e.get("loadinfo") or {}, (e["server"] or {}).get("get_requests")
             rows.append(
                 {"reshard": name, "load": LABELS[system], "load s": e["wall_s"], "GB/s": e["wall_s"].get("GBps_median")}
                 | {"MiB read": mib(_median(e["bytes_read"])), "MiB needed": mib(sum(ld["bytes_needed_per_rank"]))}
-                | {
-                    "read ampl.": _median(e["read_amplification"]),
-                    "GETs": _median((e["server"] or {}).get("get_requests")),
-                }
+                | {"read ampl.": _median(e["read_amplification"]), "GETs": _median(gets)}
                 | {
                     "LoadInfo GETs": _median(info.get("requests")),
                     "LoadInfo MiB": mib(_median(info.get("bytes_fetched"))),
@@ -138,12 +135,8 @@ def load_rows(size: dict[str, Any]) -> list[str]:
 
 def plan_rows(plan: dict[str, Any]) -> list[str]:
     """The planning run's steps (``benchmarks.micro plan``'s report)."""
-    return table(
-        [
-            {"step": r["label"], "seconds": r["wall"], "peak MiB": mib(r["peak_extra_rss"])}
-            for r in plan["results"].values()
-        ]
-    )
+    steps = plan["results"].values()
+    return table([{"step": r["label"], "seconds": r["wall"], "peak MiB": mib(r["peak_extra_rss"])} for r in steps])
 
 
 def _median(values: list[float] | None) -> float | None:
