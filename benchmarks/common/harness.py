@@ -292,9 +292,10 @@ def load_sampled(report: dict[str, Any]) -> Iterator[None]:
 RAW_KEYS = ("records", "samples", "repeats_raw")
 
 
-def write_report(args: Any, name: str, report: dict[str, Any], md: str) -> int:
+def write_report(args: Any, name: str, report: dict[str, Any], md: str, echo: bool = True) -> int:
     """The summary as ``<args.out>/<name>.json`` (the raw samples apart, in ``<name>.samples.json``), the
-    Markdown ``md`` as ``<args.out>/<name>.md`` (and at ``args.markdown``, where given), ``md`` printed; 0."""
+    Markdown ``md`` as ``<args.out>/<name>.md`` (and at ``args.markdown``, where given), ``md`` printed
+    (``echo``); 0."""
     missing = [k for k in ("command", "date", "machine") if k not in report]
     if missing:
         raise ValueError(f"a result names its command, date and machine; {name} lacks {', '.join(missing)}")
@@ -313,7 +314,8 @@ def write_report(args: Any, name: str, report: dict[str, Any], md: str) -> int:
     for path in filter(None, (os.path.join(args.out, f"{name}.md"), getattr(args, "markdown", None))):
         with open(path, "w") as f:
             f.write(md)
-    print(md)
+    if echo:
+        print(md)
     return 0
 
 

@@ -167,7 +167,8 @@ def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dic
     elif system == "dcp":
         import torch.distributed.checkpoint as dcp
 
-        info = dcp.save(state, storage_writer=where.dcp(rel, writer=True))
+        dcp.save(state, storage_writer=where.dcp(rel, writer=True))
+        info = None  # DCP returns its metadata, no report of the save
     elif system.startswith("rayckpt"):
         import rayckpt
 

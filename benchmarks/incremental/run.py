@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
 from typing import Any
 
 import torch.nn as nn
@@ -63,7 +64,7 @@ def build(world: int, rank: int, kind: str, size_mb: float) -> tuple[Any, dict[s
             trained = nn.ModuleList(nn.Sequential(a, b) for a, b in adapters)
         else:
             trained = nn.ModuleList(nn.Linear(cols, rows) for rows, cols in lay["trained"])
-        model = nn.ModuleDict({"frozen": frozen, "trained": trained})  # never run forward
+        model = nn.Sequential(OrderedDict(frozen=frozen, trained=trained))  # never run forward; FSDP2 wants one
     for m in model.modules():
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)

@@ -263,15 +263,15 @@ def run_all(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     per_n[step] = json.load(f)
                 os.remove(path)
             print(f"[scale] N={n} {step} {time.perf_counter() - t0:.0f}s", flush=True)
-            finish(report, args)
+            finish(report, args, echo=False)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def finish(report: dict[str, Any], args: argparse.Namespace) -> int:
+def finish(report: dict[str, Any], args: argparse.Namespace, echo: bool = True) -> int:
     """Fits, targets and the result files of what was measured so far (a run cut short keeps them)."""
     report["fits"] = fit_exponents(report)
     report["targets"] = targets(report)
-    return write_report(args, "bench_scale", report, markdown(report))
+    return write_report(args, "bench_scale", report, markdown(report), echo)
 
 
 def main(argv: list[str] | None = None) -> int:
