@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from benchmarks.common.harness import REPO_ROOT as ROOT
 from testbed.hosts import Host, hosts_unavailable
 
-#: The repository's root: the drivers on the hosts run there.
-ROOT = Path(__file__).resolve().parents[2]
 #: Every host process's environment: a driver's and Ray's workers import ``benchmarks`` from the repository.
 HOST_ENV = {"PYTHONPATH": str(ROOT)}
 #: The flag a sub-command's module takes to run as the driver on a host.

@@ -105,14 +105,11 @@ def train_step(model: Any, moments: dict[str, Any]) -> None:
 def new_bytes(saver: str, path: str, save_id: str) -> dict[str, int]:
     """Bytes and files the save created: its directory, and for an incremental one its files in the store."""
     own, nfiles = dir_bytes(path)
-    shards = 0
-    if saver == "incremental":
-        store = os.path.join(os.path.dirname(path), SHARED)
-        for name in os.listdir(store):
-            if name.startswith(save_id):
-                shards += os.path.getsize(os.path.join(store, name))
-                nfiles += 1
-    return {"bytes": own + shards, "store_bytes": shards, "dir_bytes": own, "files": nfiles}
+    store = os.path.join(os.path.dirname(path), SHARED)
+    names = os.listdir(store) if saver == "incremental" else []
+    mine = [os.path.join(store, n) for n in names if n.startswith(save_id)]
+    shards = sum(os.path.getsize(f) for f in mine)
+    return {"bytes": own + shards, "store_bytes": shards, "dir_bytes": own, "files": nfiles + len(mine)}
 
 
 def timed_save(saver: str, state: dict[str, Any], path: str, root: str) -> dict[str, Any]:
@@ -127,8 +124,7 @@ def timed_save(saver: str, state: dict[str, Any], path: str, root: str) -> dict[
     if dist.get_rank() == 0:
         rec.update(new_bytes(saver, path, info.save_id if info else ""))
         if info is not None:
-            rec["phases"] = dict(info.phases)
-            rec["reported_bytes_written"] = info.bytes_written
+            rec |= {"phases": dict(info.phases), "reported_bytes_written": info.bytes_written}
         evict(files_under(root))
     dist.barrier()
     return rec

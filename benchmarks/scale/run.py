@@ -227,7 +227,7 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-#: Peak bytes per chunk of the manifest steps' processes (measured at 1,024 ranks: 1.6 and 4.2 GB for 2.04 M chunks).
+#: Peak bytes per chunk of the manifest steps' processes (as measured at 1,024 ranks), to decide when to sample.
 BYTES_PER_CHUNK = {"rayckpt": 900, "dcp": 2200}
 GIB = 2**30
 
