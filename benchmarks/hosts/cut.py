@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import select
 import shutil
 import statistics
 import subprocess
@@ -79,7 +80,8 @@ def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
         watch = [sys.executable, "-c", _WATCH_SNIPPET, cluster.address, cluster[CUT_HOST].ip]
         pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL}
         watcher = cluster[0].popen(watch, text=True, **pipes)
-        if not watcher.stdout.readline().startswith("ready"):  # it exits at once where it cannot join
+        joined, _, _ = select.select([watcher.stdout], [], [], args.timeout)
+        if not joined or not watcher.stdout.readline().startswith("ready"):  # it exits where it cannot join
             raise RuntimeError("the node watcher did not join the cluster")
         _, line = job.wait_for(lambda line: (m := STEP.search(line)) and int(m.group(1)) >= args.cut_after_step)
         last_step = int(STEP.search(line).group(1))
