@@ -1,3 +1,3 @@
-"""What every benchmark group shares: ``harness`` (sampling, timing, statistics, Ray connection,
-reports), ``workload`` (the FSDP2 state and its checks), ``diskio`` (page cache eviction, raw
-disk anchors) and ``cli`` (the groups' entry points)."""
+"""What every benchmark group shares: ``harness`` (timing, sampling, statistics, targets, the one table
+renderer, the result files), ``systems`` (the systems measured, behind one adapter each), ``workload``
+(the states saved and their checks), ``raytrain``, ``diskio`` and ``cli`` (the groups' entry points)."""

@@ -5,84 +5,44 @@ when it runs, so ``--help`` stays quick."""
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
+import os
 import sys
+from collections.abc import Callable, Iterable
 
 #: Where a run writes by default: under ``bench_out/`` (ignored by git). A run the docs cite is
 #: copied to ``benchmarks/results/`` by hand (benchmarks/README.md).
 OUT = "bench_out"
 
-#: Each group with sub-commands: its description, and per sub-command its module and one line of help.
-GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
-    "hosts": (
-        "the memory tier and recovery on Ray nodes that are hosts of their own",
-        {
-            "replicas": (
-                "benchmarks.hosts.replicas",
-                "a replica from one host to another: over the writers' link against through Ray's object store",
-            ),
-            "cut": (
-                "benchmarks.hosts.cut",
-                "an elastic job's host cut off: the time to the restored group, Ray's default and tuned health checks",
-            ),
-            "restore": (
-                "benchmarks.hosts.restore",
-                "a state held by three hosts' memory tier against one on the S3 host: its ranks' load time",
-            ),
-        },
-    ),
-    "micro": (
-        "focused runs of one piece of rayckpt each",
-        {"plan": ("benchmarks.micro.plan", "load planning at scale, no I/O: the bulk planner, one rank's plan")},
-    ),
-    "observe": (
-        "what an operator watches, timed",
-        {"status": ("benchmarks.observe.status", "`rayckpt status` against `ray status`, a fresh process each")},
-    ),
-    "overlap": (
-        "saves beside training, the save call's stall and the step time",
-        {
-            "stall": (
-                "benchmarks.overlap.stall",
-                "the time the save call blocks: a bare copy, DCP async_save, rayckpt with and without overlap",
-            ),
-            "step": (
-                "benchmarks.overlap.step",
-                "a training loop's step time with a save every step and every 10: none, copy, DCP, the memory tier",
-            ),
-        },
-    ),
-    "recovery": (
-        "recovery under Ray Train and the memory tier's cost",
-        {
-            "restart": (
-                "benchmarks.recovery.restart",
-                "a worker SIGKILLed or a node removed: each phase from the kill to the first step after the restore",
-            ),
-            "memory-cost": (
-                "benchmarks.recovery.memory_cost",
-                "a memory checkpoint every step against no checkpoint and a bare copy; a restore from each tier",
-            ),
-        },
-    ),
-}
+#: Each group with sub-commands, and its sub-commands: ``benchmarks.<group>.<command>`` (``-`` as ``_``) each.
+GROUPS = {"hosts": ("cut", "restore"), "micro": ("plan",), "observe": ("status",)}
+GROUPS |= {"overlap": ("stall", "step"), "recovery": ("restart", "memory-cost")}
+
+
+def first_line(module: str) -> str:
+    """The first sentence of ``module``'s docstring, read without importing it (``--help`` stays quick)."""
+    spec = importlib.util.find_spec(module)
+    with open(spec.origin, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return " ".join(doc.split()).split(". ")[0].split(": ")[0]
 
 
 def run_group(group: str, argv: list[str] | None = None) -> int:
     """Parse ``COMMAND [ARGS...]`` for ``python -m benchmarks.<group>`` and run its module's ``main(ARGS)``."""
     prog = f"python -m benchmarks.{group}"
-    description, commands = GROUPS[group]
+    commands = {name: f"benchmarks.{group}.{name.replace('-', '_')}" for name in GROUPS[group]}
     width = max(len(name) for name in commands)
-    epilog = "commands:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, (_, text) in commands.items())
+    epilog = "commands:\n" + "\n".join(f"  {name:<{width}}  {first_line(m)}" for name, m in commands.items())
     epilog += f"\n\n{prog} COMMAND --help shows a command's options."
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    description = first_line(f"benchmarks.{group}")
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=formatter)
     parser.add_argument("command", choices=list(commands), metavar="COMMAND", help=", ".join(commands))
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's options")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    module = importlib.import_module(commands[args.command][0])
-    return module.main(args.args) or 0
+    return importlib.import_module(commands[args.command]).main(args.args) or 0
 
 
 def parser(doc: str | None, out: str, *, markdown: bool = False, ray_logs: bool = False) -> argparse.ArgumentParser:
@@ -95,3 +55,24 @@ def parser(doc: str | None, out: str, *, markdown: bool = False, ray_logs: bool 
     if ray_logs:
         p.add_argument("--ray-logs", action="store_true", help="forward the workers' output to this terminal")
     return p
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p``'s options from ``argv``, ``--out`` made an absolute path (workers run elsewhere) and created."""
+    args = p.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def listed(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An option's type: comma-separated names, each one of ``choices``."""
+    known = tuple(choices)
+
+    def names(text: str) -> list[str]:
+        found = [s.strip() for s in text.split(",") if s.strip()]
+        if not found or any(s not in known for s in found):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected some of {', '.join(known)}, comma-separated")
+        return found
+
+    return names

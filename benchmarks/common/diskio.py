@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 
 #: Piece size of the raw-disk anchor's writes and reads (and of the page-cache warm-up).
@@ -43,42 +41,6 @@ def warm_up(paths: list[str]) -> None:
         with open(p, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
-
-
-def resident_fraction(paths: list[str]) -> float | None:
-    """Fraction of the files' pages in the page cache (mincore), or None if it cannot tell."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        page = os.sysconf("SC_PAGE_SIZE")
-        failed = ctypes.c_void_p(-1).value
-        resident = total = 0
-        for p in paths:
-            size = os.path.getsize(p)
-            if size == 0:
-                continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-                if addr is None or addr == failed:
-                    return None
-                try:
-                    n = (size + page - 1) // page
-                    vec = (ctypes.c_ubyte * n)()
-                    if libc.mincore(addr, size, vec) != 0:
-                        return None
-                    resident += n - bytes(vec).count(0)
-                    total += n
-                finally:
-                    libc.munmap(addr, size)
-            finally:
-                os.close(fd)
-        return resident / total if total else 0.0
-    except (OSError, AttributeError):
-        return None
 
 
 def write_raw(path: str, nbytes: int, blob: memoryview, fsync: bool) -> None:

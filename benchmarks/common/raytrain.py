@@ -18,15 +18,7 @@ SLOT = "bench_slot"
 
 
 @contextmanager
-def new_ray(
-    workers: int,
-    *,
-    nodes: int = 1,
-    object_store_mb: int = 1024,
-    logs: bool = False,
-    shm_root: str = "/dev/shm",
-    system_config: dict[str, Any] | None = None,
-) -> Iterator[tuple[dict[str, float], Any]]:
+def new_ray(workers: int, *, nodes: int = 1, object_store_mb: int = 1024, logs: bool = False) -> Iterator[Any]:
     """A new Ray for ``workers`` training workers, shut down after the block.
 
     ``nodes`` 1: a local Ray (never a cluster named by ``RAY_ADDRESS``) of ``workers`` CPUs. ``nodes``
@@ -49,8 +41,8 @@ def new_ray(
 
     from rayckpt.ray.shm import SHM_DIR_ENV
 
-    shm = tempfile.mkdtemp(prefix="rayckpt-bench-", dir=shm_root)
-    head = {"num_cpus": 1, "object_store_memory": store, "_system_config": system_config or {}}
+    shm = tempfile.mkdtemp(prefix="rayckpt-bench-", dir="/dev/shm")
+    head = {"num_cpus": 1, "object_store_memory": store}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for i in range(2):
@@ -67,28 +59,22 @@ def new_ray(
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def trainer(
-    loop: Callable[[dict[str, Any]], None],
-    config: dict[str, Any],
-    workers: Any,
-    storage: str,
-    *,
-    resources: dict[str, float] | None = None,
-    use_gpu: bool = False,
-    name: str | None = None,
-    **run: Any,
-) -> Any:
+def trainer(loop: Callable, config: dict, workers: Any, storage: str, resources: dict | None = None, **run: Any) -> Any:
     """A ``TorchTrainer`` of ``loop(config)`` on ``workers`` (an int, or (min, max) for elastic) workers,
-    gloo unless ``use_gpu``; ``run``: more ``RunConfig`` fields."""
+    with ``resources`` each (a ``GPU``: one GPU each, nccl); ``run``: ``RunConfig`` fields."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    gpu = bool(resources and resources.get("GPU"))
+    scaling = ScalingConfig(num_workers=workers, use_gpu=gpu, resources_per_worker=resources)
+    run = {"name": f"bench-{time.time_ns()}", **run}
+    backend = TorchConfig(backend="nccl" if gpu else "gloo")
     return TorchTrainer(
         loop,
         train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(storage_path=storage, name=name or f"bench-{time.time_ns()}", **run),
+        scaling_config=scaling,
+        torch_config=backend,
+        run_config=RunConfig(storage_path=storage, **run),
     )
 
 

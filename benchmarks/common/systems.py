@@ -1,6 +1,7 @@
-"""The systems every benchmark measures, each behind one adapter: rayckpt, rayckpt on Ray, DCP, DCP
-async and ``torch.save``; a checkpoint's place (``Where``) is a local directory or a prefix on an
-S3 endpoint, the same calls for both."""
+"""The systems every benchmark measures, each behind one adapter: rayckpt, rayckpt on Ray, its memory
+tier, DCP, DCP async, ``torch.save`` and a bare copy; a checkpoint's place (``Where``) is a local
+directory or a prefix on an S3 endpoint, the same calls for both. ``save`` and ``load`` run any of
+them by name."""
 
 from __future__ import annotations
 
@@ -41,45 +42,21 @@ class Where:
             return []
         return files_under(path) if os.path.isdir(path) else [path]
 
-    def dcp_writer(self, rel: str) -> Any:
+    def dcp(self, rel: str, writer: bool, **options: Any) -> Any:
+        """DCP's storage writer or reader of ``rel``; on an endpoint over s3fs, a fresh instance each time (no
+        listing cache carried over, as in a new process), ``options`` its own (``default_cache_type="none"``)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
         if not self.endpoint:
-            return dcp.FileSystemWriter(os.path.join(self.root, rel))
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(f"s3://{self.endpoint.fs_path(rel)}", **self._s3fs())
-
-    def dcp_reader(self, rel: str, **options: Any) -> Any:
-        """DCP's reader; ``options`` go to s3fs on an endpoint (e.g. ``default_cache_type="none"``)."""
-        import torch.distributed.checkpoint as dcp
-
-        if not self.endpoint:
-            return dcp.FileSystemReader(os.path.join(self.root, rel))
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(f"s3://{self.endpoint.fs_path(rel)}", **self._s3fs(), **options)
-
-    def _s3fs(self) -> dict[str, Any]:
-        """A fresh s3fs instance each time: no listing cache carried over, as in a new process."""
-        return {"endpoint_url": f"http://{self.endpoint.host_port}", "skip_instance_cache": True}
+            return (dcp.FileSystemWriter if writer else dcp.FileSystemReader)(os.path.join(self.root, rel))
+        s3fs = {"endpoint_url": f"http://{self.endpoint.host_port}", "skip_instance_cache": True, **options}
+        return (FsspecWriter if writer else FsspecReader)(f"s3://{self.endpoint.fs_path(rel)}", **s3fs)
 
 
 def local(path: str) -> tuple[Where, str]:
     """A local path as (``Where``, rel): for the benchmarks that name one directory."""
     return Where(os.path.dirname(path) or "."), os.path.basename(path)
-
-
-def rayckpt_save(state: Any, where: Where, rel: str, **kwargs: Any) -> Any:
-    import rayckpt
-
-    return rayckpt.save(state, where.uri(rel), **kwargs)
-
-
-def rayckpt_load(state: Any, where: Where, rel: str) -> Any:
-    import rayckpt
-
-    return rayckpt.load(state, where.uri(rel))
 
 
 def ray_save(state: Any, where: Where, rel: str, run: str, step: int, **kwargs: Any) -> Any:
@@ -116,18 +93,6 @@ def release_staging() -> None:
     release()
 
 
-def dcp_save(state: Any, where: Where, rel: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, storage_writer=where.dcp_writer(rel))
-
-
-def dcp_load(state: Any, where: Where, rel: str, **options: Any) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(state, storage_reader=where.dcp_reader(rel, **options))
-
-
 def dcp_stager(options: tuple[bool, bool, bool, bool] | None) -> Any:
     """A ``DefaultStager`` with ``StagingOptions(*options)`` (pinned, shared, async staging, non-blocking)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -135,29 +100,15 @@ def dcp_stager(options: tuple[bool, bool, bool, bool] | None) -> Any:
     return DefaultStager(StagingOptions(*options)) if options is not None else None
 
 
-@dataclass(slots=True)
-class DcpAsync:
-    """A ``dcp.async_save`` in flight: its upload, and its staging where the stager runs it apart."""
-
-    upload: Any
-    staging: Any
-
-    def staged(self) -> None:
-        if self.staging is not None:
-            self.staging.result()
-
-    def result(self) -> None:
-        self.staged()
-        self.upload.result()
-
-
-def dcp_async_save(state: Any, where: Where, rel: str, group: Any = None, stager: Any = None) -> DcpAsync:
-    """``dcp.async_save`` (its own gloo ``group``, as DCP's docs ask; a reused ``stager``)."""
+def dcp_async_save(state: Any, where: Where, rel: str, group: Any = None, stager: Any = None) -> tuple[Any, Any]:
+    """``dcp.async_save`` (its own gloo ``group``, as DCP's docs ask; a reused ``stager``): its upload's future,
+    and what waits for its staging where the stager runs it apart."""
     import torch.distributed.checkpoint as dcp
 
     kwargs = {"async_stager": stager} if stager is not None else {}
-    response = dcp.async_save(state, storage_writer=where.dcp_writer(rel), process_group=group, **kwargs)
-    return DcpAsync(getattr(response, "upload_completion", response), getattr(response, "staging_completion", None))
+    response = dcp.async_save(state, storage_writer=where.dcp(rel, writer=True), process_group=group, **kwargs)
+    staging = getattr(response, "staging_completion", None)
+    return getattr(response, "upload_completion", response), staging.result if staging is not None else lambda: None
 
 
 def torch_save(full: dict[str, Any], path: str) -> None:
@@ -190,3 +141,179 @@ def torch_load(model: Any, optim: Any, path: str) -> tuple[float, dict[str, Any]
     options = StateDictOptions(full_state_dict=True)
     set_state_dict(model, optim, model_state_dict=sd.pop("model"), optim_state_dict=sd.pop("optim"), options=options)
     return read_s, sd
+
+
+#: The systems ``save`` runs by name.
+SAVES = ("rayckpt", "rayckpt_incremental", "rayckpt_ray", "dcp", "dcp_async")
+
+
+def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dict[str, Any]:
+    """One save by ``system`` (of ``SAVES``): the seconds until the call returned and DCP's staging was done
+    (``stall``), until the checkpoint was committed (``commit``), and what the save returned (``info``: a
+    ``SaveInfo``, a ``SaveHandle``). ``options``: ``run`` and ``step`` and ``save_async``'s own for rayckpt on
+    Ray, ``group`` and ``stager`` for DCP async."""
+    t0 = time.perf_counter()
+    if system == "rayckpt_ray":
+        info = ray_save(state, where, rel, **options)
+        stall = time.perf_counter() - t0
+        entry = info.wait()
+        if entry.status != "committed":
+            raise RuntimeError(f"save_async of {rel}: {entry.status}: {entry.error}")
+    elif system == "dcp_async":
+        info, staged = dcp_async_save(state, where, rel, options.get("group"), options.get("stager"))
+        staged()
+        stall = time.perf_counter() - t0
+        info.result()
+    elif system == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, storage_writer=where.dcp(rel, writer=True))
+        info = None  # DCP returns its metadata, no report of the save
+    elif system.startswith("rayckpt"):
+        import rayckpt
+
+        info = rayckpt.save(state, where.uri(rel), incremental=system == "rayckpt_incremental", **options)
+    else:
+        raise ValueError(f"unknown system {system!r}: {', '.join(SAVES)}")
+    commit = time.perf_counter() - t0
+    return {"stall": stall if system in ("rayckpt_ray", "dcp_async") else commit, "commit": commit, "info": info}
+
+
+def load(system: str, state: Any, where: Where, rel: str) -> Any:
+    """One load by ``system``: rayckpt (its ``LoadInfo``), DCP, or DCP with s3fs's read-ahead off (``dcp_nocache``)."""
+    import torch.distributed.checkpoint as dcp
+
+    import rayckpt
+
+    if system.startswith("rayckpt"):
+        return rayckpt.load(state, where.uri(rel))
+    options = {"default_cache_type": "none"} if system == "dcp_nocache" else {}
+    return dcp.load(state, storage_reader=where.dcp(rel, writer=False, **options))
+
+
+class BareCopy:
+    """The least a checkpoint in memory costs: the rank's local tensors of ``state`` (found once; training
+    updates them in place) copied into buffers made and touched beforehand, page-locked when ``pinned``."""
+
+    def __init__(self, state: Any, pinned: bool = False) -> None:
+        import torch
+
+        self.pieces = local_tensors(state)
+        self.buffers = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned).zero_() for p in self.pieces]
+        self.pinned = pinned
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.pieces)
+
+    def save(self) -> None:
+        import torch
+
+        for dst, src in zip(self.buffers, self.pieces):
+            dst.copy_(src, non_blocking=self.pinned)
+        if self.pinned:
+            torch.cuda.synchronize()
+
+
+def memory_tier(state: Any, overlap: bool = True, **options: Any) -> Any:
+    """rayckpt's memory tier: a ``Checkpointer`` saving to the nodes' memory every step and never to storage,
+    its staging buffers made (``restore`` with nothing to restore, as a run's first restore does)."""
+    from rayckpt.train import Checkpointer
+
+    ckpt = Checkpointer(memory_every=1, persist_every=10**9, overlap=overlap, **options)
+    ckpt.restore(state)
+    return ckpt
+
+
+#: The modes ``Modes`` saves in: the stager options (pinned, shared, async staging, non-blocking) of DCP's
+#: ``async_save``, the ``overlap`` of rayckpt's ``save_async`` and of its memory tier.
+MODES: dict[str, Any] = {"none": None, "copy": None, "dcp": (True, False, False, False)}
+MODES |= {"dcp-async-staging": (True, True, True, True), "rayckpt-sync": False, "rayckpt": True, "rayckpt-all": "all"}
+MODES |= {"memory": True, "memory-sync": False}
+
+
+class Modes:
+    """Saves beside a training loop, by mode (of ``MODES``): what each needs made beforehand (buffers, reused
+    stagers, staging buffers, memory tiers), ``save`` starting one (the call a step pays), ``before_step``
+    waiting for DCP's staging before the optimizer step (rayckpt's guarded optimizer waits for its own copy),
+    ``finish`` waiting for the save in flight and removing it, ``settle`` waiting for every background save."""
+
+    def __init__(self, state: Any, modes: tuple[str, ...], root: str, *, cuda: bool = False, **options: Any) -> None:
+        import torch.distributed as dist
+
+        self.state, self.root, self.cuda = state, root, cuda
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        #: ``run``, ``step``: of rayckpt's saves; ``group``: DCP's upload's own gloo group; ``local_is_shared``.
+        self.options = options
+        #: Modes that could not be made, with their error.
+        self.failed: dict[str, str] = {}
+        self.copy = BareCopy(state, pinned=cuda) if "copy" in modes else None
+        shared = options.get("local_is_shared")
+        # Made before any save: a Checkpointer made later would count as a restarted worker group.
+        self.memory = {m: memory_tier(state, MODES[m], local_is_shared=shared) for m in modes if m.startswith("memory")}
+        self.stagers = {}
+        for mode in (m for m in modes if m.startswith("dcp")):
+            try:
+                self.stagers[mode] = dcp_stager(MODES[mode])
+            except Exception as exc:  # a stager this torch cannot run is a result, not a crash
+                self.failed[mode] = f"{type(exc).__name__}: {exc}"[:400]
+        self.ray = any(m.startswith("rayckpt") for m in modes)
+        if self.ray:
+            prepare_staging(state, wait=True)
+        self.staging: Any = None
+        self.pending: tuple[str, Any] | None = None
+
+    def save(self, mode: str, step: int) -> bool | None:
+        """Start ``step``'s save in ``mode``, the one before finished first (as torchtitan waits for DCP's
+        upload); for the memory tier, whether it skipped the save."""
+        self.finish()
+        path = os.path.join(self.root, f"{mode}-{step}")
+        if mode == "copy":
+            self.copy.save()
+        elif mode.startswith("dcp"):
+            upload, self.staging = dcp_async_save(
+                self.state, *local(path), self.options.get("group"), self.stagers[mode]
+            )
+            self.pending = (path, upload.result)
+        elif mode.startswith("rayckpt"):
+            run = self.options.get("run", "bench")
+            handle = ray_save(self.state, *local(path), run=run, step=step, overlap=MODES[mode])
+            self.pending = (path, lambda: self._committed(handle, step))
+        elif mode in self.memory:
+            before = self.memory[mode].memory_skipped
+            self.memory[mode].save(step, self.state, persist=False)
+            return self.memory[mode].memory_skipped > before
+        return None
+
+    def _committed(self, handle: Any, step: int) -> dict[str, Any]:
+        entry = handle.wait()
+        if entry.status != "committed":
+            raise RuntimeError(f"save_async of step {step}: {entry.status}: {entry.error}")
+        return {"late_bytes": handle.late_bytes, "copy_s": handle.copy_seconds}
+
+    def before_step(self) -> None:
+        if self.staging is not None:
+            self.staging, staged = None, self.staging
+            staged()
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the save in flight (done: every rank's files written) and remove it (rank 0); its figures."""
+        self.before_step()
+        if self.pending is None:
+            return {}
+        (path, wait), self.pending = self.pending, None
+        done = wait()
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        return done if isinstance(done, dict) else {}
+
+    def settle(self) -> None:
+        """Every save's background work done (untimed)."""
+        self.finish()
+        for ckpt in self.memory.values():
+            ckpt.wait()
+
+    def close(self) -> None:
+        for stager in self.stagers.values():
+            stager.close()
+        for ckpt in self.memory.values():
+            ckpt.release_memory()
+        if self.ray:
+            release_staging()

@@ -1,8 +1,13 @@
-"""The state every benchmark saves and loads: an FSDP2 model with AdamW moments."""
+"""The states the benchmarks save and load: an FSDP2 stack of uneven layers with AdamW moments (never run
+forward), and a stack of square layers that trains (``build``), both with their checks."""
 
 from __future__ import annotations
 
+import argparse
 import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,29 +78,13 @@ def build_state(
 
 
 def state_bytes(app: AppState, local: bool = False) -> int:
-    """Bytes of every tensor in the app's state: DTensors counted globally, or with
-    ``local=True`` only this rank's own shards."""
-    total = 0
+    """Bytes of every tensor in the app's state: DTensors counted globally (``numel`` is the global count),
+    or with ``local=True`` only this rank's own shards."""
+    from torch.utils._pytree import tree_leaves
 
-    def walk(node: Any) -> None:
-        nonlocal total
-        if isinstance(node, torch.Tensor):
-            t = node.to_local() if local and hasattr(node, "to_local") else node
-            total += t.numel() * t.element_size()  # DTensor.numel() is the global count
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(app.state_dict())
-    return total
-
-
-def local_bytes(app: Any) -> int:
-    """Bytes of this rank's own shards (DTensors: the local part) in the app's state."""
-    return state_bytes(app, local=True)
+    tensors = [t for t in tree_leaves(app.state_dict()) if isinstance(t, torch.Tensor)]
+    tensors = [t.to_local() if local and hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def zero_state(model: Any, optim: Any, app: Any) -> None:
@@ -110,27 +99,18 @@ def zero_state(model: Any, optim: Any, app: Any) -> None:
     app.extras["step"] = 0
 
 
-def tensor_sums(t: torch.Tensor) -> tuple[float, int, int]:
-    """(float64 sum, int sum of the raw bits, position-weighted int sum): the int sums are
-    exact and order-independent, so they compare bit-for-bit across shardings."""
-    flat = t.detach().reshape(-1).contiguous()
-    bits = flat.view(torch.int32).to(torch.int64)
-    weights = torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1
-    return float(flat.double().sum()), int(bits.sum()), int((bits * weights).sum())
-
-
-def checksums(model: nn.Module, optim: torch.optim.Optimizer, compute: bool) -> dict[str, tuple[float, int, int]]:
-    """Checksums of every full (unsharded, via ``DTensor.full_tensor()``) param and AdamW moment.
-    A collective: every rank calls it; only ranks with ``compute`` sum (the others get {})."""
-    out: dict[str, tuple[float, int, int]] = {}
+def checksums(model: nn.Module, optim: torch.optim.Optimizer, compute: bool) -> dict[str, Any]:
+    """Exact, order-independent sums of the raw bits of every full (unsharded, via ``DTensor.full_tensor()``)
+    param and AdamW moment, and every param's step: they compare bit for bit across shardings. A collective:
+    every rank calls it; only ranks with ``compute`` sum (the others get {})."""
+    out: dict[str, Any] = {}
     for name, p in model.named_parameters():
-        full = {"param": p.full_tensor()}
-        for k in ("exp_avg", "exp_avg_sq"):
-            full[k] = optim.state[p][k].full_tensor()
+        full = {"param": p.full_tensor(), **{k: optim.state[p][k].full_tensor() for k in ("exp_avg", "exp_avg_sq")}}
+        for k, t in full.items() if compute else ():
+            bits = t.detach().reshape(-1).contiguous().view(torch.int32).to(torch.int64)
+            out[f"{k}:{name}"] = [int(bits.sum()), int((bits * (torch.arange(bits.numel()) % 65521 + 1)).sum())]
         if compute:
-            for k, t in full.items():
-                out[f"{k}:{name}"] = tensor_sums(t)
-            out[f"step:{name}"] = (float(optim.state[p]["step"]), 0, 0)
+            out[f"step:{name}"] = float(optim.state[p]["step"])
         del full
     return out
 
@@ -142,12 +122,10 @@ def verify_loaded(system: str, model: nn.Module, optim: torch.optim.Optimizer, a
     rank = dist.get_rank()
     got = checksums(model, optim, compute=rank == 0)
     problem = None
-    if rank == 0:
-        bad = [k for k in expected if k not in got or tuple(got[k][1:]) != tuple(expected[k][1:])]
-        bad += [k for k in expected if k.startswith("step:") and got.get(k, (None,))[0] != expected[k][0]]
-        if bad:
-            detail = "; ".join(f"{k}: saved {expected.get(k)} loaded {got.get(k)}" for k in bad[:6])
-            problem = f"{system}: loaded state differs from the saved state in {len(bad)} tensor(s): {detail}"
+    bad = [k for k in expected if got.get(k) != expected[k]] if rank == 0 else []
+    if bad:
+        detail = "; ".join(f"{k}: saved {expected.get(k)} loaded {got.get(k)}" for k in bad[:6])
+        problem = f"{system}: loaded state differs from the saved state in {len(bad)} tensor(s): {detail}"
     if app.extras.get("step") != 7:
         problem = f"{system}: extras.step loaded as {app.extras.get('step')!r}, saved 7"
     verdict = [problem]
@@ -155,3 +133,104 @@ def verify_loaded(system: str, model: nn.Module, optim: torch.optim.Optimizer, a
     if verdict[0] is not None:
         raise AssertionError(verdict[0])
     return len(expected)
+
+
+#: Bytes of saved state per parameter: the fp32 parameter and AdamW's two fp32 moments.
+STATE_BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    """``layers`` square layers of ``width`` (weights and biases)."""
+
+    width: int
+    layers: int
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of params + exp_avg + exp_avg_sq (AdamW's step counters not counted)."""
+        return STATE_BYTES_PER_PARAM * self.layers * (self.width * self.width + self.width)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model's options, the same for both benchmarks: ``--size-gb``, ``--layers``, ``--batch``."""
+    parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (params + AdamW moments)")
+    parser.add_argument("--layers", type=int, default=4, help="square Linear layers in the stack")
+    parser.add_argument("--batch", type=int, default=8, help="rows per training step (per rank)")
+
+
+def stack_shape(size_gb: float, layers: int) -> StackShape:
+    """The widest ``layers``-layer stack whose state (params + AdamW moments) is about ``size_gb`` GiB."""
+    per_layer = size_gb * 2**30 / STATE_BYTES_PER_PARAM / layers
+    return StackShape(width=max(int(math.sqrt(per_layer)), 8), layers=layers)
+
+
+class LinearStack(nn.Module):
+    """``layers`` square ``nn.Linear`` layers with a ReLU between them."""
+
+    def __init__(self, shape: StackShape) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(shape.width, shape.width) for _ in range(shape.layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+def build(shape: StackShape, device: str = "cpu", world_size: int = 1, seed: int = 0) -> tuple[Any, Any, AppState]:
+    """The model, its AdamW and ``AppState(model, opt)`` (which guards the optimizer), after one
+    training step so AdamW's moments exist. On several ranks FSDP2 keeps the gathered params from
+    forward to backward: one all-gather a step."""
+    target = torch.device("cuda", torch.cuda.current_device()) if device.startswith("cuda") else torch.device("cpu")
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(target.type, (world_size,))
+        with torch.device("meta"):
+            model = LinearStack(shape)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        model.to_empty(device=target)
+    else:
+        model = LinearStack(shape).to(target)
+    gen = torch.Generator(device=target).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.normal_(std=1 / math.sqrt(shape.width), generator=gen)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    app = AppState(model, optim)
+    train_step(model, optim, batch(shape, 1, device, seed))
+    return model, optim, app
+
+
+def batch(shape: StackShape, rows: int, device: str = "cpu", seed: int = 0) -> torch.Tensor:
+    """``rows`` random inputs (each worker its own: data parallel)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, shape.width, generator=gen).to(device)
+
+
+def train_step(
+    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, before_step: Callable[[], None] | None = None
+) -> float:
+    """Forward, backward, ``before_step()`` (a checkpointer's wait for its staging, as torchtitan does
+    before ``optimizer.step()``), then the optimizer step (whose pre-hook waits for an overlapped
+    save's copy, when the optimizer is guarded). Returns the seconds ``before_step`` took.
+    """
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    waited = 0.0
+    if before_step is not None:
+        start = time.perf_counter()
+        before_step()
+        waited = time.perf_counter() - start
+    optim.step()
+    optim.zero_grad()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return waited

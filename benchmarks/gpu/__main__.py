@@ -1,7 +1,4 @@
-"""``python -m benchmarks.gpu --size-gb 4``: the GPU path in one process (``benchmarks.gpu.run``);
-``--device cpu`` runs the same rows on the CPU."""
-
-from __future__ import annotations
+"""``python -m benchmarks.gpu --size-gb 4``: ``benchmarks.gpu.run``."""
 
 from benchmarks.gpu.run import main
 

@@ -1,4 +1,9 @@
-"""The GPU path in one process: the copy limit, DCP against rayckpt, first and later async saves, loads."""
+"""The GPU path in one process: ``--tensors`` fp32 tensors on the device. The limit: a copy of the whole
+state into page-locked host memory allocated beforehand; DCP's ``save`` and ``async_save`` with each
+stager (stall: until its staging is done); ``rayckpt.save``; ``save_async`` saves in a row in a new local
+Ray, first without and then with ``prepare_staging`` (the first save's stall against the later ones);
+loads into the device, cold (evicted from the page cache) and warm, each checked bit-exact. Seconds:
+medians of ``--repeats``."""
 
 from __future__ import annotations
 
@@ -12,10 +17,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import systems
-from benchmarks.common.cli import parser
+from benchmarks.common import cli, systems
 from benchmarks.common.diskio import evict, files_under, warm_up
-from benchmarks.common.harness import import_rayckpt, new_report, run_line, sync, timed, write_report
+from benchmarks.common.harness import document, import_rayckpt, new_report, sync, table, timed, write_report
 from benchmarks.common.systems import Where
 
 #: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP stager measured.
@@ -26,21 +30,19 @@ DCP_STAGERS = {
     "pinned + async staging": (True, False, True, True),
     "all options (DefaultStager's defaults)": (True, True, True, True),
 }
-
-
 #: The orders ``save_async`` is measured in (``async_saves``).
 ASYNC_ORDERS = ("unprepared", "prepared")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser(__doc__, "gpu")
+    p = cli.parser(__doc__, "gpu")
     p.add_argument("--device", default="cuda", help="where the state lives: cuda (default) or cpu")
     p.add_argument("--size-gb", type=float, default=4.0, help="the state's size in GiB")
     p.add_argument("--tensors", type=int, default=32, help="how many fp32 tensors it is made of")
     p.add_argument("--repeats", type=int, default=2, help="repeats of each timed operation (medians)")
     p.add_argument("--saves", type=int, default=3, help="save_async saves in each order (the first, then later)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
 def make_state(device: str, size_gb: float, tensors: int) -> dict[str, torch.Tensor]:
@@ -51,78 +53,48 @@ def make_state(device: str, size_gb: float, tensors: int) -> dict[str, torch.Ten
 
 def copy_limit(state: dict[str, torch.Tensor], device: str, repeats: int) -> dict[str, Any]:
     pinned = device.startswith("cuda")
-    hosts = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pinned) for k, v in state.items()}
-
-    def copy() -> None:
-        for k, v in state.items():
-            hosts[k].copy_(v, non_blocking=pinned)
-
-    limit = [timed(copy, device=device)[0] for _ in range(repeats)]
-    hosts.clear()
-    pageable = [timed(lambda: [v.cpu() if pinned else v.clone() for v in state.values()], device=device)[0]]
-    return {"limit_s": statistics.median(limit), "pageable_s": statistics.median(pageable), "pinned_host": pinned}
+    copy = systems.BareCopy(state, pinned=pinned)
+    limit = [timed(copy.save, device=device)[0] for _ in range(repeats)]
+    del copy
+    pageable = timed(lambda: [v.cpu() if pinned else v.clone() for v in state.values()], device=device)[0]
+    return {"limit_s": statistics.median(limit), "pageable_s": pageable, "pinned_host": pinned}
 
 
-def check_equal(loaded: dict[str, torch.Tensor], state: dict[str, torch.Tensor], who: str) -> None:
-    for k, v in state.items():
-        if not torch.equal(loaded[k], v):
-            raise AssertionError(f"{who}: tensor {k} differs from the saved state after the load")
+def saves(system: str, state: Any, device: str, root: str, repeats: int, **options: Any) -> tuple[dict, str]:
+    """``repeats`` saves by ``system`` into ``root``, each removed but the last: median stall and commit; the
+    last one's path."""
+    stalls, commits = [], []
+    for r in range(repeats):
+        sync(device)
+        done = systems.save(system, state, Where(root), f"{system}-{r}", **options)
+        sync(device)
+        stalls.append(done["stall"])
+        commits.append(done["commit"])
+        if r < repeats - 1:
+            shutil.rmtree(os.path.join(root, f"{system}-{r}"))
+    kept = os.path.join(root, f"{system}-{repeats - 1}")
+    return {"stall_s": stalls, "save_s": statistics.median(commits), "stall_median_s": statistics.median(stalls)}, kept
 
 
 def dcp_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
-    where = Where(root)
-    out: dict[str, Any] = {"save_s": [], "async": {}}
-    for r in range(repeats):
-        path = os.path.join(root, f"dcp-save-{r}")
-        out["save_s"].append(timed(lambda r=r: systems.dcp_save(state, where, f"dcp-save-{r}"), device=device)[0])
-        if r < repeats - 1:
-            shutil.rmtree(path)
-    out["kept"] = path
+    out, kept = saves("dcp", state, device, root, repeats)
+    out |= {"kept": kept, "async": {}}
     for name, options in DCP_STAGERS.items():
         try:
-            out["async"][name] = dcp_async(state, device, root, repeats, options)
+            stager = systems.dcp_stager(options)
+            try:
+                out["async"][name], kept = saves("dcp_async", state, device, root, repeats, stager=stager)
+            finally:
+                if stager is not None:
+                    stager.close()
+            shutil.rmtree(kept)
         except Exception as exc:  # a configuration this torch cannot run is a result, not a crash
             out["async"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-    out["save_s"] = statistics.median(out["save_s"])
     return out
 
 
-def dcp_async(state: dict[str, torch.Tensor], device: str, root: str, repeats: int, options: Any) -> dict[str, Any]:
-    stager = systems.dcp_stager(options)
-    stalls, totals = [], []
-    try:
-        for r in range(repeats):
-            sync(device)
-            start = time.perf_counter()
-            pending = systems.dcp_async_save(state, Where(root), f"dcp-async-{r}", stager=stager)
-            pending.staged()
-            stalls.append(time.perf_counter() - start)
-            pending.result()
-            totals.append(time.perf_counter() - start)
-            shutil.rmtree(os.path.join(root, f"dcp-async-{r}"))
-    finally:
-        if stager is not None:
-            stager.close()
-    return {
-        "stall_s": stalls,
-        "total_s": totals,
-        "stall_median_s": statistics.median(stalls),
-        "total_median_s": statistics.median(totals),
-    }
-
-
-def rayckpt_saves(state: dict[str, torch.Tensor], device: str, root: str, repeats: int) -> dict[str, Any]:
-    times = []
-    for r in range(repeats):
-        path = os.path.join(root, f"rayckpt-save-{r}")
-        times.append(timed(lambda r=r: systems.rayckpt_save(state, Where(root), f"rayckpt-save-{r}"), device=device)[0])
-        if r < repeats - 1:
-            shutil.rmtree(path)
-    return {"save_s": statistics.median(times), "kept": path}
-
-
-def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: int, order: str) -> dict[str, Any]:
-    """``saves`` save_async calls in a row in a new local Ray (new actors: the first save's fixed costs count)."""
+def async_saves(state: dict[str, torch.Tensor], device: str, root: str, count: int, order: str) -> dict[str, Any]:
+    """``count`` save_async calls in a row in a new local Ray (new actors: the first save's fixed costs count)."""
     import ray
 
     from rayckpt.ray import get_shard_writer
@@ -136,51 +108,42 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, saves: i
         systems.staging_ready()
         ray.get(get_shard_writer().debug_stats.remote())
         out["prepare_background_s"] = time.perf_counter() - start
-    for i in range(saves):
-        path = os.path.join(root, f"async-{order}-{i}")
+    for i in range(count):
         sync(device)
-        start = time.perf_counter()
-        handle = systems.ray_save(state, Where(root), f"async-{order}-{i}", run="bench-gpu", step=i + 1)
-        stall = time.perf_counter() - start
-        entry = handle.wait()
-        commit = time.perf_counter() - start
-        if entry.status != "committed":
-            raise RuntimeError(f"save_async of {path}: {entry.status}: {entry.error}")
-        out["saves"].append({"stall_s": stall, "commit_s": commit, "staging": handle.staging})
-        if i < saves - 1:
-            shutil.rmtree(path)
+        done = systems.save("rayckpt_ray", state, Where(root), f"async-{order}-{i}", run="bench-gpu", step=i + 1)
+        out["saves"].append({"stall_s": done["stall"], "commit_s": done["commit"], "staging": done["info"].staging})
+        if i < count - 1:
+            shutil.rmtree(os.path.join(root, f"async-{order}-{i}"))
     systems.release_staging()
     ray.shutdown()
-    out["kept"] = path
+    out["kept"] = os.path.join(root, f"async-{order}-{count - 1}")
     later = [s["stall_s"] for s in out["saves"][1:]]
     if later:
         out["first_over_later_stall"] = out["saves"][0]["stall_s"] / statistics.median(later)
     return out
 
 
-def loads(state: dict[str, torch.Tensor], device: str, dcp_path: str, rk_path: str, repeats: int) -> dict[str, Any]:
-    def dcp_load() -> dict[str, torch.Tensor]:
-        t = {k: torch.zeros_like(v) for k, v in state.items()}
-        systems.dcp_load(t, *systems.local(dcp_path))
-        return t
+def loads(state: dict[str, torch.Tensor], device: str, paths: dict[str, str], repeats: int) -> dict[str, Any]:
+    """Cold and warm loads by each system of ``paths`` into zeroed tensors on the device, checked bit-exact."""
 
-    def rk_load() -> dict[str, torch.Tensor]:
+    def load(system: str) -> dict[str, torch.Tensor]:
         t = {k: torch.zeros_like(v) for k, v in state.items()}
-        systems.rayckpt_load(t, *systems.local(rk_path))
+        systems.load(system, t, *systems.local(paths[system]))
         return t
 
     out: dict[str, Any] = {}
     for temp in ("cold", "warm"):
-        for name, path, fn in (("dcp", dcp_path, dcp_load), ("rayckpt", rk_path, rk_load)):
+        for system in paths:
             times = []
             for _ in range(repeats):
-                files = files_under(path)
+                files = files_under(paths[system])
                 evict(files) if temp == "cold" else warm_up(files)
-                seconds, loaded = timed(fn, device=device)
-                check_equal(loaded, state, f"{name} {temp} load")
+                seconds, loaded = timed(lambda system=system: load(system), device=device)
+                if any(not torch.equal(loaded[k], v) for k, v in state.items()):
+                    raise AssertionError(f"{system} {temp} load: a tensor differs from the saved state")
                 del loaded
                 times.append(seconds)
-            out[f"{name}_{temp}_s"] = statistics.median(times)
+            out[f"{system}_{temp}_s"] = statistics.median(times)
     return out
 
 
@@ -196,40 +159,37 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(root, exist_ok=True)
     state = make_state(args.device, args.size_gb, args.tensors)
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
-    report = new_report("benchmarks.gpu", argv, args=vars(args), state_bytes=nbytes)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "dir")}
+    report = new_report("benchmarks.gpu", argv, __doc__, config=config, state_bytes=nbytes)
     report["machine"]["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     try:
         report["copy"] = copy_limit(state, args.device, args.repeats)
         report["dcp"] = dcp_saves(state, args.device, root, args.repeats)
-        report["rayckpt"] = rayckpt_saves(state, args.device, root, args.repeats)
-        report["save_async"] = {
-            order: async_saves(state, args.device, root, args.saves, order) for order in ASYNC_ORDERS
-        }
-        report["loads"] = loads(state, args.device, report["dcp"]["kept"], report["rayckpt"]["kept"], args.repeats)
+        report["rayckpt"], kept = saves("rayckpt", state, args.device, root, args.repeats)
+        orders = {order: async_saves(state, args.device, root, args.saves, order) for order in ASYNC_ORDERS}
+        report["save_async"] = orders
+        report["loads"] = loads(state, args.device, {"dcp": report["dcp"]["kept"], "rayckpt": kept}, args.repeats)
     finally:
         report["total_runtime_s"] = time.perf_counter() - started
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
         if ray.is_initialized():
             ray.shutdown()
-    md = "\n".join([run_line(report), "", "| measured | value |", "| --- | --- |", table(report)]) + "\n"
-    write_report(args.out, "bench_gpu", report, md)
-    print(md)
-    return 0
+    return write_report(args, "bench_gpu", report, document("The GPU path", report, table(rows(report))))
 
 
-def table(report: dict[str, Any]) -> str:
-    """The report as the Markdown rows of its result table (docs/benchmarks.md, "GPUs")."""
+def rows(report: dict[str, Any]) -> list[dict[str, str]]:
+    """The report as the rows of its result table (docs/benchmarks.md, "GPUs")."""
     copy, dcp, loads_ = report["copy"], report["dcp"], report["loads"]
-    rows = [
+    out = [
         ("limit: copy of the whole state into host memory allocated beforehand", f"{copy['limit_s']:.3f} s"),
         ("`.cpu()` / `.clone()` of each tensor", f"{copy['pageable_s']:.2f} s"),
         ("DCP `save`", f"{dcp['save_s']:.2f} s"),
     ]
     for name, res in dcp["async"].items():
-        value = res["error"] if "error" in res else f"{res['stall_median_s']:.3f} s / {res['total_median_s']:.2f} s"
-        rows.append((f"DCP `async_save`, {name}: stall / total", value))
-    rows.append(("`rayckpt.save`", f"{report['rayckpt']['save_s']:.2f} s"))
+        value = res["error"] if "error" in res else f"{res['stall_median_s']:.3f} s / {res['save_s']:.2f} s"
+        out.append((f"DCP `async_save`, {name}: stall / total", value))
+    out.append(("`rayckpt.save`", f"{report['rayckpt']['save_s']:.2f} s"))
     for order, res in report["save_async"].items():
         stalls = ", ".join(f"{s['stall_s']:.3f}" for s in res["saves"])
         commits = ", ".join(f"{s['commit_s']:.2f}" for s in res["saves"])
@@ -237,9 +197,9 @@ def table(report: dict[str, Any]) -> str:
         extra = f" (first / later: {ratio:.2f}x)" if ratio else ""
         if "prepare_background_s" in res:
             extra += f"; prepare_staging: {res['prepare_call_s']:.3f} s call, {res['prepare_background_s']:.2f} s made"
-        rows.append((f"rayckpt `save_async`, {order}: stall per save", f"{stalls} s{extra}"))
-        rows.append((f"rayckpt `save_async`, {order}: commit per save", f"{commits} s"))
+        out.append((f"rayckpt `save_async`, {order}: stall per save", f"{stalls} s{extra}"))
+        out.append((f"rayckpt `save_async`, {order}: commit per save", f"{commits} s"))
     for temp in ("cold", "warm"):
         d, r = loads_[f"dcp_{temp}_s"], loads_[f"rayckpt_{temp}_s"]
-        rows.append((f"load, {temp}: DCP / rayckpt", f"{d:.2f} s / {r:.2f} s ({d / r:.2f}x)"))
-    return "\n".join(f"| {a} | {b} |" for a, b in rows)
+        out.append((f"load, {temp}: DCP / rayckpt", f"{d:.2f} s / {r:.2f} s ({d / r:.2f}x)"))
+    return [{"measured": a, "value": b} for a, b in out]

@@ -1,1 +1,1 @@
-"""Benchmarks on real hosts of one machine (``testbed.ray_hosts``): replicas, a cut link, restores."""
+"""Benchmarks on real hosts of one machine (``testbed.ray_hosts``): a cut link, restores."""

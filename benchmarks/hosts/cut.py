@@ -1,23 +1,29 @@
-"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks."""
+"""An elastic job's host cut off: the time from the cut to the restored worker group, by Ray's health checks.
+Three Ray hosts (one worker each, ``jobs/train.py --num-workers 2-3``, a tiny GPT, a memory checkpoint
+every step, S3 every ``--checkpoint-every`` steps) and an S3 host; a new cluster per run. At step
+``--cut-after-step`` host 2's link goes down (a partition; its processes keep running). Seconds from the
+cut: the GCS counts the node dead (a driver on host 0 polling ``ray.nodes()``); the restarted group's
+rank 0 logs its restart line (``restart 1: resumed from step S with 2 worker(s), from <tier>``), as the
+line reaches the job's driver log. ``default``: Ray's health checks as shipped; ``tuned``:
+``TUNED_HEALTH_CHECKS``; ``tuned-start``: also ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10`` (Ray Train's
+wait for the group of 3 it first asks for after the cut). Medians over the runs."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import queue
 import re
+import select
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterable
 from typing import Any
 
-from benchmarks.common.cli import parser
-from benchmarks.common.harness import load_sampled, new_report, rotated, table, write_report
-from benchmarks.hosts.common import HOST_ENV, ROOT, head_lines, require_hosts
+from benchmarks.common import cli
+from benchmarks.common.harness import document, load_sampled, new_report, rotated, table, write_report
+from benchmarks.hosts.common import HOST_ENV, ROOT, require_hosts
 from testbed.host_jobs import HostJob
 from testbed.ray_hosts import TUNED_HEALTH_CHECKS
 
@@ -46,35 +52,6 @@ print("dead", time.time(), flush=True)
 """
 
 
-class Lines:
-    """Lines as they come (a process's output, a file followed), each with the time it was read
-    (``time.time()``), read by a thread."""
-
-    def __init__(self, source: Iterable[str]) -> None:
-        self.queue: queue.Queue[tuple[float, str] | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(source,), daemon=True).start()
-
-    def _read(self, source: Iterable[str]) -> None:
-        try:
-            for line in source:
-                self.queue.put((time.time(), line))
-        finally:
-            self.queue.put(None)
-
-    def wait_for(self, match: Any, deadline: float, what: str) -> tuple[float, str, Any]:
-        """The next line ``match(line)`` is true of: (its time, the line, the match); raise at ``deadline`` or EOF."""
-        while True:
-            try:
-                item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"no {what} in time") from None
-            if item is None:
-                raise RuntimeError(f"the output ended before {what}")
-            found = match(item[1])
-            if found:
-                return item[0], item[1], found
-
-
 def flags(cluster: Any, args: argparse.Namespace) -> list[str]:
     """``jobs/train.py``'s flags: an elastic 2-3 workers, one per host, a memory checkpoint every step."""
     assert cluster.s3 is not None
@@ -100,35 +77,23 @@ def one_cut(args: argparse.Namespace, setting: str, rep: int) -> dict[str, Any]:
         started = STARTED.search(line)
         if started.group(1) != "3":
             raise RuntimeError(f"the job started with {started.group(1)} workers, not 3: {started.group(0)}")
-        deadline = time.monotonic() + args.timeout
-        watcher = cluster[0].popen(
-            [sys.executable, "-c", _WATCH_SNIPPET, cluster.address, cluster[CUT_HOST].ip],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        watch = Lines(watcher.stdout)
-        watch.wait_for(lambda line: line.startswith("ready"), deadline, "the node watcher")
+        watch = [sys.executable, "-c", _WATCH_SNIPPET, cluster.address, cluster[CUT_HOST].ip]
+        pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL}
+        watcher = cluster[0].popen(watch, text=True, **pipes)
+        joined, _, _ = select.select([watcher.stdout], [], [], args.timeout)
+        if not joined or not watcher.stdout.readline().startswith("ready"):  # it exits where it cannot join
+            raise RuntimeError("the node watcher did not join the cluster")
         _, line = job.wait_for(lambda line: (m := STEP.search(line)) and int(m.group(1)) >= args.cut_after_step)
         last_step = int(STEP.search(line).group(1))
         cut_at = time.time()
         cluster[CUT_HOST].link_down()
         restored_at, line = job.wait_for(RESTART.search, args.timeout)
         restart = RESTART.search(line)
-        deadline = time.monotonic() + args.timeout
-        _, dead, _ = watch.wait_for(lambda line: line.startswith("dead"), deadline, "the node's death")
-        return {
-            "setting": setting,
-            "repeat": rep,
-            "step_at_cut": last_step,
-            "restored_step": int(restart.group(2)) if restart.group(2) else None,
-            "workers_after": int(restart.group(3)),
-            "tier": restart.group(4),
-            "restart_line": restart.group(0),
-            "node_dead_s": float(dead.split()[1]) - cut_at,
-            "restored_s": restored_at - cut_at,
-        }
+        dead = watcher.communicate(timeout=args.timeout)[0]  # it prints "dead <time>" and exits
+        run = {"setting": setting, "repeat": rep, "step_at_cut": last_step, "restart_line": restart.group(0)}
+        run |= {"restored_step": int(restart.group(2)) if restart.group(2) else None, "tier": restart.group(4)}
+        run |= {"workers_after": int(restart.group(3)), "node_dead_s": float(dead.split()[-1]) - cut_at}
+        return run | {"restored_s": restored_at - cut_at}
     finally:
         try:
             if job is not None:
@@ -154,50 +119,31 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = head_lines(report, "A host cut off from an elastic job: the time to the restored group")
-    tuned = ", ".join(f"`{k}={v}`" for k, v in TUNED_HEALTH_CHECKS.items())
-    lines += [
-        "Three Ray hosts (one worker each, `jobs/train.py --num-workers 2-3`, a tiny GPT, a memory checkpoint "
-        f"every step, S3 every {report['checkpoint_every']} steps) and an S3 host; a new cluster per run. At step "
-        f">= {report['cut_after_step']} host {CUT_HOST}'s link goes down (a partition; its processes keep "
-        "running). Seconds from the cut: the GCS counts the node dead (a driver on host 0 polling `ray.nodes()`); "
-        "the restarted group's rank 0 logs its restart line (`restart 1: resumed from step S with 2 worker(s), "
-        "from <tier>`, every rank restored), as the line reaches the job's driver log on the head. `default`: "
-        f"Ray's health checks as shipped (none set); `tuned`: {tuned}; `tuned-start`: also "
-        "`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10` (Ray Train's wait for the group of 3 it first asks for "
-        "after the cut). Medians over the runs.",
-        "",
+    rows = [
+        {"setting": k, "runs": s["runs"], "cut -> node dead s": s["node_dead_s"], "cut -> restored s": s["restored_s"]}
+        | {"node dead -> restored s": s["dead_to_restored_s"], "restored from": ", ".join(s["tiers"])}
+        for k, s in report["summary"].items()
     ]
-    rows = [[k, s["runs"], f"{s['node_dead_s']:.1f}", f"{s['restored_s']:.1f}", f"{s['dead_to_restored_s']:.1f}",
-             ", ".join(s["tiers"])] for k, s in report["summary"].items()]  # fmt: skip
-    lines += table(["setting", "runs", "cut -> node dead s", "cut -> restored s", "node dead -> restored s",
-                    "restored from"], rows, right=0) + [""]  # fmt: skip
-    rows = []
-    for r in report["runs"]:
-        run = f"{r['setting']} {r['repeat']}"
-        if "error" in r:
-            rows.append([run, f"failed: {r['error'][:200]}", "", "", "", "", ""])
-        else:
-            rows.append([run, r["step_at_cut"], r["restored_step"], r["workers_after"], f"{r['node_dead_s']:.1f}",
-                         f"{r['restored_s']:.1f}", r["tier"]])  # fmt: skip
-    header = ["run", "step at the cut", "restored step", "workers after", "node dead s", "restored s", "tier"]
-    lines += table(header, rows)
-    return "\n".join(lines) + "\n"
+    runs = [
+        {"run": f"{r['setting']} {r['repeat']}", "failed": r.get("error", "")[:200] or None}
+        | {k: r.get(k) for k in ("step_at_cut", "restored_step", "workers_after", "node_dead_s", "restored_s", "tier")}
+        for r in report["runs"]
+    ]
+    title = "A host cut off from an elastic job: the time to the restored group"
+    return document(title, report, table(rows), table(runs))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = parser(__doc__, "hosts", markdown=True)
+    p = cli.parser(__doc__, "hosts", markdown=True)
     p.add_argument("--repeats", type=int, default=3, help="runs of each setting")
-    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--settings", type=cli.listed(SETTINGS), default=",".join(SETTINGS), help=", ".join(SETTINGS))
     p.add_argument("--cut-after-step", type=int, default=30, help="cut once the group of 3 has logged this step")
     p.add_argument("--checkpoint-every", type=int, default=10, help="the job's storage (S3) saves")
     p.add_argument("--num-cpus", type=int, default=2, help="each Ray host's CPUs (one worker takes them all)")
     p.add_argument("--timeout", type=float, default=600, help="seconds a run may take to each of its moments")
-    args = p.parse_args(argv)
-    args.settings = [s for s in args.settings.split(",") if s]
-    if not args.settings or set(args.settings) - set(SETTINGS) or args.repeats < 1:
-        p.error(f"--settings: some of {', '.join(SETTINGS)}; --repeats >= 1")
-    args.out = os.path.abspath(args.out)
+    args = cli.parse(p, argv)
+    if args.repeats < 1:
+        p.error("--repeats >= 1")
     return args
 
 
@@ -205,29 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     require_hosts()
-    os.makedirs(args.out, exist_ok=True)
-    report = new_report("benchmarks.hosts cut", argv)
-    report.update(
-        settings={s: SETTINGS[s] for s in args.settings},
-        cut_after_step=args.cut_after_step,
-        checkpoint_every=args.checkpoint_every,
-        runs=[],
-    )
+    config = {k: getattr(args, k) for k in ("repeats", "cut_after_step", "checkpoint_every", "num_cpus")}
+    config["settings"] = {s: SETTINGS[s] for s in args.settings}
+    report = new_report("benchmarks.hosts cut", argv, __doc__, config=config, runs=[])
     with load_sampled(report):
         for rep in range(args.repeats):
             for setting in rotated(args.settings, rep):
                 try:
                     run = one_cut(args, setting, rep)
-                except (RuntimeError, TimeoutError) as exc:
+                except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
                     run = {"setting": setting, "repeat": rep, "error": f"{type(exc).__name__}: {exc}"}
                 print(f"[hosts cut] {run}", flush=True)
                 report["runs"].append(run)
     report["summary"] = summarize(report["runs"])
-    md = markdown(report)
-    write_report(args.out, "cut", report, md, args.markdown)
-    print(md)
+    write_report(args, "cut", report, markdown(report))
     return 0 if all("error" not in r for r in report["runs"]) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

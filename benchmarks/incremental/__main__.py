@@ -1,7 +1,4 @@
-"""``python -m benchmarks.incremental --size-mb 512 --steps 6 --repeats 3``: incremental saves against full
-saves and DCP, and chained loads (``benchmarks.incremental.run``)."""
-
-from __future__ import annotations
+"""``python -m benchmarks.incremental --size-mb 512 --steps 6 --repeats 3``: ``benchmarks.incremental.run``."""
 
 from benchmarks.incremental.run import main
 

@@ -1,19 +1,28 @@
-"""Incremental saves against full saves and DCP, step after step, and the load of a chained checkpoint."""
+"""Incremental saves against full saves and DCP, step after step, and the load of a chained checkpoint.
+2 gloo ranks, an FSDP2 state (``nn.Linear`` layers ``fully_shard``-ed on the CPU; ``model.state_dict()``
+and an ``exp_avg`` / ``exp_avg_sq`` DTensor per trained param, changed in place each step): ``dense``,
+``frozen70`` (a frozen encoder, a trained decoder with its moments) and ``lora99`` (a frozen base and
+adapters). Each step saved by ``full`` (``rayckpt.save``, own directory), ``incremental``
+(``rayckpt.save(incremental=True)``) and ``dcp`` (``dcp.save``, own directory), the order rotated, after
+one untimed save of each elsewhere; every file evicted from the page cache after each save. Seconds: the
+save call, barrier before, max over ranks; MiB: the files the save created (incremental: its store files
+and its directory). First: step 1; steady: median (min-max) of the later steps. Chained load: a chain of
+incremental saves of ``frozen70`` against one self-contained save of its last state, ``rayckpt.load`` of
+each alternating; cold: the files evicted first, warm: read in first."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-import time
+from collections import OrderedDict
 from typing import Any
 
 import torch.nn as nn
 
-from benchmarks.common import systems
-from benchmarks.common.cli import parser
+from benchmarks.common import cli, systems
 from benchmarks.common.diskio import dir_bytes, evict, files_under, warm_up
-from benchmarks.common.harness import MIB, load_sampled, new_report, rotated, write_report
+from benchmarks.common.harness import MIB, load_sampled, new_report, rotated, timed, write_report
 from benchmarks.common.workload import layer_shapes
 from benchmarks.incremental.report import SAVERS, markdown, merge, summarize_chain, summarize_state, targets
 from rayckpt.testing.multiproc import run_ranks
@@ -22,6 +31,8 @@ STATES = ("dense", "frozen70", "lora99")
 #: Fraction of the state's bytes that never changes, per state.
 FROZEN = {"dense": 0.0, "frozen70": 0.70, "lora99": 0.99}
 SHARED = ".rayckpt-shared"
+#: The system (``systems.save``) of each saver.
+SYSTEMS = {"full": "rayckpt", "incremental": "rayckpt_incremental", "dcp": "dcp"}
 
 
 def layout(kind: str, size_mb: float) -> dict[str, Any]:
@@ -33,18 +44,6 @@ def layout(kind: str, size_mb: float) -> dict[str, Any]:
     edges = sum(rows + cols for rows, cols in frozen)
     r = max(1, round((size_mb - frozen_mb) * MIB / (12 * edges)))
     return {"frozen": frozen, "trained": [], "r": r}
-
-
-class Layers(nn.Module):
-    """The frozen and the trained layers (never run forward: only their state matters)."""
-
-    def __init__(self, frozen: Any, trained: Any) -> None:
-        super().__init__()
-        self.frozen = frozen
-        self.trained = trained
-
-    def forward(self, x: Any) -> Any:
-        return x
 
 
 def build(world: int, rank: int, kind: str, size_mb: float) -> tuple[Any, dict[str, Any]]:
@@ -65,7 +64,7 @@ def build(world: int, rank: int, kind: str, size_mb: float) -> tuple[Any, dict[s
             trained = nn.ModuleList(nn.Sequential(a, b) for a, b in adapters)
         else:
             trained = nn.ModuleList(nn.Linear(cols, rows) for rows, cols in lay["trained"])
-        model = Layers(frozen, trained)
+        model = nn.Sequential(OrderedDict(frozen=frozen, trained=trained))  # never run forward; FSDP2 wants one
     for m in model.modules():
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -91,14 +90,6 @@ def state_of(model: Any, moments: dict[str, Any], step: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optim": moments, "step": step}
 
 
-def local_tensors(state: dict[str, Any]) -> list[Any]:
-    """Every tensor of the state, this rank's part, in a fixed order."""
-    out = [t.to_local() for _, t in sorted(state["model"].items())]
-    for _, m in sorted(state["optim"].items()):
-        out += [m["exp_avg"].to_local(), m["exp_avg_sq"].to_local()]
-    return out
-
-
 def train_step(model: Any, moments: dict[str, Any]) -> None:
     """Change every trained param and moment in place (a small value added), as an optimizer step does."""
     import torch
@@ -114,35 +105,26 @@ def train_step(model: Any, moments: dict[str, Any]) -> None:
 def new_bytes(saver: str, path: str, save_id: str) -> dict[str, int]:
     """Bytes and files the save created: its directory, and for an incremental one its files in the store."""
     own, nfiles = dir_bytes(path)
-    shards = 0
-    if saver == "incremental":
-        store = os.path.join(os.path.dirname(path), SHARED)
-        for name in os.listdir(store):
-            if name.startswith(save_id):
-                shards += os.path.getsize(os.path.join(store, name))
-                nfiles += 1
-    return {"bytes": own + shards, "store_bytes": shards, "dir_bytes": own, "files": nfiles}
+    store = os.path.join(os.path.dirname(path), SHARED)
+    names = os.listdir(store) if saver == "incremental" else []
+    mine = [os.path.join(store, n) for n in names if n.startswith(save_id)]
+    shards = sum(os.path.getsize(f) for f in mine)
+    return {"bytes": own + shards, "store_bytes": shards, "dir_bytes": own, "files": nfiles + len(mine)}
 
 
 def timed_save(saver: str, state: dict[str, Any], path: str, root: str) -> dict[str, Any]:
     """One save, barrier before; this rank's seconds, and on rank 0 the new bytes and rayckpt's phases."""
     import torch.distributed as dist
 
-    where, rel = systems.local(path)
     dist.barrier()
-    t0 = time.perf_counter()
-    if saver == "dcp":
-        info = systems.dcp_save(state, where, rel)
-    else:
-        info = systems.rayckpt_save(state, where, rel, incremental=saver == "incremental")
-    seconds = time.perf_counter() - t0
+    done = systems.save(SYSTEMS[saver], state, *systems.local(path))
+    seconds, info = done["commit"], done["info"]
     dist.barrier()
     rec: dict[str, Any] = {"saver": saver, "seconds": seconds}
     if dist.get_rank() == 0:
         rec.update(new_bytes(saver, path, info.save_id if info else ""))
         if info is not None:
-            rec["phases"] = dict(info.phases)
-            rec["reported_bytes_written"] = info.bytes_written
+            rec |= {"phases": dict(info.phases), "reported_bytes_written": info.bytes_written}
         evict(files_under(root))
     dist.barrier()
     return rec
@@ -183,14 +165,12 @@ def timed_load(state: dict[str, Any], path: str, files: list[str], cold: bool) -
     """Zero the state, evict (cold) or read in (warm) ``files`` on rank 0, then one timed ``rayckpt.load``."""
     import torch.distributed as dist
 
-    for t in local_tensors(state):
+    for t in systems.local_tensors(state):
         t.zero_()
     if dist.get_rank() == 0:
         (evict if cold else warm_up)(files)
     dist.barrier()
-    t0 = time.perf_counter()
-    info = systems.rayckpt_load(state, *systems.local(path))
-    seconds = time.perf_counter() - t0
+    seconds, info = timed(lambda: systems.load("rayckpt", state, *systems.local(path)))
     dist.barrier()
     return {"seconds": seconds, "phases": dict(getattr(info, "phases", None) or {})}
 
@@ -200,7 +180,7 @@ def same_bits(state: dict[str, Any], expected: list[Any]) -> int:
     import torch
     import torch.distributed as dist
 
-    got = local_tensors(state)
+    got = systems.local_tensors(state)
     bad = sum(not torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, expected, strict=True))
     count = torch.tensor([bad + (len(got) != len(expected))])
     dist.all_reduce(count)
@@ -223,15 +203,10 @@ def chain_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         saves.append({"step": step, **timed_save("incremental", state_of(model, moments, step), path, root)})
     state = state_of(model, moments, n)
     saves.append({"step": n, **timed_save("full", state, os.path.join(root, "self", f"step-{n}"), root)})
-    expected = [t.clone() for t in local_tensors(state)]
-    paths = {
-        "chained": os.path.join(root, "chain", f"step-{n}"),
-        "self-contained": os.path.join(root, "self", f"step-{n}"),
-    }
-    files = {
-        "chained": files_under(os.path.join(root, "chain")),
-        "self-contained": files_under(paths["self-contained"]),
-    }
+    expected = [t.clone() for t in systems.local_tensors(state)]
+    chain, own = os.path.join(root, "chain"), os.path.join(root, "self", f"step-{n}")
+    paths = {"chained": os.path.join(chain, f"step-{n}"), "self-contained": own}
+    files = {"chained": files_under(chain), "self-contained": files_under(own)}
     timed_load(state, paths["self-contained"], files["self-contained"], True)  # untimed: the first load's costs
     loads: list[dict[str, Any]] = []
     checked: dict[str, int] = {}
@@ -256,51 +231,41 @@ def layout_bytes(kind: str, size_mb: float) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, run each state's saves and the chained load on 2 ranks, write the report."""
-    p = parser(__doc__, "incremental")
+    p = cli.parser(__doc__, "incremental")
     p.add_argument("--size-mb", type=float, default=1024, help="each state's size in MiB (default: %(default)s)")
     p.add_argument("--steps", type=int, default=12, help="saves per saver and state; the first is reported apart")
     p.add_argument("--repeats", type=int, default=5, help="loads of each checkpoint, cold and warm, in the chain test")
     p.add_argument("--chain", type=int, default=10, help="incremental saves in the chain that is loaded")
-    p.add_argument("--states", default=",".join(STATES), help="any of " + ", ".join(STATES))
+    p.add_argument("--states", type=cli.listed(STATES), default=",".join(STATES), help="any of " + ", ".join(STATES))
     p.add_argument("--no-chain", action="store_true", help="skip the chained load")
-    args = p.parse_args(argv)
-    states = [s for s in args.states.split(",") if s]
-    if unknown := set(states) - set(STATES):
-        p.error(f"unknown states: {sorted(unknown)}")
+    args = cli.parse(p, argv)
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first save and a steady one)")
-    os.makedirs(args.out, exist_ok=True)
-    layouts = {s: layout_bytes(s, args.size_mb) for s in dict.fromkeys([*states, "frozen70"])}
-    report = new_report("benchmarks.incremental", argv, config=vars(args), layouts=layouts, states={})
+    layouts = {s: layout_bytes(s, args.size_mb) for s in dict.fromkeys([*args.states, "frozen70"])}
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    report = new_report("benchmarks.incremental", argv, __doc__, config=config, layouts=layouts, states={})
     raw: dict[str, Any] = {}
     with load_sampled(report):
-        for state in states:
-            root = tempfile.mkdtemp(prefix=f"bench-incremental-{state}-", dir=args.out)
-            try:
-                cfg = {"state": state, "size_mb": args.size_mb, "steps": args.steps, "root": root}
-                raw[state] = merge(run_ranks(saves_worker, 2, cfg, timeout=1800))
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
+        for state in args.states:
+            cfg = {"state": state, "size_mb": args.size_mb, "steps": args.steps}
+            raw[state] = merge(in_dir(args.out, f"bench-incremental-{state}-", saves_worker, cfg))
             report["states"][state] = summarize_state(raw[state])
             print(f"[incremental] {state}: {report['states'][state]['ratios']}", flush=True)
         if not args.no_chain:
-            root = tempfile.mkdtemp(prefix="bench-incremental-chain-", dir=args.out)
-            try:
-                cfg = {"size_mb": args.size_mb, "chain": args.chain, "repeats": args.repeats, "root": root}
-                ranks = run_ranks(chain_worker, 2, cfg, timeout=1800)
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-            chain = {
-                **ranks[0],
-                "loads": merge([r["loads"] for r in ranks]),
-                "saves": merge([r["saves"] for r in ranks]),
-            }
-            raw["chain"] = chain
-            report["chain"] = summarize_chain(chain)
+            cfg = {"size_mb": args.size_mb, "chain": args.chain, "repeats": args.repeats}
+            ranks = in_dir(args.out, "bench-incremental-chain-", chain_worker, cfg)
+            raw["chain"] = {**ranks[0], **{k: merge([r[k] for r in ranks]) for k in ("loads", "saves")}}
+            report["chain"] = summarize_chain(raw["chain"])
             print(f"[incremental] chained load: cold {report['chain']['cold']['ratio']:.3f}", flush=True)
     report["targets"] = targets(report)
     report["records"] = raw
-    text = markdown(report)
-    write_report(args.out, "incremental", report, text)
-    print(text)
-    return 0
+    return write_report(args, "incremental", report, markdown(report))
+
+
+def in_dir(out: str, prefix: str, worker: Any, cfg: dict[str, Any]) -> list[Any]:
+    """``worker`` on 2 ranks with ``cfg["root"]`` a new directory under ``out``, removed after."""
+    root = tempfile.mkdtemp(prefix=prefix, dir=out)
+    try:
+        return run_ranks(worker, 2, {**cfg, "root": root}, timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster."""
+"""``rayckpt status`` beside ``ray status``: the wall time of each, a fresh process asking one local cluster
+that holds a run of two committed checkpoints, rounds in rotated order; seconds: median (min-max)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,8 @@ import sys
 import tempfile
 from typing import Any
 
-from benchmarks.common.cli import parser
-from benchmarks.common.harness import (
-    load_sampled,
-    new_report,
-    rotated,
-    run_line,
-    summary,
-    table,
-    timed,
-    write_report,
-)
+from benchmarks.common import cli
+from benchmarks.common.harness import document, load_sampled, new_report, rotated, summary, table, timed, write_report
 from testbed.ray_head import BIN, ray_head
 
 COMMANDS = {
@@ -45,19 +37,13 @@ def run_command(cmd: list[str], env: dict[str, str]) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    report = new_report("benchmarks.observe status", argv, repeats=args.repeats, times={})
+    report = new_report("benchmarks.observe status", argv, __doc__, config={"repeats": args.repeats}, times={})
     with (
         tempfile.TemporaryDirectory(prefix="rk-observe-") as tmp,
         ray_head(os.path.join(tmp, "ray"), num_cpus=2) as head,
     ):
-        env = head.env
-        seeder = subprocess.Popen(
-            [sys.executable, "-c", SEED, head.address, os.path.join(tmp, "ckpt")],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        env, seed = head.env, [sys.executable, "-c", SEED, head.address, os.path.join(tmp, "ckpt")]
+        seeder = subprocess.Popen(seed, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             if seeder.stdout.readline().strip() != "seeded":
                 raise RuntimeError("the seeding driver did not save")
@@ -65,9 +51,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             with load_sampled(report):
                 for rep in range(args.repeats):
                     for name in rotated(list(COMMANDS), rep):
-                        times[name].append(
-                            timed(lambda name=name: run_command(COMMANDS[name] + [head.address], env))[0]
-                        )
+                        command = [*COMMANDS[name], head.address]
+                        times[name].append(timed(lambda command=command: run_command(command, env))[0])
             report["times"] = {name: summary(values) for name, values in times.items()}
         finally:
             seeder.stdin.close()
@@ -77,29 +62,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     t = report["times"]
-    lines = ["# `rayckpt status` beside `ray status`", "", run_line(report), ""]
-    lines += [
-        f"{report['repeats']} rounds, order rotated; a fresh process each, one local cluster with a run of two "
-        "committed checkpoints.",
-        "",
-    ]
-    rows = [[f"`{name}`", f"{s['median']:.2f}", f"{s['min']:.2f}", f"{s['max']:.2f}"] for name, s in t.items()]
-    lines += table(["command", "median (s)", "min (s)", "max (s)"], rows)
     ratio = t["rayckpt status"]["median"] / t["ray status"]["median"]
-    return "\n".join([*lines, "", f"`rayckpt status` / `ray status`, medians: **{ratio:.2f}x**.", ""])
+    rows = [{"command": f"`{name}`", "seconds": s} for name, s in t.items()]
+    ratio_line = f"`rayckpt status` / `ray status`, medians: **{ratio:.2f}x**."
+    return document("`rayckpt status` beside `ray status`", report, table(rows), ratio_line)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = parser(__doc__, "observe")
+    p = cli.parser(__doc__, "observe")
     p.add_argument("--repeats", type=int, default=15, help="rounds of both commands")
-    args = p.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = cli.parse(p, argv)
     report = run(args, argv)
-    write_report(args.out, "status", report, markdown(report))
-    print(markdown(report))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return write_report(args, "status", report, markdown(report))

@@ -1,164 +1,80 @@
-"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run."""
+"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one
+run. The fp32 params and AdamW moments of a stack of square ``nn.Linear`` layers, as
+``AppState(model, opt)`` (``--plain``: copies of its tensors as plain tensors, which no optimizer owns,
+so every mode copies them before it returns); ``one-process``: one process holds all of it;
+``four-ranks``: TorchTrainer workers (gloo) each hold an FSDP2 share. Each save: the call timed, one
+training step (forward, backward, AdamW step; an overlapped copy runs beside forward and backward and the
+optimizer step waits for what is left of it), then the save waited for (DCP: its upload; rayckpt: its
+commit) and removed. Modes: ``copy``: the local tensors copied into buffers made beforehand; ``dcp``:
+``async_save`` with one reused pinned ``DefaultStager``; ``dcp-async-staging``: with
+``StagingOptions(True, True, True, True)``, its staging waited for before the optimizer step;
+``rayckpt-sync``: ``save_async(overlap=False)``; ``rayckpt``: ``save_async``, the optimizer's tensors
+copied beside the next step; ``rayckpt-all``: ``save_async(overlap="all")``; rayckpt after
+``prepare_staging``. Rounds after warm-up rounds, modes rotated; seconds: the slowest rank's per round
+(and the median rank's), median (min-max) over rounds."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from benchmarks.common import systems
-from benchmarks.common.cli import parser
+from benchmarks.common import cli, systems
 from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records, new_ray
-from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
+from benchmarks.common.workload import StackShape, add_model_args, batch, build, stack_shape, train_step
 from benchmarks.overlap.report import stall_markdown, stall_targets, summarize_stall
 
 SCENARIOS = ("one-process", "four-ranks")
-#: The ``StagingOptions`` (pinned, shared, async staging, non-blocking copy) of each DCP mode.
-DCP_OPTIONS = {"dcp": (True, False, False, False), "dcp-async-staging": (True, True, True, True)}
-#: ``save_async``'s ``overlap`` of each rayckpt mode.
-OVERLAP: dict[str, bool | str] = {"rayckpt-sync": False, "rayckpt": True, "rayckpt-all": "all"}
-ALL_MODES = ("copy", *DCP_OPTIONS, *OVERLAP)
+ALL_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt", "rayckpt-all")
 CPU_MODES = ("copy", "dcp", "rayckpt-sync", "rayckpt")
 CUDA_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt")
 
 
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:400]
-
-
-@dataclass
-class Pending:
-    """A save started: what the step waits for before the optimizer step; ``finish``: the save done, its figures."""
-
-    before_step: Callable[[], Any] | None = None
-    finish: Callable[[], dict[str, Any]] = lambda: {}
-
-
-@dataclass
-class Saver:
-    """One process's saves of every mode, and what each needs made beforehand."""
-
-    app: Any
-    device: str
-    modes: tuple[str, ...]
-    run: str
-    #: The group DCP's upload runs its collectives on (``None``: one process, no group).
-    dcp_group: Any = None
-    #: Modes that raised, with their error: not run again.
-    failed: dict[str, str] = field(default_factory=dict)
-    #: Save copies of the app's tensors, which no optimizer owns: every mode copies them before it returns.
-    plain: bool = False
-
-    def __post_init__(self) -> None:
-        self.state = {"app": self.app}
-        if self.plain:  # copies: the optimizer's own tensors would be copied beside the next step
-            self.state = {f"t{i}": t.clone() for i, t in enumerate(systems.local_tensors(self.state))}
-        self.cuda = self.device.startswith("cuda")
-        # The local tensors, found once (training updates them in place); their copies made beforehand.
-        self.pieces = systems.local_tensors(self.state) if "copy" in self.modes else []
-        self.buffers = [torch.empty(p.shape, dtype=p.dtype, pin_memory=self.cuda).zero_() for p in self.pieces]
-        self.stagers = {}
-        for mode in (m for m in self.modes if m in DCP_OPTIONS):
-            try:
-                self.stagers[mode] = systems.dcp_stager(DCP_OPTIONS[mode])
-            except Exception as exc:  # a stager this torch cannot run is a result, not a crash
-                self.failed[mode] = error_text(exc)
-        if any(m in OVERLAP for m in self.modes):
-            systems.prepare_staging(self.state, wait=True)
-
-    def start(self, mode: str, path: str, step: int) -> Pending:
-        """Start one save of ``mode`` (the timed call)."""
-        if mode == "copy":
-            for dst, src in zip(self.buffers, self.pieces):
-                dst.copy_(src, non_blocking=self.cuda)
-            if self.cuda:
-                torch.cuda.synchronize()
-            return Pending()
-        where, rel = systems.local(path)
-        if mode in DCP_OPTIONS:
-            pending = systems.dcp_async_save(self.state, where, rel, self.dcp_group, self.stagers[mode])
-
-            def uploaded() -> dict[str, Any]:
-                pending.upload.result()
-                return {}
-
-            return Pending(pending.staged, uploaded)
-        handle = systems.ray_save(self.state, where, rel, run=self.run, step=step, overlap=OVERLAP[mode])
-
-        def finish() -> dict[str, Any]:
-            entry = handle.wait()
-            if entry.status != "committed":
-                raise RuntimeError(f"{mode}: save of step {step}: {entry.status}: {entry.error}")
-            return {"late_bytes": handle.late_bytes, "copy_s": handle.copy_seconds}
-
-        return Pending(None, finish)
-
-    def close(self) -> None:
-        for stager in self.stagers.values():
-            stager.close()
-        if any(m in OVERLAP for m in self.modes):
-            systems.release_staging()
-
-
-def run_rounds(saver: Saver, model: Any, optim: Any, x: torch.Tensor, args: dict[str, Any], root: str) -> list[dict]:
+def run_rounds(saves: systems.Modes, model: Any, optim: Any, x: torch.Tensor, args: dict[str, Any]) -> list[dict]:
     """``args["warmup"]`` rounds, then ``args["rounds"]`` counted ones, of every mode (see the module)."""
     import torch.distributed as dist
 
     from rayckpt.engine import overlap
 
     ranks = dist.is_initialized()
-    rank = dist.get_rank() if ranks else 0
     records: list[dict[str, Any]] = []
     step = 0
     for rnd in range(-args["warmup"], args["rounds"]):
-        for mode in rotated(saver.modes, rnd):
-            if mode in saver.failed:
+        for mode in rotated(args["modes"], rnd):
+            if mode in saves.failed:
                 continue
             step += 1
-            path = os.path.join(root, f"{mode}-{step}")
             if ranks:
                 dist.barrier()
-            if saver.cuda:
+            if saves.cuda:
                 torch.cuda.synchronize()
             waited = overlap.waited[0]
             start = time.perf_counter()
             try:
-                pending = saver.start(mode, path, step)
+                saves.save(mode, step)
                 stall = time.perf_counter() - start
-                staged_wait = train_step(model, optim, x, pending.before_step)
+                staged_wait = train_step(model, optim, x, saves.before_step)
                 opt_wait = overlap.waited[0] - waited
-                done = pending.finish() or {}
+                done = saves.finish()
             except Exception as exc:
-                if mode not in DCP_OPTIONS or ranks:  # a stager this torch cannot run is a result, not a crash
+                if not mode.startswith("dcp") or ranks:  # a stager this torch cannot run is a result, not a crash
                     raise
-                saver.failed[mode] = error_text(exc)
+                saves.failed[mode] = f"{type(exc).__name__}: {exc}"[:400]
                 continue
             total = time.perf_counter() - start
             if ranks:
                 dist.barrier()
-            if rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
             if rnd >= 0:
                 records.append(
-                    {
-                        "round": rnd,
-                        "mode": mode,
-                        "rank": rank,
-                        "stall_s": stall,
-                        "staged_wait_s": staged_wait,
-                        "opt_wait_s": opt_wait,
-                        "total_s": total,
-                        "late_bytes": done.get("late_bytes", 0),
-                        "copy_s": done.get("copy_s"),
-                    }
+                    {"round": rnd, "mode": mode, "rank": saves.rank, "stall_s": stall, "staged_wait_s": staged_wait}
+                    | {"opt_wait_s": opt_wait, "total_s": total, "late_bytes": done.get("late_bytes", 0)}
+                    | {"copy_s": done.get("copy_s")}
                 )
     return records
 
@@ -169,13 +85,16 @@ def one_process(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> 
         torch.cuda.set_device(0)
     shape = stack_shape(args.size_gb, args.layers)
     model, optim, app = build(shape, args.device)
+    state = {"app": app}
+    if args.plain:  # copies, which no optimizer owns (its own tensors would be copied beside the next step)
+        state = {f"t{i}": t.clone() for i, t in enumerate(systems.local_tensors(state))}
     with new_ray(args.workers, logs=args.ray_logs):
-        saver = Saver(app, args.device, modes, run=f"overlap-stall-{time.time_ns()}", plain=args.plain)
+        saves = systems.Modes(state, modes, root, cuda=args.device == "cuda", run=f"overlap-stall-{time.time_ns()}")
         try:
-            records = run_rounds(saver, model, optim, batch(shape, args.batch, args.device), vars(args), root)
+            records = run_rounds(saves, model, optim, batch(shape, args.batch, args.device), vars(args))
         finally:
-            saver.close()
-        return records, saver.failed
+            saves.close()
+        return records, saves.failed
 
 
 def ranks_loop(config: dict[str, Any]) -> None:
@@ -187,85 +106,60 @@ def ranks_loop(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     shape = StackShape(**config["shape"])
     model, optim, app = build(shape, "cpu", world, seed=rank)
-    dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
-    saver = Saver(app, "cpu", tuple(config["modes"]), run=config["run"], dcp_group=dcp_group)
+    group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
+    saves = systems.Modes({"app": app}, tuple(config["modes"]), config["root"], run=config["run"], group=group)
     try:
-        records = run_rounds(saver, model, optim, batch(shape, config["batch"], seed=rank + 1), config, config["root"])
+        records = run_rounds(saves, model, optim, batch(shape, config["batch"], seed=rank + 1), config)
     finally:
-        saver.close()
+        saves.close()
     gather_records(records, config["result"])
 
 
 def four_ranks(args: argparse.Namespace, modes: tuple[str, ...], root: str) -> list[dict]:
-    config = {
-        "shape": asdict(stack_shape(args.size_gb, args.layers)),
-        "modes": [m for m in modes if m != "dcp-async-staging"],
-        "run": f"overlap-stall-ranks-{time.time_ns()}",
-        "root": root,
-        **{k: getattr(args, k) for k in ("batch", "rounds", "warmup")},
-    }
+    config = {"shape": asdict(stack_shape(args.size_gb, args.layers)), "run": f"overlap-stall-ranks-{time.time_ns()}"}
+    config |= {"modes": [m for m in modes if m != "dcp-async-staging"], "root": root}
+    config |= {k: getattr(args, k) for k in ("batch", "rounds", "warmup")}
     return fit(ranks_loop, config, args.workers, args.out, args.ray_logs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser(__doc__, "overlap", markdown=True, ray_logs=True)
+    p = cli.parser(__doc__, "overlap", markdown=True, ray_logs=True)
     add_model_args(p)
     p.add_argument("--rounds", type=int, default=5, help="counted rounds of every mode")
     p.add_argument("--warmup", type=int, default=1, help="rounds of every mode first, not counted")
     p.add_argument("--workers", type=int, default=4, help="ranks of four-ranks (and the local Ray's CPUs)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    p.add_argument(
-        "--modes", default=None, help=f"comma-separated, of {', '.join(ALL_MODES)} (default: {', '.join(CPU_MODES)}; "
-        f"on cuda {', '.join(CUDA_MODES)})",
-    )  # fmt: skip
+    p.add_argument("--scenarios", type=cli.listed(SCENARIOS), default=",".join(SCENARIOS))
+    modes = f"default: {', '.join(CPU_MODES)}; on cuda {', '.join(CUDA_MODES)}"
+    p.add_argument("--modes", type=cli.listed(ALL_MODES), default=None, help=f"of {', '.join(ALL_MODES)} ({modes})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where one-process's state lives")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--plain", action="store_true", help="one-process (only) saves plain tensors, no AppState")
-    args = p.parse_args(argv)
-    scenarios = args.scenarios.split(",")
-    if bad := [s for s in scenarios if s not in SCENARIOS]:
-        p.error(f"--scenarios: unknown {', '.join(bad)} (expected some of {', '.join(SCENARIOS)})")
-    if args.modes is not None and (bad := [m for m in args.modes.split(",") if m not in ALL_MODES]):
-        p.error(f"--modes: unknown {', '.join(bad)} (expected some of {', '.join(ALL_MODES)})")
-    if args.device == "cuda" and "four-ranks" in scenarios:
+    args = cli.parse(p, argv)
+    if args.device == "cuda" and "four-ranks" in args.scenarios:
         p.error("--device cuda: only --scenarios one-process (four-ranks runs on gloo CPU workers)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (the default --device cpu runs the CPU path)")
+    args.modes = tuple(args.modes or (CUDA_MODES if args.device == "cuda" else CPU_MODES))
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out = os.path.abspath(args.out)  # the workers run in another directory
-
-    os.makedirs(args.out, exist_ok=True)
-    cuda = args.device == "cuda"
-    modes = tuple(args.modes.split(",")) if args.modes else (CUDA_MODES if cuda else CPU_MODES)
     shape = stack_shape(args.size_gb, args.layers)
-    report = new_report(
-        "benchmarks.overlap stall",
-        argv,
-        args=vars(args),
-        shape=asdict(shape),
-        state_bytes=shape.state_bytes,
-        modes=list(modes),
-        records={},
-        errors={},
-    )
-    report["machine"]["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown", "ray_logs", "dir")}
+    report = new_report("benchmarks.overlap stall", argv, __doc__, config=config, shape=asdict(shape))
+    report |= {"state_bytes": shape.state_bytes, "records": {}, "errors": {}}
+    report["machine"]["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-", dir=args.dir)
     try:
         with load_sampled(report):
-            for sc in args.scenarios.split(","):
+            for sc in args.scenarios:
                 if sc == "one-process":
-                    report["records"][sc], report["errors"][sc] = one_process(args, modes, root)
+                    report["records"][sc], report["errors"][sc] = one_process(args, args.modes, root)
                 else:
-                    report["records"][sc] = four_ranks(args, modes, root)
+                    report["records"][sc] = four_ranks(args, args.modes, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["summary"] = {sc: summarize_stall(recs, report["errors"].get(sc)) for sc, recs in report["records"].items()}
     report["targets"] = stall_targets(report["summary"])
-    md = stall_markdown(report)
-    write_report(args.out, "overlap_stall", report, md, args.markdown)
-    print(md)
-    return 0
+    return write_report(args, "overlap_stall", report, stall_markdown(report))

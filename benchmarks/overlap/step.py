@@ -1,100 +1,31 @@
-"""A training loop's step time with a save every step and every 10 steps, rayckpt beside DCP and a bare copy."""
+"""A training loop's step time with a save every step and every 10 steps, rayckpt beside DCP and a bare
+copy: the fp32 params and AdamW moments of a stack of square ``nn.Linear`` layers, FSDP2-sharded over
+TorchTrainer workers (gloo, CPU; one all-gather a step), as ``AppState(model, opt)``. A step: the save
+when one is due, then forward and backward and the AdamW step (what a save costs the training beside it
+counts in its own step). Modes: ``none``; ``copy``: each worker's share copied into buffers made
+beforehand; ``dcp``: ``async_save`` with a reused pinned ``DefaultStager``, its staging waited for
+before the optimizer step, the previous upload before the next save; ``memory``:
+``Checkpointer(memory_every=1).save(step, state, persist=False)``; ``memory-sync``: the same with
+``overlap=False``. Rounds of every mode, order rotated; step s: the slowest worker's, median and mean
+over the steps past each round's first; save call s: median over those steps' saves; waited: seconds
+before the optimizer step (DCP's staging, an overlapped copy), per step."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.common import systems
-from benchmarks.common.cli import parser
+from benchmarks.common import cli, systems
 from benchmarks.common.harness import load_sampled, new_report, rotated, write_report
 from benchmarks.common.raytrain import fit, gather_records
-from benchmarks.overlap.model import StackShape, add_model_args, batch, build, stack_shape, train_step
+from benchmarks.common.workload import StackShape, add_model_args, batch, build, stack_shape, train_step
 from benchmarks.overlap.report import step_markdown, summarize_step
 
 MODES = ("none", "copy", "dcp", "memory", "memory-sync")
-#: ``Checkpointer``'s ``overlap`` of each memory mode.
-MEMORY_MODES: dict[str, bool] = {"memory": True, "memory-sync": False}
-
-
-class LoopSaves:
-    """One worker's saves of every mode in the training loop, and what each needs made beforehand."""
-
-    def __init__(self, app: Any, modes: tuple[str, ...], root: str) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from rayckpt.train import Checkpointer
-
-        self.state = {"app": app}
-        self.root = root
-        self.rank = dist.get_rank()
-        # Made before any save: a Checkpointer made later would count as a restarted worker group.
-        self.ckpts = {
-            m: Checkpointer(memory_every=1, persist_every=10**9, **({} if ov else {"overlap": False}))
-            for m, ov in MEMORY_MODES.items()
-            if m in modes
-        }
-        if self.ckpts:  # nothing to restore: makes the staging buffers, as a run's restore does
-            next(iter(self.ckpts.values())).restore(self.state)
-        # The local tensors, found once (training updates them in place), and their copies made beforehand.
-        self.pieces = systems.local_tensors(self.state) if "copy" in modes else []
-        self.copies = [torch.empty(p.shape, dtype=p.dtype).zero_() for p in self.pieces]
-        self.stager = systems.dcp_stager((True, False, False, False)) if "dcp" in modes else None
-        self.dcp_group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
-        #: DCP's save in flight (its upload and directory) and its staging, waited for before the optimizer step.
-        self.upload: tuple[Any, str] | None = None
-        self.staging: list[Any] = []
-
-    def save(self, mode: str, step: int) -> bool | None:
-        """Save ``step`` in ``mode``; for the memory modes, whether the save was skipped."""
-        if mode == "copy":
-            for dst, src in zip(self.copies, self.pieces):
-                dst.copy_(src)
-        elif mode == "dcp":
-            self._finish_dcp()  # the previous save's upload, as torchtitan waits for it
-            path = os.path.join(self.root, f"dcp-{step}")
-            pending = systems.dcp_async_save(self.state, *systems.local(path), self.dcp_group, self.stager)
-            self.upload = (pending.upload, path)
-            if pending.staging is not None:
-                self.staging.append(pending.staging)
-        elif mode in self.ckpts:
-            skipped = self.ckpts[mode].memory_skipped
-            self.ckpts[mode].save(step, self.state, persist=False)
-            return self.ckpts[mode].memory_skipped > skipped
-        return None
-
-    def before_step(self) -> None:
-        """Before the optimizer step: DCP's staging done (a guarded optimizer waits for rayckpt's copy itself)."""
-        while self.staging:
-            self.staging.pop().result()
-
-    def settle(self, mode: str) -> None:
-        """The mode's background work done, at the end of its steps (untimed)."""
-        self.before_step()
-        self._finish_dcp()
-        if mode in self.ckpts:
-            self.ckpts[mode].wait()
-
-    def _finish_dcp(self) -> None:
-        """Wait for DCP's save in flight (every rank's files are written once it resolves), then remove it."""
-        if self.upload is not None:
-            future, path = self.upload
-            self.upload = None
-            future.result()
-            if self.rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
-
-    def close(self) -> None:
-        for ckpt in self.ckpts.values():
-            ckpt.release_memory()
-        if self.stager is not None:
-            self.stager.close()
 
 
 def step_loop(config: dict[str, Any]) -> None:
@@ -110,7 +41,8 @@ def step_loop(config: dict[str, Any]) -> None:
     model, optim, app = build(shape, "cpu", world, seed=rank)
     x = batch(shape, config["batch"], seed=rank + 1)
     modes = tuple(config["modes"])
-    saves = LoopSaves(app, modes, config["root"])
+    group = dist.new_group(backend="gloo")  # DCP's upload thread must not share the training's group
+    saves = systems.Modes({"app": app}, modes, config["root"], group=group)
     records: list[dict[str, Any]] = []
     step = 0
     for every in config["every"]:
@@ -126,75 +58,44 @@ def step_loop(config: dict[str, Any]) -> None:
                     waited = overlap.waited[0]
                     wait = train_step(model, optim, x, saves.before_step) + overlap.waited[0] - waited
                     records.append(
-                        {
-                            "every": every,
-                            "round": rnd,
-                            "mode": mode,
-                            "i": i,
-                            "step": step,
-                            "rank": rank,
-                            "step_s": time.perf_counter() - start,
-                            "save_s": called - start,
-                            "wait_s": wait,
-                            "saved": saved,
-                            "skipped": skipped,
-                        }
+                        {"every": every, "round": rnd, "mode": mode, "i": i, "step": step, "rank": rank}
+                        | {"step_s": time.perf_counter() - start, "save_s": called - start, "wait_s": wait}
+                        | {"saved": saved, "skipped": skipped}
                     )
-                saves.settle(mode)
+                saves.settle()
     gather_records(records, config["result"])
     saves.close()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser(__doc__, "overlap", markdown=True, ray_logs=True)
+    p = cli.parser(__doc__, "overlap", markdown=True, ray_logs=True)
     add_model_args(p)
     p.add_argument("--every", type=int, nargs="+", default=[1, 10], help="save every N steps (each N its own rounds)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
     p.add_argument("--steps", type=int, default=20, help="steps per mode per round")
     p.add_argument("--workers", type=int, default=4, help="TorchTrainer workers (the local Ray's CPUs)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--modes", type=cli.listed(MODES), default=",".join(MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--dir", default=None, help="where DCP's checkpoints go (default: a temporary directory)")
-    args = p.parse_args(argv)
-    if bad := [m for m in args.modes.split(",") if m not in MODES]:
-        p.error(f"--modes: unknown {', '.join(bad)} (expected some of {', '.join(MODES)})")
-    if any(n < 1 for n in args.every):
-        p.error("--every: expected whole numbers >= 1")
-    if args.steps < 2:
-        p.error("--steps: expected at least 2 (each round's first step of a mode is not counted)")
+    args = cli.parse(p, argv)
+    if any(n < 1 for n in args.every) or args.steps < 2:
+        p.error("--every: whole numbers >= 1; --steps: at least 2 (a round's first step of a mode is not counted)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out = os.path.abspath(args.out)  # the workers run in another directory
-
-    os.makedirs(args.out, exist_ok=True)
-    modes = args.modes.split(",")
-    notes = []
     shape = stack_shape(args.size_gb, args.layers)
-    report = new_report(
-        "benchmarks.overlap step",
-        argv,
-        args=vars(args),
-        shape=asdict(shape),
-        state_bytes=shape.state_bytes,
-        modes=modes,
-        notes=notes,
-    )
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown", "ray_logs", "dir")}
+    report = new_report("benchmarks.overlap step", argv, __doc__, config=config, shape=asdict(shape))
+    report["state_bytes"] = shape.state_bytes
     root = tempfile.mkdtemp(prefix="rayckpt-bench-overlap-step-", dir=args.dir)
-    config = {
-        "shape": asdict(shape),
-        "modes": modes,
-        "root": root,
-        **{k: getattr(args, k) for k in ("batch", "every", "rounds", "steps")},
+    loop = {"shape": asdict(shape), "root": root} | {
+        k: config[k] for k in ("modes", "batch", "every", "rounds", "steps")
     }
     try:
         with load_sampled(report):
-            report["records"] = fit(step_loop, config, args.workers, args.out, args.ray_logs)
+            report["records"] = fit(step_loop, loop, args.workers, args.out, args.ray_logs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["summary"] = summarize_step(report["records"])
-    md = step_markdown(report)
-    write_report(args.out, "overlap_step", report, md, args.markdown)
-    print(md)
-    return 0
+    return write_report(args, "overlap_step", report, step_markdown(report))

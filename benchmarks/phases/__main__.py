@@ -1,7 +1,4 @@
-"""``python -m benchmarks.phases --layers 20 --rounds 3 --cold``: save and load against DCP as a
-first call and in steady state, with rayckpt's phases (``benchmarks.phases.run``)."""
-
-from __future__ import annotations
+"""``python -m benchmarks.phases --layers 20 --rounds 3 --cold``: ``benchmarks.phases.run``."""
 
 from benchmarks.phases.run import main
 

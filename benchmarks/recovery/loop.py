@@ -1,24 +1,18 @@
-"""What the recovery benchmark runs inside Ray Train: the workers' loop and the controller's callbacks."""
+"""What the recovery benchmark runs inside Ray Train: the workers' loop and the controller's callback."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-
-from benchmarks.common.raytrain import append_event
+from benchmarks.common.raytrain import append_event, read_events
 from rayckpt.train import RayckptCallback
 
 
 def prior_entries(path: str, rank: int) -> int:
     """How many times rank ``rank`` entered the loop before in this file: this entry's attempt number."""
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        events = [json.loads(line) for line in f if line.strip()]
+    events = read_events(path) if os.path.exists(path) else []
     return sum(1 for e in events if e["kind"] == "enter" and e["rank"] == rank)
 
 
@@ -81,15 +75,8 @@ def train_loop(config: dict[str, Any]) -> None:
         fs = ckpt.memory.filesystem if tier == "memory" and ckpt.memory is not None else None
         source_world = rayckpt.read_manifest(ckpt.restored_from["path"], filesystem=fs).world_size
     passed = [f"step {f['step']}: {f['reason']}" for f in ckpt.fallbacks]
-    log(
-        "restore_done",
-        step=restored,
-        source_world=source_world,
-        restore_s=restore_s,
-        tier=tier,
-        peer_bytes=peer,
-        fallbacks=passed,
-    )
+    done = {"step": restored, "source_world": source_world, "restore_s": restore_s, "tier": tier}
+    log("restore_done", **done, peer_bytes=peer, fallbacks=passed)
 
     step = restored or 0
     stop_at = config["steps"] if attempt == 0 else step + config["after_steps"]
@@ -102,14 +89,8 @@ def train_loop(config: dict[str, Any]) -> None:
         if step % config["save_every"] == 0 or (memory_every and step % memory_every == 0):
             t0 = time.perf_counter()
             handle = ckpt.save(step, state, {"loss": float(step)}, persist=persist)
-            log(
-                "save",
-                step=step,
-                stall_s=time.perf_counter() - t0,
-                memory=persist is False,
-                skipped=handle is None,
-                memory_skipped=ckpt.memory_skipped,
-            )
+            saved = {"stall_s": time.perf_counter() - t0, "memory": persist is False, "skipped": handle is None}
+            log("save", step=step, **saved, memory_skipped=ckpt.memory_skipped)
     ckpt.wait()
     log("done", step=step)
 
@@ -124,27 +105,3 @@ class NoticeCallback(RayckptCallback):
         append_event(self.events, "noticed", ranks=sorted(worker_exceptions))
         super().after_exception(run_context, worker_exceptions)
         append_event(self.events, "callback_done")
-
-
-class ControllerTimeline(ControllerCallback, WorkerGroupCallback):
-    """The Ray Train controller's state changes and worker group starts and shutdowns, timestamped
-    (DeveloperAPI hooks): where Ray's part of a restart goes."""
-
-    def __init__(self, events: str) -> None:
-        self.events = events
-
-    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
-        if current_state._state_type is not previous_state._state_type:  # RUNNING -> RUNNING at every poll
-            append_event(self.events, "state", state=current_state._state_type.state_name)
-
-    def before_worker_group_shutdown(self, worker_group: Any) -> None:
-        append_event(self.events, "group_shutdown_begin")
-
-    def after_worker_group_shutdown(self, worker_group_context: Any) -> None:
-        append_event(self.events, "group_shutdown_done")
-
-    def before_worker_group_start(self, worker_group_context: Any) -> None:
-        append_event(self.events, "group_start_begin", workers=worker_group_context.num_workers)
-
-    def after_worker_group_start(self, worker_group: Any) -> None:
-        append_event(self.events, "group_started")

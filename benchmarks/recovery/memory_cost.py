@@ -1,26 +1,23 @@
-"""What checkpointing to memory every step costs a training loop, against its anchors, in one run."""
+"""What checkpointing to memory every step costs a training loop, against its anchors, in one run: the
+suite's FSDP2 state on TorchTrainer workers; a step is an in-place update of every local shard, one
+all-reduce and a sleep standing in for forward and backward. Rounds of every mode (``none``; ``copy``:
+a bare copy of each worker's share into buffers made beforehand, the least an in-memory checkpoint
+costs; ``memory``: ``Checkpointer(memory_every=1).save(step, state, persist=False)``), order rotated;
+seconds: the slowest worker's, medians over the steps past each round's first. Then (one-node) a
+restore of one step into the same workers from each tier, barrier to barrier, rounds rotated: the
+nodes' memory, the local disk with the page cache warm and evicted, and S3 (``--s3``)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from typing import Any
 
-from benchmarks.common.cli import parser
-from benchmarks.common.harness import (
-    fmt,
-    load_sampled,
-    new_report,
-    rotated,
-    run_line,
-    summary,
-    table,
-    write_report,
-)
-from benchmarks.common.raytrain import append_event, new_ray, trainer
+from benchmarks.common import cli
+from benchmarks.common.harness import document, grouped, load_sampled, new_report, rotated, summary, table, write_report
+from benchmarks.common.raytrain import append_event, new_ray, read_events, trainer
 from benchmarks.common.workload import layer_shapes
 
 MODES = ("none", "copy", "memory")
@@ -34,10 +31,9 @@ def cost_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common.systems import local_tensors
+    from benchmarks.common.systems import Modes
     from benchmarks.common.workload import build_state
     from benchmarks.recovery.loop import one_step
-    from rayckpt.train import Checkpointer
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -47,12 +43,9 @@ def cost_loop(config: dict[str, Any]) -> None:
     shapes = [tuple(s) for s in config["shapes"]]
     model, optim, app = build_state(world, rank, seed=0, shapes=shapes, device=config["device"])
     state = {"app": app}
-    ckpt = Checkpointer(memory_every=1, persist_every=10**9, local_is_shared=config["shared"])
-    ckpt.restore(state)  # nothing to restore: makes both lanes' staging buffers, as a real run's restore does
-    pieces = local_tensors(state)
-    # made and touched beforehand, like a staging buffer; page-locked for a device's copy (a DMA)
-    copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda).fill_(0) for p in pieces]
-    share = sum(p.numel() * p.element_size() for p in pieces)
+    saves = Modes(
+        state, ("copy", "memory"), os.path.dirname(config["events"]), cuda=cuda, local_is_shared=config["shared"]
+    )
     step = 0
     for rnd in range(config["rounds"]):
         for mode in rotated(MODES, rnd):
@@ -62,26 +55,21 @@ def cost_loop(config: dict[str, Any]) -> None:
                 t0 = time.perf_counter()
                 one_step(model, optim, step, config["step_sleep_s"])
                 t1 = time.perf_counter()
-                skipped = None
-                if mode == "copy":
-                    for dst, src in zip(copies, local_tensors(state)):
-                        dst.copy_(src, non_blocking=cuda)
-                    if cuda:
-                        torch.cuda.synchronize()
-                elif mode == "memory":
-                    skipped = ckpt.save(step, state, persist=False) is None
+                skipped = saves.save(mode, step)
                 t2 = time.perf_counter()
                 append_event(
                     config["events"], "step", rank=rank, round=rnd, mode=mode, i=i, step=step,
-                    step_s=t2 - t0, save_s=t2 - t1, skipped=skipped, share=share,
+                    step_s=t2 - t0, save_s=t2 - t1, skipped=skipped, share=saves.copy.nbytes,
                 )  # fmt: skip
-            ckpt.wait()  # the memory saves' background work ends inside their own mode
+            saves.settle()  # the memory saves' background work ends inside their own mode
     if config["restore_rounds"]:
-        restores(config, ckpt, state, step + 1, rank)
+        restores(config, saves.memory["memory"], state, step + 1, rank)
     if rank == 0:
-        writes = [ray.get(h.debug_stats.remote())["writes"] for h in _writers()]
+        from rayckpt.ray.actors import writers
+
+        writes = [ray.get(h.debug_stats.remote())["writes"] for h in writers(fresh=True).values()]
         append_event(config["events"], "writes", writes=[w for ws in writes for w in ws if "@memory" in w["run"]])
-    ckpt.release_memory()
+    saves.close()
 
 
 def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int, rank: int) -> None:
@@ -95,11 +83,8 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
 
     ckpt.save(step, state, persist=True)  # due for both: to memory, then to storage
     ckpt.wait()
-    sources = {
-        "memory": (ckpt.memory.path(step), ckpt.memory.filesystem),
-        "disk, warm": (ckpt.path(step), ckpt.filesystem),
-        "disk, cold": (ckpt.path(step), ckpt.filesystem),
-    }
+    disk = (ckpt.path(step), ckpt.filesystem)
+    sources = {"memory": (ckpt.memory.path(step), ckpt.memory.filesystem), "disk, warm": disk, "disk, cold": disk}
     if config["s3_uri"]:
         save_async(state, config["s3_uri"], run="memory-cost-s3", step=step).wait()
         sources["s3"] = (config["s3_uri"], None)
@@ -120,12 +105,6 @@ def restores(config: dict[str, Any], ckpt: Any, state: dict[str, Any], step: int
             )  # fmt: skip
 
 
-def _writers() -> list[Any]:
-    from rayckpt.ray.actors import writers
-
-    return list(writers(fresh=True).values())
-
-
 def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
     events = os.path.join(args.out, f"{scenario}.jsonl")
     if os.path.exists(events):
@@ -133,42 +112,28 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
     one_node, gpu, s3 = scenario == "one-node", args.device == "cuda", args.s3_endpoint
     nodes = 1 if one_node else 2
     with new_ray(args.workers, nodes=nodes, object_store_mb=args.object_store_mb, logs=args.ray_logs) as (res, _):
-        config = {
-            "events": events,
-            "shapes": layer_shapes(args.size_mb),
-            "rounds": args.rounds,
-            "steps": args.steps,
-            "step_sleep_s": args.step_sleep_s,
-            "device": args.device,
-            "shared": not one_node or None,
-            "restore_rounds": args.restore_rounds if one_node else 0,
-            "s3_uri": s3.uri(f"memory-cost/{time.time_ns()}") if s3 is not None and one_node else None,
-        }
+        config = {"events": events, "shapes": layer_shapes(args.size_mb), "device": args.device}
+        config |= {k: getattr(args, k) for k in ("rounds", "steps", "step_sleep_s")}
+        config |= {"shared": not one_node or None, "restore_rounds": args.restore_rounds if one_node else 0}
+        config["s3_uri"] = s3.uri(f"memory-cost/{time.time_ns()}") if s3 is not None and one_node else None
         resources = {**res, "GPU": 1} if gpu else res
         storage = os.path.join(args.out, "storage")
-        trainer(cost_loop, config, args.workers, storage, resources=resources, use_gpu=gpu).fit()
+        trainer(cost_loop, config, args.workers, storage, resources=resources).fit()
     return summarize(events)
 
 
 def summarize(events: str) -> dict[str, Any]:
     """Per mode: the slowest worker's step and save time, medians over the steps past each round's first."""
-    with open(events) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
+    lines = read_events(events)
     steps = [e for e in lines if e["kind"] == "step"]
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for e in steps:
-        by_step.setdefault(e["step"], []).append(e)
+    by_step = grouped(steps, "step")
     out: dict[str, Any] = {}
     for mode in MODES:
         rows = [rs for rs in by_step.values() if rs[0]["mode"] == mode and rs[0]["i"] > 0]
-        out[mode] = {
-            "step_s": statistics.median(max(r["step_s"] for r in rs) for rs in rows),
-            "save_s": statistics.median(max(r["save_s"] for r in rs) for rs in rows),
-            "steps": len(rows),
-        }
+        out[mode] = {k: statistics.median(max(r[k] for r in rs) for rs in rows) for k in ("step_s", "save_s")}
+        out[mode]["steps"] = len(rows)
     memory = [rs for rs in by_step.values() if rs[0]["mode"] == "memory"]
-    out["memory"]["skipped"] = sum(rs[0]["skipped"] for rs in memory)
-    out["memory"]["saves"] = len(memory)
+    out["memory"] |= {"skipped": sum(rs[0]["skipped"] for rs in memory), "saves": len(memory)}
     writes = next((e["writes"] for e in lines if e["kind"] == "writes"), [])
     per_save: dict[str, int] = {}
     for w in writes:
@@ -176,106 +141,72 @@ def summarize(events: str) -> dict[str, Any]:
     out["shard_bytes_per_memory_save"] = statistics.median(per_save.values()) if per_save else None
     out["nodes_written"] = len({w["node"] for w in writes})
     out["share_bytes"] = [e["share"] for e in steps if e["step"] == 1]
-    restores_by: dict[tuple[str, int], list[float]] = {}
-    for e in lines:
-        if e["kind"] == "restore":
-            restores_by.setdefault((e["source"], e["round"]), []).append(e["load_s"])
-    out["restore_s"] = {}
-    for (source, _), times in sorted(restores_by.items()):
-        out["restore_s"].setdefault(source, []).append(max(times))  # barrier to barrier: every rank's the same
+    out["restore_s"] = restore_rounds(lines)
+    return out
+
+
+def restore_rounds(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per tier, each round's restore seconds (the slowest rank's; barrier to barrier, every rank's the same)."""
+    out: dict[str, list[float]] = {}
+    for (source, _), recs in sorted(grouped([e for e in lines if e["kind"] == "restore"], "source", "round").items()):
+        out.setdefault(source, []).append(max(e["load_s"] for e in recs))
     return out
 
 
 def markdown(report: dict[str, Any]) -> str:
-    where = f" on {report['gpu']} (one GPU each, nccl)" if report.get("gpu") else ""
-    lines = [
-        "## The cost of a memory checkpoint every step",
-        "",
-        run_line(report),
-        "",
-        f"State: {report['state_bytes'] / 1e9:.3f} GB, {report['workers']} workers{where}; a step: an in-place update "
-        f"of every local shard, one all-reduce and a {report['step_sleep_s']} s sleep standing in for forward "
-        f"and backward. {report['rounds']} rounds of every mode, {report['steps']} steps each, order rotated; "
-        "seconds: the slowest worker's, medians over the steps past each round's first.",
-        "",
-    ]
-    rows = []
+    rows, parts = [], []
     for sc, r in report["scenarios"].items():
         none, copy, per_save = r["none"]["step_s"], r["copy"]["step_s"], r["shard_bytes_per_memory_save"]
         for mode in MODES:
             m, memory = r[mode], mode == "memory"
             rows.append(
-                [sc, mode, f"{m['step_s']:.3f}", f"{m['step_s'] / none:.2f}", f"{m['step_s'] / copy:.2f}",
-                 f"{m['save_s']:.3f}", f"{m['skipped']} of {m['saves']}" if memory else "",
-                 f"{per_save / 1e6:.0f} MB" if memory and per_save else ""]
-            )  # fmt: skip
-    header = ["scenario", "mode", "step s", "x none", "x copy", "save call s", "memory saves skipped"]
-    lines += table([*header, "shard bytes per memory save (each copied to a peer across nodes)"], rows, right=6)
-    for sc, by_source in ((sc, r["restore_s"]) for sc, r in report["scenarios"].items() if r.get("restore_s")):
-        memory = statistics.median(by_source["memory"])
-        lines += [
-            "",
-            f"Restore of one step into the same {report['workers']} workers ({sc}), barrier to barrier, "
-            f"{report['restore_rounds']} rounds rotated; seconds: median (min-max).",
-            "",
-        ]
-        rows = [
-            [source, fmt(summary(times)), f"{statistics.median(times) / memory:.1f}"]
-            for source, times in by_source.items()
-        ]
-        lines += table(["from", "load s", "/ from memory"], rows, right=2)
-    return "\n".join(lines) + "\n"
+                {"scenario": sc, "mode": mode, "step s": m["step_s"], "x none": m["step_s"] / none}
+                | {"x copy": m["step_s"] / copy, "save call s": m["save_s"]}
+                | {"memory saves skipped": f"{m['skipped']} of {m['saves']}" if memory else None}
+                | {"shard MB per memory save (each copied to a peer across nodes)": per_save / 1e6 if memory else None}
+            )
+        if r.get("restore_s"):
+            memory = statistics.median(r["restore_s"]["memory"])
+            restores = [
+                {"from": k, "load s": summary(v), "x memory": statistics.median(v) / memory}
+                for k, v in r["restore_s"].items()
+            ]
+            parts += [f"Restore of one step ({sc}), seconds: median (min-max) over the rounds:", table(restores)]
+    return document("The cost of a memory checkpoint every step", report, table(rows), *parts)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser(__doc__, "memory_cost", markdown=True, ray_logs=True)
+    p = cli.parser(__doc__, "memory_cost", markdown=True, ray_logs=True)
     p.add_argument("--size-mb", type=float, default=1024, help="state size (params + AdamW moments)")
     p.add_argument("--workers", type=int, default=4, help="training workers (split over two nodes in two-nodes)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
     p.add_argument("--steps", type=int, default=6, help="steps per mode per round")
     p.add_argument("--step-sleep-s", type=float, default=0.5, help="sleep per step standing in for forward+backward")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    p.add_argument("--scenarios", type=cli.listed(SCENARIOS), default=",".join(SCENARIOS))
     p.add_argument("--object-store-mb", type=int, default=1536, help="object store per Ray node")
     p.add_argument("--restore-rounds", type=int, default=3, help="rounds of restores by tier (one-node; 0: none)")
     p.add_argument("--s3", action="store_true", help="also restore from S3 (a local moto server, as the tests')")
-    p.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per worker, nccl, one-node only"
-    )
-    args = p.parse_args(argv)
-    bad = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
-    if bad:
-        p.error(f"--scenarios: unknown {', '.join(bad)} (expected some of {', '.join(SCENARIOS)})")
-    if args.device == "cuda" and args.scenarios != "one-node":
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per worker, one-node")
+    args = cli.parse(p, argv)
+    if args.device == "cuda" and args.scenarios != ["one-node"]:
         p.error("--device cuda: only --scenarios one-node (one machine's GPUs)")
-    if "two-nodes" in args.scenarios.split(",") and (args.workers < 2 or args.workers % 2):
+    if "two-nodes" in args.scenarios and (args.workers < 2 or args.workers % 2):
         p.error(f"--workers {args.workers}: expected an even number >= 2 (two-nodes puts half on each node)")
     return args
 
 
-def gpu_name(device: str) -> str | None:
-    """The GPU's name for ``--device cuda`` (``None`` on the CPU); refuses where there is none."""
-    if device != "cuda":
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (the default --device cpu runs the CPU path)")
-    return torch.cuda.get_device_name()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out = os.path.abspath(args.out)  # the workers run in another directory
-    os.makedirs(args.out, exist_ok=True)
     shapes = layer_shapes(args.size_mb)
-    report = new_report(
-        "benchmarks.recovery memory-cost",
-        argv,
-        state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
-        gpu=gpu_name(args.device),
-        scenarios={},
-        **{k: getattr(args, k) for k in ("workers", "rounds", "steps", "step_sleep_s", "device", "restore_rounds")},
-    )
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown", "ray_logs")}
+    report = new_report("benchmarks.recovery memory-cost", argv, __doc__, config=config, scenarios={})
+    report["state_bytes"] = 12 * sum(rows * cols + rows for rows, cols in shapes)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here (the default --device cpu runs the CPU path)")
+        report["machine"]["device"] = torch.cuda.get_device_name()
     args.s3_endpoint, server = None, None
     if args.s3:
         from rayckpt.testing.s3_server import S3_ENV, start_moto_server
@@ -285,12 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         args.s3_endpoint = server.endpoint
     try:
         with load_sampled(report):
-            for sc in args.scenarios.split(","):
+            for sc in args.scenarios:
                 report["scenarios"][sc] = run_scenario(args, sc)
     finally:
         if server is not None:
             server.stop()
-    md = markdown(report)
-    write_report(args.out, "memory_cost", report, md, args.markdown)
-    print(md)
-    return 0
+    return write_report(args, "memory_cost", report, markdown(report))

@@ -5,49 +5,16 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.common.harness import fmt, run_line, summary, table
+from benchmarks.common.harness import document, summary, table
 
-#: (phase, from milestone, to milestone), in order: the phases add up to kill -> first step.
+#: (phase, from milestone, to milestone, label), in order: the phases add up to kill -> first step.
 PHASES = (
-    ("detect", "kill", "noticed"),
-    ("restart", "noticed", "entered"),
-    ("build", "entered", "restore_begun"),
-    ("restore", "restore_begun", "restored"),
-    ("first_step", "restored", "first_step"),
+    ("detect", "kill", "noticed", "kill -> noticed"),
+    ("restart", "noticed", "entered", "noticed -> workers restarted"),
+    ("build", "entered", "restore_begun", "restarted -> state built"),
+    ("restore", "restore_begun", "restored", "built -> state restored"),
+    ("first_step", "restored", "first_step", "restored -> first step done"),
 )
-PHASE_LABELS = {
-    "detect": "kill -> noticed",
-    "restart": "noticed -> workers restarted",
-    "build": "restarted -> state built",
-    "restore": "built -> state restored",
-    "first_step": "restored -> first step done",
-}
-#: Milestones after the kill: (name, event kind, controller state or None, the first or the last such event).
-#: Each is looked for after the one before it (``node_dead``, the GCS's view, after the kill: it runs beside
-#: the controller's);
-#: a repeat without one (no RESCHEDULING, no node death) leaves it out.
-MILESTONES = (
-    ("noticed", "noticed", None, "first"),
-    ("node_dead", "node_dead", None, "first"),
-    ("restarting", "state", "RESTARTING", "first"),
-    ("old_group_shut_down", "group_shutdown_done", None, "first"),
-    ("first_group_start", "group_start_begin", None, "first"),
-    ("rescheduling", "state", "RESCHEDULING", "first"),
-    ("last_group_start", "group_start_begin", None, "last"),
-    ("group_started", "group_started", None, "first"),
-    ("running", "state", "RUNNING", "first"),
-)
-MILESTONE_LABELS = {
-    "noticed": "noticed",
-    "node_dead": "GCS marks the node dead",
-    "restarting": "RESTARTING",
-    "old_group_shut_down": "old group shut down",
-    "first_group_start": "group start begins",
-    "rescheduling": "start given up (RESCHEDULING)",
-    "last_group_start": "last group start begins",
-    "group_started": "group started",
-    "running": "RUNNING",
-}
 
 
 class RecoveryEventsError(ValueError):
@@ -95,39 +62,24 @@ def recovery_times(events: list[dict[str, Any]]) -> dict[str, Any]:
     restored_step = _one({e["step"] for e in done}, "the restored step")
     source_world = _one({e["source_world"] for e in done}, "the restored checkpoint's world size")
     tier = _one({e.get("tier") or "storage" for e in done}, "the restored checkpoint's tier")
-    at = {
-        "kill": t_kill,
-        "noticed": noticed[0]["t"],
-        "entered": last_of("enter")["t"],
-        "restore_begun": last_of("restore_begin")["t"],
-        "restored": last_of("restore_done")["t"],
-        "first_step": last_of("step")["t"],
-    }
-    phases = {name: at[b] - at[a] for name, a, b in PHASES}
+    at = {"kill": t_kill, "noticed": noticed[0]["t"]}
+    for milestone, kind in (("entered", "enter"), ("restore_begun", "restore_begin"), ("restored", "restore_done")):
+        at[milestone] = last_of(kind)["t"]
+    at["first_step"] = last_of("step")["t"]
+    phases = {name: at[b] - at[a] for name, a, b, _ in PHASES}
     for name, s in phases.items():
         if s < 0:
             raise RecoveryEventsError(f"phase {name} is negative ({s:.3f} s): the events are out of order")
     before = [e for e in events if e["kind"] == "step" and e["t"] <= t_kill]
     steps_before = max((e["step"] for e in before), default=0)
     total = at["first_step"] - t_kill
-    return {
-        "world_before": _one({e["world"] for e in events if e["kind"] == "enter" and e["t"] < t_kill}, "world"),
-        "world_after": world,
-        "source_world": source_world,
-        "restored_tier": tier,
-        "restored_step": restored_step,
-        "steps_before_kill": steps_before,
-        "steps_redone": steps_before - (restored_step or 0),
-        "phases_s": phases,
-        "total_s": total,
-        "restore_own_s": max(e["restore_s"] for e in done),
-        "restore_share": phases["restore"] / total if total > 0 else None,
-        "ray_s": phases["detect"] + phases["restart"],
-        "step_s": step_time(events, t_kill),
-        "controller_s": controller_milestones(after, t_kill, at["entered"]),
-        "group_starts": group_starts(after, at["entered"]),
-        "kill": {k: v for k, v in kills[0].items() if k not in ("t", "kind")},
-    }
+    world_before = _one({e["world"] for e in events if e["kind"] == "enter" and e["t"] < t_kill}, "world")
+    out = {"world_before": world_before, "world_after": world, "source_world": source_world, "restored_tier": tier}
+    out |= {"restored_step": restored_step, "steps_before_kill": steps_before}
+    out |= {"steps_redone": steps_before - (restored_step or 0), "phases_s": phases, "total_s": total}
+    out |= {"restore_own_s": max(e["restore_s"] for e in done), "ray_s": phases["detect"] + phases["restart"]}
+    out |= {"restore_share": phases["restore"] / total if total > 0 else None, "step_s": step_time(events, t_kill)}
+    return out | {"kill": {k: v for k, v in kills[0].items() if k not in ("t", "kind")}}
 
 
 def step_time(events: list[dict[str, Any]], t_kill: float) -> float | None:
@@ -137,36 +89,13 @@ def step_time(events: list[dict[str, Any]], t_kill: float) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def controller_milestones(after: list[dict[str, Any]], t_kill: float, t_entered: float) -> dict[str, float]:
-    """Seconds after the kill of each of ``MILESTONES`` found before the workers entered the loop."""
-    out: dict[str, float] = {}
-    t_prev = t_kill
-    for name, kind, state, which in MILESTONES:
-        since = t_kill if name == "node_dead" else t_prev
-        hits = [e for e in after if e["kind"] == kind and e.get("state") == state and since <= e["t"] <= t_entered]
-        if hits:
-            hit = hits[0] if which == "first" else hits[-1]
-            out[name] = hit["t"] - t_kill
-            if name != "node_dead":
-                t_prev = hit["t"]
-    return out
-
-
-def group_starts(after: list[dict[str, Any]], t_entered: float) -> list[int]:
-    """The worker counts of the groups the controller began to start, in order, before the workers entered."""
-    return [e["workers"] for e in after if e["kind"] == "group_start_begin" and e["t"] <= t_entered]
-
-
 def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and min-max over repeats of each phase, the total, restore's share and the steps re-done."""
-    out: dict[str, Any] = {
-        "repeats": len(repeats),
-        "phases_s": {name: summary([r["phases_s"][name] for r in repeats]) for name, _, _ in PHASES},
-        "total_s": summary([r["total_s"] for r in repeats]),
-        "restore_own_s": summary([r["restore_own_s"] for r in repeats]),
-        "ray_s": summary([r["ray_s"] for r in repeats]),
-        "restore_share": summary([r["restore_share"] for r in repeats if r["restore_share"] is not None]),
-        "steps_redone": summary([r["steps_redone"] for r in repeats]),
+    out: dict[str, Any] = {"repeats": len(repeats)}
+    out["phases_s"] = {p[0]: summary([r["phases_s"][p[0]] for r in repeats]) for p in PHASES}
+    for key in ("total_s", "restore_own_s", "ray_s", "restore_share", "steps_redone"):
+        out[key] = summary([r[key] for r in repeats if r[key] is not None])
+    out |= {
         "worlds": sorted({f"{r['world_before']}->{r['world_after']}" for r in repeats}),
         "restored_from": sorted(
             {
@@ -178,51 +107,18 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     }
     steps = [r["step_s"] for r in repeats if r["step_s"] is not None]
     out["step_s"] = summary(steps) if steps else None
-    names = [n for n, _, _, _ in MILESTONES if any(n in r["controller_s"] for r in repeats)]
-    out["controller_s"] = {n: summary([r["controller_s"][n] for r in repeats if n in r["controller_s"]]) for n in names}
-    out["group_starts"] = sorted({" -> ".join(str(w) for w in r["group_starts"]) for r in repeats})
     return out
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The recovery section: the run, a phase table, the controller's timeline, the method."""
-    c = report["config"]
-    lines = [
-        "## Recovery time",
-        "",
-        run_line(report),
-        "",
-        f"State: {report['state_bytes'] / 1e9:.3f} GB ({c['size_mb']:g}MB: the suite's fp32 params + AdamW "
-        f"exp_avg + exp_avg_sq, {len(report['layer_shapes_rows_cols'])} FSDP2 Linear layers), saved every "
-        f"{c['save_every']} steps. A step: an in-place update of every local shard and one all-reduce of a scalar, "
-        f"plus a {c['step_sleep_s']:g} s sleep standing in for forward and backward. Seconds: median (min-max) "
-        f"over {c['repeats']} repeat(s); each phase ends when the last worker reaches it.",
-        "",
-    ]
+    """The recovery section: a phase table, per scenario."""
     rows = []
     for sc in report["scenarios"].values():
         s, p = sc["summary"], sc["summary"]["phases_s"]
         rows.append(
-            [sc["label"], ", ".join(s["worlds"]), *(fmt(p[k]) for k in ("detect", "restart", "build", "restore")),
-             fmt(p["first_step"]), fmt(s["total_s"]), f"{s['restore_share']['median']:.1%}",
-             fmt(s["steps_redone"], 0), "; ".join(s["restored_from"]), fmt(s["step_s"]) if s["step_s"] else ""]
-        )  # fmt: skip
-    header = ["scenario", "workers", "kill -> noticed", "-> restarted", "-> state built", "-> restored"]
-    header += ["-> first step", "kill -> first step", "restore's share", "steps re-done", "restored", "step s"]
-    lines += table(header, rows)
-    lines += [
-        "",
-        "Where Ray's part goes: seconds after the kill, median (min-max) over the repeats that reached each "
-        "milestone; 'group starts': the worker counts the controller began to start, in order.",
-        "",
-    ]
-    names = [n for n, _, _, _ in MILESTONES]
-    rows = []
-    for sc in report["scenarios"].values():
-        s = sc["summary"]
-        entered = summary([r["phases_s"]["detect"] + r["phases_s"]["restart"] for r in sc["repeats"]])
-        cells = [fmt(s["controller_s"][n]) if n in s["controller_s"] else "" for n in names]
-        rows.append([sc["label"], *cells, fmt(entered), "; ".join(s["group_starts"])])
-    lines += table(["scenario", *(MILESTONE_LABELS[n] for n in names), "workers in loop", "group starts"], rows)
-    lines += ["", "### Method (recovery)", ""] + [f"- {x}" for x in report["method"]]
-    return "\n".join(lines) + "\n"
+            {"scenario": sc["label"], "workers": ", ".join(s["worlds"])}
+            | {label: p[name] for name, _, _, label in PHASES}
+            | {"kill -> first step": s["total_s"], "restore's share": f"{s['restore_share']['median']:.1%}"}
+            | {"steps re-done": s["steps_redone"], "restored": "; ".join(s["restored_from"]), "step s": s["step_s"]}
+        )
+    return document("Recovery time", report, table(rows))

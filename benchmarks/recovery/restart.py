@@ -1,10 +1,19 @@
-"""Recovery time under Ray Train, measured: where the time from a failure to the next step goes.
+"""Recovery time under Ray Train: where the time from a failure to the next step goes.
 
-Each repeat is a fresh TorchTrainer run (``recovery.loop.train_loop`` on every worker,
-``NoticeCallback`` and ``ControllerTimeline`` in the controller); a thread waits for the kill
-point and breaks the run: ``worker-kill`` SIGKILLs a worker on a local Ray, ``node-removal``
-removes a worker node of a fresh two-node cluster. ``recovery.report`` turns the events into
-phases.
+Each repeat is a fresh TorchTrainer run (gloo CPU workers running ``recovery.loop.train_loop``,
+``FailureConfig(max_failures=1)``, ``RayckptCallback``) on the suite's FSDP2 state, saved every
+``--save-every`` steps; a step is an in-place update of every local shard, one all-reduce and a
+sleep standing in for forward and backward. Once the chosen save is committed and reported to Ray
+Train and ``--steps-past`` more steps are done, the driver breaks the run: ``worker-kill`` SIGKILLs a
+rank's process on a local Ray; ``node-removal`` removes the rank's worker node of a fresh
+``ray.cluster_utils.Cluster`` (a head without training resources and two worker nodes, each its own
+``RAYCKPT_SHM_DIR``, ``ScalingConfig(num_workers=(W/2, W))``) with ``remove_node(allow_graceful=False)``;
+Ray's default health checks and timeouts. A ``-memory`` scenario also saves to the nodes' memory every
+step. Milestones, each when the last worker reaches it: kill; noticed (the controller's
+``after_exception``); workers restarted (entered the loop); state built (began
+``Checkpointer.restore``); restored; first step done. Events are ``time.time()`` lines appended to
+one file by every process. Steps re-done:
+the last step finished before the kill less the restored step. Seconds: median (min-max) over repeats.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from benchmarks.common import cli
 from benchmarks.common.harness import load_sampled, new_report, write_report
 from benchmarks.common.raytrain import append_event, new_ray, read_events, trainer
 from benchmarks.common.workload import layer_shapes
-from benchmarks.recovery.loop import ControllerTimeline, NoticeCallback, train_loop
+from benchmarks.recovery.loop import NoticeCallback, train_loop
 from benchmarks.recovery.report import markdown, recovery_times, summarize
 
 #: Row labels of the scenarios in the tables.
@@ -39,11 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.parser(__doc__, "recovery", markdown=True, ray_logs=True)
     parser.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (params + AdamW moments)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--scenarios",
-        default="worker-kill,node-removal",
-        help=f"of {', '.join(LABELS)} (a -memory scenario also saves to the nodes' memory every step)",
-    )
+    parser.add_argument("--scenarios", type=cli.listed(LABELS), default="worker-kill,node-removal")
     parser.add_argument("--workers", type=int, default=4, help="workers before the failure (even: 2 nodes)")
     parser.add_argument("--kill-rank", type=int, default=1, help="the rank killed (its node, for node removal)")
     parser.add_argument("--save-every", type=int, default=5, help="save every K steps")
@@ -55,42 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--object-store-mb", type=int, default=512, help="each Ray node's object store")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to reach a repeat's kill point")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints under --out")
-    args = parser.parse_args(argv)
-    args.out = os.path.abspath(args.out)
-    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    if unknown := set(args.scenarios) - set(LABELS):
-        parser.error(f"unknown scenario(s) {sorted(unknown)}: {', '.join(LABELS)}")
+    args = cli.parse(parser, argv)
     if args.repeats < 1 or args.workers < 2 or args.workers % 2:
         parser.error("--repeats >= 1 and an even --workers >= 2")
     if not 0 <= args.kill_rank < args.workers:
         parser.error("--kill-rank must be a rank of the first group")
     return args
-
-
-def method(args: argparse.Namespace) -> list[str]:
-    save_step = args.save_every * args.kill_after_save
-    return [
-        "Each repeat is a fresh TorchTrainer run (gloo, CPU workers, `FailureConfig(max_failures=1)`, "
-        f"`RayckptCallback`). The driver breaks it once step {save_step}'s save has committed and Ray Train has "
-        f"it (the controller's `after_report`) and {args.steps_past} more steps are done.",
-        f"worker kill: a local Ray (`ray.init(address='local')`), {args.workers} workers, rank {args.kill_rank}'s "
-        "process SIGKILLed (`os.kill`).",
-        f"node removal: a fresh `ray.cluster_utils.Cluster` per repeat, a head without training resources (the "
-        "controller, the MetadataActor) and two worker nodes of "
-        f"{args.workers // 2} CPUs (each its own `RAYCKPT_SHM_DIR`), storage a local directory shared by the "
-        f"nodes, `ScalingConfig(num_workers=({args.workers // 2}, {args.workers}))`; the node of rank "
-        f"{args.kill_rank} is removed with `Cluster.remove_node(node, allow_graceful=False)` (its raylet and "
-        "every process on it SIGKILLed, as when a machine dies). Ray's default health checks and timeouts.",
-        "Milestones: kill = just before `os.kill` / `remove_node`; noticed = the controller's "
-        "`UserCallback.after_exception` (before `RayckptCallback` rolls back in-flight saves); workers restarted "
-        "= the last worker of the new group entered the train loop; state built = the last began "
-        "`Checkpointer.restore` (FSDP2 model and AdamW state made, Checkpointer created); restored = the last "
-        "returned from `restore` (load N -> M + its staging buffer); first step = the last finished its first "
-        "step. Events are `time.time()` lines appended to one file by every process (one machine, one clock).",
-        "Controller milestones: the first state change to RESTARTING, SCHEDULING and RUNNING after the kill and "
-        "the old group's shutdown / the new group's start (`ControllerCallback` / `WorkerGroupCallback` hooks).",
-        "Steps re-done: the last step any worker finished before the kill, minus the restored step.",
-    ]
 
 
 def wait_for_kill_point(args: argparse.Namespace, run: str, events: str, fit_done: threading.Event) -> list[dict]:
@@ -148,28 +123,15 @@ def run_repeat(
     # A run directory left by an earlier invocation would be resumed (Ray Train's snapshot, our checkpoints).
     shutil.rmtree(os.path.join(args.out, "storage", run), ignore_errors=True)
     node_removal = scenario.startswith("node-removal")
-    config = {
-        "events": events,
-        "shapes": layer_shapes(args.size_mb),
-        "save_every": args.save_every,
-        "steps": args.save_every * args.kill_after_save + args.steps_past + args.slack_steps,
-        "after_steps": args.after_steps,
-        "step_sleep_s": args.step_sleep_s,
-        "local_is_shared": node_removal or None,
-        "memory_every": 1 if scenario.endswith("-memory") else 0,
-    }
+    config = {k: getattr(args, k) for k in ("save_every", "after_steps", "step_sleep_s")}
+    config |= {"events": events, "shapes": layer_shapes(args.size_mb), "local_is_shared": node_removal or None}
+    config["steps"] = args.save_every * args.kill_after_save + args.steps_past + args.slack_steps
+    config["memory_every"] = 1 if scenario.endswith("-memory") else 0
     workers = (args.workers // 2, args.workers) if node_removal else args.workers
-    job = trainer(
-        train_loop,
-        config,
-        workers,
-        os.path.join(args.out, "storage"),
-        resources=resources,
-        name=run,
-        callbacks=[NoticeCallback(events), ControllerTimeline(events)],
-        failure_config=FailureConfig(max_failures=1),
-        checkpoint_config=CheckpointConfig(num_to_keep=2),
-    )
+    run_config = {"name": run, "callbacks": [NoticeCallback(events)]}
+    run_config |= {"failure_config": FailureConfig(max_failures=1)}
+    run_config |= {"checkpoint_config": CheckpointConfig(num_to_keep=2)}
+    job = trainer(train_loop, config, workers, os.path.join(args.out, "storage"), resources=resources, **run_config)
     failure: list[BaseException] = []
     fit_done = threading.Event()
 
@@ -201,14 +163,7 @@ def run_repeat(
     times["run_s"] = time.perf_counter() - t0
     if not args.keep:
         shutil.rmtree(os.path.join(args.out, "storage", run), ignore_errors=True)
-    p = times["phases_s"]
-    print(
-        f"[recovery] {scenario} #{rep}: {times['world_before']}->{times['world_after']} workers, restored step "
-        f"{times['restored_step']}, kill -> first step {times['total_s']:.1f} s (detect {p['detect']:.1f}, restart "
-        f"{p['restart']:.1f}, build {p['build']:.1f}, restore {p['restore']:.2f}, first step {p['first_step']:.2f}), "
-        f"{times['steps_redone']} steps re-done; run {times['run_s']:.0f} s",
-        flush=True,
-    )
+    print(f"[recovery] {scenario} #{rep}: kill -> first step {times['total_s']:.1f} s, {times['phases_s']}", flush=True)
     return times
 
 
@@ -230,7 +185,6 @@ def node_removal(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]
     A fresh cluster, not a node added back: Ray Train's elastic policy may not see a node added
     just before ``fit()`` and would start with fewer workers.
     """
-    import ray
 
     repeats = []
     for rep in range(args.repeats):
@@ -244,12 +198,6 @@ def node_removal(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]
                 append_event(events, "kill", how="remove node", node=victim["node"], ranks=ranks)
                 cluster.remove_node(node, allow_graceful=False)
                 append_event(events, "node_removed")
-                deadline = time.monotonic() + args.timeout
-                while time.monotonic() < deadline:  # the GCS's view: when it marks the node dead
-                    if not any(n["NodeID"] == victim["node"] and n["Alive"] for n in ray.nodes()):
-                        append_event(events, "node_dead", node=victim["node"])
-                        return
-                    time.sleep(0.1)
 
             repeats.append(run_repeat(args, scenario, rep, kill, resources))
     return repeats
@@ -257,23 +205,13 @@ def node_removal(args: argparse.Namespace, scenario: str) -> list[dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-
     os.makedirs(os.path.join(args.out, "events"), exist_ok=True)
     shapes = layer_shapes(args.size_mb)
-    report = new_report(
-        "benchmarks.recovery restart",
-        argv,
-        config={k: v for k, v in vars(args).items() if k != "out"},
-        state_bytes=12 * sum(rows * cols + rows for rows, cols in shapes),
-        layer_shapes_rows_cols=shapes,
-        scenarios={},
-        method=method(args),
-    )
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown", "ray_logs")}
+    report = new_report("benchmarks.recovery restart", argv, __doc__, config=config, scenarios={})
+    report["state_bytes"] = 12 * sum(rows * cols + rows for rows, cols in shapes)
     with load_sampled(report):
         for sc in args.scenarios:
             repeats = (worker_kill if sc.startswith("worker-kill") else node_removal)(args, sc)
             report["scenarios"][sc] = {"label": LABELS[sc], "repeats": repeats, "summary": summarize(repeats)}
-    md = markdown(report)
-    write_report(args.out, "recovery", report, md, args.markdown)
-    print(md)
-    return 0
+    return write_report(args, "recovery", report, markdown(report))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
 import pickle
@@ -13,8 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -24,9 +23,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
-from .layout import ITEMSIZE, Layout, dim0_rows, row_bytes
+from .layout import Layout, dim0_rows, row_bytes
 
 METADATA_NAME = ".metadata"
 #: The save id ``FileSystemWriter`` draws (a uuid4 string), fixed for comparable sizes.
@@ -36,10 +34,6 @@ SAVE_ID = "0b1f2e3d-4c5b-4a69-8877-665544332211"
 def _copy(s: str) -> str:
     """An equal string that is another object: what each rank's unpickled plan holds."""
     return s.encode().decode()
-
-
-def file_name(rank: int) -> str:
-    return f"__{rank}_0{DEFAULT_SUFFIX}"
 
 
 _TORCH_SAVE_OVERHEAD: list[int] = []
@@ -91,17 +85,11 @@ def local_save_plans(layout: Layout, world_size: int) -> list[SavePlan]:
         items = []
         for fqn, shape in zip(mapping, layout.shapes, strict=True):
             offsets, sizes = chunks[shape][rank]
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(fqn, offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                        properties=TensorProperties(dtype=torch.float32),
-                        size=torch.Size(shape),
-                    ),
-                )
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            data = TensorWriteData(
+                chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape)
             )
+            items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD, tensor_data=data))
         plans.append(SavePlan(items, planner_data=mapping))
     return plans
 
@@ -116,7 +104,7 @@ def build_metadata(layout: Layout, world_size: int, checkpoint_id: str) -> Metad
     storage: dict[MetadataIndex, _StorageInfo] = {}
     per_shape = _chunks(layout, world_size)
     for rank, kept in enumerate(_kept(layout, per_shape)):
-        name, pos = file_name(rank), 0
+        name, pos = f"__{rank}_0{DEFAULT_SUFFIX}", 0
         for i in kept:
             shape = layout.shapes[i]
             offsets, sizes = per_shape[shape][rank]
@@ -129,13 +117,8 @@ def build_metadata(layout: Layout, world_size: int, checkpoint_id: str) -> Metad
     mapping = _flatten_mapping(layout)
     if world_size > 1:  # keys from the last rank's mapping, values from rank 0's (``dict(ChainMap(...))``)
         mapping = dict(zip(_flatten_mapping(layout), mapping.values(), strict=True))
-    return Metadata(
-        md,
-        planner_data=mapping,
-        storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=SAVE_ID),
-        version=CURRENT_DCP_VERSION,
-    )
+    meta = StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=SAVE_ID)
+    return Metadata(md, planner_data=mapping, storage_data=storage, storage_meta=meta, version=CURRENT_DCP_VERSION)
 
 
 def metadata_chunks(metadata: Metadata) -> int:
@@ -167,13 +150,8 @@ def global_plan(plans: list[SavePlan], caching: bool = False) -> tuple[list[Save
 
 
 def clear_plan_cache() -> None:
-    for cache in (
-        SavePlanner._cached_save_plan,
-        SavePlanner._cached_all_plans,
-        SavePlanner._cached_global_plan,
-        SavePlanner._cached_metadata,
-        SavePlanner._cached_final_save_plan,
-    ):
+    for name in ("save_plan", "all_plans", "global_plan", "metadata", "final_save_plan"):
+        cache = getattr(SavePlanner, f"_cached_{name}")
         cache.clear()
 
 
@@ -203,87 +181,15 @@ def fake_world(world_size: int, rank: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def target_state(layout: Layout, mesh: Any, flat: bool = True) -> dict[str, Any]:
-    """One rank's FSDP2 state dict: a ``Shard(0)`` DTensor per tensor over meta local tensors."""
+def target_state(layout: Layout, mesh: Any) -> dict[str, Any]:
+    """One rank's flattened FSDP2 state dict: a ``Shard(0)`` DTensor per tensor over meta local tensors."""
     from torch.distributed.tensor import DTensor, Shard
 
     world_size, rank = mesh.size(), mesh.get_local_rank()
     out: dict[str, Any] = {}
-    for key, path, shape in zip(layout.keys, layout.paths, layout.shapes, strict=True):
+    for key, shape in zip(layout.keys, layout.shapes, strict=True):
         _, rows = dim0_rows(shape, world_size, rank)
         local = torch.empty((rows,) + shape[1:], dtype=torch.float32, device="meta")
         stride = torch.empty(shape, device="meta").stride()
-        t = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
-        if flat:
-            out[key] = t
-        else:
-            node = out
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            # The model's and the optimizer's state dicts name a parameter with strings of their own.
-            node[_copy(path[-1]) if path[0] == "model" else path[-1]] = t
+        out[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
     return out
-
-
-def local_load_plan(state: dict[str, Any], metadata: Metadata) -> Any:
-    return create_default_local_load_plan(state, metadata, strict=True)
-
-
-def load_items(plan: Any) -> int:
-    return len(plan.items)
-
-
-def _gathered(obj: Any) -> Any:
-    """What a collective hands the other side: ``obj`` pickled and unpickled."""
-    return pickle.loads(pickle.dumps(obj))
-
-
-def metadata_via_planner(layout: Layout, world_size: int, checkpoint_id: str) -> tuple[Metadata, list[SavePlan]]:
-    """``dcp.save``'s planning and finish for the layout: every rank's ``DefaultSavePlanner`` on its
-    DTensors, the coordinator's global plan, each rank's writes (``item_length`` bytes each), ``finish``."""
-    local = []
-    for rank in range(world_size):
-        with fake_world(world_size, rank) as mesh:
-            planner = DefaultSavePlanner()
-            planner.set_up_planner(target_state(layout, mesh, flat=False), is_coordinator=rank == 0)
-            local.append(_gathered(planner.create_local_plan()))
-    plans, metadata = DefaultSavePlanner().create_global_plan(local)
-    plans = [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
-    results = []
-    for plan in map(_gathered, plans):
-        name, pos, written = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}", 0, []
-        for item in plan.items:
-            sizes = item.tensor_data.chunk.sizes
-            length = item_length(sizes.numel() * ITEMSIZE)
-            written.append(WriteResult(item.index, length, _StorageInfo(name, pos, length)))
-            pos += length
-        results.append(_gathered(written))
-    metadata.version = CURRENT_DCP_VERSION
-    metadata.storage_data = {wr.index: wr.storage_data for written in results for wr in written}
-    metadata.storage_meta = StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=SAVE_ID)
-    return metadata, local
-
-
-def real_save_worker(rank: int, world_size: int, layout: Layout, directory: str) -> None:
-    """One rank of a real ``dcp.save`` of ``layout`` (zero-filled FSDP2 shards; ``run_ranks`` on gloo)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    state: dict[str, Any] = {}
-    for path, shape in zip(layout.paths, layout.shapes, strict=True):
-        _, rows = dim0_rows(shape, world_size, rank)
-        local = torch.zeros((rows,) + shape[1:])
-        node = state
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = DTensor.from_local(
-            local,
-            mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=torch.empty(shape, device="meta").stride(),
-        )
-    dcp.save(state, checkpoint_id=directory)

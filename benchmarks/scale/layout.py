@@ -90,13 +90,9 @@ def row_bytes(shape: tuple[int, ...]) -> int:
     return ITEMSIZE * int(np.prod(shape[1:], dtype=np.int64))
 
 
-def metadata_bytes(directory: str, shard_file: Any = None) -> dict[str, int]:
-    """Each file of a checkpoint directory that is not a shard file (``shard_file(name)`` false), by name."""
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if shard_file is None or not shard_file(name):
-            out[name] = os.path.getsize(os.path.join(directory, name))
-    return out
+def metadata_bytes(directory: str) -> dict[str, int]:
+    """Each file of a checkpoint directory by name (only metadata: no tensor data is ever written here)."""
+    return {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))}
 
 
 def rayckpt_block_size(layout: Layout) -> int:
@@ -106,26 +102,22 @@ def rayckpt_block_size(layout: Layout) -> int:
     return auto_block_size(sum(math.prod(s) * ITEMSIZE for s in layout.shapes))
 
 
-def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple[Any, list[Any]]:
-    """The ``SaveSpec`` and every rank's ``WrittenShard`` of a save of ``layout`` by ``world_size`` ranks."""
+def rayckpt_save_inputs(layout: Layout, world_size: int, block_size: int | None = None) -> tuple[Any, list[Any]]:
+    """The ``SaveSpec`` and every rank's ``WrittenShard`` of a save of ``layout`` by ``world_size`` ranks (with
+    the block size a save of it picks, or ``block_size``)."""
     from rayckpt.format.manifest import FileEntry
     from rayckpt.format.shard_file import WrittenChunk, storage_type
     from rayckpt.planning.load_plan import dim0_boxes
     from rayckpt.storage.commit import SaveSpec, WrittenShard, shard_file_name
 
-    block = rayckpt_block_size(layout)
+    block = block_size or rayckpt_block_size(layout)
     save_id = "20261124T040000-0badcafe"
-    spec = SaveSpec(
-        save_id=save_id,
-        world_size=world_size,
-        block_size=block,
-        tensors={k: (DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)},
-        values={},
-        metadata={"step": 1000},
-        paths=dict(zip(layout.keys, layout.paths, strict=True)),
-    )
+    tensors = {k: (DTYPE, s) for k, s in zip(layout.keys, layout.shapes, strict=True)}
+    paths = dict(zip(layout.keys, layout.paths, strict=True))
+    ids = {"save_id": save_id, "world_size": world_size, "block_size": block}
+    spec = SaveSpec(**ids, tensors=tensors, values={}, metadata={"step": 1000}, paths=paths)
     boxes = {s: dim0_boxes(s, world_size) for s in set(layout.shapes)}
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     shards = []
     for rank in range(world_size):
         file = shard_file_name(save_id, rank, storage_type(DTYPE))
@@ -145,15 +137,6 @@ def rayckpt_save_inputs(layout: Layout, world_size: int, seed: int = 0) -> tuple
         files = (FileEntry(file, pos, rank),) if chunks else ()
         shards.append(WrittenShard(rank, tuple(chunks), files))
     return spec, shards
-
-
-def rayckpt_metadata_bytes(directory: str) -> dict[str, int]:
-    from rayckpt.storage.commit import shard_file_save_id
-
-    # A version-4 chunk table carries its save id in its name too, but it is metadata.
-    return metadata_bytes(
-        directory, lambda name: shard_file_save_id(name) is not None and not name.endswith("-chunks.arrow")
-    )
 
 
 def rayckpt_local_shards(layout: Layout, world_size: int) -> list[list[Any]]:

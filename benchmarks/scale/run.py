@@ -1,9 +1,13 @@
-"""Thousands of ranks, metadata only: rayckpt side by side with DCP."""
+"""Thousands of ranks, metadata only: rayckpt side by side with DCP, each library's own code on the
+metadata a save of a GPT with AdamW makes (``--tensors`` float32 tensors, FSDP2 dim-0 shards over N
+ranks), no tensor data. Each step runs in a fresh process; figures are its CPU seconds, steps under a
+second the median of 5 runs. "One rank without Ray": a rank's plan from the slice rank 0 scattered
+to it (it reads no manifest). DCP past ``--budget-s`` is timed on samples and extrapolated ("est.",
+how: below the tables); a manifest step that would not fit in memory samples the tensors."""
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -11,46 +15,23 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import cli
-from benchmarks.common.harness import REPO_ROOT, MemSampler, new_report, write_report
+from benchmarks.common.harness import REPO_ROOT, load_sampled, new_report, profiled, repeated, write_report
 from benchmarks.scale import layout as lay
-from benchmarks.scale.report import fit_exponent, markdown, targets
+from benchmarks.scale.report import fit_exponents, markdown, targets
 from rayckpt.format.chunk_columns import ChunkColumns
 from rayckpt.planning.bulk import create_dim0_plans
 from rayckpt.planning.chunk_table import ChunkTable
-from rayckpt.planning.load_plan import TensorRequest, create_load_plan, dim0_box
 from rayckpt.planning.rank_slice import slice_plan
 from rayckpt.planning.save_columns import ShardLayout, assign_writers, digest
-from rayckpt.planning.save_plan import create_own_plan
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import commit_manifest, create_manifest, read_manifest
 
 #: Tensors of each shape timed for DCP's estimated global save plan.
 SHAPE_SAMPLE = 4
 STEPS = ("rayckpt_commit", "rayckpt_load", "rayckpt_save_plan", "dcp_commit", "dcp_load", "dcp_save_plan")
-
-
-def measured(fn: Callable[[], Any]) -> tuple[dict[str, float], Any]:
-    """Run ``fn`` once: CPU and wall seconds, and peak RSS above the RSS before it."""
-    gc.collect(1)  # the young garbage of what ran before (a full pass over millions of objects takes seconds)
-    sampler = MemSampler({"self": os.getpid()}, interval=0.02).start()
-    w0, c0 = time.perf_counter(), time.process_time()
-    out = fn()
-    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    mem = sampler.stop()["self"]
-    return {"cpu_s": cpu, "wall_s": wall, "extra_rss": mem["extra_rss"]}, out
-
-
-def repeated(fn: Callable[[], Any], times: int = 5) -> tuple[dict[str, Any], Any]:
-    """``measured`` ``times`` times (steps well under a second, whose single runs vary most): the
-    run of median CPU seconds, with every run's CPU seconds."""
-    runs = [measured(fn) for _ in range(times)]
-    runs.sort(key=lambda r: r[0]["cpu_s"])
-    stats, out = runs[len(runs) // 2]
-    return {**stats, "cpu_s_runs": [r[0]["cpu_s"] for r in runs]}, out
 
 
 def targets_of(n: int) -> list[int]:
@@ -69,53 +50,40 @@ def rayckpt_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
     # What the committer runs on every save: the validated manifest of every rank's chunks, then its
     # encoding, written atomically.
-    out["create_manifest"], manifest = measured(lambda: create_manifest(spec, shards))
+    out["create_manifest"], manifest = profiled(lambda: create_manifest(spec, shards))
     shards.clear()  # the commit needs only the manifest
     directory = os.path.join(work, f"rayckpt-{n}")
-    out["commit"], _ = measured(lambda: commit_manifest(CheckpointDir.resolve(directory), manifest))
-    out["files"] = lay.rayckpt_metadata_bytes(directory)
+    out["commit"], _ = profiled(lambda: commit_manifest(CheckpointDir.resolve(directory), manifest))
+    out["files"] = lay.metadata_bytes(directory)
     out["metadata_bytes"] = sum(out["files"].values())
     out["chunks"] = sum(len(e.chunks) for e in manifest.entries.values() if hasattr(e, "chunks"))
     return out
 
 
 def rayckpt_load(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
-    """Read, then the whole job's plans as rank 0 makes them (table, bulk plan, every rank's slice) and one
-    rank's plan from its slice; last, each rank planning alone from the manifest (the fallback), which
-    builds millions of chunk objects and is kept from disturbing the steps before it."""
+    """Read, then the whole job's plans as rank 0 makes them (table, bulk plan, every rank's slice), one
+    rank's part of the bulk plan (on Ray) and one rank's plan from its slice (without Ray)."""
     out: dict[str, Any] = {"targets": {}}
-    out["read"], manifest = measured(lambda: read_manifest(CheckpointDir.resolve(os.path.join(work, f"rayckpt-{n}"))))
-    out["chunk_table"], table = measured(lambda: ChunkTable.from_manifest(manifest))
-    for_rank, from_slice = {}, {}
+    out["read"], manifest = profiled(lambda: read_manifest(CheckpointDir.resolve(os.path.join(work, f"rayckpt-{n}"))))
+    out["chunk_table"], table = profiled(lambda: ChunkTable.from_manifest(manifest))
     for m in targets_of(n):
         rank = m // 2
         t = out["targets"][m] = {"rank": rank}
         # Every target rank's plan at once, as the MetadataActor plans on Ray.
-        t["bulk_plan"], bulk = measured(
+        t["bulk_plan"], bulk = profiled(
             lambda m=m, table=table: create_dim0_plans(manifest, lay.specs(layout), m, table=table)
         )
-        t["for_rank"], for_rank[m] = repeated(lambda bulk=bulk, rank=rank: bulk.for_rank(rank))
+        t["for_rank"], for_rank = repeated(lambda bulk=bulk, rank=rank: bulk.for_rank(rank))
         # Without Ray: rank 0 slices the bulk plan; each rank builds its plan from its slice.
-        t["slices"], slices = measured(
+        t["slices"], slices = profiled(
             lambda bulk=bulk: slice_plan(bulk, lay.specs(layout), (), ChunkColumns.from_manifest(manifest))
         )
         mine = slices[rank]
         t["slice_bytes"] = mine.nbytes
-        t["from_slice"], from_slice[m] = repeated(lambda mine=mine: mine.plan(lay.specs(layout)))
+        t["from_slice"], from_slice = repeated(lambda mine=mine: mine.plan(lay.specs(layout)))
+        t["reads"], t["from_slice_equals_for_rank"] = len(from_slice.reads), from_slice == for_rank
         del bulk, slices, mine
-    del table
 
-    def rank_plan(m: int, rank: int) -> Any:
-        """One rank's plan from the decoded manifest, as ``engine.load.plan_from_manifest`` makes it."""
-        requests = [TensorRequest(k, d, s, dim0_box(s, m, rank)) for k, d, s in lay.specs(layout)]
-        return create_load_plan(manifest, requests)
-
-    for m in targets_of(n):
-        t = out["targets"][m]
-        stats, plan = measured(lambda m=m, rank=t["rank"]: rank_plan(m, rank))
-        t.update(rank_plan=stats, reads=len(plan.reads))
-        t["for_rank_equals_rank_plan"] = for_rank[m] == plan
-        t["from_slice_equals_rank_plan"] = from_slice[m] == plan
     return out
 
 
@@ -125,18 +93,10 @@ def rayckpt_save_plan(layout: lay.Layout, n: int) -> dict[str, Any]:
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0}
     layouts = [ShardLayout.from_shards(own) for own in shards]  # made on each rank, in parallel
     # Rank 0's part of an uncached save plan: which rank writes each distinct (key, box).
-    out["save_plan"], assignment = measured(lambda: assign_writers(layouts))
+    out["save_plan"], assignment = profiled(lambda: assign_writers(layouts))
     out["write_items"] = sum(len(w) for w in assignment.written)
-    rank, mine = n // 2, assignment.written[n // 2]
-
-    def rank_save_plan() -> Any:  # one rank's own part: its layout, then its plan from what it writes
-        ShardLayout.from_shards(shards[rank])
-        return create_own_plan(rank, shards[rank], mine)
-
-    out["rank_save_plan"], _ = measured(rank_save_plan)
     # The next save of the same layout: each rank hashes its own layout, rank 0 compares the digest of
     # every rank's hash with the one the first save cached; a hit reuses the cached plan.
-    out["rank_layout_hash"], _ = repeated(lambda: ShardLayout.from_shards(shards[0]).digest())
     hashes = [ShardLayout.from_shards(own).digest() for own in shards]
     cached = digest(*hashes)
     out["cached_save_plan"], hit = repeated(lambda: digest(*hashes) == cached)
@@ -152,25 +112,27 @@ def dcp_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     metadata = dcp.build_metadata(layout, n, directory)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "chunks": dcp.metadata_chunks(metadata)}
-    out["write"], _ = measured(lambda: dcp.write_metadata(directory, metadata))
+    out["write"], _ = profiled(lambda: dcp.write_metadata(directory, metadata))
     out["files"] = lay.metadata_bytes(directory)
     out["metadata_bytes"] = sum(out["files"].values())
     return out
 
 
 def dcp_load(layout: lay.Layout, n: int, work: str, budget_s: float, samples: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+
     from benchmarks.scale import dcp
 
     out: dict[str, Any] = {"targets": {}}
-    out["read"], metadata = measured(lambda: dcp.read_metadata(os.path.join(work, f"dcp-{n}")))
+    out["read"], metadata = profiled(lambda: dcp.read_metadata(os.path.join(work, f"dcp-{n}")))
 
     def rank_plan(m: int, rank: int) -> tuple[dict[str, float], int, float]:
         """Rank ``rank``'s plan among ``m``: its figures, read items, and the wall seconds it all took."""
         t0 = time.perf_counter()
         with dcp.fake_world(m, rank) as mesh:
             state = dcp.target_state(layout, mesh)
-            stats, plan = measured(lambda: dcp.local_load_plan(state, metadata))
-        return stats, dcp.load_items(plan), time.perf_counter() - t0
+            stats, plan = profiled(lambda: create_default_local_load_plan(state, metadata, strict=True))
+        return stats, len(plan.items), time.perf_counter() - t0
 
     for m in targets_of(n):
         rank = m // 2
@@ -183,12 +145,9 @@ def dcp_load(layout: lay.Layout, n: int, work: str, budget_s: float, samples: in
         else:
             ranks = sample_ranks(m, samples)
             timed = {r: rank_plan(m, r)[0]["cpu_s"] for r in ranks}
-            t["whole_job"] = {
-                "cpu_s": statistics.median(timed.values()) * m,
-                "estimated": True,
-                "sample": timed,
-                "method": f"median of ranks {ranks} x {m} ranks",
-            }
+            method = f"median of ranks {ranks} x {m} ranks"
+            t["whole_job"] = {"cpu_s": statistics.median(timed.values()) * m, "estimated": True, "method": method}
+            t["whole_job"]["sample"] = timed
         out["targets"][m] = t
     return out
 
@@ -199,27 +158,24 @@ def dcp_save_plan(layout: lay.Layout, n: int, budget_s: float) -> dict[str, Any]
     out: dict[str, Any] = {"per_shape": []}
     # What a call costs whatever the tensors (N plans to dedup, merge and validate): counted once.
     plans = dcp.local_save_plans(layout.subset([]), n)
-    out["fixed"], _ = measured(lambda: dcp.global_plan(plans))
+    out["fixed"], _ = profiled(lambda: dcp.global_plan(plans))
     estimate = out["fixed"]["cpu_s"]
     for shape, indices in layout.by_shape().items():
         sample = indices[:SHAPE_SAMPLE]
         plans = dcp.local_save_plans(layout.subset(sample), n)
-        stats, _ = measured(lambda plans=plans: dcp.global_plan(plans))
+        stats, _ = profiled(lambda plans=plans: dcp.global_plan(plans))
         out["per_shape"].append({"shape": list(shape), "tensors": len(indices), "timed": len(sample), **stats})
         estimate += max(0.0, stats["cpu_s"] - out["fixed"]["cpu_s"]) * len(indices) / len(sample)
     del plans
     out["estimate_s"] = estimate
     if estimate <= budget_s:
         plans = dcp.local_save_plans(layout, n)
-        out["uncached"], _ = measured(lambda: dcp.global_plan(plans))
+        out["uncached"], _ = profiled(lambda: dcp.global_plan(plans))
         out["uncached"]["estimated"] = False
     else:
-        out["uncached"] = {
-            "cpu_s": estimate,
-            "estimated": True,
-            "method": f"up to {SHAPE_SAMPLE} tensors of each shape timed at once, less a call on empty plans, "
-            "x its tensors / those, summed, plus that call",
-        }
+        method = f"up to {SHAPE_SAMPLE} tensors of each shape timed at once, less a call on empty plans, x its "
+        method += "tensors / those, summed, plus that call"
+        out["uncached"] = {"cpu_s": estimate, "estimated": True, "method": method}
         plans = dcp.local_save_plans(layout.subset([0]), n)
     dcp.clear_plan_cache()
     if estimate <= budget_s / 2:
@@ -233,24 +189,20 @@ def dcp_save_plan(layout: lay.Layout, n: int, budget_s: float) -> dict[str, Any]
 
 def run_step(step: str, layout: lay.Layout, n: int, work: str, args: argparse.Namespace) -> dict[str, Any]:
     """One step in this process (the worker; the unit test calls it directly at tiny N)."""
-    if step == "rayckpt_commit":
-        return rayckpt_commit(layout, n, work)
-    if step == "rayckpt_load":
-        return rayckpt_load(layout, n, work)
-    if step == "rayckpt_save_plan":
-        return rayckpt_save_plan(layout, n)
-    if step == "dcp_commit":
-        return dcp_commit(layout, n, work)
-    if step == "dcp_load":
-        return dcp_load(layout, n, work, args.budget_s, args.dcp_sample_ranks)
-    if step == "dcp_save_plan":
-        return dcp_save_plan(layout, n, args.budget_s)
-    raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
+    return {
+        "rayckpt_commit": lambda: rayckpt_commit(layout, n, work),
+        "rayckpt_load": lambda: rayckpt_load(layout, n, work),
+        "rayckpt_save_plan": lambda: rayckpt_save_plan(layout, n),
+        "dcp_commit": lambda: dcp_commit(layout, n, work),
+        "dcp_load": lambda: dcp_load(layout, n, work, args.budget_s, args.dcp_sample_ranks),
+        "dcp_save_plan": lambda: dcp_save_plan(layout, n, args.budget_s),
+    }[step]()
 
 
-def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+def proc_bytes(path: str, field: str) -> int:
+    """A figure of a /proc file in kB (``VmHWM:`` of /proc/self/status, ``MemAvailable:``...), in bytes."""
+    with open(path) as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -260,41 +212,34 @@ def worker(args: argparse.Namespace) -> int:
 
     from benchmarks.scale import dcp  # noqa: F401
 
-    base = vm_hwm()
+    base = proc_bytes("/proc/self/status", "VmHWM:")
     t0 = time.perf_counter()
     result = run_step(args.worker, layout, args.n, args.work, args)
-    result.update(step_wall_s=time.perf_counter() - t0, process_peak_extra_rss=vm_hwm() - base)
+    result.update(
+        step_wall_s=time.perf_counter() - t0, process_peak_extra_rss=proc_bytes("/proc/self/status", "VmHWM:") - base
+    )
     if layout is not full:
-        result["sampled"] = {
-            "stride": args.tensor_stride,
-            "tensors": layout.tensors,
-            "chunks": lay.chunk_count(layout, args.n),
-            "full_chunks": lay.chunk_count(full, args.n),
-        }
+        chunks = {"chunks": lay.chunk_count(layout, args.n), "full_chunks": lay.chunk_count(full, args.n)}
+        result["sampled"] = {"stride": args.tensor_stride, "tensors": layout.tensors, **chunks}
         result["scale"] = result["sampled"]["full_chunks"] / result["sampled"]["chunks"]
     with open(args.result, "w") as f:
         json.dump(result, f, indent=1)
     return 0
 
 
-#: Peak bytes per chunk of the manifest steps' processes (measured at 1,024 ranks: 1.6 and 4.2 GB for 2.04 M chunks).
+#: Peak bytes per chunk of the manifest steps' processes (as measured at 1,024 ranks), to decide when to sample.
 BYTES_PER_CHUNK = {"rayckpt": 900, "dcp": 2200}
 GIB = 2**30
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def tensor_stride(system: str, n: int, args: argparse.Namespace) -> int:
     """1, or the stride of tensors a system's manifest steps sample when the whole would not fit in memory."""
     need = BYTES_PER_CHUNK[system] * lay.chunk_count(lay.gpt_layout(args.tensors), n)
-    room = min(args.max_gib * GIB, mem_available() - 3 * GIB)
+    room = min(args.max_gib * GIB, proc_bytes("/proc/meminfo", "MemAvailable:") - 3 * GIB)
     return max(1, int(-(-need // max(room, GIB))))
 
 
-def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:
+def run_all(args: argparse.Namespace, report: dict[str, Any]) -> None:
     work = os.path.abspath(args.work)
     for n in args.ranks:
         per_n = report["results"].setdefault(str(n), {})
@@ -302,7 +247,7 @@ def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:
         for step in STEPS:
             if step in per_n:
                 continue
-            path = os.path.join(out, f"bench_scale.{n}.{step}.json")
+            path = os.path.join(args.out, f"bench_scale.{n}.{step}.json")
             cmd = [sys.executable, "-m", "benchmarks.scale", "--worker", step, "--n", str(n)]
             if not step.endswith("save_plan"):
                 cmd += ["--tensor-stride", str(strides[step.split("_")[0]])]
@@ -318,27 +263,15 @@ def run_all(args: argparse.Namespace, report: dict[str, Any], out: str) -> None:
                     per_n[step] = json.load(f)
                 os.remove(path)
             print(f"[scale] N={n} {step} {time.perf_counter() - t0:.0f}s", flush=True)
-            finish(report, out)
+            finish(report, args, echo=False)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def finish(report: dict[str, Any], out: str) -> str:
+def finish(report: dict[str, Any], args: argparse.Namespace, echo: bool = True) -> int:
     """Fits, targets and the result files of what was measured so far (a run cut short keeps them)."""
     report["fits"] = fit_exponents(report)
     report["targets"] = targets(report)
-    md = markdown(report)
-    write_report(out, "bench_scale", report, md)
-    return md
-
-
-def fit_exponents(report: dict[str, Any]) -> dict[str, Any]:
-    from benchmarks.scale.report import series
-
-    out = {}
-    for name, points in series(report).items():
-        pts = [(n, v) for n, v in points if v and v > 0]
-        out[name] = {"exponent": fit_exponent(pts) if len(pts) >= 2 else None, "points": pts}
-    return out
+    return write_report(args, "bench_scale", report, markdown(report), echo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,33 +289,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    args = cli.parse(parser, argv)
     args.ranks = [int(x) for x in args.ranks.split(",")]
     if min(args.ranks) < 2 or args.tensors < 1:
         parser.error("--ranks must be >= 2 and --tensors >= 1")
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
-    report = new_report("benchmarks.scale", argv, results={})
-    report["machine"]["load_average_1min_before"] = os.getloadavg()[0]
-    report["config"] = {
-        "ranks": args.ranks,
-        "tensors": args.tensors,
-        "budget_s": args.budget_s,
-        "dcp_sample_ranks": args.dcp_sample_ranks,
-        "max_gib": args.max_gib,
-        "block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)),
-        "model": lay.GPT_SHAPE,
-    }
-    t0 = time.perf_counter()
-    run_all(args, report, out)
-    report["machine"]["load_average_1min_after"] = os.getloadavg()[0]
-    report["total_runtime_s"] = time.perf_counter() - t0
-    md = finish(report, out)
+    config = {k: getattr(args, k) for k in ("ranks", "tensors", "budget_s", "dcp_sample_ranks", "max_gib")}
+    config |= {"block_size": lay.rayckpt_block_size(lay.gpt_layout(args.tensors)), "model": lay.GPT_SHAPE}
+    report = new_report("benchmarks.scale", argv, __doc__, config=config, results={})
+    with load_sampled(report):
+        run_all(args, report)
     try:
         from benchmarks.scale.plot import write_plot
 
-        write_plot(report, os.path.join(out, "bench_scale.png"))
+        write_plot(report, os.path.join(args.out, "bench_scale.png"))
     except Exception as exc:  # the figures stand without the plot
         print(f"[scale] no plot: {exc}", flush=True)
-    print(md)
-    print(f"[scale] total {report['total_runtime_s']:.0f}s; wrote {out}/bench_scale.json and bench_scale.md")
-    return 0
+    return finish(report, args)

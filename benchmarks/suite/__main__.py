@@ -1,7 +1,4 @@
-"""``python -m benchmarks.suite [--storage local|s3] [options]``: rayckpt against DCP, save and
-reshard load, on a local disk or an S3 endpoint (``benchmarks.suite.run``)."""
-
-from __future__ import annotations
+"""``python -m benchmarks.suite [--storage local|s3] [options]``: ``benchmarks.suite.run``."""
 
 from benchmarks.suite.run import main
 

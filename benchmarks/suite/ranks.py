@@ -10,18 +10,10 @@ from typing import Any
 import torch
 
 from benchmarks.common import systems
-from benchmarks.common.diskio import RAW_BLOCK, evict, read_raw, resident_fraction, warm_up, write_raw
-from benchmarks.common.harness import (
-    connect_ray,
-    import_rayckpt,
-    measure,
-    mem_summary,
-    memcpy_anchor,
-    rotated,
-    summary,
-)
+from benchmarks.common.diskio import RAW_BLOCK, evict, read_raw, warm_up, write_raw
+from benchmarks.common.harness import connect_ray, import_rayckpt, measure, mem_summary, rotated, summary
 from benchmarks.common.systems import Where
-from benchmarks.common.workload import build_state, checksums, local_bytes, state_bytes, verify_loaded, zero_state
+from benchmarks.common.workload import build_state, checksums, state_bytes, verify_loaded, zero_state
 
 #: Per storage: the save systems and the load systems.
 SAVES = {
@@ -39,7 +31,7 @@ SOURCE = {"rayckpt_warm": "rayckpt", "dcp_warm": "dcp", "dcp_nocache": "dcp", "t
 def counted(op: Any, rank: int, where: Where, pids: dict[str, int], interval: float) -> dict[str, Any]:
     """``measure`` of ``op``; on an endpoint, with the server's request counts around it (read by rank 0:
     the others wait in ``measure``'s first barrier until it has)."""
-    from benchmarks.suite.s3_counter import counts_delta, read_counts
+    from testbed.s3_counter import counts_delta, read_counts
 
     s3 = where.endpoint is not None and rank == 0
     before = read_counts(where.endpoint.host_port) if s3 else {}
@@ -60,23 +52,20 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     model, optim, app = build_state(world_size, rank, seed=0, shapes=cfg["shapes"])
     state = {"app": app}
     names = SAVES[cfg["storage"]]
-    out: dict[str, Any] = {"rank": rank, "own_bytes": local_bytes(app), "save": {s: [] for s in names}}
+    out: dict[str, Any] = {"rank": rank, "own_bytes": state_bytes(app, local=True), "save": {s: [] for s in names}}
     out["raw_read"] = []
     sums = checksums(model, optim, compute=rank == 0) if cfg["verify"] else {}
     if rank == 0:
-        out.update(state_bytes=state_bytes(app), checksums=sums, **memcpy_anchor())
+        out.update(state_bytes=state_bytes(app), checksums=sums)
     me = {"rank": os.getpid()}
     pids = connect_actors(cfg["ray_address"], rank, me)
-    group = dist.new_group(backend="gloo") if "dcp_async" in names else None
-    run = f"bench-{cfg['storage']}-{cfg['size_label']}"
+    options = {"dcp_async": {"group": dist.new_group(backend="gloo") if "dcp_async" in names else None}}
 
     tiny = {"warm": {f"r{rank}": torch.full((1024,), float(rank))}}
-    systems.rayckpt_save(tiny, where, f"{rels['warmup']}/rayckpt")
-    systems.ray_save(tiny, where, f"{rels['warmup']}/ray", run=run + "-warmup", step=0).wait()
+    for system in (s for s in names if s in systems.SAVES):  # untimed: each system's first call
+        options["rayckpt_ray"] = {"run": cfg["run"] + "-warmup", "step": 0}
+        systems.save(system, tiny, where, f"{rels['warmup']}/{system}", **options.get(system, {}))
     systems.prepare_staging(state)
-    systems.dcp_save(tiny, where, f"{rels['warmup']}/dcp")
-    if group is not None:
-        systems.dcp_async_save(tiny, where, f"{rels['warmup']}/dcp_async", group).result()
     dist.barrier()
     if rank == 0:
         where.delete(rels["warmup"])
@@ -93,22 +82,13 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     blob = memoryview(bytearray(os.urandom(RAW_BLOCK)))
 
     def op(system: str, t0: float, rep: int) -> dict[str, Any]:
-        if system == "rayckpt_ray":
-            handle = systems.ray_save(state, where, rels[system], run=run, step=rep)
-            returned = time.perf_counter() - t0
-            entry = handle.wait()
-            done = time.perf_counter() - t0
-            return {"stall": handle.stall_seconds, "stall_external": returned, "commit": done, "status": entry.status}
-        if system == "dcp_async":
-            pending = systems.dcp_async_save(state, where, rels[system], group)
-            stall = time.perf_counter() - t0
-            pending.result()
-            return {"stall": stall, "commit": time.perf_counter() - t0}
-        if system == "rayckpt":
-            systems.rayckpt_save(state, where, rels[system])
-        elif system == "dcp":
-            systems.dcp_save(state, where, rels[system])
-        elif system == "torch_save" and rank == 0:
+        if system in systems.SAVES:
+            options["rayckpt_ray"] = {"run": cfg["run"], "step": rep}
+            done = systems.save(system, state, where, rels[system], **options.get(system, {}))
+            if system == "rayckpt_ray":  # the handle's own stall; the call's return as seen from outside
+                done |= {"stall": done["info"].stall_seconds, "stall_external": done["stall"]}
+            return {k: v for k, v in done.items() if k != "info"}
+        if system == "torch_save" and rank == 0:
             systems.torch_save(full, where.uri(rels[system]))
         elif system == "raw":
             write_raw(mine, raw_bytes, blob, fsync=True)
@@ -123,13 +103,11 @@ def save_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
                 os.sync()  # untimed: no one's dirty pages get flushed inside the timed window
             who = pids if system == "rayckpt_ray" else me
             rec = counted(functools.partial(op, system, rep=rep), rank, where, who, cfg["mem_interval"])
-            rec["repeat"] = rep
-            out["save"][system].append(rec)
+            out["save"][system].append({**rec, "repeat": rep})
             if system == "raw":
                 evict([mine])
-                resident = resident_fraction([mine])
                 rec = measure(lambda t0: {"bytes": read_raw(mine)}, me, cfg["mem_interval"])
-                out["raw_read"].append({**rec, "repeat": rep, "resident_before": resident})
+                out["raw_read"].append({**rec, "repeat": rep})
                 os.unlink(mine)
     dist.barrier()
     full.clear()
@@ -169,37 +147,31 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     model, optim, app = build_state(world_size, rank, seed=100, shapes=cfg["shapes"])
     state = {"app": app}
     names = [s for s in LOADS[cfg["storage"]] if SOURCE.get(s, s) in sources]
-    out: dict[str, Any] = {"rank": rank, "own_bytes": local_bytes(app), "load": {s: [] for s in names}}
+    out: dict[str, Any] = {"rank": rank, "own_bytes": state_bytes(app, local=True), "load": {s: [] for s in names}}
     out.update(verified={}, setup_s=time.perf_counter() - t_setup)
     every_file = [f for rel in sources.values() for f in where.files(rel)]
     me = {"rank": os.getpid()}
 
     def op(system: str, t0: float) -> dict[str, Any]:
         rel = sources[SOURCE.get(system, system)]
-        if system.startswith("rayckpt"):
-            info = systems.rayckpt_load(state, where, rel)
-            keys = ("bytes_needed", "bytes_read", "bytes_fetched", "requests", "num_reads")
-            return {k: getattr(info, k) for k in keys if hasattr(info, k)}
         if system == "torch_load":
             read_s, rest = systems.torch_load(model, optim, where.uri(rel))
             app.extras["step"] = rest["step"]
             return {"read_s": read_s}
-        systems.dcp_load(state, where, rel, **({"default_cache_type": "none"} if system == "dcp_nocache" else {}))
-        return {}
+        info = systems.load(system, state, where, rel)
+        keys = ("bytes_needed", "bytes_read", "bytes_fetched", "requests", "num_reads")
+        return {k: getattr(info, k) for k in keys if hasattr(info, k)}
 
     for rep in range(cfg["repeats"]):
         for system in rotated(names, rep):
             if rep == 0 and cfg["verify"]:
                 zero_state(model, optim, app)
-            resident = None
             if rank == 0 and every_file:
                 evict(every_file)
-                files = where.files(sources[SOURCE.get(system, system)])
                 if system.endswith("_warm"):
-                    warm_up(files)
-                resident = resident_fraction(files)
+                    warm_up(where.files(sources[SOURCE.get(system, system)]))
             rec = counted(functools.partial(op, system), rank, where, me, cfg["mem_interval"])
-            out["load"][system].append({**rec, "repeat": rep, "resident_before": resident})
+            out["load"][system].append({**rec, "repeat": rep})
             if rep == 0 and cfg["verify"]:
                 out["verified"][system] = verify_loaded(system, model, optim, app, cfg["checksums"])
 
@@ -209,8 +181,8 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
             for rel in resave.values():
                 where.delete(rel)
         dist.barrier()
-        systems.rayckpt_save(state, where, resave["rayckpt"])
-        systems.dcp_save(state, where, resave["dcp"])
+        for system, rel in resave.items():
+            systems.save(system, state, where, rel)
     dist.barrier()
     return out
 
@@ -220,18 +192,11 @@ def server_summary(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
     PUTs and their bytes; the kinds of the first repeat in full."""
     if "server" not in recs[0]:
         return None
-
-    def total(rec: dict[str, Any], kind: str, field: str) -> int:
-        return rec["server"].get(kind, {}).get(field, 0)
-
-    return {
-        "get_requests": [total(r, "GET_object", "requests") for r in recs],
-        "get_bytes": [total(r, "GET_object", "bytes_out") for r in recs],
-        "all_requests": [sum(c["requests"] for c in r["server"].values()) for r in recs],
-        "put_requests": [total(r, "PUT", "requests") for r in recs],
-        "put_bytes": [total(r, "PUT", "bytes_in") for r in recs],
-        "by_kind_first_repeat": recs[0]["server"],
-    }
+    fields = {"get_requests": ("GET_object", "requests"), "get_bytes": ("GET_object", "bytes_out")}
+    fields |= {"put_requests": ("PUT", "requests"), "put_bytes": ("PUT", "bytes_in")}
+    out = {name: [r["server"].get(kind, {}).get(f, 0) for r in recs] for name, (kind, f) in fields.items()}
+    out["all_requests"] = [sum(c["requests"] for c in r["server"].values()) for r in recs]
+    return out | {"by_kind_first_repeat": recs[0]["server"]}
 
 
 def rows_of(ranks: list[dict[str, Any]], kind: str, system: str) -> list[list[dict[str, Any]]]:
@@ -245,14 +210,10 @@ def save_report(saved: list[dict[str, Any]], total: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for system in saved[0]["save"]:
         rows = rows_of(saved, "save", system)
-        out[system] = {
-            "stall_s": summary([max(x["stall"] for x in row) for row in rows], total),
-            "commit_s": summary([max(x["commit"] for x in row) for row in rows], total),
-            "persist_s": summary([max(x["commit"] - x["stall"] for x in row) for row in rows], total),
-            "mem": mem_summary([r["save"][system] for r in saved], "rank", own),
-            "server": server_summary(saved[0]["save"][system]),
-            "stall_per_rank": [[round(x["stall"], 4) for x in row] for row in rows],
-        }
+        out[system] = {f"{k}_s": summary([max(x[k] for x in row) for row in rows], total) for k in ("stall", "commit")}
+        out[system]["persist_s"] = summary([max(x["commit"] - x["stall"] for x in row) for row in rows], total)
+        out[system] |= {"mem": mem_summary([r["save"][system] for r in saved], "rank", own)}
+        out[system] |= {"server": server_summary(saved[0]["save"][system])}
     out["rayckpt_ray"]["writer_mem"] = mem_summary([saved[0]["save"]["rayckpt_ray"]], "writer", [total])
     if saved[0]["raw_read"]:
         reads = [[r["raw_read"][i] for r in saved] for i in range(len(saved[0]["raw_read"]))]
@@ -287,13 +248,11 @@ def load_report(loaded: list[dict[str, Any]], total: int) -> dict[str, Any]:
             "verified_tensors": loaded[0]["verified"].get(system),
             "bytes_read": read,
             "read_amplification": [b / max(sum(needed), 1) for b in read],
-            "resident_before": [row[0].get("resident_before") for row in rows],
             "server": server,
         }
         if "requests" in rows[0][0]:
             out[system]["loadinfo"] = {
-                "requests": [sum(x["requests"] for x in row) for row in rows],
-                "bytes_fetched": [sum(x["bytes_fetched"] for x in row) for row in rows],
+                k: [sum(x[k] for x in row) for row in rows] for k in ("requests", "bytes_fetched")
             }
         if system == "torch_load":
             out[system]["read_only_s"] = summary([max(x["read_s"] for x in row) for row in rows], total)

@@ -8,7 +8,7 @@ two ways, each built once per process from the file:
 
 - ``accepts``: a check compiled from the schema's keywords into Python closures.
   Decoding runs it on every manifest: jsonschema, written for any schema, would
-  take most of the decode of a large one (``benchmarks/manifest_decode.py``).
+  take most of the decode of a large one (``docs/decisions.md``).
 - ``find_problem``: when ``accepts`` refuses a document, jsonschema (imported
   then, not before) validates it and its first error becomes a ``SchemaError``
   carrying the JSON path of the bad field (``entries['model.w'].chunks[3].byte_offset``)

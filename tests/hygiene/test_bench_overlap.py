@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.overlap.model import StackShape, stack_shape
+from benchmarks.common.workload import StackShape, stack_shape
 from benchmarks.overlap.report import (
     stall_markdown,
     stall_targets,
@@ -67,7 +67,7 @@ def test_stall_targets_and_table():
         "date": "today",
         "total_runtime_s": 90.0,
         "machine": MACHINE,
-        "args": {"batch": 8, "rounds": 3, "warmup": 1, "workers": 4},
+        "config": {"batch": 8, "rounds": 3, "warmup": 1, "workers": 4},
         "shape": {"width": 4729, "layers": 4},
         "state_bytes": 2**30,
         "summary": summary,
@@ -75,11 +75,11 @@ def test_stall_targets_and_table():
     }
     md = stall_markdown(report)
     assert "python -m benchmarks.overlap stall --size-gb 1" in md and "2 CPUs" in md
-    assert "| four-ranks | rayckpt | 0.0400 (0.0300-0.0600) | 0.0300 | 0.10 | 0.36 | 0.010 | 2.00 | 3 MiB |" in md
-    assert "| four-ranks | dcp | 0.4000 (0.3000-0.5000) | 0.3000 | 1.00 | 3.64 |" in md
+    assert "| four-ranks | rayckpt | 0.0400 (0.0300-0.0600) | 0.0300 | 0.100 | 0.364 | 0.0100 | 2 | 3 |" in md
+    assert "| four-ranks | dcp | 0.400 (0.300-0.500) | 0.300 | 1 | 3.64 |" in md
     assert "| four-ranks | dcp-async-staging | KeyError: boom |" in md
     assert "| four-ranks: stall, rayckpt / DCP | 0.100 | <= 0.25 | yes |" in md
-    assert "| four-ranks: stall, rayckpt, s | 0.040 | <= 0.03 | no |" in md
+    assert "| four-ranks: stall, rayckpt, s | 0.0400 | <= 0.03 | no |" in md
 
 
 def step_records() -> list[dict]:
@@ -117,15 +117,15 @@ def test_step_table():
         "date": "today",
         "total_runtime_s": 600.0,
         "machine": MACHINE,
-        "args": {"workers": 2, "batch": 8, "rounds": 1, "steps": 3},
+        "config": {"workers": 2, "batch": 8, "rounds": 1, "steps": 3},
         "shape": {"width": 4729, "layers": 4},
         "state_bytes": 2**30,
         "summary": summarize_step(step_records()),
         "notes": ["memory-sync: not run"],
     }
     md = step_markdown(report)
-    assert "| 1 | none | 1.115 | 1.00 |  | 1.115 | 1.00 |  | 0.0000 |  |" in md
-    assert "| 1 | memory | 1.315 | 1.18 |  | 1.315 | 1.18 | 0.0400 | 0.0500 | 1 of 3 |" in md
+    assert "| 1 | none | 1.12 | 1 |  | 1.12 | 1 |  | 0 |  |" in md
+    assert "| 1 | memory | 1.31 | 1.18 |  | 1.31 | 1.18 | 0.0400 | 0.0500 | 1 of 3 |" in md
     assert md.rstrip().endswith("- memory-sync: not run")
 
 

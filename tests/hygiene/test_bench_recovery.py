@@ -87,22 +87,7 @@ def test_steps_redone_counts_the_steps_finished_before_the_kill_past_the_restore
 def test_worker_counts_and_the_restored_checkpoint():
     r = recovery_times(run_events(world_after=2, reschedule=True))
     assert (r["world_before"], r["world_after"], r["source_world"]) == (4, 2, 4)
-    assert r["group_starts"] == [4, 2]
-    c = r["controller_s"]
-    assert c["noticed"] == pytest.approx(2.0)
-    assert c["first_group_start"] == pytest.approx(2.04)
-    assert c["rescheduling"] == pytest.approx(62.04)
-    assert c["last_group_start"] == pytest.approx(62.05)
-    assert c["group_started"] == pytest.approx(70.0)
-    assert "node_dead" not in c
     assert r["phases_s"]["restart"] == pytest.approx(70.0 + 0.5 + 0.1 - 2.0)  # 2 workers: rank 1 enters last
-
-
-def test_the_gcs_view_of_a_dead_node_is_found_even_before_the_controller_notices():
-    events = run_events() + [ev(21.5, "node_dead", node="b")]  # kill at 20, noticed at 22
-    r = recovery_times(sorted(events, key=lambda e: e["t"]))
-    assert r["controller_s"]["node_dead"] == pytest.approx(1.5)
-    assert r["controller_s"]["restarting"] == pytest.approx(2.01)
 
 
 @pytest.mark.parametrize(
@@ -134,10 +119,8 @@ def test_summary_and_markdown_over_repeats():
     assert s["total_s"]["min"] == pytest.approx(14.15)
     assert s["total_s"]["max"] == pytest.approx(70.0 + 4.05)  # 2 workers: rank 1's first step at +4.05
     assert s["total_s"]["median"] == pytest.approx((14.15 + 74.05) / 2)
-    assert set(s["phases_s"]) == {name for name, _, _ in PHASES}
+    assert set(s["phases_s"]) == {p[0] for p in PHASES}
     assert s["worlds"] == ["4->2", "4->4"]
-    assert s["group_starts"] == ["4", "4 -> 2"]
-    assert s["controller_s"]["rescheduling"]["values"] == [pytest.approx(62.04)]  # only the repeat that had one
     report = {
         "command": "python -m benchmarks.recovery restart --size-mb 64",
         "date": "today",
@@ -150,6 +133,5 @@ def test_summary_and_markdown_over_repeats():
         "method": ["how"],
     }
     md = markdown(report)
-    assert "| worker SIGKILLed | 4->2, 4->4 | 2.00 (2.00-2.00) |" in md
-    assert "44.10 (14.15-74.05)" in md
-    assert "| 4 -> 2; 4 |" not in md and "4; 4 -> 2 |" in md
+    assert "| worker SIGKILLed | 4->2, 4->4 | 2 (2-2) | 38.7 (8.80-68.6) |" in md
+    assert "| 44.1 (14.2-74.0) |" in md

@@ -17,8 +17,9 @@ from benchmarks.scale import dcp as dcp
 from benchmarks.scale import layout as lay
 from benchmarks.scale import run as bench
 from benchmarks.scale.plot import write_plot
-from benchmarks.scale.report import fit_exponent, markdown, targets
+from benchmarks.scale.report import fit_exponent, fit_exponents, markdown, targets
 from rayckpt.planning.load_plan import dim0_box
+from tests.helpers.scale_dcp import metadata_via_planner
 
 #: A GPT small enough to plan at once; its position table (2 rows) has empty shards past 2 ranks.
 SMALL = {"n_layers": 1, "d_model": 8, "d_ff": 32, "n_heads": 2, "vocab_size": 16, "seq_len": 2}
@@ -49,11 +50,10 @@ def test_rayckpt_steps_validate_the_manifest_and_plans_agree(layout, tmp_path):
     assert {"cpu_s", "wall_s", "extra_rss"} <= commit["create_manifest"].keys()
     load = bench.rayckpt_load(layout, 4, str(tmp_path))  # read_manifest validates what the commit wrote
     assert sorted(load["targets"]) == [2, 3]
-    assert all(t["for_rank_equals_rank_plan"] for t in load["targets"].values())
-    assert all(t["from_slice_equals_rank_plan"] and t["slice_bytes"] > 0 for t in load["targets"].values())
+    assert all(t["from_slice_equals_for_rank"] and t["slice_bytes"] > 0 for t in load["targets"].values())
     plan = bench.rayckpt_save_plan(layout, 4)
     assert plan["write_items"] == nonempty
-    assert {"save_plan", "rank_save_plan", "rank_layout_hash", "cached_save_plan"} <= plan.keys()
+    assert {"save_plan", "cached_save_plan"} <= plan.keys()
 
 
 def test_dcp_metadata_has_a_chunk_per_tensor_and_rank_with_fsdp2_offsets():
@@ -78,7 +78,7 @@ def test_empty_shards_are_kept_once_as_dcp_dedups_them(layout):
 @pytest.mark.parametrize(("small", "ranks"), [(True, 4), (True, 8), (False, 4)])
 def test_dcp_metadata_is_what_dcps_planner_pickles(small, ranks):
     layout = lay.gpt_layout(20, **SMALL) if small else lay.gpt_layout(20)
-    ref, local = dcp.metadata_via_planner(layout, ranks, "/ck")
+    ref, local = metadata_via_planner(layout, ranks, "/ck")
     mine = dcp.build_metadata(layout, ranks, "/ck")
     assert mine.state_dict_metadata == ref.state_dict_metadata
     assert mine.planner_data == ref.planner_data
@@ -118,15 +118,16 @@ def test_fit_exponent_recovers_the_power():
 def test_report_marks_targets_and_renders(layout, tmp_path):
     args = type("Args", (), {"budget_s": 60.0, "dcp_sample_ranks": 2})()
     results = {str(n): {s: bench.run_step(s, layout, n, str(tmp_path), args) for s in bench.STEPS} for n in (4, 8)}
-    report = {"command": "x", "date": "d", "machine": {}, "results": results}
+    report = {"command": "x", "date": "d", "machine": {"nproc": 2, "mem_total_gb": 25}, "results": results}
     report["config"] = {"tensors": 20, "model": SMALL, "block_size": lay.rayckpt_block_size(lay.gpt_layout(20))}
-    report["fits"] = bench.fit_exponents(report)
+    report["fits"] = fit_exponents(report)
     rows = {t["target"]: t for t in targets(report)}
     assert rows["global save plan at 4,096 ranks (s)"]["met"] is None  # 4,096 not measured
     assert rows["manifest / DCP .metadata, every N"]["met"] is not None
-    assert report["fits"]["manifest_bytes_dcp"]["exponent"] > 0
+    assert report["fits"]["dcp_bytes"]["exponent"] > 0
     report["targets"] = list(rows.values())
-    assert "| 8 |" in markdown(report)
+    md = markdown(report)
+    assert "| figure | 4 | 8 |" in md and "| chunks, DCP | 77 | 145 |" in md
     write_plot(report, str(tmp_path / "plot.svg"))
     svg = (tmp_path / "plot.svg").read_text()
     assert "<svg" in svg and "Metadata size" in svg and "saved ranks N" in svg

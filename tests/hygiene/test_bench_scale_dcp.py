@@ -16,6 +16,7 @@ import pytest
 from benchmarks.scale import dcp as dcp
 from benchmarks.scale import layout as lay
 from rayckpt.testing.multiproc import run_ranks
+from tests.helpers.scale_dcp import real_save_worker
 
 pytestmark = pytest.mark.slow
 WORLD = 4
@@ -24,7 +25,7 @@ WORLD = 4
 def test_built_metadata_matches_a_real_dcp_save(tmp_path):
     layout = lay.gpt_layout(30, n_layers=1, d_model=8, d_ff=32, n_heads=2, vocab_size=16, seq_len=2)
     path = str(tmp_path / "dcp")
-    run_ranks(dcp.real_save_worker, WORLD, layout, path)
+    run_ranks(real_save_worker, WORLD, layout, path)
     real = dcp.read_metadata(path)
     mine = dcp.build_metadata(layout, WORLD, path)
     assert mine.state_dict_metadata == real.state_dict_metadata  # a chunk per rank, FSDP2's offsets and sizes

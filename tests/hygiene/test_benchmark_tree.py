@@ -42,7 +42,6 @@ def test_group_entry_point_parses_help(args):
         ("recovery", "memory-cost"),
         ("overlap", "stall"),
         ("overlap", "step"),
-        ("hosts", "replicas"),
         ("hosts", "cut"),
         ("hosts", "restore"),
     ],

@@ -339,8 +339,8 @@ def test_bench_plan_smoke(tmp_path, capsys):
     res = report["results"]
     assert {"chunk_table", "bulk_plan", "for_rank"} <= set(res)
     for name in ("chunk_table", "bulk_plan", "for_rank"):
-        assert set(res[name]["seconds"]) >= {"median", "min", "max", "values"}
-        assert res[name]["memory"]["peak_bytes"] >= 0
+        assert set(res[name]["wall"]) >= {"median", "min", "max", "values"}
+        assert res[name]["peak_extra_rss"] >= 0
     assert res["bulk_plan"]["items"] > 0 and not res["bulk_plan"]["per_item_path"]
     assert report["manifest"]["chunks"] == 80
     assert (tmp_path / "bench_plan.md").exists()

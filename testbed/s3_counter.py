@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import threading
-import time
 import urllib.request
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 COUNTS_PATH = "/_counts"
-COUNTERS = ("requests", "bytes_in", "bytes_out", "ranged", "in_place", "aborted", "service_us")
+COUNTERS = ("requests", "bytes_in", "bytes_out", "ranged", "in_place", "aborted")
 #: How long a snapshot waits for the requests in flight to finish.
 SETTLE_TIMEOUT_S = 30.0
 
@@ -33,60 +32,43 @@ class CountingApp:
                 body = json.dumps(self.counts).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
-        started = time.perf_counter()
         with self.lock:
             self.in_flight += 1
-        kind = request_kind(environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", ""))
         decoded = environ.get("HTTP_X_AMZ_DECODED_CONTENT_LENGTH")  # aws-chunked uploads: the payload's bytes
-        bytes_in = int(decoded or environ.get("CONTENT_LENGTH") or 0)
-        ranged = bool(environ.get("HTTP_RANGE"))
+        request = {"kind": request_kind(environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", ""))}
+        request |= {"bytes_in": int(decoded or environ.get("CONTENT_LENGTH") or 0)}
+        request |= {"ranged": bool(environ.get("HTTP_RANGE")), "in_place": False}
         try:
             body = None
-            if kind == "GET_object" and ranged:
+            if request["kind"] == "GET_object" and request["ranged"]:
                 body = range_in_place(environ, start_response)
-            in_place = body is not None
+            request["in_place"] = body is not None
             if body is None:
                 body = self.app(environ, start_response)
         except BaseException:
-            self.record(kind, bytes_in, 0, ranged, True, started, False)
+            self.record(request, 0, aborted=True)
             raise
-        return CountedBody(self, kind, bytes_in, ranged, body, started, in_place)
+        return CountedBody(self, request, body)
 
-    def record(
-        self, kind: str, bytes_in: int, bytes_out: int, ranged: bool, aborted: bool, started: float, in_place: bool
-    ) -> None:
+    def record(self, request: dict[str, Any], bytes_out: int, aborted: bool) -> None:
+        """One request done: its ``request_kind``, body bytes in, whether ranged and answered in place."""
         with self.lock:
-            c = self.counts.setdefault(kind, dict.fromkeys(COUNTERS, 0))
-            c["in_place"] += int(in_place)
-            c["service_us"] += int((time.perf_counter() - started) * 1e6)
+            c = self.counts.setdefault(request["kind"], dict.fromkeys(COUNTERS, 0))
+            for key in ("bytes_in", "ranged", "in_place"):
+                c[key] += int(request[key])
             c["requests"] += 1
-            c["bytes_in"] += bytes_in
             c["bytes_out"] += bytes_out
-            c["ranged"] += int(ranged)
             c["aborted"] += int(aborted)
             self.in_flight -= 1
             self.lock.notify_all()
-            # Response sizes by power of two: "out<2^k" counts bodies of 2^(k-1) up to 2^k - 1 bytes.
-            size_class = f"out<2^{bytes_out.bit_length()}"
-            c[size_class] = c.get(size_class, 0) + 1
 
 
 class CountedBody:
     """A response body that counts its bytes once the server has written them; recorded once, as aborted
     if the server stopped before the end (the client hung up: a timeout, then a retry)."""
 
-    def __init__(
-        self,
-        app: CountingApp,
-        kind: str,
-        bytes_in: int,
-        ranged: bool,
-        inner: Iterable[bytes],
-        started: float,
-        in_place: bool,
-    ) -> None:
-        self.app, self.kind, self.bytes_in, self.ranged, self.inner = app, kind, bytes_in, ranged, inner
-        self.started, self.in_place = started, in_place
+    def __init__(self, app: CountingApp, request: dict[str, Any], inner: Iterable[bytes]) -> None:
+        self.app, self.request, self.inner = app, request, inner
         self.sent = 0
         self.complete = False
         self.done = False
@@ -111,9 +93,7 @@ class CountedBody:
     def _record(self) -> None:
         if not self.done:
             self.done = True
-            self.app.record(
-                self.kind, self.bytes_in, self.sent, self.ranged, not self.complete, self.started, self.in_place
-            )
+            self.app.record(self.request, self.sent, aborted=not self.complete)
 
 
 def range_in_place(environ: dict[str, Any], start_response: Any) -> list[bytes] | None:
@@ -177,20 +157,13 @@ def read_counts(host_port: str) -> dict[str, dict[str, int]]:
 
 
 def counts_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """What happened between two snapshots, per kind (kinds and size classes with nothing in it left out)."""
+    """What happened between two snapshots, per kind (kinds with no request left out)."""
     out = {}
     for kind, c in after.items():
-        b = before.get(kind, {})
-        d = {k: v - b.get(k, 0) for k, v in c.items()}
+        d = {k: v - before.get(kind, {}).get(k, 0) for k, v in c.items()}
         if d["requests"]:
-            out[kind] = {k: v for k, v in d.items() if v or not k.startswith("out<")}
+            out[kind] = d
     return out
-
-
-def largest_class(counts: dict[str, int]) -> int:
-    """The upper bound (bytes) of the largest size class in one kind's counts: the largest body < this."""
-    bits = [int(k.removeprefix("out<2^")) for k, v in counts.items() if k.startswith("out<") and v]
-    return 2 ** max(bits) if bits else 0
 
 
 def main(argv: list[str] | None = None) -> None:
