@@ -372,6 +372,26 @@ def test_a_failure_reported_before_the_registration_still_names_and_cleans_the_s
     assert not path.exists()  # its partial file removed, then the empty directory
 
 
+def test_rank_zero_takes_the_incarnation_from_its_registration(ray_session, tmp_path, monkeypatch):
+    """Rank 0 sends one call to the MetadataActor before its copy (``begin_save``, which answers with the
+    incarnation), not a separate ``incarnation()`` as well; the save commits and its wait knows the incarnation."""
+    real = async_save.get_metadata_actor
+    asked: list[str] = []
+
+    class Recording:
+        def __init__(self, handle):
+            self._handle = handle
+
+        def __getattr__(self, name):
+            asked.append(name)
+            return getattr(self._handle, name)
+
+    monkeypatch.setattr(async_save, "get_metadata_actor", lambda *a: Recording(real(*a)))
+    handle = async_save.save_async(state(1), str(tmp_path / "c"), run="rank0-incarnation", step=1)
+    assert handle.wait().status == "committed"
+    assert "begin_save" in asked and "incarnation" not in asked, asked
+
+
 def test_prepare_staging_makes_the_buffer_the_first_save_uses_in_the_background(ray_session, tmp_path, monkeypatch):
     async_save.release_staging()
     st = state(9)

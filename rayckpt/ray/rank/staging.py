@@ -282,7 +282,7 @@ class StagingBuffer:
         if sum(len(dst) for dst, _ in slices) < 2 * SLICE_BYTES:
             for dst, data in slices:
                 np.copyto(dst, data)
-        elif slices:
+        else:
             if self._pool is None or self._pool_threads != threads:
                 self._close_pool()
                 self._pool = ThreadPoolExecutor(threads, thread_name_prefix="rayckpt-stage")
