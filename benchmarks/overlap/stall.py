@@ -161,5 +161,5 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["summary"] = {sc: summarize_stall(recs, report["errors"].get(sc)) for sc, recs in report["records"].items()}
-    report["targets"] = stall_targets(report["summary"])
+    report["targets"] = stall_targets(report["summary"], plain=args.plain)
     return write_report(args, "overlap_stall", report, stall_markdown(report))

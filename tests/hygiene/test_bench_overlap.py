@@ -62,6 +62,10 @@ def test_stall_targets_and_table():
     assert targets[0]["measured"] == pytest.approx(0.04 / 0.40)
     assert targets[0]["met"] is True
     assert targets[1]["measured"] == pytest.approx(0.04) and targets[1]["met"] is False
+    # Plain tensors: every mode copies before it returns; the one target is the stall at most DCP's.
+    (plain,) = stall_targets(summary, plain=True)
+    assert plain["measured"] == pytest.approx(0.04 / 0.40) and plain["met"] is True
+    assert (plain["direction"], plain["threshold"]) == ("<=", 1.0)
     report = {
         "command": "python -m benchmarks.overlap stall --size-gb 1",
         "date": "today",
