@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import random
 import threading
+import time
 
 import pytest
 import ray
@@ -25,6 +26,7 @@ from rayckpt.ray.records import SaveTarget
 from rayckpt.ray.writer.actor import ShardWrite, get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.commit import SaveSpec
+from rayckpt.storage.lease import LEASE_PREFIX
 from tests.helpers import plan_asks
 
 pytestmark = pytest.mark.slow
@@ -182,7 +184,14 @@ def test_killed_metadata_actor_rebuilds_its_catalog_from_storage(ray_session, tm
     (root / "rayckpt-step-00000003").mkdir()
     (root / "rayckpt-step-00000003" / "partial-r00000-float.arrow").write_bytes(b"x")
     ray.kill(get_metadata_actor(), no_restart=True)
-    entries = ray.get(get_metadata_actor().register_run.remote("phoenix", str(root)))
+    deadline = time.monotonic() + 30
+    while True:  # the lookup may still name the killed actor for a moment: then a new one is asked
+        try:
+            entries = ray.get(get_metadata_actor().register_run.remote("phoenix", str(root)))
+            break
+        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
+            assert time.monotonic() < deadline, "no new MetadataActor within 30 s of the kill"
+            time.sleep(0.2)
     assert [(e.step, e.status) for e in entries] == [(1, "committed"), (2, "committed"), (3, "incomplete")]
     assert ray.get(get_metadata_actor().latest.remote("phoenix")).step == 2
     out = target()
@@ -280,6 +289,14 @@ def test_object_store_staging_and_the_fallback_when_shm_has_no_room(ray_session,
     with pytest.raises(rayckpt.SaveFailedError, match=r"staging failed on rank 0: cannot create a staging file in"):
         async_save.save_async(state(5), str(tmp_path / "shm"), run="stg", step=3, staging="shm")
     assert not os.path.exists(tmp_path / "shm" / "manifest.json")
+    # It failed before its registration went out: the registration is sent with the failure, so the actor
+    # settles the save and removes its lease (else the location stays claimed for the lease's minute).
+    deadline = time.monotonic() + 30
+    while os.path.isdir(tmp_path / "shm") and any(n.startswith(LEASE_PREFIX) for n in os.listdir(tmp_path / "shm")):
+        assert time.monotonic() < deadline, os.listdir(tmp_path / "shm")
+        time.sleep(0.05)
+    h = async_save.save_async(state(5), str(tmp_path / "shm"), run="stg", step=3, staging="object_store")
+    assert h.wait().status == "committed"
     monkeypatch.setenv(staging.STAGING_ENV, "disk")
     with pytest.raises(ValueError, match=r"staging='disk': expected one of auto, shm, object_store"):
         async_save.save_async(state(6), str(tmp_path / "bad"), run="stg", step=4)

@@ -258,3 +258,65 @@ def test_a_staging_file_the_writer_may_not_open_says_what_to_do(buffer, monkeypa
     with pytest.raises(PermissionError, match=r"cannot open staging file /proc/\d+/fd/\d+ .*staging='object_store'"):
         with open_region(region):
             pass
+
+
+def test_copy_now_runs_meanwhile_on_the_callers_thread_while_the_slices_copy(buffer, monkeypatch):
+    import threading
+
+    import numpy as np
+
+    from rayckpt.engine.device import DeviceToHost
+    from rayckpt.ray.rank import staging
+
+    monkeypatch.setattr(staging, "SLICE_BYTES", 64)
+    called = threading.Event()
+    copyto = np.copyto
+
+    def held(dst, src):  # a slice's copy cannot finish before ``meanwhile`` has been called
+        assert called.wait(30), "meanwhile was not called while the slices copied"
+        copyto(dst, src)
+
+    monkeypatch.setattr(staging.np, "copyto", held)
+    pieces = [torch.arange(256, dtype=torch.float32)]  # 1 KiB: 16 slices
+    region = buffer.place(pieces, "node-a")
+    caller = []
+    buffer.copy_now(
+        list(zip(pieces, region.spans)),
+        DeviceToHost(),
+        2,
+        lambda: (caller.append(threading.current_thread()), called.set()),
+    )
+    assert caller == [threading.current_thread()]
+    with open_region(region) as views:
+        assert [bytes(v) for v in views] == [as_bytes(p) for p in pieces]
+
+
+def test_copy_now_finishes_every_slice_before_it_raises_what_meanwhile_raised(buffer, monkeypatch):
+    import threading
+    import time
+
+    import numpy as np
+
+    from rayckpt.engine.device import DeviceToHost
+    from rayckpt.ray.rank import staging
+
+    monkeypatch.setattr(staging, "SLICE_BYTES", 64)
+    copied = []
+    copyto = np.copyto
+
+    def slow(dst, src):
+        time.sleep(0.01)
+        copyto(dst, src)
+        copied.append(threading.current_thread().name)
+
+    def refused():
+        raise RuntimeError("registration refused")
+
+    monkeypatch.setattr(staging.np, "copyto", slow)
+    pieces = [torch.arange(256, dtype=torch.float32)]
+    region = buffer.place(pieces, "node-a")
+    with pytest.raises(RuntimeError, match="registration refused"):
+        buffer.copy_now(list(zip(pieces, region.spans)), DeviceToHost(), 2, refused)
+    assert len(copied) == 16  # the buffer is never left with a copy still writing into it
+    with open_region(region) as views:
+        assert [bytes(v) for v in views] == [as_bytes(p) for p in pieces]

@@ -6,7 +6,8 @@ A save, across the processes it runs in (every rank calls ``save_async``):
    first claims the location (a lease, ``storage.lease``).
 2. Rank 0 registers the save with the MetadataActor (``begin_save``, not waited
    for; it answers with the actor's incarnation); every other rank asks the
-   actor's ``incarnation()`` (not waited for either).
+   actor's ``incarnation()`` (not waited for either). Both go out while the
+   rank's threads copy its share (step 3), before the share is sent.
 3. Each rank copies its share once into the node's shared memory (its staging
    buffer, or Ray's object store); ``save_async`` returns a ``SaveHandle`` and
    training goes on, a guarded optimizer's tensors still being copied (``copier``).
@@ -27,6 +28,7 @@ buffer it reuses (docs/internals.md, "The staging buffer" and "Lanes").
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import time
 from dataclasses import replace
@@ -115,35 +117,51 @@ class AsyncSaver:
             rank=ctx.rank,
         )
         # The actor incarnation the save begins under (not waited for): its writer and wait() pass it on.
-        # Rank 0's registration answers with it; the other ranks ask for it.
-        meta = get_metadata_actor()
-        registered = incarnation = None
-        if ctx.rank == 0:
-            registered = self._register(meta, ctx, target, ckdir, on_ray.commit_timeout_s)
-        else:
-            incarnation = meta.incarnation.remote()
-        try:
-            request = ShardWrite(
+        # Rank 0's registration answers with it; the other ranks ask for it. Both are sent while the
+        # share is copied, before the share is sent to the writer.
+        sent: dict[str, Any] = {}
+
+        def meanwhile() -> None:
+            if sent.setdefault("began", False):  # once: a copy that falls back to the object store calls it again
+                return
+            sent["began"] = True
+            meta = get_metadata_actor()
+            if ctx.rank == 0:
+                try:
+                    sent["registered"] = self._register(meta, ctx, target, ckdir, on_ray.commit_timeout_s)
+                except SaveFailedError as exc:
+                    sent["refused"] = exc
+                    raise
+            else:
+                sent["incarnation"] = meta.incarnation.remote()
+            sent["request"] = ShardWrite(
                 target=target,
                 block_size=ctx.spec.block_size,
                 chunks=chunk_specs(ctx.plan, ctx.flat),
                 max_parts=parts_here(ctx.spec.world_size, len(ctx.nodes)),
                 increment=ctx.increment,
             )
-            writer = get_shard_writer(node_id)
+            sent["writer"] = get_shard_writer(node_id)
 
-            def send(staged: Any) -> Any:  # once the share is copied: the writer never reads a piece before
-                ref = writer.write.remote(request, staged, registered if incarnation is None else incarnation)
-                if isinstance(staged, StagedRegion):
-                    self.buffer.busy = ref  # the writer reads the buffer until this resolves
-                return ref
+        def send(staged: Any) -> Any:  # once the share is copied: the writer never reads a piece before
+            incarnation = sent.get("registered", sent.get("incarnation"))
+            ref = sent["writer"].write.remote(sent["request"], staged, incarnation)
+            if isinstance(staged, StagedRegion):
+                self.buffer.busy = ref  # the writer reads the buffer until this resolves
+            return ref
 
-            def fail(error: str) -> None:  # the copy failed after the call returned
-                report_failed(target, error)
+        def fail(error: str) -> None:  # the copy failed after the call returned
+            report_failed(target, error)
 
-            copying = Copying(on_ray.overlap, send, fail, start)
+        try:
+            copying = Copying(on_ray.overlap, send, fail, start, meanwhile)
             staged_ref, job = self.stage_share(ctx, node_id, staging, copying)
         except Exception as exc:
+            if exc is sent.get("refused"):  # the registration failed, and said so
+                raise
+            if not sent.get("began"):  # failed before the registration went out: the actor settles the save
+                with contextlib.suppress(Exception):  # (its lease, its files) once it is registered
+                    meanwhile()
             failed = f"staging: {type(exc).__name__}: {exc}"
             report_failed(target, failed)
             raise SaveFailedError(
@@ -153,7 +171,11 @@ class AsyncSaver:
         run_name, tier = run_and_tier(run)
         metrics.send("rayckpt_save_stall_seconds", stall, run=run_name, tier=tier, rank=ctx.rank)
         started = StartedSave(
-            copy=job, staged_ref=staged_ref, stall_seconds=stall, registered=registered, incarnation=incarnation
+            copy=job,
+            staged_ref=staged_ref,
+            stall_seconds=stall,
+            registered=sent.get("registered"),
+            incarnation=sent.get("incarnation"),
         )
         self.inflight = SaveHandle(target, ckdir, started, timeout=on_ray.commit_timeout_s, on_outcome=self._seen)
         return self.inflight
@@ -211,6 +233,8 @@ class AsyncSaver:
                 if staging == "shm":
                     raise
         staged = ray.put([c.data for c in create_chunk_data(ctx.plan, ctx.flat)])
+        if copying.meanwhile is not None:
+            copying.meanwhile()
         return staged, CopyJob.finished(copying.send(staged), time.perf_counter() - copying.started)
 
     def _staging_buffer(self) -> StagingBuffer:

@@ -42,6 +42,9 @@ class Copying:
     fail: Callable[[str], None]
     #: ``time.perf_counter()`` when the save call began.
     started: float
+    #: What the save call does on its own thread while the copy runs (the registration, the writer's
+    #: lookup): called once, before the share is sent.
+    meanwhile: Callable[[], None] | None = None
 
 
 class TornCopy(RuntimeError):
@@ -126,7 +129,8 @@ def launch(
     region = buffer.place(pieces, node_id, in_use=in_use)
     now = DeviceToHost()
     threads = parts_here(ctx.spec.world_size, len(ctx.nodes))  # the cores this rank may use
-    buffer.copy_now([(p, region.spans[i]) for i, p in enumerate(pieces) if i not in late], now, threads)
+    now_jobs = [(p, region.spans[i]) for i, p in enumerate(pieces) if i not in late]
+    buffer.copy_now(now_jobs, now, threads, copying.meanwhile)
     now.wait()
     _check(versions, (i for i in range(len(pieces)) if i not in late))
     if not late:

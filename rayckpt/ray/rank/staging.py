@@ -32,7 +32,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -262,12 +262,20 @@ class StagingBuffer:
             dst.view(src.dtype).view(src.shape).copy_(src)
 
     def copy_now(
-        self, jobs: Sequence[tuple[torch.Tensor, tuple[int, int]]], to_host: DeviceToHost, threads: int = 1
+        self,
+        jobs: Sequence[tuple[torch.Tensor, tuple[int, int]]],
+        to_host: DeviceToHost,
+        threads: int = 1,
+        meanwhile: Callable[[], None] | None = None,
     ) -> None:
         """``copy_piece`` for each (piece, span); with ``threads`` > 1 (the cores this rank may use,
         ``engine.writer.parts_here``) and a share of at least twice ``SLICE_BYTES`` in contiguous CPU
         pieces, their bytes are cut into slices of at most ``SLICE_BYTES`` (one memcpy each) spread over
-        that many threads: a share of many small pieces is spread as well as one of a few large ones."""
+        that many threads: a share of many small pieces is spread as well as one of a few large ones.
+
+        ``meanwhile``: called once on the caller's thread while those threads copy (after the copy
+        where nothing is spread); the call returns when both are done, raising what either raised.
+        """
         slices, rest = [], []
         for piece, (offset, n) in jobs:
             src = piece.detach()
@@ -277,17 +285,25 @@ class StagingBuffer:
                 slices += [(dst[i : i + SLICE_BYTES], data[i : i + SLICE_BYTES]) for i in range(0, n, SLICE_BYTES)]
             else:
                 rest.append((piece, (offset, n)))
-        for piece, span in rest:
-            self.copy_piece(piece, span, to_host)
         if sum(len(dst) for dst, _ in slices) < 2 * SLICE_BYTES:
-            for dst, data in slices:
-                np.copyto(dst, data)
-        else:
-            if self._pool is None or self._pool_threads != threads:
-                self._close_pool()
-                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="rayckpt-stage")
-                self._pool_threads = threads
-            list(self._pool.map(lambda s: np.copyto(*s), slices))
+            for piece, span in jobs:
+                self.copy_piece(piece, span, to_host)
+            if meanwhile is not None:
+                meanwhile()
+            return
+        if self._pool is None or self._pool_threads != threads:
+            self._close_pool()
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="rayckpt-stage")
+            self._pool_threads = threads
+        copying = [self._pool.submit(np.copyto, *s) for s in slices]
+        try:
+            for piece, span in rest:
+                self.copy_piece(piece, span, to_host)
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            for done in copying:  # every slice copied (or failed) before the buffer is touched again
+                done.result()
 
     def _close_pool(self) -> None:
         if self._pool is not None:
