@@ -1,6 +1,6 @@
 """A local S3 endpoint: ``moto_server`` as its own process on a free loopback port.
 
-For the S3 test tier (``tests/s3/conftest.py``) and the object-storage benchmark
+For the S3 and e2e test tiers (``tests/conftest.py``) and the object-storage benchmark
 (``python -m benchmarks.suite --storage s3``). Everything that talks to it goes over HTTP, as
 against AWS or MinIO. ``S3_ENV`` holds the dummy credentials and region the
 clients (and every process they start) need; the server runs with them too.
