@@ -117,51 +117,18 @@ class AsyncSaver:
             rank=ctx.rank,
         )
         # The actor incarnation the save begins under (not waited for): its writer and wait() pass it on.
-        # Rank 0's registration answers with it; the other ranks ask for it. Both are sent while the
-        # share is copied, before the share is sent to the writer.
-        sent: dict[str, Any] = {}
-
-        def meanwhile() -> None:
-            if sent.setdefault("began", False):  # once: a copy that falls back to the object store calls it again
-                return
-            sent["began"] = True
-            meta = get_metadata_actor()
-            if ctx.rank == 0:
-                try:
-                    sent["registered"] = self._register(meta, ctx, target, ckdir, on_ray.commit_timeout_s)
-                except SaveFailedError as exc:
-                    sent["refused"] = exc
-                    raise
-            else:
-                sent["incarnation"] = meta.incarnation.remote()
-            sent["request"] = ShardWrite(
-                target=target,
-                block_size=ctx.spec.block_size,
-                chunks=chunk_specs(ctx.plan, ctx.flat),
-                max_parts=parts_here(ctx.spec.world_size, len(ctx.nodes)),
-                increment=ctx.increment,
-            )
-            sent["writer"] = get_shard_writer(node_id)
-
-        def send(staged: Any) -> Any:  # once the share is copied: the writer never reads a piece before
-            incarnation = sent.get("registered", sent.get("incarnation"))
-            ref = sent["writer"].write.remote(sent["request"], staged, incarnation)
-            if isinstance(staged, StagedRegion):
-                self.buffer.busy = ref  # the writer reads the buffer until this resolves
-            return ref
-
-        def fail(error: str) -> None:  # the copy failed after the call returned
-            report_failed(target, error)
-
+        calls = SaveCalls(self, ctx, target, ckdir, node_id=node_id, timeout=on_ray.commit_timeout_s)
         try:
-            copying = Copying(on_ray.overlap, send, fail, start, meanwhile)
+            copying = Copying(
+                overlap=on_ray.overlap, send=calls.send, fail=calls.fail, started=start, meanwhile=calls.begin
+            )
             staged_ref, job = self.stage_share(ctx, node_id, staging, copying)
         except Exception as exc:
-            if exc is sent.get("refused"):  # the registration failed, and said so
+            if exc is calls.refused:  # the registration failed, and said so
                 raise
-            if not sent.get("began"):  # failed before the registration went out: the actor settles the save
+            if not calls.began:  # failed before the registration went out: the actor settles the save
                 with contextlib.suppress(Exception):  # (its lease, its files) once it is registered
-                    meanwhile()
+                    calls.begin()
             failed = f"staging: {type(exc).__name__}: {exc}"
             report_failed(target, failed)
             raise SaveFailedError(
@@ -174,8 +141,8 @@ class AsyncSaver:
             copy=job,
             staged_ref=staged_ref,
             stall_seconds=stall,
-            registered=sent.get("registered"),
-            incarnation=sent.get("incarnation"),
+            registered=calls.registered,
+            incarnation=calls.incarnation,
         )
         self.inflight = SaveHandle(target, ckdir, started, timeout=on_ray.commit_timeout_s, on_outcome=self._seen)
         return self.inflight
@@ -185,7 +152,7 @@ class AsyncSaver:
         if self.inflight is handle:
             self.inflight = None
 
-    def _register(self, meta: Any, ctx: SaveContext, target: SaveTarget, ckdir: CheckpointDir, timeout: float) -> Any:
+    def register(self, meta: Any, ctx: SaveContext, target: SaveTarget, ckdir: CheckpointDir, timeout: float) -> Any:
         """Rank 0: register the save with the MetadataActor (sent, not waited for, no collective).
 
         The actor commits a save only once it is registered; ``wait()`` on rank 0
@@ -233,8 +200,6 @@ class AsyncSaver:
                 if staging == "shm":
                     raise
         staged = ray.put([c.data for c in create_chunk_data(ctx.plan, ctx.flat)])
-        if copying.meanwhile is not None:
-            copying.meanwhile()
         return staged, CopyJob.finished(copying.send(staged), time.perf_counter() - copying.started)
 
     def _staging_buffer(self) -> StagingBuffer:
@@ -281,6 +246,71 @@ class AsyncSaver:
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
+
+
+class SaveCalls:
+    """One save's calls from this rank to the actors: rank 0's registration (the other ranks ask the actor's
+    incarnation) and the node's writer looked up, made once while the share is copied (``begin``); then the
+    copied share sent to that ShardWriter (``send``), or a copy that failed after the call returned told (``fail``).
+    """
+
+    def __init__(
+        self,
+        saver: AsyncSaver,
+        ctx: SaveContext,
+        target: SaveTarget,
+        ckdir: CheckpointDir,
+        *,
+        node_id: str,
+        timeout: float,
+    ) -> None:
+        self.saver, self.ctx, self.target, self.ckdir = saver, ctx, target, ckdir
+        self.node_id, self.timeout = node_id, timeout
+        self.began = False
+        #: Rank 0: its ``begin_save`` (answered with the actor's incarnation); the others: ``incarnation()``.
+        self.registered: Any = None
+        self.incarnation: Any = None
+        #: The registration's failure (reported already): the save call raises it as it is.
+        self.refused: SaveFailedError | None = None
+        self._request: ShardWrite | None = None
+        self._writer: Any = None
+
+    def begin(self) -> None:
+        """Register (rank 0) or ask the incarnation, and look the writer up; once (a copy that falls back
+        to the object store calls it again)."""
+        if self.began:
+            return
+        self.began = True
+        ctx, meta = self.ctx, get_metadata_actor()
+        if ctx.rank == 0:
+            try:
+                self.registered = self.saver.register(meta, ctx, self.target, self.ckdir, self.timeout)
+            except SaveFailedError as exc:
+                self.refused = exc
+                raise
+        else:
+            self.incarnation = meta.incarnation.remote()
+        self._request = ShardWrite(
+            target=self.target,
+            block_size=ctx.spec.block_size,
+            chunks=chunk_specs(ctx.plan, ctx.flat),
+            max_parts=parts_here(ctx.spec.world_size, len(ctx.nodes)),
+            increment=ctx.increment,
+        )
+        self._writer = get_shard_writer(self.node_id)
+
+    def send(self, staged: Any) -> Any:
+        """Once the share is copied (the writer never reads a piece before): the writer's ``write`` ref."""
+        self.begin()
+        incarnation = self.registered if self.incarnation is None else self.incarnation
+        ref = self._writer.write.remote(self._request, staged, incarnation)
+        if isinstance(staged, StagedRegion):
+            self.saver.buffer.busy = ref  # the writer reads the buffer until this resolves
+        return ref
+
+    def fail(self, error: str) -> None:
+        """The copy failed after the call returned."""
+        report_failed(self.target, error)
 
 
 def _start_actors() -> None:

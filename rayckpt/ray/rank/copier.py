@@ -31,7 +31,7 @@ from ..shm import StagedRegion
 from .staging import StagingBuffer
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Copying:
     """How a save's copy goes on: its ``overlap``, where the copied share goes and where a failure is told."""
 
