@@ -242,10 +242,21 @@ def test_node_local_storage_is_refused_before_training_when_the_nodes_are_on_sev
     assert s3_puts(hosts.s3.log_path) == puts
 
 
+def memory_job(hosts: RayHosts, run: str, prefix: str) -> tuple[str, str]:
+    """The job as ``run`` for 3 steps, three workers one per host, a memory save every step and a storage save at
+    the last, under ``prefix`` on the S3 host: the storage URI and the job's output, once it ended at step 3."""
+    assert hosts.s3 is not None
+    uri = hosts.s3.uri(prefix)
+    flags = ["--run-name", run, "--storage-path", uri, "--num-workers", "3", *ONE_PER_HOST, *TINY]
+    proc = submit(hosts, "--steps", "3", "--checkpoint-every", "3", "--memory-every", "1", *flags)
+    done = summary(proc)
+    assert done["final_step"] == 3, done
+    return uri, proc.stdout + proc.stderr
+
+
 def test_a_host_whose_shm_another_process_filled_sends_memory_saves_to_storage_with_one_warning(
     hosts: RayHosts, undo: Undo
 ):
-    assert hosts.s3 is not None
     full = hosts[1]
     free = shm_free(full)
     # Leave Ray's object store its room (its pages are taken only as objects are made), and no more.
@@ -254,12 +265,7 @@ def test_a_host_whose_shm_another_process_filled_sends_memory_saves_to_storage_w
     assert filled.returncode == 0, f"filling /dev/shm of host {full.index} failed: {filled.stderr}"
     assert shm_free(full) <= OBJECT_STORE_MB << 20
 
-    uri = hosts.s3.uri("shm")
-    flags = ["--run-name", "shmfull", "--storage-path", uri, "--num-workers", "3", *ONE_PER_HOST, *TINY]
-    proc = submit(hosts, "--steps", "3", "--checkpoint-every", "3", "--memory-every", "1", *flags)
-    done = summary(proc)
-    assert done["final_step"] == 3, done
-    output = proc.stdout + proc.stderr
+    uri, output = memory_job(hosts, "shmfull", "shm")
     assert "(memory) committed step" not in output, output[-6000:]
     # Every memory save went to storage instead: each step is a storage checkpoint.
     assert committed(hosts[0], uri) == [("shmfull", step, "committed") for step in (1, 2, 3)]
@@ -279,7 +285,6 @@ def test_a_host_whose_shm_another_process_filled_sends_memory_saves_to_storage_w
 
 
 def test_replicas_to_a_host_whose_link_is_firewalled_go_through_ray_with_one_warning(hosts: RayHosts, undo: Undo):
-    assert hosts.s3 is not None
     before = writers(hosts)  # made now if not yet: each listens on a port of its own from here on
     blocked = hosts[2]
     port, node = before[blocked.ip]["port"], before[blocked.ip]["node"]
@@ -289,12 +294,7 @@ def test_replicas_to_a_host_whose_link_is_firewalled_go_through_ray_with_one_war
     assert not hosts[0].can_connect(blocked.ip, port) and not hosts[1].can_connect(blocked.ip, port)
     assert hosts.ray_nodes() == sorted(host.ip for host in hosts), "Ray lost a node behind the rule"
 
-    uri = hosts.s3.uri("link")
-    flags = ["--run-name", "firewalled", "--storage-path", uri, "--num-workers", "3", *ONE_PER_HOST, *TINY]
-    proc = submit(hosts, "--steps", "3", "--checkpoint-every", "3", "--memory-every", "1", *flags)
-    done = summary(proc)
-    assert done["final_step"] == 3, done
-    output = proc.stdout + proc.stderr
+    uri, output = memory_job(hosts, "firewalled", "link")
     # The first memory save is never skipped (no save before it is unwritten); a later one may be.
     assert "firewalled (memory) committed step 1" in output, output[-6000:]
     assert committed(hosts[1], uri) == [("firewalled", 3, "committed")]
