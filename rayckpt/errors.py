@@ -56,6 +56,10 @@ class InvalidStateError(RayckptError):
     """The state dict given to ``save`` cannot be stored (type, key, placement)."""
 
 
+class DataPositionError(RayckptError):
+    """A data position cannot be saved or resumed: another dataset, a changed length, ranks out of step."""
+
+
 #: Links of an exception's cause chain ``describe_error`` names.
 _CAUSES_SHOWN = 4
 

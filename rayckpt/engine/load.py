@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from ..data.loaders import resume
 from ..errors import RayckptError
 from ..format.manifest import manifest_values
 from ..phases import log_phases, phase, timed
@@ -38,6 +39,7 @@ def load(
     coordinator: Coordinator | None = None,
     filesystem: pafs.FileSystem | None = None,
     plan_source: PlanSource | None = None,
+    data: Any = None,
 ) -> LoadInfo:
     """Fill ``state_dict`` in place from the checkpoint at ``checkpoint_id``, with any world size.
 
@@ -78,6 +80,9 @@ def load(
         filesystem: A ``pyarrow.fs.FileSystem`` that ``checkpoint_id`` is a path on.
         plan_source: Gives each rank its read plan in place of step 2 (the Ray
             layer passes the MetadataActor's); None: rank 0 plans.
+        data: A ``rayckpt.data.ResumableSampler`` (or the loader around it) to continue from
+            the checkpoint's data position, this rank's share of the rest of the epoch
+            (docs/data.md); a checkpoint without one restarts the epoch, with one WARNING.
 
     Returns:
         This rank's ``LoadInfo``: bytes needed, read and fetched, reads, the keys
@@ -92,6 +97,8 @@ def load(
         CorruptCheckpointError: A checksum mismatch (naming file, key and byte
             range), a missing or truncated shard file, or a bad manifest.
         FormatVersionError: The manifest was written by an unknown format version.
+        DataPositionError: The checkpoint's data position is of another dataset or of another
+            length (both named), after the state was loaded.
     """
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
@@ -116,9 +123,21 @@ def load(
             info = gather_or_raise(coord, "load", read, RayckptError)[coord.rank]
         with phase("finish"):
             flat_holder[0].finish_load()
+            if data is not None:
+                resume_data(coord, ckdir, data)
     phases = clock.result()
     log_phases("load from", ckdir.location, coord.rank, phases)
     return replace(info, phases=phases)
+
+
+def resume_data(coord: Coordinator, ckdir: CheckpointDir, data: Any) -> None:
+    """Continue ``data`` from the checkpoint's data position (collective: rank 0 reads it, every rank resumes)."""
+
+    def saved() -> dict[str, Any] | None:
+        return read_manifest(ckdir).data_position if coord.rank == 0 else None
+
+    position = gather_or_raise(coord, "load (data position)", saved, RayckptError)[0]
+    resume(data, position, ckdir.location)
 
 
 #: Gives a loading rank its read plan, the checksum blocks, file sizes and stored values.

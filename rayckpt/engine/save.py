@@ -21,6 +21,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from ..data.loaders import share_of
+from ..data.position import RankShare, combine
 from ..errors import PeerLostError, RayckptError, SaveFailedError
 from ..format.file_paths import written_bytes
 from ..format.manifest import MANIFEST_NAME
@@ -80,6 +82,7 @@ def save(
     overwrite: bool = True,
     incremental: bool = False,
     full_every: int = 0,
+    data: Any = None,
 ) -> SaveInfo:
     """Save ``state_dict`` to ``checkpoint_id`` as one checkpoint, each rank writing its own shards.
 
@@ -127,6 +130,9 @@ def save(
             self-contained checkpoint.
         full_every: With ``incremental``: every ``full_every``-th save of a chain
             shares nothing (0: never).
+        data: The job's place in its data, saved in the manifest's ``data_position``: a
+            ``rayckpt.data.ResumableSampler`` or the loader around it (docs/data.md). Every
+            rank's share is combined into one position that resumes under any world size.
 
     Returns:
         This rank's ``SaveInfo``: the location, the save id, the checkpoint's bytes
@@ -138,6 +144,8 @@ def save(
         InvalidStateError: ``state_dict`` holds something the pickle-free format
             cannot store (a ``set``, a custom object, a ``ShardedTensor``), named by
             its key, before any file is written.
+        DataPositionError: ``data`` cannot say what was consumed, or the ranks are at
+            different data positions (``rayckpt.data.share_of``, ``combine``), before any file is written.
         CheckpointExistsError: ``overwrite=False`` and the location holds a
             committed checkpoint, which is left untouched.
         PeerLostError: A collective of the save failed (a rank died); the process
@@ -158,7 +166,12 @@ def save(
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
     options = SaveOptions(
-        block_size=block_size, metadata=metadata, overwrite=overwrite, incremental=incremental, full_every=full_every
+        block_size=block_size,
+        metadata=metadata,
+        overwrite=overwrite,
+        incremental=incremental,
+        full_every=full_every,
+        data=data,
     )
     try:
         with timed() as clock:
@@ -189,6 +202,9 @@ class SaveOptions:
     overwrite: bool = True
     incremental: bool = False
     full_every: int = 0
+    #: The job's place in its data: a ``ResumableSampler`` or the loader around it (``rayckpt.data``);
+    #: None: no data position is saved.
+    data: Any = None
 
     def __post_init__(self) -> None:
         full_every_count(self.full_every)
@@ -379,6 +395,7 @@ def collect_state(
         return SaveIds(save_id, previous, increment)
 
     agreement = PlanAgreement(coord, plans or PROCESS_PLANS, node=node, claim=claim_ids, block_size=block_size)
+    position = None if options.data is None else data_position(coord, options.data)
     try:
         with phase("plan"):
             a = agreement.agree(state_dict)
@@ -396,6 +413,7 @@ def collect_state(
         metadata=dict(options.metadata or {}),
         paths=a.root.paths,
         previous=a.ids.previous,
+        data_position=position,
     )
     return SaveContext(
         spec=spec,
@@ -407,6 +425,13 @@ def collect_state(
         layout=a.layouts,
         increment=a.ids.increment,
     )
+
+
+def data_position(coord: Coordinator, data: Any) -> dict[str, Any]:
+    """The job's data position from every rank's share of ``data`` (collective, before the location is claimed)."""
+    with phase("plan"):
+        shares: list[RankShare] = gather_or_raise(coord, "save (data position)", lambda: share_of(data), RayckptError)
+        return combine(shares).to_json()
 
 
 def write_own_share(files: WrittenFiles, ctx: SaveContext) -> WrittenShard:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["GPT", "GPTConfig", "shard_model", "synthetic_batch"]
+__all__ = ["GPT", "GPTConfig", "per_rank_batch", "shard_model", "synthetic_batch"]
 
 #: Largest stride of a synthetic sequence; the model learns it from the first two tokens.
 MAX_STRIDE = 16
@@ -145,6 +145,22 @@ def shard_model(model: GPT, mesh: DeviceMesh) -> GPT:
     return model
 
 
+def per_rank_batch(global_batch: int, world_size: int) -> int:
+    """Each of ``world_size`` workers' share of a global batch.
+
+    Raises:
+        ValueError: The batch does not split evenly: FSDP averages gradients across ranks, which
+            equals the gradient of the global mean loss only when every rank holds as many samples.
+    """
+    if global_batch % world_size:
+        raise ValueError(
+            f"global batch {global_batch} is not divisible by {world_size} workers: every worker needs the same "
+            f"number of samples for the averaged gradients to equal the global batch's; choose a global batch "
+            f"that is a multiple of the worker count"
+        )
+    return global_batch // world_size
+
+
 def synthetic_batch(
     step: int, global_batch: int, cfg: GPTConfig, rank: int = 0, world_size: int = 1, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,12 +174,7 @@ def synthetic_batch(
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
-    if global_batch % world_size:
-        raise ValueError(
-            f"global batch {global_batch} is not divisible by {world_size} workers: every worker needs the same "
-            f"number of samples for the averaged gradients to equal the global batch's; choose a global batch "
-            f"that is a multiple of the worker count"
-        )
+    per_rank_batch(global_batch, world_size)
     # The CPU generator keeps 32 bits of its seed: fold the run seed in with a large odd constant.
     gen = torch.Generator().manual_seed((step + seed * 0x9E3779B1) % 2**32)
     seq_len, alphabet = cfg.seq_len, min(cfg.vocab_size, DATA_ALPHABET)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.app_state import AppState
-from .gpt import GPT, GPTConfig, shard_model, synthetic_batch
+from .gpt import GPT, GPTConfig, per_rank_batch, shard_model, synthetic_batch
 from .job_checks import (
     JobConfigError,
     check_resources,
@@ -64,10 +64,15 @@ class CheckpointerLike(Protocol):
     #: The user metadata of the checkpoint the last ``restore`` loaded (``{}`` when none).
     restored_metadata: dict[str, Any]
 
-    def restore(self, state: dict[str, Any]) -> int | None: ...
+    def restore(self, state: dict[str, Any], data: Any = None) -> int | None: ...
 
     def save(
-        self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None = None
+        self,
+        step: int,
+        state: dict[str, Any],
+        metrics: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        data: Any = None,
     ) -> Any: ...
 
     def wait(self) -> None: ...
@@ -94,6 +99,9 @@ def train_config(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "resume": args.resume,
         "gpus": args.gpus,
+        "data": args.data,
+        "epoch_samples": args.epoch_samples,
+        "sample_log": args.sample_log,
     }
 
 
@@ -158,7 +166,12 @@ def train(
     app = AppState(model, optim, scheduler=sched, step=0)
     state = {"app": app}
 
-    resumed_from = checkpointer.restore(state) if config["resume"] else None
+    per_rank = per_rank_batch(config["global_batch"], world_size)  # refused before any step runs
+    data = corpus_loader(config, cfg, rank, world_size, per_rank) if config.get("data") == "corpus" else None
+    if config["resume"]:
+        resumed_from = checkpointer.restore(state) if data is None else checkpointer.restore(state, data=data)
+    else:
+        resumed_from = None
     start = resumed_from or 0
     stored = checkpointer.restored_metadata.get("hparams") or {} if resumed_from is not None else {}
     if resumed_from is not None:
@@ -178,11 +191,15 @@ def train(
 
     history: list[dict[str, float]] = []
     pending: list[float] = []
+    batches = Batches(data, config.get("sample_log"), rank, world_size)
     for step in range(start, total):
         began = time.perf_counter()
         lr = optim.param_groups[0]["lr"]
         torch.manual_seed(seed + step)
-        inputs, targets = synthetic_batch(step, config["global_batch"], cfg, rank, world_size)
+        if data is None:
+            inputs, targets = synthetic_batch(step, config["global_batch"], cfg, rank, world_size)
+        else:
+            inputs, targets = batches.next(step + 1)
         loss = model.loss(inputs.to(device), targets.to(device))
         loss.backward()
         optim.step()
@@ -202,6 +219,9 @@ def train(
                 "world_size": world_size,
                 "restarts": restarts,
             }
+            if data is not None:
+                metrics["epoch"] = data.sampler.epoch
+            saved_data = {} if data is None else {"data": data}
             persist = done % every == 0 or done == total
             if persist:
                 metrics["losses"] = pending
@@ -210,13 +230,85 @@ def train(
                     metrics["restored_tier"] = getattr(checkpointer, "restored_from", {}).get("tier", "storage")
                 pending = []
             if persist:
-                checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams})
+                checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams}, **saved_data)
             else:  # a memory-only save: under Ray only, where the Checkpointer has a memory tier
-                checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams}, persist=False)
+                checkpointer.save(
+                    done, state, metrics=metrics, metadata={"hparams": hparams}, persist=False, **saved_data
+                )
     if in_memory:
         checkpointer.release_memory()  # the last step is in storage: the run's memory checkpoints are done with
     checkpointer.wait()
     return history
+
+
+def corpus_loader(
+    config: dict[str, Any], cfg: GPTConfig, rank: int, world_size: int, per_rank: int
+) -> torch.utils.data.DataLoader:
+    """``--data corpus``: this rank's loader of the byte corpus, through a ``ResumableSampler``.
+
+    Shuffled each epoch with ``--seed``; ``drop_last`` so every rank runs as many steps per
+    epoch (a tail the ranks cannot split evenly waits for the next epoch's shuffle).
+    """
+    from ..data import ResumableSampler
+    from .corpus import BYTE_VOCAB, ByteCorpus, python_help_text
+
+    if cfg.vocab_size < BYTE_VOCAB:
+        raise ValueError(f"the byte corpus needs a vocabulary of at least {BYTE_VOCAB} ids, got {cfg.vocab_size}")
+    dataset = ByteCorpus(python_help_text(), cfg.seq_len, samples=config.get("epoch_samples") or 0)
+    sampler = ResumableSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        seed=config["seed"],
+        drop_last=True,
+        identity=dataset.identity,
+    )
+    return torch.utils.data.DataLoader(dataset, batch_size=per_rank, sampler=sampler)
+
+
+class Batches:
+    """The loop's batches from the corpus loader, epoch after epoch; with ``log_dir``, each step's sample ids.
+
+    A step's line in ``<log_dir>/samples-<attempt>-<rank>.jsonl``: ``{"step", "epoch", "rank",
+    "world_size", "attempt", "ids"}``, ``attempt`` the same on every rank of one worker group.
+    """
+
+    def __init__(self, loader: Any, log_dir: str | None, rank: int, world_size: int) -> None:
+        self.loader, self.rank, self.world_size = loader, rank, world_size
+        self._pass = iter(loader) if loader is not None else None
+        self.log = None
+        if loader is not None and log_dir:
+            import os
+
+            attempt = [f"{time.time():.6f}-{os.getpid()}" if rank == 0 else None]
+            if world_size > 1:
+                dist.broadcast_object_list(attempt, src=0)
+            self.attempt = attempt[0]
+            os.makedirs(log_dir, exist_ok=True)
+            self.log = os.path.join(log_dir, f"samples-{self.attempt}-{rank}.jsonl")
+
+    def next(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``step`` (from 1); when the epoch is through, the next epoch's first."""
+        assert self._pass is not None
+        sampler = self.loader.sampler
+        try:
+            inputs, targets, ids = next(self._pass)
+        except StopIteration:
+            sampler.set_epoch(sampler.epoch + 1)
+            self._pass = iter(self.loader)
+            inputs, targets, ids = next(self._pass)
+        if self.log is not None:
+            line = {
+                "step": step,
+                "epoch": sampler.epoch,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "attempt": self.attempt,
+                "ids": ids.tolist(),
+            }
+            with open(self.log, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return inputs, targets
 
 
 def resume_schedule(sched: torch.optim.lr_scheduler.LambdaLR, horizon: int) -> int:

@@ -85,6 +85,16 @@ def check_flags(args: argparse.Namespace) -> None:
         )
     if args.d_model % args.n_heads:
         raise JobConfigError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+    if getattr(args, "data", "synthetic") == "corpus":
+        from .corpus import BYTE_VOCAB
+
+        if args.vocab_size < BYTE_VOCAB:
+            raise JobConfigError(
+                f"--data corpus reads bytes (ids 0-{BYTE_VOCAB - 1}): --vocab-size must be at least {BYTE_VOCAB}, "
+                f"got {args.vocab_size}"
+            )
+        if args.epoch_samples < 0:
+            raise JobConfigError(f"--epoch-samples must be 0 (every window) or more, got {args.epoch_samples}")
 
 
 def check_storage(storage_path: str) -> None:

@@ -150,6 +150,26 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup, cosine decay)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
+    p.add_argument(
+        "--data",
+        choices=("corpus", "synthetic"),
+        default="corpus",
+        help="corpus: byte-level windows of Python's help text (pydoc_data), shuffled each epoch, resumed "
+        "exactly under any worker count; synthetic: arithmetic sequences drawn per step",
+    )
+    p.add_argument(
+        "--epoch-samples",
+        type=int,
+        default=144,
+        metavar="N",
+        help="with --data corpus: the first N windows of the corpus make an epoch (0: every window)",
+    )
+    p.add_argument(
+        "--sample-log",
+        metavar="DIR",
+        default=None,
+        help="with --data corpus: each worker appends the sample ids of each step it runs to DIR/samples-*.jsonl",
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

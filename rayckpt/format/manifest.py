@@ -133,6 +133,8 @@ class Manifest:
     version: int = FORMAT_VERSION
     #: Free-form JSON the caller attached (step, metrics, run name).
     user_metadata: dict[str, Any] = field(default_factory=dict)
+    #: The job's place in its data when it saved (``rayckpt.data.DataPosition``'s fields); None: not saved.
+    data_position: dict[str, Any] | None = None
     #: Algorithm of every chunk's block checksums (one of ``CHECKSUMS``).
     checksum: str = DEFAULT_CHECKSUM
     #: Read from storage (version 4): the chunk table's file name and its columns
@@ -220,6 +222,7 @@ def encode_manifest(m: Manifest, table: dict[str, Any] | None = None) -> bytes:
         "block_size": m.block_size,
         "checksum": m.checksum,
         "user_metadata": m.user_metadata,
+        **({"data_position": m.data_position} if m.data_position is not None else {}),
         "files": [{"path": f.path, "size": f.size, "rank": f.rank} for f in m.files],
     }
     if table is not None and by_table:
@@ -365,6 +368,7 @@ def _decode_document(doc: dict[str, Any], version: int, checksum: str) -> Manife
         version=version,
         checksum=checksum,
         user_metadata=dict(doc.get("user_metadata", {})),
+        data_position=doc.get("data_position"),
     )
 
 

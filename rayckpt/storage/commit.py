@@ -69,6 +69,8 @@ class SaveSpec:
     #: ``lease.claim_location``; the commit refuses if another save committed since.
     #: ``None``: the save did not claim the location (only the leases are checked).
     previous: str | None = None
+    #: The manifest's ``data_position``: the job's place in its data (``rayckpt.data``); None: none saved.
+    data_position: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,7 @@ def create_manifest(spec: SaveSpec, shards: Iterable[WrittenShard]) -> Manifest:
         files=files,
         created=time.time(),
         user_metadata=spec.metadata,
+        data_position=spec.data_position,
         columns=columns,
         version=SHARED_VERSION if any(is_shared(f.path) for f in files) else FORMAT_VERSION,
     )

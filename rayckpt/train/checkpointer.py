@@ -28,6 +28,7 @@ from typing import Any
 import ray
 import ray.train
 
+from ..data.loaders import resume
 from ..engine.coordinator import default_coordinator
 from ..engine.load import LoadInfo
 from ..engine.save import SaveOptions
@@ -74,6 +75,9 @@ class Checkpointer:
         incremental: Storage saves write only the chunks that changed since the run's last committed
             one, into the shared store beside the checkpoints (False: each self-contained).
         full_every: With ``incremental``: every ``full_every``-th storage save shares nothing (0: never).
+        data: The job's place in its data, saved with every checkpoint of either tier and resumed by
+            ``restore`` under any worker count: a ``rayckpt.data.ResumableSampler`` or the loader
+            around it (docs/data.md). ``save`` and ``restore`` take one of their own too.
 
     Attributes:
         restarts: Rank 0: worker groups of this ``fit()`` started before this one (Ray Train's
@@ -105,6 +109,7 @@ class Checkpointer:
         overlap: bool | str = True,
         incremental: bool = True,
         full_every: int = 0,
+        data: Any = None,
     ) -> None:
         #: Where each step's save goes (``tiers.TierPolicy``): storage every ``persist_every`` steps, the
         #: nodes' memory every ``memory_every`` steps between (0: no memory tier).
@@ -125,6 +130,8 @@ class Checkpointer:
             ),
             report=report,
         )
+        #: What ``save`` takes the data position from and ``restore`` resumes (None: no data position).
+        self.data = data
         #: Size of this worker's staging buffer made by ``restore`` (0: none).
         self.staging_bytes = 0
         #: What the last ``restore`` loaded (``LoadInfo``), for logs and tests.
@@ -182,6 +189,7 @@ class Checkpointer:
         metrics: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         persist: bool | None = None,
+        data: Any = None,
     ) -> SaveHandle | None:
         """Start saving ``state`` as step ``step`` (collective); return a ``SaveHandle`` once its copy is launched.
 
@@ -197,6 +205,7 @@ class Checkpointer:
             metrics: Reported to Ray Train with ``step``, and kept in the manifest.
             metadata: JSON-able user metadata for the manifest (``restore`` gives it back).
             persist: True: to storage whatever ``persist_every`` says; False: to memory only.
+            data: The data position's source for this save in place of the constructor's ``data``.
 
         Returns:
             The storage save's handle when there is one, else the memory save's, else None.
@@ -207,23 +216,29 @@ class Checkpointer:
         """
         tiers = self.policy.tiers(step, persist)
         metrics = dict(metrics or {}, step=step)
+        data = data if data is not None else self.data
         handle = None
         if MEMORY in tiers:
             state = flatten(state)  # once, for both tiers: its Stateful objects' state_dict() is not free
             if (go := self._memory_go(step, state)) == MEMORY:
-                handle = self._save_to_memory(step, state, metrics, metadata)
+                handle = self._save_to_memory(step, state, metrics, metadata, data)
             elif go == STORAGE:
                 tiers = (STORAGE,)  # no room in some node's budget: to storage instead (one WARNING)
         # Else flattened by the save itself, inside its first collective: a rank whose state cannot be
         # saved then fails every rank.
-        return self._save_to_storage(step, state, metrics, metadata) if STORAGE in tiers else handle
+        return self._save_to_storage(step, state, metrics, metadata, data) if STORAGE in tiers else handle
 
     def _save_to_storage(
-        self, step: int, state: dict[str, Any] | FlatState, metrics: dict[str, Any], metadata: dict[str, Any] | None
+        self,
+        step: int,
+        state: dict[str, Any] | FlatState,
+        metrics: dict[str, Any],
+        metadata: dict[str, Any] | None,
+        data: Any,
     ) -> SaveHandle:
         """``save`` to storage, reported to Ray Train; waits first for the storage save before it."""
         self._wait(STORAGE)  # what ``save_async`` does first, here so the previous save's outcome is announced
-        handle = self._start(STORAGE, step, state, {**(metadata or {}), "metrics": metrics})
+        handle = self._start(STORAGE, step, state, {**(metadata or {}), "metrics": metrics}, data)
         if self.settings.report:
             from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -254,20 +269,22 @@ class Checkpointer:
         return go
 
     def _save_to_memory(
-        self, step: int, state: FlatState, metrics: dict[str, Any], metadata: dict[str, Any] | None
+        self, step: int, state: FlatState, metrics: dict[str, Any], metadata: dict[str, Any] | None, data: Any
     ) -> SaveHandle:
         """``save`` to the memory tier, in its own lane (beside a storage save still being written)."""
         self._wait(MEMORY)  # written on every rank (``_memory_go``): its commit is at hand
-        return self._start(MEMORY, step, state, {**(metadata or {}), "metrics": metrics})
+        return self._start(MEMORY, step, state, {**(metadata or {}), "metrics": metrics}, data)
 
-    def _start(self, tier: str, step: int, state: dict[str, Any] | FlatState, metadata: dict[str, Any]) -> SaveHandle:
+    def _start(
+        self, tier: str, step: int, state: dict[str, Any] | FlatState, metadata: dict[str, Any], data: Any
+    ) -> SaveHandle:
         """Start the save of ``step`` to ``tier`` (``save_async``, its options as records)."""
         write, on_ray = self.settings.for_tier(tier)
         m = self.memory if tier == MEMORY else None
         where = (m.path(step), m.run, m.filesystem) if m is not None else (self.path(step), self.run, self.filesystem)
         dest = SaveDestination(checkpoint_id=where[0], run=where[1], step=step, filesystem=where[2])
         began = time.perf_counter()
-        handle = start_save(state, dest, replace(write, metadata=metadata), on_ray)
+        handle = start_save(state, dest, replace(write, metadata=metadata, data=data), on_ray)
         self._last[tier] = (handle, began)
         return handle
 
@@ -286,7 +303,7 @@ class Checkpointer:
         """
         return latest_committed(self._register_run(STORAGE))
 
-    def restore(self, state: dict[str, Any]) -> int | None:
+    def restore(self, state: dict[str, Any], data: Any = None) -> int | None:
         """Load the newest committed checkpoint that restores into ``state`` (collective; any worker count).
 
         Every rank tries rank 0's list of the run's committed checkpoints, newest first,
@@ -296,6 +313,9 @@ class Checkpointer:
 
         Args:
             state: The target, filled in place (as for ``rayckpt.load``).
+            data: Continued from the restored checkpoint's data position (in place of the
+                constructor's ``data``): this rank's share of the rest of the epoch. A checkpoint
+                without a position restarts the epoch, with one WARNING.
 
         Returns:
             The restored step; None when the run has no checkpoint (``state`` untouched).
@@ -303,8 +323,10 @@ class Checkpointer:
         Raises:
             RestoreFailedError: No committed checkpoint restores (naming each one tried and why).
             IncompatibleStateError: ``state`` does not fit the checkpoint (a changed model).
+            DataPositionError: The checkpoint's data position is of another dataset or another
+                length (both named).
         """
-        step = self._load_latest(state)
+        step = self._load_latest(state, data if data is not None else self.data)
         staging = self.settings.on_ray.staging
         self.staging_bytes = prepare_staging(state, staging)
         if self.memory is not None:  # the memory lane's own buffer: it stages while a storage save is written
@@ -324,7 +346,7 @@ class Checkpointer:
         ray_ckpt = ray.train.get_checkpoint()
         return candidates(entries, held, ray_ckpt.path if ray_ckpt is not None else None)
 
-    def _load_latest(self, state: dict[str, Any]) -> int | None:
+    def _load_latest(self, state: dict[str, Any], data: Any) -> int | None:
         # Every rank tries rank 0's list: the ranks' catalogs were read at different moments (an
         # earlier group's save may commit in between), and all must load the same checkpoint.
         candidates, passed_over = default_coordinator().all_gather(self._candidates())[0]
@@ -347,6 +369,8 @@ class Checkpointer:
                 continue
             metadata = ray.get(get_metadata_actor().user_metadata.remote(path, filesystem))
             self.restored_metadata = metadata
+            if data is not None:
+                resume(data, ray.get(get_metadata_actor().data_position.remote(path, filesystem)), path)
             restored_step = metadata.get("step")
             peer = peer_bytes() - from_peers
             self.restored_from = {

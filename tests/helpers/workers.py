@@ -146,7 +146,7 @@ class LocalCheckpointer:
         self.fs_path = root
         self.restored_metadata: dict[str, Any] = {}
 
-    def restore(self, state: dict[str, Any]) -> int | None:
+    def restore(self, state: dict[str, Any], data: Any = None) -> int | None:
         steps = sorted(
             int(d.split("_")[1])
             for d in (os.listdir(self.fs_path) if os.path.isdir(self.fs_path) else [])
@@ -158,15 +158,20 @@ class LocalCheckpointer:
         from rayckpt.storage.commit import read_manifest
 
         path = os.path.join(self.fs_path, f"step_{steps[-1]}")
-        rayckpt.load(state, path)
+        rayckpt.load(state, path, data=data)
         self.restored_metadata = dict(read_manifest(CheckpointDir.resolve(path)).user_metadata)
         return state["app"].extras["step"]
 
     def save(
-        self, step: int, state: dict[str, Any], metrics: dict[str, Any], metadata: dict[str, Any] | None = None
+        self,
+        step: int,
+        state: dict[str, Any],
+        metrics: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        data: Any = None,
     ) -> None:
         path = os.path.join(self.fs_path, f"step_{step}")
-        rayckpt.save(state, path, metadata={**(metadata or {}), "metrics": metrics})
+        rayckpt.save(state, path, metadata={**(metadata or {}), "metrics": metrics}, data=data)
 
     def wait(self) -> None:
         pass

@@ -27,12 +27,13 @@ ALLOWED = {
     "format": BASE | {"format"},
     "planning": BASE | {"format", "planning"},
     "storage": BASE | {"format", "storage"},
-    "engine": BASE | {"format", "planning", "storage", "engine"},
+    "data": BASE | {"data"},
+    "engine": BASE | {"format", "planning", "storage", "data", "engine"},
     "observe": BASE | {"observe"},
-    "ray": BASE | {"format", "planning", "storage", "engine", "observe", "ray"},
-    "train": BASE | {"format", "planning", "storage", "engine", "ray", "train"},
-    "tools": BASE | {"format", "planning", "storage", "engine", "tools"},
-    "testing": BASE | {"format", "planning", "storage", "engine", "testing"},
+    "ray": BASE | {"format", "planning", "storage", "data", "engine", "observe", "ray"},
+    "train": BASE | {"format", "planning", "storage", "data", "engine", "ray", "train"},
+    "tools": BASE | {"format", "planning", "storage", "data", "engine", "tools"},
+    "testing": BASE | {"format", "planning", "storage", "data", "engine", "testing"},
 }
 #: Subpackage -> third-party packages it must not import.
 FORBIDDEN = {
@@ -40,6 +41,7 @@ FORBIDDEN = {
     "observe": {"torch", "ray"},
     "planning": {"torch", "ray", "pyarrow"},
     "storage": {"torch", "ray"},
+    "data": {"ray"},
     "engine": {"ray"},
     "tools": {"ray"},
     "testing": {"ray"},

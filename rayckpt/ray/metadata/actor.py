@@ -383,6 +383,11 @@ class MetadataActor(OperatorViews):
         m = await asyncio.to_thread(self._plans.manifest, location, filesystem)
         return dict(m.user_metadata)
 
+    async def data_position(self, location: str, filesystem: Any = None) -> dict[str, Any] | None:
+        """The ``data_position`` of a committed checkpoint (None: saved without one; ``Checkpointer.restore``)."""
+        m = await asyncio.to_thread(self._plans.manifest, location, filesystem)
+        return m.data_position
+
     async def cached_plans(self) -> int:
         """Plans held: per-request plans plus all-ranks (bulk) plans (operators, tests)."""
         return self._plans.cached_plans()
