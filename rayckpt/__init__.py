@@ -34,6 +34,7 @@ _EXPORTS = {
     "CheckpointExistsError": "rayckpt.errors",
     "CheckpointNotFoundError": "rayckpt.errors",
     "CorruptCheckpointError": "rayckpt.errors",
+    "DataPositionError": "rayckpt.errors",
     "FormatVersionError": "rayckpt.errors",
     "IncompatibleStateError": "rayckpt.errors",
     "InvalidStateError": "rayckpt.errors",

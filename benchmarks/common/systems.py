@@ -226,7 +226,23 @@ def memory_tier(state: Any, overlap: bool = True, **options: Any) -> Any:
 #: ``async_save``, the ``overlap`` of rayckpt's ``save_async`` and of its memory tier.
 MODES: dict[str, Any] = {"none": None, "copy": None, "dcp": (True, False, False, False)}
 MODES |= {"dcp-async-staging": (True, True, True, True), "rayckpt-sync": False, "rayckpt": True, "rayckpt-all": "all"}
-MODES |= {"memory": True, "memory-sync": False}
+MODES |= {"memory": True, "memory-sync": False, "rayckpt-data": True}
+
+
+def data_sampler() -> Any:
+    """This rank's ``ResumableSampler`` of a million samples, 1000 into its epoch."""
+    from rayckpt.data import ResumableSampler
+
+    sampler = ResumableSampler(1_000_000, seed=1, identity="bench")
+    share = iter(sampler)
+    for _ in range(1000):
+        next(share)
+    return sampler
+
+
+def dir_bytes(path: str) -> int:
+    """The bytes of the files under ``path`` (0: none)."""
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
 
 
 class Modes:
@@ -255,6 +271,8 @@ class Modes:
             except Exception as exc:  # a stager this torch cannot run is a result, not a crash
                 self.failed[mode] = f"{type(exc).__name__}: {exc}"[:400]
         self.ray = any(m.startswith("rayckpt") for m in modes)
+        #: ``rayckpt-data``: ``rayckpt`` with a data position, a sampler some way into its epoch.
+        self.data = data_sampler() if "rayckpt-data" in modes else None
         if self.ray:
             prepare_staging(state, wait=True)
         self.staging: Any = None
@@ -274,7 +292,8 @@ class Modes:
             self.pending = (path, upload.result)
         elif mode.startswith("rayckpt"):
             run = self.options.get("run", "bench")
-            handle = ray_save(self.state, *local(path), run=run, step=step, overlap=MODES[mode])
+            data = {"data": self.data} if mode == "rayckpt-data" else {}
+            handle = ray_save(self.state, *local(path), run=run, step=step, overlap=MODES[mode], **data)
             self.pending = (path, lambda: self._committed(handle, step))
         elif mode in self.memory:
             before = self.memory[mode].memory_skipped
@@ -300,9 +319,11 @@ class Modes:
             return {}
         (path, wait), self.pending = self.pending, None
         done = wait()
+        done = done if isinstance(done, dict) else {}
         if self.rank == 0:
+            done["ckpt_bytes"] = dir_bytes(path)
             shutil.rmtree(path, ignore_errors=True)
-        return done if isinstance(done, dict) else {}
+        return done
 
     def settle(self) -> None:
         """Every save's background work done (untimed)."""

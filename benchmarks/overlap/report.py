@@ -9,6 +9,8 @@ from benchmarks.common.harness import document, grouped, summary, table, target
 
 #: The stall targets: rayckpt's at most this fraction of DCP's (``--plain``: DCP's), and under this many seconds.
 STALL_OVER_DCP, PLAIN_STALL_OVER_DCP, STALL_SECONDS = 0.25, 1.0, 0.03
+#: A data position costs nothing measurable: the stall and the checkpoint's bytes with one over those without.
+DATA_STALL, DATA_BYTES = 1.1, 1.001
 
 
 def summarize_stall(records: list[dict[str, Any]], errors: dict[str, str] | None = None) -> dict[str, Any]:
@@ -22,6 +24,7 @@ def summarize_stall(records: list[dict[str, Any]], errors: dict[str, str] | None
         m["step_waited_s"] = statistics.median(max(r["staged_wait_s"] + r["opt_wait_s"] for r in rs) for rs in recs)
         m["total_s"] = statistics.median(max(r["total_s"] for r in rs) for rs in recs)
         m |= {"copy_s": statistics.median(copies) if copies else None, "ranks": len(recs[0]), "rounds": len(recs)}
+        m["ckpt_bytes"] = statistics.median(max(r.get("ckpt_bytes", 0) for r in rs) for rs in recs)
         out[mode] = m | {"late_bytes": max(r["late_bytes"] for rs in recs for r in rs)}
     for mode, error in (errors or {}).items():
         out[mode] = {"error": error}
@@ -45,6 +48,13 @@ def stall_targets(scenarios: dict[str, dict[str, Any]], plain: bool = False) -> 
         measured = modes.get("rayckpt", {}).get("stall_slowest", {}).get("median")
         if not plain:
             rows.append(target(f"{name}: stall, rayckpt, s", measured, STALL_SECONDS, False, "the same, in seconds"))
+        if "rayckpt-data" in modes:
+            with_data = stall_ratio(modes, "rayckpt-data", "rayckpt")
+            rows.append(
+                target(f"{name}: stall, with a data position / without", with_data, DATA_STALL, False, "median")
+            )
+            grown = modes["rayckpt-data"].get("ckpt_bytes", 0) / max(1, modes["rayckpt"].get("ckpt_bytes", 0))
+            rows.append(target(f"{name}: checkpoint bytes, with / without", grown, DATA_BYTES, False, "median"))
     return rows
 
 
@@ -63,6 +73,7 @@ def stall_markdown(report: dict[str, Any]) -> str:
                 | {"x copy": stall_ratio(modes, mode, "copy")}
                 | {"step waited s": m["step_waited_s"], "save to done s": m["total_s"]}
                 | {"copied after the call, MiB": m["late_bytes"] / 2**20 if m["late_bytes"] else None}
+                | {"checkpoint bytes": m.get("ckpt_bytes") or None}
             )
     return document("Save stall beside training: the time the save call blocks", report, table(rows))
 

@@ -1,15 +1,15 @@
-"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one
-run. The fp32 params and AdamW moments of a stack of square ``nn.Linear`` layers, as
-``AppState(model, opt)`` (``--plain``: copies of its tensors as plain tensors, which no optimizer owns,
-so every mode copies them before it returns); ``one-process``: one process holds all of it;
-``four-ranks``: TorchTrainer workers (gloo) each hold an FSDP2 share. Each save: the call timed, one
-training step (forward, backward, AdamW step; an overlapped copy runs beside forward and backward and the
-optimizer step waits for what is left of it), then the save waited for (DCP: its upload; rayckpt: its
-commit) and removed. Modes: ``copy``: the local tensors copied into buffers made beforehand; ``dcp``:
-``async_save`` with one reused pinned ``DefaultStager``; ``dcp-async-staging``: with
-``StagingOptions(True, True, True, True)``, its staging waited for before the optimizer step;
-``rayckpt-sync``: ``save_async(overlap=False)``; ``rayckpt``: ``save_async``, the optimizer's tensors
-copied beside the next step; ``rayckpt-all``: ``save_async(overlap="all")``; rayckpt after
+"""The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run.
+The fp32 params and AdamW moments of a stack of square ``nn.Linear`` layers, as ``AppState(model, opt)``
+(``--plain``: copies of its tensors as plain tensors, which no optimizer owns, so every mode copies them
+before it returns); ``one-process``: one process holds all of it; ``four-ranks``: TorchTrainer workers
+(gloo) each hold an FSDP2 share. Each save: the call timed, one training step (forward, backward, AdamW
+step; an overlapped copy runs beside forward and backward and the optimizer step waits for what is left
+of it), then the save waited for (DCP: its upload; rayckpt: its commit) and removed. Modes: ``copy``:
+the local tensors copied into buffers made beforehand; ``dcp``: ``async_save`` with one reused pinned
+``DefaultStager``; ``dcp-async-staging``: with ``StagingOptions(True, True, True, True)``, its staging
+waited for before the optimizer step; ``rayckpt-sync``: ``save_async(overlap=False)``; ``rayckpt``:
+``save_async``, the optimizer's tensors copied beside the next step; ``rayckpt-data``: the same with a
+data position (``data=`` a sampler); ``rayckpt-all``: ``save_async(overlap="all")``; rayckpt after
 ``prepare_staging``. Rounds after warm-up rounds, modes rotated; seconds: the slowest rank's per round
 (and the median rank's), median (min-max) over rounds."""
 
@@ -31,9 +31,9 @@ from benchmarks.common.workload import StackShape, add_model_args, batch, build,
 from benchmarks.overlap.report import stall_markdown, stall_targets, summarize_stall
 
 SCENARIOS = ("one-process", "four-ranks")
-ALL_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt", "rayckpt-all")
-CPU_MODES = ("copy", "dcp", "rayckpt-sync", "rayckpt")
-CUDA_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt")
+ALL_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt", "rayckpt-data", "rayckpt-all")
+CPU_MODES = ("copy", "dcp", "rayckpt-sync", "rayckpt", "rayckpt-data")
+CUDA_MODES = ("copy", "dcp", "dcp-async-staging", "rayckpt-sync", "rayckpt", "rayckpt-data")
 
 
 def run_rounds(saves: systems.Modes, model: Any, optim: Any, x: torch.Tensor, args: dict[str, Any]) -> list[dict]:
@@ -74,7 +74,7 @@ def run_rounds(saves: systems.Modes, model: Any, optim: Any, x: torch.Tensor, ar
                 records.append(
                     {"round": rnd, "mode": mode, "rank": saves.rank, "stall_s": stall, "staged_wait_s": staged_wait}
                     | {"opt_wait_s": opt_wait, "total_s": total, "late_bytes": done.get("late_bytes", 0)}
-                    | {"copy_s": done.get("copy_s")}
+                    | {"copy_s": done.get("copy_s"), "ckpt_bytes": done.get("ckpt_bytes", 0)}
                 )
     return records
 

@@ -170,9 +170,7 @@ def combine(shares: Sequence[RankShare]) -> DataPosition:
         return replace(base, consumed=base.length, extras=(), world_size=world)
     # The first offset nobody consumed; everything before it was, by some rank or earlier.
     first_free = min(taken[r] * world + r for r in range(world) if taken[r] < counts[r])
-    beyond = [
-        r + world * j for r in range(world) for j in range(max(0, (first_free - r) // world + 1), taken[r])
-    ]
+    beyond = [r + world * j for r in range(world) for j in range(max(0, (first_free - r) // world + 1), taken[r])]
     consumed = remaining_offset(base, first_free)
     extras = {remaining_offset(base, i) for i in beyond} | {e for e in base.extras if e > consumed}
     return replace(base, consumed=consumed, extras=tuple(sorted(extras)), world_size=world)

@@ -267,7 +267,8 @@ def corpus_loader(
 
 
 class Batches:
-    """The loop's batches from the corpus loader, epoch after epoch; with ``log_dir``, each step's sample ids.
+    """The loop's batches from a loader over a ``ResumableSampler``, epoch after epoch, each batch's last field
+    its sample ids; with ``log_dir``, each step's sample ids.
 
     A step's line in ``<log_dir>/samples-<attempt>-<rank>.jsonl``: ``{"step", "epoch", "rank",
     "world_size", "attempt", "ids"}``, ``attempt`` the same on every rank of one worker group.
@@ -287,16 +288,18 @@ class Batches:
             os.makedirs(log_dir, exist_ok=True)
             self.log = os.path.join(log_dir, f"samples-{self.attempt}-{rank}.jsonl")
 
-    def next(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch of ``step`` (from 1); when the epoch is through, the next epoch's first."""
+    def next(self, step: int) -> tuple[torch.Tensor, ...]:
+        """The batch of ``step`` (from 1), less its last field (the sample ids); when the epoch is
+        through, the next epoch's first."""
         assert self._pass is not None
         sampler = self.loader.sampler
         try:
-            inputs, targets, ids = next(self._pass)
+            batch = next(self._pass)
         except StopIteration:
             sampler.set_epoch(sampler.epoch + 1)
             self._pass = iter(self.loader)
-            inputs, targets, ids = next(self._pass)
+            batch = next(self._pass)
+        *tensors, ids = batch
         if self.log is not None:
             line = {
                 "step": step,
@@ -308,7 +311,7 @@ class Batches:
             }
             with open(self.log, "a") as f:
                 f.write(json.dumps(line) + "\n")
-        return inputs, targets
+        return tuple(tensors)
 
 
 def resume_schedule(sched: torch.optim.lr_scheduler.LambdaLR, horizon: int) -> int:

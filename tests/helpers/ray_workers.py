@@ -9,13 +9,20 @@ from typing import Any
 import ray
 import ray.train
 import torch
+from torch.utils.data import DataLoader
 
+from rayckpt.data import ResumableSampler
 from rayckpt.engine.app_state import AppState
+from rayckpt.examples.gpt_job import Batches
 from rayckpt.ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from rayckpt.ray.rank import async_save
 from rayckpt.testing.toy import build_fsdp, full_state, train_steps
 from rayckpt.train.checkpointer import Checkpointer
 from tests.helpers.recovery_faults import Faults, faults_done
+
+#: The toy loop's data: sample ids 0..DATA_LEN-1, GLOBAL_BATCH of them per step over all ranks.
+DATA_LEN = 24
+GLOBAL_BATCH = 12
 
 
 def next_failure(config: dict[str, Any]) -> str:
@@ -79,7 +86,13 @@ def toy_train_loop(config: dict[str, Any]) -> None:
     state = {"app": app}
     timeout = config.get("commit_timeout_s", DEFAULT_COMMIT_TIMEOUT_S)
     memory_every = config.get("memory_every", 0)  # memory saves at every other step, storage at save_at
+    # a real loader of sample ids, through the job's sampler: every save carries the data position
+    data_len = config.get("data_len", DATA_LEN)
+    sampler = ResumableSampler(data_len, num_replicas=world, rank=rank, seed=config.get("seed", 0), identity="toy")
+    per_rank = GLOBAL_BATCH // world if GLOBAL_BATCH % world == 0 else 1
+    loader = DataLoader([(i, i) for i in range(data_len)], batch_size=per_rank, sampler=sampler)
     ckpt = Checkpointer(
+        data=loader,
         local_is_shared=config.get("local_is_shared"),
         commit_timeout_s=timeout,
         memory_every=memory_every,
@@ -109,8 +122,10 @@ def toy_train_loop(config: dict[str, Any]) -> None:
     if config.get("probe_local"):
         probe_local_save(config["probe_local"], rank, out)
     faults = Faults(config, ckpt.run, rank, world)
+    batches = Batches(loader, out, rank, world)  # each step's ids in out/samples-*.jsonl
     while step < config["steps"]:
         faults.before_step(step + 1)
+        batches.next(step + 1)
         train_steps(model, optim, 1, rank + 100 * step)
         step += 1
         app.extras["step"] = step

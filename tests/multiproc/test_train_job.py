@@ -98,3 +98,11 @@ def test_4_3_2_4_workers_crossing_epochs_consume_every_sample_once_per_epoch(tmp
     position = DataPosition.from_json(read_manifest(CheckpointDir.resolve(root + "/step_11")).data_position, "m")
     per_epoch = check_exactly_once(steps, EPOCH, position)
     assert sorted(per_epoch) == [0, 1, 2, 3] and position.consumed == 24 and position.world_size == 4
+
+
+def test_a_global_batch_the_worker_count_does_not_divide_is_refused_before_any_step(tmp_path):
+    results = run_ranks(
+        workers.train_job_worker, 5, config(4, True, log=tmp_path / "log"), str(tmp_path / "run"), allow_failures=True
+    )
+    assert all("global batch 12 is not divisible by 5 workers" in str(r.error) for r in results)
+    assert not (tmp_path / "log").exists() and not (tmp_path / "run").exists()

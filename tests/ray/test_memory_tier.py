@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import shutil
 
 import numpy as np
 import pytest
@@ -13,11 +14,14 @@ import ray
 import torch
 
 import rayckpt
+from rayckpt.data import DataPosition
 from rayckpt.ray.memory.fs import memory_filesystem
 from rayckpt.ray.shm import SHM_DIR, shm_room
 from rayckpt.ray.writer.actor import get_shard_writer
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from tests.helpers.ray_train import fit, memory_steps
+from tests.helpers.ray_workers import DATA_LEN
+from tests.helpers.sample_log import check_exactly_once, read_steps
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +66,13 @@ def test_memory_saves_restore_first_and_a_flipped_byte_falls_back_to_the_one_bef
     expected = torch.load(first / "state-4.pt", weights_only=False)["state"]
     for key, value in expected.items():
         assert torch.equal(restored["state"][key], value), key
+    # the data went on from the memory checkpoint's position (step 4), not step 3's: every sample once
+    for log in first.glob("samples-*"):
+        shutil.copy(log, second)
+    final = rayckpt.read_manifest(CheckpointDir.resolve(str(storage / "mem" / "rayckpt-step-00000006")))
+    steps = read_steps(second)
+    assert steps[5].attempt != steps[4].attempt  # step 5 as the restored run ran it
+    check_exactly_once(steps, DATA_LEN, DataPosition.from_json(final.data_position, "step 6"))
 
 
 def test_a_save_the_memory_budget_cannot_hold_goes_to_storage_with_a_warning(ray_session, tmp_path, capfd):

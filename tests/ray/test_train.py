@@ -12,11 +12,14 @@ import ray
 import torch
 
 import rayckpt
+from rayckpt.data import DataPosition
 from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.toy import ToyModel
 from rayckpt.tools.listing import ls
 from tests.helpers.ray_train import fit
+from tests.helpers.ray_workers import DATA_LEN
+from tests.helpers.sample_log import check_exactly_once, read_steps
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +96,11 @@ def test_save_with_4_restore_with_3(ray_session, tmp_path, capfd):
     # a committed checkpoint is a plain rayckpt checkpoint too
     m = rayckpt.read_manifest(CheckpointDir.resolve(str(run_dir / "rayckpt-step-00000004")))
     assert m.world_size == 3 and m.user_metadata["step"] == 4
+    # the data: 3 workers went on from the 4 workers' position, into the next epoch, every sample once
+    steps = read_steps(out)
+    assert [steps[n].world_size for n in (1, 3, 4)] == [4, 4, 3]
+    check_exactly_once(steps, DATA_LEN, DataPosition.from_json(m.data_position, "step 4"))
+    assert [steps[n].epoch for n in (1, 2, 3, 4)] == [0, 0, 1, 1]
     # the MetadataActor's commit records each key's path (a module's dotted keys stay one part)
     weights = [k for k in m.entries if k.endswith("weight") and ".model." in k]
     assert weights and all(m.path(k)[-1].endswith("weight") and "." in m.path(k)[-1] for k in weights)

@@ -16,12 +16,14 @@ import pytest
 import torch
 
 import rayckpt
+from rayckpt.data import DataPosition
 from rayckpt.format.manifest import MANIFEST_NAME
 from rayckpt.storage.catalog import checkpoint_dir_name
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.storage.lease import LEASE_PREFIX
 from tests.helpers import recovery_job
 from tests.helpers.cluster_jobs import run_cluster_job
+from tests.helpers.ray_workers import DATA_LEN
 from tests.helpers.recovery_faults import killed_marker
 from tests.helpers.recovery_job import (
     CHAIN,
@@ -34,6 +36,7 @@ from tests.helpers.recovery_job import (
     SAVE_AT,
     STEPS,
 )
+from tests.helpers.sample_log import check_exactly_once, read_steps
 
 pytestmark = pytest.mark.slow
 #: The dumps of a fixed scenario's rank 0 (``ray_workers.toy_train_loop``'s, named by the world size).
@@ -129,6 +132,26 @@ def test_restart_restores_the_last_committed_checkpoint(recovery, phase):
     assert restored["state"].keys() == reference["state"].keys()
     for key, value in reference["state"].items():
         assert torch.equal(restored["state"][key], value), key
+
+
+def final_position(recovery, scenario: str, step: int) -> DataPosition:
+    path = str(recovery["out"] / "storage" / scenario / checkpoint_dir_name(step))
+    return DataPosition.from_json(rayckpt.read_manifest(CheckpointDir.resolve(path)).data_position, path)
+
+
+def test_after_each_sigkill_the_data_goes_on_as_the_uninterrupted_run_s(recovery):
+    """Every restart resumed the data from its checkpoint's position: what each rank trained on at each
+    step (as the attempt that finished the step ran it) is the uninterrupted run's, in its order."""
+    chain, baseline = read_steps(recovery["out"] / "chain"), read_steps(recovery["out"] / "baseline")
+    assert len({s.attempt for s in chain.values()}) > 2  # the steps of several worker groups
+    assert {n: s.ids for n, s in chain.items()} == {n: s.ids for n, s in baseline.items()}
+    check_exactly_once(chain, DATA_LEN, final_position(recovery, "chain", STEPS))
+
+
+def test_the_elastic_run_s_data_is_consumed_once_per_epoch_across_its_worker_counts(recovery):
+    steps = read_steps(recovery["out"] / "elastic")
+    assert [steps[n].world_size for n in (1, 4, 7)] == [2, 1, 2]
+    check_exactly_once(steps, DATA_LEN, final_position(recovery, "elastic", ELASTIC_STEPS))
 
 
 def exception_after(recovery, phase: str) -> dict:

@@ -6,7 +6,6 @@ import logging
 from collections import Counter
 
 import pytest
-import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from rayckpt.data import DataPosition, RankShare, ResumableSampler, combine, permutation, resume, share_of

@@ -152,6 +152,9 @@ def test_requests_the_cluster_holds_pass():
         (["--max-failures", "-2"], "--max-failures must be -1 (no limit) or at least 0, got -2"),
         (["--keep", "0"], "error: --keep must be at least 1, got 0"),
         (["--keep", "-2"], "error: --keep must be at least 1, got -2"),
+        (["--vocab-size", "64"], "--data corpus reads bytes (ids 0-255): --vocab-size must be at least 256, got 64"),
+        (["--epoch-samples", "-1"], "--epoch-samples must be 0 (every window) or more, got -1"),
+        (["--data", "web"], "invalid choice: 'web'"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag(argv, fragment, capsys):

@@ -362,6 +362,7 @@ def save_async(
     overlap: bool | str = True,
     incremental: bool = False,
     full_every: int = 0,
+    data: Any = None,
 ) -> SaveHandle:
     """Start a save through the Ray actors; return a ``SaveHandle`` once this rank's copy is launched.
 
@@ -398,6 +399,7 @@ def save_async(
             copy is done fails the save, naming its key (docs/guarantees.md, "Saves beside training").
         incremental: As for ``rayckpt.save`` (the ShardWriters write and share).
         full_every: As for ``rayckpt.save``.
+        data: As for ``rayckpt.save``: the job's data position, saved in the manifest.
 
     Returns:
         The save's ``SaveHandle``; its ``wait()`` returns the committed ``CatalogEntry``.
@@ -419,7 +421,9 @@ def save_async(
         commit_timeout_s=commit_timeout_s,
         local_is_shared=local_is_shared,
     )
-    options = SaveOptions(block_size=block_size, metadata=metadata, incremental=incremental, full_every=full_every)
+    options = SaveOptions(
+        block_size=block_size, metadata=metadata, incremental=incremental, full_every=full_every, data=data
+    )
     dest = SaveDestination(checkpoint_id=checkpoint_id, run=run, step=step, filesystem=filesystem)
     return start_save(state_dict, dest, options, on_ray, coordinator or default_coordinator(process_group))
 
