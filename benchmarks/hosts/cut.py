@@ -35,7 +35,7 @@ SETTINGS = {
     "tuned-start": {**TUNED_HEALTH_CHECKS, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"},
 }
 #: Flags of a model small enough for steps of a fraction of a second on these CPUs.
-TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "64"]
+TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "256"]
 CUT_HOST = 2
 STARTED = re.compile(r"on (\d+) rank\(s\)")
 STEP = re.compile(r"\] step (\d+)/")

@@ -21,8 +21,6 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from ..data.loaders import share_of
-from ..data.position import RankShare, combine
 from ..errors import PeerLostError, RayckptError, SaveFailedError
 from ..format.file_paths import written_bytes
 from ..format.manifest import MANIFEST_NAME
@@ -394,8 +392,9 @@ def collect_state(
                 increment = confirm_base(claim, save_id)
         return SaveIds(save_id, previous, increment)
 
-    agreement = PlanAgreement(coord, plans or PROCESS_PLANS, node=node, claim=claim_ids, block_size=block_size)
-    position = None if options.data is None else data_position(coord, options.data)
+    agreement = PlanAgreement(
+        coord, plans or PROCESS_PLANS, node=node, claim=claim_ids, block_size=block_size, data=options.data
+    )
     try:
         with phase("plan"):
             a = agreement.agree(state_dict)
@@ -413,7 +412,7 @@ def collect_state(
         metadata=dict(options.metadata or {}),
         paths=a.root.paths,
         previous=a.ids.previous,
-        data_position=position,
+        data_position=a.data_position,
     )
     return SaveContext(
         spec=spec,
@@ -425,13 +424,6 @@ def collect_state(
         layout=a.layouts,
         increment=a.ids.increment,
     )
-
-
-def data_position(coord: Coordinator, data: Any) -> dict[str, Any]:
-    """The job's data position from every rank's share of ``data`` (collective, before the location is claimed)."""
-    with phase("plan"):
-        shares: list[RankShare] = gather_or_raise(coord, "save (data position)", lambda: share_of(data), RayckptError)
-        return combine(shares).to_json()
 
 
 def write_own_share(files: WrittenFiles, ctx: SaveContext) -> WrittenShard:

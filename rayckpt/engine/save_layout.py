@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidStateError, PeerLostError, SaveFailedError
+from ..data.loaders import share_of
+from ..data.position import RankShare, combine
+from ..errors import DataPositionError, InvalidStateError, PeerLostError, SaveFailedError
 from ..format.manifest import itemsize
 from ..format.paths import Path
 from ..format.shard_file import DEFAULT_BLOCK_SIZE, auto_block_size
@@ -154,6 +156,8 @@ class Header:
     values: dict[str, Any]
     #: Bytes of every tensor this rank holds a piece of, at its global shape (for the block size).
     state_bytes: int = 0
+    #: This rank's share of the job's data position (None: the save was given no ``data``).
+    data: RankShare | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +170,8 @@ class Decision:
     block_size: int
     #: Digest of every rank's layout when every rank's cached plan was made for them (None: plan again).
     cached: bytes | None
+    #: The job's data position, every rank's share combined (``rayckpt.data.combine``); None: none saved.
+    data_position: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +221,8 @@ class AgreedPlan:
     layouts: bytes = b""
     #: The save's checksum block size: the caller's, else rank 0's ``auto_block_size`` pick.
     block_size: int = DEFAULT_BLOCK_SIZE
+    #: The manifest's ``data_position`` (None: the save was given no ``data``).
+    data_position: dict[str, Any] | None = None
 
 
 class PlanAgreement:
@@ -234,6 +242,8 @@ class PlanAgreement:
         claim: Rank 0's claim on the location, called on rank 0 only, before anything is shared.
         block_size: The checksum block size (rank 0's is used); None: rank 0 picks it from the
             largest state any rank holds (``auto_block_size``).
+        data: The job's place in its data (``rayckpt.data.share_of``): each rank's share goes with
+            its header and rank 0 combines them in ``decide``; None: no data position.
     """
 
     def __init__(
@@ -244,8 +254,10 @@ class PlanAgreement:
         node: str,
         claim: Callable[[], SaveIds],
         block_size: int | None,
+        data: Any = None,
     ) -> None:
         self.coord = coord
+        self.data = data
         self.plans = plans
         self.node = node
         self.claim = claim
@@ -267,6 +279,7 @@ class PlanAgreement:
         return self.own_plan(decision, share)
 
     def local_header(self, state_dict: dict[str, Any] | FlatState) -> Header:
+        data = None if self.data is None else share_of(self.data)  # refused before rank 0 claims anything
         flat = flat_of(state_dict)
         shards = tuple(LocalShard(t.key, t.dtype, t.shape, box) for t in flat.tensors.values() for box in t.boxes())
         self._local = LocalLayout(flat, shards, rank_layout(flat, shards))
@@ -280,6 +293,7 @@ class PlanAgreement:
             node=self.node,
             values={k: encode_value(v.value, k) for k, v in flat.values.items()},
             state_bytes=nbytes,
+            data=data,
         )
 
     def decide(self, headers: list[Header]) -> list[Decision]:
@@ -289,7 +303,8 @@ class PlanAgreement:
         hit = all(h.cached == self._layouts for h in headers)
         nodes = tuple(sorted({h.node for h in headers}))
         block = self.block_size or auto_block_size(max(h.state_bytes for h in headers))
-        decision = Decision(self._ids, nodes, block, self._layouts if hit else None)
+        position = data_position([h.data for h in headers])
+        decision = Decision(self._ids, nodes, block, self._layouts if hit else None, position)
         return [decision] * self.coord.world_size
 
     def plan_writes(self, layouts: list[RankLayout]) -> list[Share]:
@@ -335,10 +350,24 @@ class PlanAgreement:
             flat=self._local.flat,
             layouts=layouts,
             block_size=decision.block_size,
+            data_position=decision.data_position,
         )
 
 
 _ERRORS = (SaveFailedError, PeerLostError)
+
+
+def data_position(shares: Sequence[RankShare | None]) -> dict[str, Any] | None:
+    """The manifest's ``data_position`` from every rank's share (None: no rank gave ``data``)."""
+    without = [r for r, s in enumerate(shares) if s is None]
+    if len(without) == len(shares):
+        return None
+    if without:
+        raise DataPositionError(
+            f"rank(s) {without} saved without data= while the others gave their data position: "
+            "every rank must pass its sampler or loader"
+        )
+    return combine([s for s in shares if s is not None]).to_json()
 
 
 def _bits(indices: np.ndarray, n: int) -> bytes:

@@ -17,7 +17,7 @@ from testbed.ray_head import BIN, RayHead, free_port, free_ports, get, ray_head 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Flags of a model small enough for a job of a few seconds.
-TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "64"]
+TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "256"]
 
 
 def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tuple[dict, str]:

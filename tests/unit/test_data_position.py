@@ -216,3 +216,12 @@ def test_extras_are_what_ranks_took_beyond_the_slowest_and_none_in_step():
     assert job.position().extras == ()
     job.take([0, 2, 1, 2])  # a loop out of step: rank 0 two behind
     assert len(job.position().extras) == 5 and job.position().consumed == 120
+
+
+def test_ranks_that_give_no_data_beside_ranks_that_do_are_refused():
+    from rayckpt.engine.save_layout import data_position
+
+    share = ResumableSampler(8, num_replicas=2, rank=0).share()
+    assert data_position([None, None]) is None
+    with pytest.raises(DataPositionError, match=r"rank\(s\) \[1\] saved without data="):
+        data_position([share, None])
