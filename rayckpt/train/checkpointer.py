@@ -43,7 +43,7 @@ from ..ray.rank.options import RayOptions, SaveDestination
 from ..ray.rank.save_handle import SaveHandle
 from ..storage.catalog import CatalogEntry, checkpoint_dir_name, latest_committed
 from .announce import SaveAnnouncer
-from .restore import candidates, fell_back, reason, restored
+from .restore import candidates, fell_back, ray_data_names, reason, restored, warn_ray_data
 from .run_id import attempt_key
 from .tiers import MEMORY, STORAGE, MemoryTier, SaveSettings, TierPolicy, memory_need
 
@@ -382,6 +382,8 @@ class Checkpointer:
             }
             world = ray.train.get_context().get_world_size()
             restored(self.run, self.rank, world, self.restored_from, time.perf_counter() - began)
+            if self.rank == 0 and (names := ray_data_names()):
+                warn_ray_data(self.run, restored_step, names)
             return restored_step
         if failed:
             tried = "; ".join(f"step {s} at {p}: {why}" for p, s, why in failed)

@@ -94,3 +94,29 @@ def fell_back(run: str, passed: dict[str, Any]) -> None:
     )
     metrics.send("rayckpt_restore_fallbacks", 1, run=run)
     get_metadata_actor().record_event.remote(run, "restore_fallback", passed)
+
+
+def ray_data_names() -> list[str]:
+    """The Ray Data datasets this Ray Train run's workers read (``ray.train.get_dataset_shard``).
+
+    Ray Train keeps them on its train context's dataset shard provider, an internal object:
+    any change in it reads as none ([]).
+    """
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return sorted(get_train_context().dataset_shard_provider._dataset_names)
+    except Exception:  # noqa: BLE001 - an internal API: when it moves, nothing is warned of
+        return []
+
+
+def warn_ray_data(run: str, step: int | None, names: list[str]) -> None:
+    """Rank 0's one WARNING at a restore of a run that reads Ray Data datasets: their position is not restored."""
+    logger.warning(
+        "rayckpt: run %s restored step %s, and it reads Ray Data dataset(s) %s: Ray Data keeps no position, so "
+        "each worker's shard starts its dataset over (the rows consumed before the checkpoint are read again); "
+        "for an exact resume read a map-style dataset through rayckpt.data.ResumableSampler (docs/data.md)",
+        run,
+        step,
+        names,
+    )

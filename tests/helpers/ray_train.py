@@ -26,16 +26,19 @@ def fit(
     max_failures=0,
     loop: Callable[[dict[str, Any]], None] = ray_workers.toy_train_loop,
     num_to_keep: int | None = 2,
+    datasets: dict[str, Any] | None = None,
     **extra,
 ) -> Any:
     """Train ``steps`` steps on ``workers`` gloo workers, saving at the steps in ``save_at``, Ray Train
     restarting the group after up to ``max_failures`` failures and keeping ``num_to_keep`` checkpoints
-    (None: all); the ``Result``. ``loop`` is the train loop (``toy_train_loop`` unless named)."""
+    (None: all); the ``Result``. ``loop`` is the train loop (``toy_train_loop`` unless named); ``datasets``:
+    Ray Data datasets for ``ray.train.get_dataset_shard``."""
     trainer = TorchTrainer(
         loop,
         train_loop_config={"steps": steps, "save_at": save_at, "out": str(out), **extra},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="gloo"),
+        datasets=datasets,
         run_config=RunConfig(
             name=name,
             storage_path=str(storage),

@@ -147,3 +147,14 @@ def toy_train_loop(config: dict[str, Any]) -> None:
     dump = full_state(app)
     if rank == 0:
         torch.save({"step": step, "state": dump}, os.path.join(out, f"final-{world}.pt"))
+
+
+def ray_data_loop(config: dict[str, Any]) -> None:
+    """Restore, read this worker's shard of the Ray Data dataset ``train``, save the next step."""
+    ckpt = Checkpointer()
+    state = {"seen": torch.zeros(1)}
+    step = ckpt.restore(state) or 0
+    rows = sum(1 for _ in ray.train.get_dataset_shard("train").iter_rows())
+    state["seen"] += rows
+    ckpt.save(step + 1, state, {"rows": rows})
+    ckpt.wait()

@@ -17,6 +17,7 @@ from rayckpt.ray.metadata.actor import get_metadata_actor
 from rayckpt.storage.checkpoint_dir import CheckpointDir
 from rayckpt.testing.toy import ToyModel
 from rayckpt.tools.listing import ls
+from tests.helpers import ray_workers
 from tests.helpers.ray_train import fit
 from tests.helpers.ray_workers import DATA_LEN
 from tests.helpers.sample_log import check_exactly_once, read_steps
@@ -104,6 +105,18 @@ def test_save_with_4_restore_with_3(ray_session, tmp_path, capfd):
     # the MetadataActor's commit records each key's path (a module's dotted keys stay one part)
     weights = [k for k in m.entries if k.endswith("weight") and ".model." in k]
     assert weights and all(m.path(k)[-1].endswith("weight") and "." in m.path(k)[-1] for k in weights)
+
+
+def test_a_restore_of_a_run_reading_ray_data_warns_once_that_its_position_is_not_restored(ray_session, tmp_path, capfd):
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    data = {"train": ray.data.range(8)}
+    fit(storage, out, 1, 1, set(), name="raydata", loop=ray_workers.ray_data_loop, datasets=data)
+    fit(storage, out, 1, 1, set(), name="raydata", loop=ray_workers.ray_data_loop, datasets=data)
+    line = r"rayckpt: run raydata restored step 1, and it reads Ray Data dataset\(s\) \['train'\]: Ray Data keeps no"
+    seen = driver_output(capfd, [line, r"rayckpt: raydata committed step 2"])
+    assert len(re.findall(line, seen)) == 1, seen[-3000:]
+    assert "each worker's shard starts its dataset over" in seen and "rayckpt.data.ResumableSampler" in seen
 
 
 def test_worker_failing_mid_save_commits_nothing(ray_session, tmp_path):

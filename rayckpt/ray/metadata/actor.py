@@ -56,7 +56,7 @@ class MetadataActor(OperatorViews):
     Callers, in a save's order: every rank's ``incarnation()`` and rank 0's ``begin_save``;
     each rank's ShardWriter's ``report_written`` (``report_failed``: the writer's or the
     rank's); every rank's ``wait_commit``. Loads: every rank's ``read_plan``. The
-    ``Checkpointer``: ``register_run``, ``begin_attempt``, ``user_metadata``. The
+    ``Checkpointer``: ``register_run``, ``begin_attempt``, ``user_metadata``, ``data_position``. The
     ``RayckptCallback``: ``fail_pending``, ``record_event``. Every rank's events for the metrics:
     ``record_metrics``. Operators: ``checkpoints``, ``latest``,
     ``events``, ``status``, ``timeline``, ``debug_stats`` (docs/internals.md, "The MetadataActor's interface").
