@@ -26,6 +26,8 @@ STATUS_POLL_S = 1.0
 #: The job states after which nothing more runs.
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 NO_AGENT = "No available agent to submit job"
+#: ``jobs/train.py`` flags of a GPT small enough for steps of a fraction of a second (a byte vocabulary).
+TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "256"]
 #: Run on host 0: the status of job ``argv[2]`` at the dashboard ``argv[1]``.
 _STATUS_SNIPPET = """
 import json, sys, urllib.request

@@ -5,11 +5,14 @@ them by name."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from benchmarks.common.diskio import files_under
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +38,6 @@ class Where:
 
     def files(self, rel: str) -> list[str]:
         """The local files of ``rel`` (none on an endpoint: the page cache is the server's)."""
-        from benchmarks.common.diskio import files_under
-
         path = os.path.join(self.root, rel)
         if self.endpoint or not os.path.exists(path):
             return []
@@ -229,22 +230,6 @@ MODES |= {"dcp-async-staging": (True, True, True, True), "rayckpt-sync": False, 
 MODES |= {"memory": True, "memory-sync": False, "rayckpt-data": True}
 
 
-def data_sampler() -> Any:
-    """This rank's ``ResumableSampler`` of a million samples, 1000 into its epoch."""
-    from rayckpt.data import ResumableSampler
-
-    sampler = ResumableSampler(1_000_000, seed=1, identity="bench")
-    share = iter(sampler)
-    for _ in range(1000):
-        next(share)
-    return sampler
-
-
-def dir_bytes(path: str) -> int:
-    """The bytes of the files under ``path`` (0: none)."""
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
-
-
 class Modes:
     """Saves beside a training loop, by mode (of ``MODES``): what each needs made beforehand (buffers, reused
     stagers, staging buffers, memory tiers), ``save`` starting one (the call a step pays), ``before_step``
@@ -271,8 +256,10 @@ class Modes:
             except Exception as exc:  # a stager this torch cannot run is a result, not a crash
                 self.failed[mode] = f"{type(exc).__name__}: {exc}"[:400]
         self.ray = any(m.startswith("rayckpt") for m in modes)
-        #: ``rayckpt-data``: ``rayckpt`` with a data position, a sampler some way into its epoch.
-        self.data = data_sampler() if "rayckpt-data" in modes else None
+        from rayckpt.data import ResumableSampler
+
+        self.data = ResumableSampler(10**6, seed=1, identity="bench")  # rayckpt-data's, 1000 into its epoch
+        list(itertools.islice(iter(self.data), 1000))
         if self.ray:
             prepare_staging(state, wait=True)
         self.staging: Any = None
@@ -321,7 +308,7 @@ class Modes:
         done = wait()
         done = done if isinstance(done, dict) else {}
         if self.rank == 0:
-            done["ckpt_bytes"] = dir_bytes(path)
+            done["ckpt_bytes"] = sum(map(os.path.getsize, files_under(path))) if os.path.isdir(path) else 0
             shutil.rmtree(path, ignore_errors=True)
         return done
 

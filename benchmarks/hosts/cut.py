@@ -24,7 +24,7 @@ from typing import Any
 from benchmarks.common import cli
 from benchmarks.common.harness import document, load_sampled, new_report, rotated, table, write_report
 from benchmarks.hosts.common import HOST_ENV, ROOT, require_hosts
-from testbed.host_jobs import HostJob
+from testbed.host_jobs import TINY, HostJob
 from testbed.ray_hosts import TUNED_HEALTH_CHECKS
 
 #: ``tuned``: Ray's health checks as docs/recovery.md recommends; ``tuned-start``: also Ray Train's wait for a
@@ -34,8 +34,6 @@ SETTINGS = {
     "tuned": TUNED_HEALTH_CHECKS,
     "tuned-start": {**TUNED_HEALTH_CHECKS, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"},
 }
-#: Flags of a model small enough for steps of a fraction of a second on these CPUs.
-TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "256"]
 CUT_HOST = 2
 STARTED = re.compile(r"on (\d+) rank\(s\)")
 STEP = re.compile(r"\] step (\d+)/")

@@ -1,17 +1,16 @@
 """The time a save call blocks training, rayckpt's overlapped save beside a bare copy and DCP, in one run.
 The fp32 params and AdamW moments of a stack of square ``nn.Linear`` layers, as ``AppState(model, opt)``
-(``--plain``: copies of its tensors as plain tensors, which no optimizer owns, so every mode copies them
-before it returns); ``one-process``: one process holds all of it; ``four-ranks``: TorchTrainer workers
-(gloo) each hold an FSDP2 share. Each save: the call timed, one training step (forward, backward, AdamW
-step; an overlapped copy runs beside forward and backward and the optimizer step waits for what is left
-of it), then the save waited for (DCP: its upload; rayckpt: its commit) and removed. Modes: ``copy``:
-the local tensors copied into buffers made beforehand; ``dcp``: ``async_save`` with one reused pinned
-``DefaultStager``; ``dcp-async-staging``: with ``StagingOptions(True, True, True, True)``, its staging
-waited for before the optimizer step; ``rayckpt-sync``: ``save_async(overlap=False)``; ``rayckpt``:
-``save_async``, the optimizer's tensors copied beside the next step; ``rayckpt-data``: the same with a
-data position (``data=`` a sampler); ``rayckpt-all``: ``save_async(overlap="all")``; rayckpt after
-``prepare_staging``. Rounds after warm-up rounds, modes rotated; seconds: the slowest rank's per round
-(and the median rank's), median (min-max) over rounds."""
+(``--plain``: as plain tensors no optimizer owns, which every mode copies before it returns);
+``one-process``: one process holds all of it; ``four-ranks``: TorchTrainer workers (gloo) each hold an FSDP2
+share. Each save: the call timed, one training step (forward, backward, AdamW step; an overlapped copy runs
+beside forward and backward, the optimizer step waits for what is left of it), then the save waited for
+(DCP: its upload; rayckpt: its commit) and removed. Modes: ``copy``: the local tensors copied into buffers
+made beforehand; ``dcp``: ``async_save`` with one reused pinned ``DefaultStager``; ``dcp-async-staging``:
+with ``StagingOptions(True, True, True, True)``, its staging waited for before the optimizer step;
+``rayckpt-sync``: ``save_async(overlap=False)``; ``rayckpt``: ``save_async``, the optimizer's tensors
+copied beside the next step; ``rayckpt-data``: the same with a data position (``data=`` a sampler);
+``rayckpt-all``: ``save_async(overlap="all")``; rayckpt after ``prepare_staging``. Rounds after warm-up
+rounds, modes rotated; seconds: the slowest rank's per round (and the median rank's), median over rounds."""
 
 from __future__ import annotations
 

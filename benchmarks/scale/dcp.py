@@ -163,11 +163,6 @@ def hydrate_plan_cache(plans: list[SavePlan]) -> None:
     SavePlanner._cached_metadata[key] = Metadata({})
 
 
-def unchanged_plans(world_size: int) -> list[SavePlan]:
-    """What every rank sends once its local plan equals its cached one (``create_local_plan``)."""
-    return [SavePlan([], usable=False)] * world_size
-
-
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[Any]:
     """A ``fake`` process group of ``world_size`` as ``rank`` and its 1-D CPU mesh (no communication)."""

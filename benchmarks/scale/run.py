@@ -39,11 +39,6 @@ def targets_of(n: int) -> list[int]:
     return sorted({max(1, n - 1), max(1, n // 2)}, reverse=True)
 
 
-def sample_ranks(world_size: int, count: int) -> list[int]:
-    """``count`` ranks spread over the world: the middle rank of each of ``count`` equal groups."""
-    return sorted({(2 * i + 1) * world_size // (2 * count) for i in range(count)})
-
-
 def rayckpt_commit(layout: lay.Layout, n: int, work: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     spec, shards = lay.rayckpt_save_inputs(layout, n)
@@ -143,7 +138,7 @@ def dcp_load(layout: lay.Layout, n: int, work: str, budget_s: float, samples: in
             timed[rank] = stats["cpu_s"]
             t["whole_job"] = {"cpu_s": sum(timed.values()), "estimated": False, "method": f"all {m} ranks, summed"}
         else:
-            ranks = sample_ranks(m, samples)
+            ranks = sorted({(2 * i + 1) * m // (2 * samples) for i in range(samples)})  # each group's middle
             timed = {r: rank_plan(m, r)[0]["cpu_s"] for r in ranks}
             method = f"median of ranks {ranks} x {m} ranks"
             t["whole_job"] = {"cpu_s": statistics.median(timed.values()) * m, "estimated": True, "method": method}
@@ -182,7 +177,7 @@ def dcp_save_plan(layout: lay.Layout, n: int, budget_s: float) -> dict[str, Any]
         dcp.global_plan(plans, caching=True)  # the first cached save: the uncached plan, then stored
     else:  # what the first save would store; the cached path does not look inside it
         dcp.hydrate_plan_cache(plans)
-    out["cached"], _ = repeated(lambda: dcp.global_plan(dcp.unchanged_plans(n), caching=True))
+    out["cached"], _ = repeated(lambda: dcp.global_plan([dcp.SavePlan([], usable=False)] * n, caching=True))
     dcp.clear_plan_cache()
     return out
 

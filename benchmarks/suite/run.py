@@ -35,11 +35,6 @@ from rayckpt.testing.multiproc import run_ranks
 BUCKET = "rayckpt-bench"
 
 
-def parse_reshards(text: str) -> list[tuple[int, int]]:
-    """``"4:3,4->2"`` -> [(4, 3), (4, 2)]."""
-    return [tuple(int(x) for x in p.strip().replace("->", ":").split(":")) for p in text.split(",")]  # type: ignore[misc]
-
-
 def run_size(args: argparse.Namespace, size_mb: float, where: Where, address: str, samples: dict) -> dict[str, Any]:
     """One state size: the saves, then every reshard's loads (sources first), then its targets."""
     label, n0, t0 = f"{size_mb:g}MB", args.save_ranks, time.perf_counter()
@@ -62,7 +57,7 @@ def run_size(args: argparse.Namespace, size_mb: float, where: Where, address: st
         if system in rels:  # measured; not loaded
             where.delete(rels[system])
 
-    reshards = parse_reshards(args.reshards)
+    reshards = [tuple(map(int, p.strip().replace("->", ":").split(":"))) for p in args.reshards.split(",")]  # 4:3,4->2
     ck = {n0: {s: rels[s] for s in ("rayckpt", "dcp", "torch_save") if s in rels}}
     needed = {n for n, _ in reshards if n != n0}
     order = sorted(reshards, key=lambda nm: (nm[0] != n0, nm[1] not in needed))

@@ -5,14 +5,24 @@ language reference's sections, as ``help("if")`` shows them), joined in sorted
 topic order and encoded as UTF-8, so it is on every machine and needs no download.
 Tokens are bytes (ids 0-255). Sample ``i`` is the ``i``-th window of ``seq_len + 1``
 bytes; its input is the first ``seq_len`` bytes and its target the last ``seq_len``.
+``corpus_loader`` is a rank's loader of it through a ``ResumableSampler``; ``Batches``
+hands the training loop its batches, epoch after epoch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import time
+from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from ..data import ResumableSampler
+from .gpt import GPTConfig
 
 #: Token ids of a byte-level corpus: every byte value.
 BYTE_VOCAB = 256
@@ -58,3 +68,69 @@ class ByteCorpus(Dataset):
         window = self.seq_len + 1
         tokens = self._bytes[i * window : (i + 1) * window].long()
         return tokens[:-1], tokens[1:], i
+
+
+def corpus_loader(config: dict[str, Any], cfg: GPTConfig, rank: int, world_size: int, per_rank: int) -> DataLoader:
+    """``--data corpus``: this rank's loader of the byte corpus, through a ``ResumableSampler``.
+
+    Shuffled each epoch with ``--seed``; ``drop_last`` so every rank runs as many steps per
+    epoch (a tail the ranks cannot split evenly waits for the next epoch's shuffle).
+    """
+    if cfg.vocab_size < BYTE_VOCAB:
+        raise ValueError(f"the byte corpus needs a vocabulary of at least {BYTE_VOCAB} ids, got {cfg.vocab_size}")
+    dataset = ByteCorpus(python_help_text(), cfg.seq_len, samples=config.get("epoch_samples") or 0)
+    sampler = ResumableSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        seed=config["seed"],
+        drop_last=True,
+        identity=dataset.identity,
+    )
+    return DataLoader(dataset, batch_size=per_rank, sampler=sampler)
+
+
+class Batches:
+    """The loop's batches from a loader over a ``ResumableSampler``, epoch after epoch, each batch's last field
+    its sample ids; with ``log_dir``, each step's sample ids.
+
+    A step's line in ``<log_dir>/samples-<attempt>-<rank>.jsonl``: ``{"step", "epoch", "rank",
+    "world_size", "attempt", "ids"}``, ``attempt`` the same on every rank of one worker group.
+    """
+
+    def __init__(self, loader: Any, log_dir: str | None, rank: int, world_size: int) -> None:
+        self.loader, self.rank, self.world_size = loader, rank, world_size
+        self._pass = iter(loader) if loader is not None else None
+        self.log = None
+        if loader is not None and log_dir:
+            attempt = [f"{time.time():.6f}-{os.getpid()}" if rank == 0 else None]
+            if world_size > 1:
+                dist.broadcast_object_list(attempt, src=0)
+            self.attempt = attempt[0]
+            os.makedirs(log_dir, exist_ok=True)
+            self.log = os.path.join(log_dir, f"samples-{self.attempt}-{rank}.jsonl")
+
+    def next(self, step: int) -> tuple[torch.Tensor, ...]:
+        """The batch of ``step`` (from 1), less its last field (the sample ids); when the epoch is
+        through, the next epoch's first."""
+        assert self._pass is not None
+        sampler = self.loader.sampler
+        try:
+            batch = next(self._pass)
+        except StopIteration:
+            sampler.set_epoch(sampler.epoch + 1)
+            self._pass = iter(self.loader)
+            batch = next(self._pass)
+        *tensors, ids = batch
+        if self.log is not None:
+            line = {
+                "step": step,
+                "epoch": sampler.epoch,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "attempt": self.attempt,
+                "ids": ids.tolist(),
+            }
+            with open(self.log, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return tuple(tensors)

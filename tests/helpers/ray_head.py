@@ -13,11 +13,10 @@ import threading
 import time
 import uuid
 
+from testbed.host_jobs import TINY  # noqa: F401 - the tests' tiny GPT flags
 from testbed.ray_head import BIN, RayHead, free_port, free_ports, get, ray_head  # noqa: F401 - the tests' names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: Flags of a model small enough for a job of a few seconds.
-TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--vocab-size", "256"]
 
 
 def submit(head: RayHead, *args: str, submit_flags: tuple[str, ...] = ()) -> tuple[dict, str]:

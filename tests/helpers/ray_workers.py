@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from rayckpt.data import ResumableSampler
 from rayckpt.engine.app_state import AppState
-from rayckpt.examples.gpt_job import Batches
+from rayckpt.examples.corpus import Batches
 from rayckpt.ray.metadata.actor import DEFAULT_COMMIT_TIMEOUT_S, get_metadata_actor
 from rayckpt.ray.rank import async_save
 from rayckpt.testing.toy import build_fsdp, full_state, train_steps
