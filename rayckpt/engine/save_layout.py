@@ -160,7 +160,7 @@ class Header:
     data: RankShare | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
     """Rank 0's answer to the headers, the same for every rank."""
 
@@ -304,7 +304,8 @@ class PlanAgreement:
         nodes = tuple(sorted({h.node for h in headers}))
         block = self.block_size or auto_block_size(max(h.state_bytes for h in headers))
         position = data_position([h.data for h in headers])
-        decision = Decision(self._ids, nodes, block, self._layouts if hit else None, position)
+        cached = self._layouts if hit else None
+        decision = Decision(ids=self._ids, nodes=nodes, block_size=block, cached=cached, data_position=position)
         return [decision] * self.coord.world_size
 
     def plan_writes(self, layouts: list[RankLayout]) -> list[Share]:

@@ -92,14 +92,14 @@ def corpus_loader(config: dict[str, Any], cfg: GPTConfig, rank: int, world_size:
 
 class Batches:
     """The loop's batches from a loader over a ``ResumableSampler``, epoch after epoch, each batch's last field
-    its sample ids; with ``log_dir``, each step's sample ids.
+    its sample ids (``loader`` None: ``without(step)``'s batches); with ``log_dir``, each step's sample ids.
 
     A step's line in ``<log_dir>/samples-<attempt>-<rank>.jsonl``: ``{"step", "epoch", "rank",
     "world_size", "attempt", "ids"}``, ``attempt`` the same on every rank of one worker group.
     """
 
-    def __init__(self, loader: Any, log_dir: str | None, rank: int, world_size: int) -> None:
-        self.loader, self.rank, self.world_size = loader, rank, world_size
+    def __init__(self, loader: Any, log_dir: str | None, rank: int, world_size: int, without: Any = None) -> None:
+        self.loader, self.rank, self.world_size, self.without = loader, rank, world_size, without
         self._pass = iter(loader) if loader is not None else None
         self.log = None
         if loader is not None and log_dir:
@@ -112,8 +112,9 @@ class Batches:
 
     def next(self, step: int) -> tuple[torch.Tensor, ...]:
         """The batch of ``step`` (from 1), less its last field (the sample ids); when the epoch is
-        through, the next epoch's first."""
-        assert self._pass is not None
+        through, the next epoch's first. Without a loader: ``without(step)``."""
+        if self._pass is None:
+            return self.without(step)
         sampler = self.loader.sampler
         try:
             batch = next(self._pass)

@@ -152,27 +152,20 @@ def train(
     "loss", "lr", "seconds"}]`` of the steps run here (``lr``: the LR that step
     used); ``loss`` is the global batch's mean, the same on every rank.
     """
-    from torch.distributed.device_mesh import init_device_mesh
 
     device = device or torch.device("cpu")
     cfg = GPTConfig(**config["model"])
     total, every, seed = config["steps"], config["checkpoint_every"], config["seed"]
     in_memory = config.get("memory_every") or 0  # under Ray only: the Checkpointer has a memory tier then
 
-    torch.manual_seed(seed)  # the same initial weights on every rank, whatever the world size
-    model = shard_model(GPT(cfg).to(device), init_device_mesh(device.type, (world_size,)))
-    optim = torch.optim.AdamW(model.parameters(), lr=config["lr"], betas=(0.9, 0.95), weight_decay=0.1)
     horizon = config.get("schedule_steps") or total
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, warmup_cosine(horizon))
+    model, optim, sched = build_model(config, cfg, world_size, device, horizon)
     app = AppState(model, optim, scheduler=sched, step=0)
     state = {"app": app}
 
     per_rank = per_rank_batch(config["global_batch"], world_size)  # refused before any step runs
     data = corpus_loader(config, cfg, rank, world_size, per_rank) if config.get("data") == "corpus" else None
-    if config["resume"]:
-        resumed_from = checkpointer.restore(state) if data is None else checkpointer.restore(state, data=data)
-    else:
-        resumed_from = None
+    resumed_from = checkpointer.restore(state, data=data) if config["resume"] else None
     start = resumed_from or 0
     stored = checkpointer.restored_metadata.get("hparams") or {} if resumed_from is not None else {}
     if resumed_from is not None:
@@ -192,15 +185,13 @@ def train(
 
     history: list[dict[str, float]] = []
     pending: list[float] = []
-    batches = Batches(data, config.get("sample_log"), rank, world_size)
+    synthetic = lambda n: synthetic_batch(n - 1, config["global_batch"], cfg, rank, world_size)  # noqa: E731
+    batches = Batches(data, config.get("sample_log"), rank, world_size, synthetic)
     for step in range(start, total):
         began = time.perf_counter()
         lr = optim.param_groups[0]["lr"]
         torch.manual_seed(seed + step)
-        if data is None:
-            inputs, targets = synthetic_batch(step, config["global_batch"], cfg, rank, world_size)
-        else:
-            inputs, targets = batches.next(step + 1)
+        inputs, targets = batches.next(step + 1)
         loss = model.loss(inputs.to(device), targets.to(device))
         loss.backward()
         optim.step()
@@ -219,10 +210,8 @@ def train(
                 "step": done,
                 "world_size": world_size,
                 "restarts": restarts,
+                "epoch": data.sampler.epoch if data is not None else None,
             }
-            if data is not None:
-                metrics["epoch"] = data.sampler.epoch
-            saved_data = {} if data is None else {"data": data}
             persist = done % every == 0 or done == total
             if persist:
                 metrics["losses"] = pending
@@ -231,15 +220,25 @@ def train(
                     metrics["restored_tier"] = getattr(checkpointer, "restored_from", {}).get("tier", "storage")
                 pending = []
             if persist:
-                checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams}, **saved_data)
+                checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams}, data=data)
             else:  # a memory-only save: under Ray only, where the Checkpointer has a memory tier
-                checkpointer.save(
-                    done, state, metrics=metrics, metadata={"hparams": hparams}, persist=False, **saved_data
-                )
+                checkpointer.save(done, state, metrics=metrics, metadata={"hparams": hparams}, persist=False, data=data)
     if in_memory:
         checkpointer.release_memory()  # the last step is in storage: the run's memory checkpoints are done with
     checkpointer.wait()
     return history
+
+
+def build_model(
+    config: dict[str, Any], cfg: GPTConfig, world_size: int, device: torch.device, horizon: int
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The FSDP2-sharded GPT, its AdamW and its LR schedule over ``horizon`` steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(config["seed"])  # the same initial weights on every rank, whatever the world size
+    model = shard_model(GPT(cfg).to(device), init_device_mesh(device.type, (world_size,)))
+    optim = torch.optim.AdamW(model.parameters(), lr=config["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    return model, optim, torch.optim.lr_scheduler.LambdaLR(optim, warmup_cosine(horizon))
 
 
 def resume_schedule(sched: torch.optim.lr_scheduler.LambdaLR, horizon: int) -> int:

@@ -98,7 +98,9 @@ class BrokenCollective:
         # parts (rank 1 ignores rank 0's), then rank 0's answers (rank 1 takes its own).
         assert self.calls <= PLAN_CALLS, "rank 1's fake rank 0 only takes part in agreeing on the plan"
         if self.calls == 2:  # the save id, not incremental, no cached plan, the nodes, the block size
-            decision = Decision(SaveIds("20260101T000000-0badc0de", None, FULL), ("",), 65536, None)
+            decision = Decision(
+                ids=SaveIds("20260101T000000-0badc0de", None, FULL), nodes=("",), block_size=65536, cached=None
+            )
             return [[(True, decision)] * 2, None]
         if self.calls == 4:  # rank 0 holds nothing: rank 1 writes both its shards (a bit each)
             return [[(True, Share(b"", np.packbits(np.ones(2, dtype=bool)).tobytes()))] * 2, None]

@@ -21,6 +21,7 @@ ENTRY_POINTS = {
     "ray/rank/async_save.py: save_async": "rayckpt.ray.save_async, a user's call",
     "ray/rank/loading.py: load": "rayckpt.ray.load, a user's call",
     "train/checkpointer.py: __init__": "Checkpointer(...), a user's call",
+    "data/sampler.py: __init__": "ResumableSampler(...), a user's call in place of DistributedSampler's",
     "tools/convert/core.py: convert": "rayckpt.tools.convert.convert, a user's call (and rayckpt convert's)",
 }
 

@@ -37,6 +37,7 @@ def bare_checkpointer(monkeypatch, last: dict, others: list):
     ckpt = object.__new__(checkpointer.Checkpointer)  # no Ray Train context: only save()'s decision is used
     ckpt.policy = TierPolicy(memory_every=1, persist_every=5)
     ckpt.memory_skipped, ckpt.memory_skip_busy, ckpt._local_ranks, ckpt.rank, ckpt.run = 0, True, 1, 0, "r"
+    ckpt.data = None
     ckpt._last = {tier: (SimpleNamespace(done=lambda done=done: done), 0.0) for tier, done in last.items()}
     rooms: list = []
     ckpt.memory = object.__new__(MemoryTier)  # no Ray: its decision, its warnings, and a node with room
