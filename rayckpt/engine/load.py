@@ -103,6 +103,7 @@ def load(
     coord = coordinator or default_coordinator(process_group)
     ckdir = CheckpointDir.resolve(checkpoint_id, filesystem)
     flat_holder: list[FlatState] = []
+    reads: list[RankRead] = []  # this rank's, once planned
 
     def flat() -> FlatState:
         """The target, flattened once: for this rank's ask, or in ``read``."""
@@ -116,28 +117,18 @@ def load(
 
         def read() -> LoadInfo:
             with phase("plan_local"):
-                read = source(ckdir, flat(), strict)
-            return read_into(ckdir, read, flat())
+                reads.append(source(ckdir, flat(), strict))
+            return read_into(ckdir, reads[0], flat())
 
         with phase("gather_reads"):
             info = gather_or_raise(coord, "load", read, RayckptError)[coord.rank]
         with phase("finish"):
             flat_holder[0].finish_load()
-            if data is not None:
-                resume_data(coord, ckdir, data)
+            if data is not None:  # the position came with the plan, from the manifest it was made from
+                resume(data, reads[0].data_position, ckdir.location)
     phases = clock.result()
     log_phases("load from", ckdir.location, coord.rank, phases)
     return replace(info, phases=phases)
-
-
-def resume_data(coord: Coordinator, ckdir: CheckpointDir, data: Any) -> None:
-    """Continue ``data`` from the checkpoint's data position (collective: rank 0 reads it, every rank resumes)."""
-
-    def saved() -> dict[str, Any] | None:
-        return read_manifest(ckdir).data_position if coord.rank == 0 else None
-
-    position = gather_or_raise(coord, "load (data position)", saved, RayckptError)[0]
-    resume(data, position, ckdir.location)
 
 
 #: Gives a loading rank its read plan, the checksum blocks, file sizes and stored values.
@@ -149,7 +140,10 @@ def plan_from_manifest(ckdir: CheckpointDir, flat: FlatState, strict: bool) -> R
     manifest = read_manifest(ckdir)
     plan = create_load_plan(manifest, tensor_requests(flat), flat.values.keys(), strict)
     sizes = {f.path: f.size for f in manifest.files}
-    return RankRead(plan, manifest.blocks, sizes, manifest_values(manifest, flat.values))
+    values = manifest_values(manifest, flat.values)
+    return RankRead(
+        plan=plan, blocks=manifest.blocks, file_sizes=sizes, values=values, data_position=manifest.data_position
+    )
 
 
 def planned_at_root(
@@ -190,7 +184,14 @@ def planned_at_root(
             return plan_from_manifest(ckdir, flat, strict)
         if isinstance(part, RayckptError):
             raise part
-        return RankRead(part.plan(specs_of(tensor_requests(flat))), part.blocks, part.file_sizes, part.values)
+        plan = part.plan(specs_of(tensor_requests(flat)))
+        return RankRead(
+            plan=plan,
+            blocks=part.blocks,
+            file_sizes=part.file_sizes,
+            values=part.values,
+            data_position=part.data_position,
+        )
 
     return source
 

@@ -76,7 +76,7 @@ class LoadInfo:
         return self.bytes_fetched / self.bytes_needed if self.bytes_needed else 1.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankRead:
     """What one rank's reads need: its plan, and from the manifest the checksum blocks, the file
     sizes and the stored values."""
@@ -86,6 +86,8 @@ class RankRead:
     file_sizes: Mapping[str, int]
     #: Value keys to their stored (tagged JSON) form.
     values: Mapping[str, Any] = field(default_factory=dict)
+    #: The manifest's ``data_position`` (None: saved without one).
+    data_position: dict[str, Any] | None = None
 
 
 def read_into(

@@ -95,6 +95,8 @@ class RankSlice:
     read_first: np.ndarray
     read_offset: np.ndarray
     read_length: np.ndarray
+    #: The manifest's ``data_position`` (None: saved without one).
+    data_position: dict[str, Any] | None = None
 
     @property
     def file_sizes(self) -> dict[str, int]:
@@ -226,6 +228,7 @@ def slice_plan(
                 read_first=read_item[q0:q1] - p0,
                 read_offset=read_offset[q0:q1],
                 read_length=read_length[q0:q1],
+                data_position=manifest.data_position,
             )
         )
     return out

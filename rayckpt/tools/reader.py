@@ -106,7 +106,9 @@ class CheckpointReader:
         )
         request = TensorRequest(key, entry.dtype, entry.shape, box)
         plan = create_load_plan(self.manifest, [request], index=self._index)
-        read_into(self.ckdir, RankRead(plan, self.manifest.blocks, self._sizes), flat, self._reader)
+        read_into(
+            self.ckdir, RankRead(plan=plan, blocks=self.manifest.blocks, file_sizes=self._sizes), flat, self._reader
+        )
         return target
 
     def items(self, prefix: str = "", on_progress: Progress | None = None) -> Iterator[tuple[str, Any]]:

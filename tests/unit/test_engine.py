@@ -168,7 +168,7 @@ def test_flipped_byte_outside_the_needed_range_does_not_fail_a_partial_read(tmp_
         tensors={"w": TensorLeaf(key="w", pieces=(Piece(req.box, target),), shape=(16, 4), dtype="float32")}
     )
     sizes = {f.path: f.size for f in m.files}
-    reader.read_into(CheckpointDir.resolve(path), reader.RankRead(plan, m.blocks, sizes), flat)
+    reader.read_into(CheckpointDir.resolve(path), reader.RankRead(plan=plan, blocks=m.blocks, file_sizes=sizes), flat)
     assert torch.equal(target, w[:8])
 
 

@@ -81,7 +81,11 @@ def test_one_rank_may_request_several_boxes_of_one_key(tmp_path):
     boxes = sorted((i.box for r in plan.reads for i in r.items), key=lambda b: b.offsets)
     assert boxes == [rows(0, 2), rows(5, 3)]
     sizes = {f.path: f.size for f in manifest.files}
-    read_into(CheckpointDir.resolve(path), RankRead(plan, manifest.blocks, sizes), FlatState(tensors={"w": leaf}))
+    read_into(
+        CheckpointDir.resolve(path),
+        RankRead(plan=plan, blocks=manifest.blocks, file_sizes=sizes),
+        FlatState(tensors={"w": leaf}),
+    )
     assert torch.equal(leaf.pieces[0].local, full[0:2]) and torch.equal(leaf.pieces[1].local, full[5:8])
 
 

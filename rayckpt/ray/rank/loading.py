@@ -81,7 +81,7 @@ def load(
                 run,
             )
         )
-        return RankRead(bundle.plan, bundle.blocks, bundle.file_sizes, bundle.values)
+        return RankRead(plan=bundle.plan, blocks=bundle.blocks, file_sizes=bundle.file_sizes, values=bundle.values)
 
     info = _engine_load(
         state_dict, checkpoint_id, strict=strict, coordinator=coord, filesystem=filesystem, plan_source=plan_source
