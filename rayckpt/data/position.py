@@ -69,9 +69,6 @@ class DataPosition:
         """Whether nothing of the epoch is left (a drop_last tail counts as consumed)."""
         return self.consumed >= self.length
 
-    def next_epoch(self) -> DataPosition:
-        return replace(self, epoch=self.epoch + 1, consumed=0, extras=(), world_size=0)
-
     def left(self) -> int:
         """How many offsets of the epoch are not consumed."""
         return self.length - self.consumed - len(self.extras)
