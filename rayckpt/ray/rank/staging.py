@@ -261,6 +261,14 @@ class StagingBuffer:
             dst = torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset)
             dst.view(src.dtype).view(src.shape).copy_(src)
 
+    def view(self, span: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        """The bytes at ``span`` (a ``place``'s region) as a CPU tensor of ``like``'s dtype and shape (no copy)."""
+        offset, n = span
+        if n == 0:
+            return torch.empty(like.shape, dtype=like.dtype)
+        assert self._map is not None
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=offset).view(like.dtype).view(like.shape)
+
     def copy_now(
         self,
         jobs: Sequence[tuple[torch.Tensor, tuple[int, int]]],
