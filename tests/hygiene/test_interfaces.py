@@ -22,6 +22,7 @@ ENTRY_POINTS = {
     "ray/rank/loading.py: load": "rayckpt.ray.load, a user's call",
     "train/checkpointer.py: __init__": "Checkpointer(...), a user's call",
     "data/sampler.py: __init__": "ResumableSampler(...), a user's call in place of DistributedSampler's",
+    "dcp/writer.py: __init__": "rayckpt.dcp.StorageWriter(...), a user's call in place of FileSystemWriter's",
     "tools/convert/core.py: convert": "rayckpt.tools.convert.convert, a user's call (and rayckpt convert's)",
 }
 

@@ -34,6 +34,7 @@ ALLOWED = {
     "train": BASE | {"format", "planning", "storage", "data", "engine", "ray", "train"},
     "tools": BASE | {"format", "planning", "storage", "data", "engine", "tools"},
     "testing": BASE | {"format", "planning", "storage", "data", "engine", "testing"},
+    "dcp": BASE | {"format", "planning", "storage", "data", "engine", "ray", "dcp"},
 }
 #: Subpackage -> third-party packages it must not import.
 FORBIDDEN = {
