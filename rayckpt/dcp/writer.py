@@ -3,11 +3,11 @@
 DCP runs a save in its steps: every rank ``set_up_storage_writer`` and
 ``prepare_local_plan``, the coordinator ``prepare_global_plan`` (on the plans DCP's
 planner deduplicated), every rank ``write_data``, the coordinator ``finish``. rayckpt's
-save maps onto them: the coordinator claims the location with a lease and picks the
-save id (set-up), the block size and the base of an incremental save go to every rank
-with its plan (global plan), each rank writes its items as Arrow shard files with a
-checksum per block (write), and the coordinator commits the manifest last, atomically
-(finish). No collective of rayckpt's own runs: DCP's carry everything.
+save maps onto them: the coordinator claims the location with a lease, picks the save
+id, the block size and the base of an incremental save and sends them to every rank with
+its plan (global plan: DCP runs it only when no rank's local steps failed), each rank
+writes its items as Arrow shard files with a checksum per block (write), and the
+coordinator commits the manifest last, atomically (finish). No collective of rayckpt's own runs: DCP's carry everything.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class StorageWriter(_DCPStorageWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Every rank; the coordinator claims the location for a new save id (refused while another holds it)."""
+        """Every rank: the location and options checked; a save of this writer's still in flight is ended."""
         self._end_claim(committed=False)
         if self._ckdir is None:
             raise ValueError(
@@ -185,8 +185,6 @@ class StorageWriter(_DCPStorageWriter):
                 "rayckpt.dcp.StorageWriter needs dcp.save's use_collectives=True: a rayckpt checkpoint is one "
                 "commit of every rank's files, which use_collectives=False never makes"
             )
-        if is_coordinator:
-            self._claim = self._claim_location(self._ckdir)
 
     def _claim_location(self, ckdir: CheckpointDir) -> _Claim:
         save_id = new_save_id()
@@ -227,10 +225,14 @@ class StorageWriter(_DCPStorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """The coordinator: the save id, block size and base of an incremental save, to every rank."""
-        claim = self._claim
-        if claim is None:
-            raise SaveFailedError("rayckpt.dcp: prepare_global_plan ran on a rank that did not claim the location")
+        """The coordinator: claims the location for a new save id (refused while another save holds it), then
+        sends every rank the save id, block size and base of an incremental save with its plan.
+
+        DCP runs this step only when every rank's local steps succeeded, so a refused item claims nothing."""
+        if self._ckdir is None:
+            raise SaveFailedError("rayckpt.dcp: prepare_global_plan ran before set_up_storage_writer")
+        self._end_claim(committed=False)
+        claim = self._claim = self._claim_location(self._ckdir)
         total = sum(_item_bytes(i) for p in plans for i in p.items if i.type != WriteItemType.BYTE_IO)
         order = _Order(claim.save_id, self._block_size or auto_block_size(total), claim.increment)
         return [replace(p, storage_data=order) for p in plans]

@@ -115,6 +115,13 @@ def plain_load_worker(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
+def rayckpt_info_worker(rank: int, world: int, path: str) -> Any:
+    """``rayckpt.load`` of model and optimizer: its ``LoadInfo`` (what it read), to hold the reader's against."""
+    model, optim = build_fsdp(world, seed=1234)
+    msd, osd = get_state_dict(model, optim)
+    return rayckpt.load({"model": msd, "optim": osd}, path, strict=False)
+
+
 def rayckpt_load_worker(rank: int, world: int, path: str) -> dict[str, Any]:
     """``rayckpt.load`` of what ``dcp.save`` wrote with rayckpt's writer (DCP's own state dict layout)."""
     model, optim = build_fsdp(world, seed=1234)
