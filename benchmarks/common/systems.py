@@ -1,7 +1,7 @@
 """The systems every benchmark measures, each behind one adapter: rayckpt, rayckpt on Ray, its memory
-tier, DCP, DCP async, ``torch.save`` and a bare copy; a checkpoint's place (``Where``) is a local
-directory or a prefix on an S3 endpoint, the same calls for both. ``save`` and ``load`` run any of
-them by name."""
+tier, DCP, DCP async, DCP's API on rayckpt's writer and reader, ``torch.save`` and a bare copy; a
+checkpoint's place (``Where``) is a local directory or a prefix on an S3 endpoint, the same calls for
+both. ``save`` and ``load`` run any of them by name."""
 
 from __future__ import annotations
 
@@ -43,12 +43,16 @@ class Where:
             return []
         return files_under(path) if os.path.isdir(path) else [path]
 
-    def dcp(self, rel: str, writer: bool, **options: Any) -> Any:
-        """DCP's storage writer or reader of ``rel``; on an endpoint over s3fs, a fresh instance each time (no
-        listing cache carried over, as in a new process), ``options`` its own (``default_cache_type="none"``)."""
+    def dcp(self, rel: str, writer: bool, rayckpt: bool = False, **options: Any) -> Any:
+        """DCP's storage writer or reader of ``rel`` (``rayckpt``: rayckpt's); on an endpoint over s3fs, a fresh
+        instance each time (no listing cache carried over, as in a new process), ``options`` its own."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+        import rayckpt.dcp as ours
+
+        if rayckpt:
+            return (ours.StorageWriter if writer else ours.StorageReader)(self.uri(rel))
         if not self.endpoint:
             return (dcp.FileSystemWriter if writer else dcp.FileSystemReader)(os.path.join(self.root, rel))
         s3fs = {"endpoint_url": f"http://{self.endpoint.host_port}", "skip_instance_cache": True, **options}
@@ -79,13 +83,6 @@ def local_tensors(state: Any) -> list[Any]:
     from rayckpt.ray.rank.staging import local_pieces
 
     return local_pieces(state)
-
-
-def staging_ready() -> None:
-    """Wait until the staging buffer ``prepare_staging`` started making in the background is made."""
-    from rayckpt.ray.rank import async_save
-
-    async_save.saver().buffer.ready()
 
 
 def release_staging() -> None:
@@ -145,7 +142,7 @@ def torch_load(model: Any, optim: Any, path: str) -> tuple[float, dict[str, Any]
 
 
 #: The systems ``save`` runs by name.
-SAVES = ("rayckpt", "rayckpt_incremental", "rayckpt_ray", "dcp", "dcp_async")
+SAVES = ("rayckpt", "rayckpt_incremental", "rayckpt_ray", "dcp", "dcp_async", "dcp_rayckpt")
 
 
 def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dict[str, Any]:
@@ -165,10 +162,10 @@ def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dic
         staged()
         stall = time.perf_counter() - t0
         info.result()
-    elif system == "dcp":
+    elif system in ("dcp", "dcp_rayckpt"):
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, storage_writer=where.dcp(rel, writer=True))
+        dcp.save(state, storage_writer=where.dcp(rel, writer=True, rayckpt=system == "dcp_rayckpt"))
         info = None  # DCP returns its metadata, no report of the save
     elif system.startswith("rayckpt"):
         import rayckpt
@@ -181,7 +178,7 @@ def save(system: str, state: Any, where: Where, rel: str, **options: Any) -> dic
 
 
 def load(system: str, state: Any, where: Where, rel: str) -> Any:
-    """One load by ``system``: rayckpt (its ``LoadInfo``), DCP, or DCP with s3fs's read-ahead off (``dcp_nocache``)."""
+    """One load by ``system`` (``dcp_nocache``: s3fs's read-ahead off): a rayckpt reader's ``LoadInfo`` or None."""
     import torch.distributed.checkpoint as dcp
 
     import rayckpt
@@ -189,7 +186,9 @@ def load(system: str, state: Any, where: Where, rel: str) -> Any:
     if system.startswith("rayckpt"):
         return rayckpt.load(state, where.uri(rel))
     options = {"default_cache_type": "none"} if system == "dcp_nocache" else {}
-    return dcp.load(state, storage_reader=where.dcp(rel, writer=False, **options))
+    reader = where.dcp(rel, writer=False, rayckpt=system.startswith("dcp_rayckpt"), **options)
+    dcp.load(state, storage_reader=reader)
+    return getattr(reader, "last_load", None)
 
 
 class BareCopy:

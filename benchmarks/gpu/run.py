@@ -98,6 +98,7 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, count: i
     import ray
 
     from rayckpt.ray import get_shard_writer
+    from rayckpt.ray.rank import async_save
 
     os.sync()  # the earlier writes' dirty pages go to disk now, not during this order's first commit
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
@@ -105,7 +106,7 @@ def async_saves(state: dict[str, torch.Tensor], device: str, root: str, count: i
     if order == "prepared":
         start = time.perf_counter()
         out["prepare_call_s"] = timed(lambda: systems.prepare_staging(state), device=device)[0]
-        systems.staging_ready()
+        async_save.saver().buffer.ready()  # the buffer made in the background
         ray.get(get_shard_writer().debug_stats.remote())
         out["prepare_background_s"] = time.perf_counter() - start
     for i in range(count):

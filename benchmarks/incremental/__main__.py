@@ -2,5 +2,4 @@
 
 from benchmarks.incremental.run import main
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+raise SystemExit(main())

@@ -2,5 +2,4 @@
 
 from benchmarks.common.cli import run_group
 
-if __name__ == "__main__":
-    raise SystemExit(run_group("micro"))
+raise SystemExit(run_group("micro"))

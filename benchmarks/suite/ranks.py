@@ -17,15 +17,15 @@ from benchmarks.common.workload import build_state, checksums, state_bytes, veri
 
 #: Per storage: the save systems and the load systems.
 SAVES = {
-    "local": ("rayckpt", "rayckpt_ray", "dcp", "dcp_async", "torch_save", "raw"),
-    "s3": ("rayckpt", "rayckpt_ray", "dcp"),
+    "local": ("rayckpt", "rayckpt_ray", "dcp", "dcp_async", "dcp_rayckpt", "torch_save", "raw"),
+    "s3": ("rayckpt", "rayckpt_ray", "dcp", "dcp_rayckpt"),
 }
 LOADS = {
-    "local": ("rayckpt", "dcp", "torch_load", "rayckpt_warm", "dcp_warm"),
-    "s3": ("rayckpt", "dcp", "dcp_nocache"),
+    "local": ("rayckpt", "dcp", "dcp_rayckpt", "torch_load", "rayckpt_warm", "dcp_warm", "dcp_rayckpt_warm"),
+    "s3": ("rayckpt", "dcp", "dcp_rayckpt", "dcp_nocache"),
 }
-#: The checkpoint each load system reads: its saving system's.
-SOURCE = {"rayckpt_warm": "rayckpt", "dcp_warm": "dcp", "dcp_nocache": "dcp", "torch_load": "torch_save"}
+#: The checkpoint each load system reads: its saving system's (a ``_warm`` one's: its cold one's).
+SOURCE = {"dcp_nocache": "dcp", "torch_load": "torch_save"}
 
 
 def counted(op: Any, rank: int, where: Where, pids: dict[str, int], interval: float) -> dict[str, Any]:
@@ -146,14 +146,14 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     t_setup = time.perf_counter()
     model, optim, app = build_state(world_size, rank, seed=100, shapes=cfg["shapes"])
     state = {"app": app}
-    names = [s for s in LOADS[cfg["storage"]] if SOURCE.get(s, s) in sources]
+    names = [s for s in LOADS[cfg["storage"]] if SOURCE.get(s, s.removesuffix("_warm")) in sources]
     out: dict[str, Any] = {"rank": rank, "own_bytes": state_bytes(app, local=True), "load": {s: [] for s in names}}
     out.update(verified={}, setup_s=time.perf_counter() - t_setup)
     every_file = [f for rel in sources.values() for f in where.files(rel)]
     me = {"rank": os.getpid()}
 
     def op(system: str, t0: float) -> dict[str, Any]:
-        rel = sources[SOURCE.get(system, system)]
+        rel = sources[SOURCE.get(system, system.removesuffix("_warm"))]
         if system == "torch_load":
             read_s, rest = systems.torch_load(model, optim, where.uri(rel))
             app.extras["step"] = rest["step"]
@@ -169,7 +169,7 @@ def load_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
             if rank == 0 and every_file:
                 evict(every_file)
                 if system.endswith("_warm"):
-                    warm_up(where.files(sources[SOURCE.get(system, system)]))
+                    warm_up(where.files(sources[SOURCE.get(system, system.removesuffix("_warm"))]))
             rec = counted(functools.partial(op, system), rank, where, me, cfg["mem_interval"])
             out["load"][system].append({**rec, "repeat": rep})
             if rep == 0 and cfg["verify"]:
@@ -238,7 +238,7 @@ def load_report(loaded: list[dict[str, Any]], total: int) -> dict[str, Any]:
         server = server_summary(loaded[0]["load"][system])
         if server:
             read = [float(b) for b in server["get_bytes"]]
-        elif system.startswith("rayckpt"):
+        elif "bytes_read" in rows[0][0]:  # rayckpt's LoadInfo
             read = [float(sum(x["bytes_read"] for x in row)) for row in rows]
         else:
             read = [float(sum(x["io"].get("rchar", 0) for x in row)) for row in rows]
@@ -251,9 +251,8 @@ def load_report(loaded: list[dict[str, Any]], total: int) -> dict[str, Any]:
             "server": server,
         }
         if "requests" in rows[0][0]:
-            out[system]["loadinfo"] = {
-                k: [sum(x[k] for x in row) for row in rows] for k in ("requests", "bytes_fetched")
-            }
+            fetched = ("requests", "bytes_fetched")
+            out[system]["loadinfo"] = {k: [sum(x[k] for x in row) for row in rows] for k in fetched}
         if system == "torch_load":
             out[system]["read_only_s"] = summary([max(x["read_s"] for x in row) for row in rows], total)
     return out

@@ -19,11 +19,13 @@ LABELS = {
     "rayckpt_ray": "rayckpt Ray save_async",
     "dcp": "torch DCP",
     "dcp_async": "torch DCP async_save",
+    "dcp_rayckpt": "torch DCP API, rayckpt.dcp writer/reader",
     "torch_save": "torch.save (rank 0, full state)",
     "raw": "raw disk (write + fsync)",
     "torch_load": "torch.load + set_state_dict (1 proc)",
     "rayckpt_warm": "rayckpt load, page cache warm",
     "dcp_warm": "torch DCP load, page cache warm",
+    "dcp_rayckpt_warm": "torch DCP API, rayckpt.dcp reader, page cache warm",
     "dcp_nocache": "torch DCP, s3fs without read-ahead",
 }
 
@@ -36,10 +38,13 @@ def targets(size: dict[str, Any], main_reshard: str, storage: str) -> list[dict[
     """The target rows of one size: save, reshard load, then (local) throughput and memory, (S3) reads."""
     s, where = size["save"], "" if storage == "local" else " on S3"
     dcp_save, ray, sync = med(s["dcp"]["commit_s"]), s["rayckpt_ray"], med(s["rayckpt"]["commit_s"])
+    ours = med(s["dcp_rayckpt"]["commit_s"])
     rows = [
         (f"save stall{where}: rayckpt Ray save_async / DCP save", med(ray["stall_s"]) / dcp_save, 0.2, False),
         (f"durable commit{where}: rayckpt Ray save_async / DCP save", med(ray["commit_s"]) / dcp_save, 1.0, False),
         (f"durable commit{where}: rayckpt.save (sync) / DCP save", sync / dcp_save, 1.0, False),
+        (f"dcp.save{where}: rayckpt.dcp writer / DCP's writer", ours / dcp_save, 1.0, False),
+        (f"dcp.save{where}: rayckpt.dcp writer / rayckpt.save", ours / sync, 1.15, False),
     ]
     ld = size["load"].get(main_reshard) or {}
     for mine, theirs, label in (
@@ -50,10 +55,15 @@ def targets(size: dict[str, Any], main_reshard: str, storage: str) -> list[dict[
         if mine in ld and theirs in ld:
             ratio = med(ld[theirs]["wall_s"]) / med(ld[mine]["wall_s"])
             rows.append((f"reshard load {main_reshard}{label}: DCP time / rayckpt time", ratio, 1.5, True))
+    for mine, theirs, label in (("dcp_rayckpt", "dcp", where), ("dcp_rayckpt_warm", "dcp_warm", ", page cache warm")):
+        if mine in ld and theirs in ld:
+            ratio = med(ld[mine]["wall_s"]) / med(ld[theirs]["wall_s"])
+            rows.append((f"dcp.load {main_reshard}{label}: rayckpt.dcp reader / DCP's reader", ratio, 0.6, False))
     if storage == "s3":
         for name, entry in size["load"].items():
-            amp = statistics.median(entry["rayckpt"]["read_amplification"])
-            rows.append((f"read amplification, S3 reshard {name}: rayckpt", amp, READ_AMP_TARGET, False))
+            for system in ("rayckpt", "dcp_rayckpt"):
+                amp = statistics.median(entry[system]["read_amplification"])
+                rows.append((f"read amplification, S3 reshard {name}: {LABELS[system]}", amp, READ_AMP_TARGET, False))
     else:
         raw = med(s["raw"]["commit_s"])
         rows.append(("persist throughput: rayckpt.save (sync) / raw write+fsync", raw / sync, 0.8, True))
@@ -123,10 +133,8 @@ def load_rows(size: dict[str, Any]) -> list[str]:
                 {"reshard": name, "load": LABELS[system], "load s": e["wall_s"], "GB/s": e["wall_s"].get("GBps_median")}
                 | {"MiB read": mib(_median(e["bytes_read"])), "MiB needed": mib(sum(ld["bytes_needed_per_rank"]))}
                 | {"read ampl.": _median(e["read_amplification"]), "GETs": _median(gets)}
-                | {
-                    "LoadInfo GETs": _median(info.get("requests")),
-                    "LoadInfo MiB": mib(_median(info.get("bytes_fetched"))),
-                }
+                | {"LoadInfo GETs": _median(info.get("requests"))}
+                | {"LoadInfo MiB": mib(_median(info.get("bytes_fetched")))}
                 | {"extra RSS MiB": mib(m.get("max_extra_rss")), "anon+shm MiB": mib(m.get("max_extra_anon_shmem"))}
                 | {"bit-exact tensors": e.get("verified_tensors")}
             )

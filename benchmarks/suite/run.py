@@ -1,16 +1,16 @@
-"""rayckpt against DCP, torch.save and the raw disk on an FSDP2 state, on a local disk or an S3 endpoint
-through one code path. N gloo ranks save with every system, then M ranks load each N->M reshard; each
-repeat runs every system once, the order rotated; times are barrier to barrier, the max over ranks.
-Stall: the time the calling rank is blocked (``SaveHandle.stall_seconds``, the staging buffer made
-beforehand with ``prepare_staging``; until ``dcp.async_save`` returns); commit: until the checkpoint is
-committed. torch.save: the full state gathered to rank 0 once, then ``torch.save`` + fsync; raw disk:
-each rank writes its 1/N of the bytes in 8 MiB blocks and fsyncs, then reads them back cold. Loads: the
-files evicted from the page cache first ("warm": read in first); the first load of each system goes into
-a zeroed state and is checked bit-exact. Read amplification: bytes read (rayckpt's ``LoadInfo``, DCP's
-``rchar``; on S3 the server's GET bytes) / bytes needed. Memory: /proc/self/status sampled in a thread.
-On S3: moto's server on this machine behind ``testbed.s3_counter``, which counts every request and its bytes;
-rayckpt on pyarrow's ``S3FileSystem``, DCP on s3fs (a fresh instance per operation), loads also with
-s3fs's read-ahead off; the server shares the cores with the ranks, so counts, not times, are its own."""
+"""rayckpt, and DCP's API on ``rayckpt.dcp``'s writer and reader, against DCP, torch.save and the raw disk on an FSDP2
+state, on a local disk or an S3 endpoint through one code path. N gloo ranks save with every system, then M ranks
+load each N->M reshard; each repeat runs every system once, the order rotated; times are barrier to barrier, the max
+over ranks. Stall: the time the calling rank is blocked (``SaveHandle.stall_seconds``, the staging buffer made
+beforehand with ``prepare_staging``; until ``dcp.async_save`` returns); commit: until the checkpoint is committed.
+torch.save: the full state gathered to rank 0 once, then ``torch.save`` + fsync; raw disk: each rank writes its 1/N
+of the bytes in 8 MiB blocks and fsyncs, then reads them back cold. Loads: the files evicted from the page cache
+first ("warm": read in first); the first load of each system goes into a zeroed state and is checked bit-exact. Read
+amplification: bytes read (rayckpt's ``LoadInfo``, DCP's ``rchar``; on S3 the server's GET bytes) / bytes needed.
+Memory: /proc/self/status sampled in a thread. On S3: moto's server on this machine behind ``testbed.s3_counter``,
+counting every request and its bytes; rayckpt on pyarrow's ``S3FileSystem``, DCP on s3fs (a fresh instance per
+operation; loads also without read-ahead); the server shares the cores with the ranks, so counts, not times, are its
+own."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def run_size(args: argparse.Namespace, size_mb: float, where: Where, address: st
     label, n0, t0 = f"{size_mb:g}MB", args.save_ranks, time.perf_counter()
     rels = {s: f"{label}/n{n0}/{s}" for s in SAVES[args.storage]} | {"warmup": f"{label}/warmup"}
     where.delete(label)
-    cfg = {"where": where, "storage": args.storage, "rels": rels, "shapes": layer_shapes(size_mb)}
+    shapes = [(args.square[0],) * 2] * args.square[1] if args.square else layer_shapes(size_mb)
+    cfg = {"where": where, "storage": args.storage, "rels": rels, "shapes": shapes}
     cfg |= {"repeats": args.repeats, "ray_address": address, "verify": not args.no_verify}
     cfg |= {"run": f"bench-{args.storage}-{label}", "mem_interval": args.mem_interval_ms / 1000}
     print(f"[suite] {label}: saving with {n0} ranks, {args.repeats} repeat(s)", flush=True)
@@ -58,7 +59,7 @@ def run_size(args: argparse.Namespace, size_mb: float, where: Where, address: st
             where.delete(rels[system])
 
     reshards = [tuple(map(int, p.strip().replace("->", ":").split(":"))) for p in args.reshards.split(",")]  # 4:3,4->2
-    ck = {n0: {s: rels[s] for s in ("rayckpt", "dcp", "torch_save") if s in rels}}
+    ck = {n0: {s: rels[s] for s in ("rayckpt", "dcp", "dcp_rayckpt", "torch_save") if s in rels}}
     needed = {n for n, _ in reshards if n != n0}
     order = sorted(reshards, key=lambda nm: (nm[0] != n0, nm[1] not in needed))
     for i, (n, m) in enumerate(order):
@@ -68,7 +69,7 @@ def run_size(args: argparse.Namespace, size_mb: float, where: Where, address: st
         sources = {k: v for k, v in ck[n].items() if k != "torch_save" or m == 1}
         lcfg = {**cfg, "sources": sources, "checksums": saved[0]["checksums"]}
         if m in needed and m not in ck:
-            ck[m] = lcfg["resave"] = {s: f"{label}/n{m}/{s}" for s in ("rayckpt", "dcp")}
+            ck[m] = lcfg["resave"] = {s: f"{label}/n{m}/{s}" for s in ("rayckpt", "dcp", "dcp_rayckpt")}
         loaded = run_ranks(load_worker, m, lcfg, timeout=args.timeout)
         result["load"][name], samples[label][name] = load_report(loaded, total), loaded
         print(f"[suite] {label}: load {name} done", flush=True)
@@ -97,6 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.parser(__doc__, "suite", markdown=True)
     p.add_argument("--storage", choices=("local", "s3"), default="local", help="a local directory or a local S3")
     p.add_argument("--sizes-mb", default="256,1024", help="state sizes in MiB (params + moments), comma-separated")
+    p.add_argument("--square", type=lambda s: [int(x) for x in s.split("x")], help="WxN: N square Linear(W) layers")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--save-ranks", type=int, default=4)
     p.add_argument("--reshards", default="4:3,4:2,2:4,4:1", help="N:M load reshards")
@@ -110,6 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         argv = [*argv, "--out", f"{cli.OUT}/s3"]
     args = cli.parse(p, argv)
     args.sizes_mb = [float(x) for x in args.sizes_mb.split(",") if x.strip()]
+    if args.square:
+        args.sizes_mb = [args.square[0] * (args.square[0] + 1) * args.square[1] * 12 / 2**20]
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     return args
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import ray
 
-    config = {k: getattr(args, k) for k in ("storage", "sizes_mb", "repeats", "save_ranks", "reshards")}
+    config = {k: getattr(args, k) for k in ("storage", "sizes_mb", "square", "repeats", "save_ranks", "reshards")}
     report = new_report("benchmarks.suite", argv, __doc__, config=config, sizes={})
     report["systems"] = {"save": SAVES[args.storage], "load": LOADS[args.storage]}
     samples: dict[str, Any] = {}

@@ -3,7 +3,7 @@
 ``dcp.save(state, storage_writer=rayckpt.dcp.StorageWriter(path))`` writes a rayckpt
 checkpoint; ``dcp.load(state, storage_reader=rayckpt.dcp.StorageReader(path))`` reads any
 rayckpt checkpoint into any world size; ``dcp.async_save(..., async_stager=rayckpt.dcp.Stager())``
-stages into rayckpt's reusable shared-memory buffer. docs/dcp.md. Each name is imported on
+stages into rayckpt's reusable shared-memory buffer. docs/from_dcp.md. Each name is imported on
 first use (the stager's buffer is the Ray layer's, the writer and reader never import Ray).
 """
 

@@ -49,7 +49,7 @@ class StorageReader(_DCPStorageReader):
     checkpoint (``rayckpt.save``, ``save_async``, the ``Checkpointer``, incremental, on object
     storage, or written by ``rayckpt.dcp.StorageWriter``) into any world size: DCP's planner
     reshards, this reader reads only the byte ranges the plan needs, each block verified.
-    ``last_load`` holds this rank's last read (``rayckpt.LoadInfo``). docs/dcp.md.
+    ``last_load`` holds this rank's last read (``rayckpt.LoadInfo``). docs/from_dcp.md.
 
     Args:
         path: The checkpoint (a local path, or a URI ``pyarrow.fs`` understands); None: the

@@ -32,7 +32,7 @@ class Stager(AsyncStager):
 
     ``stage`` returns when every tensor is copied; the previous ``async_save`` must have
     finished (its future waited for) before the next ``stage``, since the buffer is reused,
-    as with DCP's caching stager. ``close`` frees the buffer. docs/dcp.md.
+    as with DCP's caching stager. ``close`` frees the buffer. docs/from_dcp.md.
 
     Args:
         directory: Where the buffer's file is made; None: ``RAYCKPT_SHM_DIR``, else ``/dev/shm``.

@@ -101,7 +101,7 @@ class StorageWriter(_DCPStorageWriter):
     which rank writes each item (replicated items once). Non-tensor items are stored as rayckpt
     values when they are JSON-able (or ``bytes``/``io.BytesIO``), else as the bytes DCP pickled
     (listed in the manifest's ``user_metadata["rayckpt.dcp.pickled"]``; rayckpt never unpickles
-    them, DCP's load planner does). docs/dcp.md.
+    them, DCP's load planner does). docs/from_dcp.md.
 
     Args:
         path: Where the checkpoint goes (a local path, or a URI ``pyarrow.fs`` understands);
