@@ -49,9 +49,9 @@ class Where:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-        import rayckpt.dcp as ours
-
         if rayckpt:
+            import rayckpt.dcp as ours
+
             return (ours.StorageWriter if writer else ours.StorageReader)(self.uri(rel))
         if not self.endpoint:
             return (dcp.FileSystemWriter if writer else dcp.FileSystemReader)(os.path.join(self.root, rel))

@@ -27,7 +27,7 @@ from typing import Any
 from benchmarks.common import cli
 from benchmarks.common.harness import REPO_ROOT, SAMPLE_INTERVAL_S, load_sampled, new_report, write_report
 from benchmarks.common.systems import Where
-from benchmarks.common.workload import layer_shapes
+from benchmarks.common.workload import STATE_BYTES_PER_PARAM, layer_shapes
 from benchmarks.suite.ranks import LOADS, SAVES, load_report, load_worker, save_report, save_worker
 from benchmarks.suite.report import markdown, targets
 from rayckpt.testing.multiproc import run_ranks
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = cli.parse(p, argv)
     args.sizes_mb = [float(x) for x in args.sizes_mb.split(",") if x.strip()]
     if args.square:
-        args.sizes_mb = [args.square[0] * (args.square[0] + 1) * args.square[1] * 12 / 2**20]
+        args.sizes_mb = [args.square[0] * (args.square[0] + 1) * args.square[1] * STATE_BYTES_PER_PARAM / 2**20]
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     return args

@@ -7,7 +7,8 @@ save maps onto them: the coordinator claims the location with a lease, picks the
 id, the block size and the base of an incremental save and sends them to every rank with
 its plan (global plan: DCP runs it only when no rank's local steps failed), each rank
 writes its items as Arrow shard files with a checksum per block (write), and the
-coordinator commits the manifest last, atomically (finish). No collective of rayckpt's own runs: DCP's carry everything.
+coordinator commits the manifest last, atomically (finish). No collective of rayckpt's
+own runs: DCP's carry everything.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``dcp.save`` / ``dcp.load`` with rayckpt's writer and reader on ``s3://``: FSDP2 + AdamW on gloo ranks, 2 -> 3.
 
-Read amplification at scale (bytes fetched against bytes needed): benchmarks/dcp_storage."""
+Read amplification at scale (bytes fetched against bytes needed): the suite benchmark, docs/benchmarks.md."""
 
 from __future__ import annotations
 
